@@ -46,8 +46,16 @@ def resolve_backend(backend: str, x: torch.Tensor) -> str:
     return backend
 
 
+# The CPU backends are loaded up front, so that picking one inside a torch.compile'd forward is a dict lookup
+# (dynamo cannot trace importlib); triton is loaded on first use (it may be absent).
+_LOADED: dict[str, ModuleType] = {name: importlib.import_module(_MODULES[name]) for name in ("naive", "torch")}
+
+
 def backend_module(backend: str, x: torch.Tensor) -> ModuleType:
-    return importlib.import_module(_MODULES[resolve_backend(backend, x)])
+    name = resolve_backend(backend, x)
+    if name not in _LOADED:
+        _LOADED[name] = importlib.import_module(_MODULES[name])
+    return _LOADED[name]
 
 
 def _default_scale(q: torch.Tensor, scale: float | None) -> float:

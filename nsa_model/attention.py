@@ -1,0 +1,131 @@
+"""Attention modules: NSA (NSA_SPEC.md, "The module around the core") and its dense counterpart.
+
+Both take x [B, T, dim] and return [B, T, dim], with the same constructor, so the decoder swaps them by config.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from nsa_model import ops
+from nsa_model.config import ModelConfig, NSAConfig
+from nsa_model.rope import RotaryEmbedding
+
+BRANCHES = ("cmp", "slc", "win")  # order of the gates and of the per-branch K/V projections
+
+
+def check_backend(backend: str) -> str:
+    if backend != "auto" and backend not in ops.BACKENDS:
+        raise ValueError(f"attention backend: unknown {backend!r}; choose one of {('auto',) + ops.BACKENDS}")
+    return backend
+
+
+class Compressor(nn.Module):
+    """phi of paper Eq. 7: maps each block of l raw vectors (stride d) to one compressed vector.
+
+    `avg` is the mean of the block. `mlp` adds a learned intra-block position embedding, flattens the block and
+    applies Linear(l*D -> hidden), GELU, Linear(hidden -> D).
+    """
+
+    def __init__(self, kind: str, head_dim: int, nsa: NSAConfig, hidden: int) -> None:
+        super().__init__()
+        self.kind, self.block, self.stride = kind, nsa.cmp_block, nsa.cmp_stride
+        if kind == "mlp":
+            self.pos_emb = nn.Parameter(torch.zeros(nsa.cmp_block, head_dim))
+            self.fc1 = nn.Linear(nsa.cmp_block * head_dim, hidden)
+            self.fc2 = nn.Linear(hidden, head_dim)
+        elif kind != "avg":
+            raise ValueError(f"Compressor.kind: must be 'avg' or 'mlp', got {kind!r}")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """[B, T, G, D] -> [B, Tc, G, D] with Tc = floor((T - l)/d) + 1 (0 when T < l)."""
+        B, T, G, D = x.shape
+        if T < self.block:  # static shape: no compressed token exists yet
+            return x.new_zeros(B, 0, G, D)
+        blocks = x.unfold(1, self.block, self.stride)  # [B, Tc, G, D, l]
+        if self.kind == "avg":
+            return blocks.mean(dim=-1)
+        blocks = blocks.transpose(-1, -2) + self.pos_emb  # [B, Tc, G, l, D]
+        return self.fc2(F.gelu(self.fc1(blocks.flatten(-2))))
+
+
+class NSAAttention(nn.Module):
+    """Native Sparse Attention: compressed, selected and sliding-window branches mixed by learned gates.
+
+    After each forward, `stats` holds detached on-device statistics of that call (no host sync; read them
+    when logging): gate means per branch (cmp, slc, win), the mean number of selected blocks per query, and
+    the mean distance in blocks between a query's block and its selected blocks.
+    """
+
+    STATS = ("gate_cmp", "gate_slc", "gate_win", "sel_blocks", "sel_distance")
+
+    def __init__(self, cfg: ModelConfig, backend: str = "auto") -> None:
+        super().__init__()
+        self.cfg, self.nsa, self.backend = cfg, cfg.nsa, check_backend(backend)
+        H, G, Dk, Dv = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.dv
+        self.kv_sets = 1 if cfg.shared_kv else len(BRANCHES)
+        self.wq = nn.Linear(cfg.dim, H * Dk, bias=False)
+        self.wk = nn.Linear(cfg.dim, self.kv_sets * G * Dk, bias=False)
+        self.wv = nn.Linear(cfg.dim, self.kv_sets * G * Dv, bias=False)
+        self.wo = nn.Linear(H * Dv, cfg.dim, bias=False)
+        self.gate = nn.Linear(cfg.dim, len(BRANCHES) * H)
+        hidden = cfg.phi_hidden or 2 * Dk
+        self.phi_k = Compressor(cfg.phi, Dk, cfg.nsa, hidden)
+        self.phi_v = Compressor(cfg.phi, Dv, cfg.nsa, hidden)
+        self.rope = RotaryEmbedding(Dk, cfg.max_seq_len, cfg.rope_theta)
+        self.register_buffer("stats", torch.zeros(len(self.STATS)), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, _ = x.shape
+        H, G, Dk, Dv = self.cfg.n_heads, self.cfg.n_kv_heads, self.cfg.head_dim, self.cfg.dv
+        q = self.rope(self.wq(x).view(B, T, H, Dk))
+        # RoPE on the raw keys first: compression and selection work on rotated keys (spec).
+        k = self.rope(self.wk(x).view(B, T, self.kv_sets * G, Dk)).view(B, T, self.kv_sets, G, Dk)
+        v = self.wv(x).view(B, T, self.kv_sets, G, Dv)
+        k_cmp, k_slc, k_win = k.unbind(2) if self.kv_sets > 1 else (k[:, :, 0],) * 3
+        v_cmp, v_slc, v_win = v.unbind(2) if self.kv_sets > 1 else (v[:, :, 0],) * 3
+        gates = torch.sigmoid(self.gate(x)).view(B, T, H, len(BRANCHES))
+        o, blocks = ops.nsa_attention(q, k_slc, v_slc, k_win, v_win, self.phi_k(k_cmp), self.phi_v(v_cmp), gates,
+                                      self.nsa, backend=self.backend, return_blocks=True)
+        self._record_stats(gates, blocks)
+        return self.wo(o.reshape(B, T, H * Dv))
+
+    @torch.no_grad()
+    def _record_stats(self, gates: torch.Tensor, blocks: torch.Tensor) -> None:
+        valid = blocks >= 0
+        query_block = torch.arange(blocks.shape[1], device=blocks.device)[None, :, None, None] // self.nsa.sel_block
+        distance = torch.where(valid, query_block - blocks, torch.zeros_like(blocks)).float()
+        sel_count = valid.float().sum(-1).mean()
+        sel_distance = distance.sum() / valid.float().sum().clamp(min=1)
+        gate_means = gates.float().mean(dim=(0, 1, 2))
+        self.stats.copy_(torch.cat([gate_means, sel_count[None], sel_distance[None]]))
+
+
+class DenseAttention(nn.Module):
+    """Causal grouped-query attention through PyTorch SDPA, the baseline NSA is compared against."""
+
+    def __init__(self, cfg: ModelConfig, backend: str = "auto") -> None:
+        super().__init__()
+        check_backend(backend)  # accepted for a uniform interface; SDPA picks its own kernel
+        self.cfg = cfg
+        H, G, Dk, Dv = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.dv
+        self.wq = nn.Linear(cfg.dim, H * Dk, bias=False)
+        self.wk = nn.Linear(cfg.dim, G * Dk, bias=False)
+        self.wv = nn.Linear(cfg.dim, G * Dv, bias=False)
+        self.wo = nn.Linear(H * Dv, cfg.dim, bias=False)
+        self.rope = RotaryEmbedding(Dk, cfg.max_seq_len, cfg.rope_theta)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, _ = x.shape
+        H, G, Dk, Dv = self.cfg.n_heads, self.cfg.n_kv_heads, self.cfg.head_dim, self.cfg.dv
+        q = self.rope(self.wq(x).view(B, T, H, Dk)).transpose(1, 2)
+        k = self.rope(self.wk(x).view(B, T, G, Dk)).transpose(1, 2)
+        v = self.wv(x).view(B, T, G, Dv).transpose(1, 2)
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=G != H)
+        return self.wo(o.transpose(1, 2).reshape(B, T, H * Dv))
+
+
+def build_attention(cfg: ModelConfig, backend: str = "auto") -> nn.Module:
+    return NSAAttention(cfg, backend) if cfg.attention == "nsa" else DenseAttention(cfg, backend)

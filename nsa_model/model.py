@@ -1,0 +1,144 @@
+"""A Llama-style decoder (RMSNorm, SwiGLU, RoPE) whose attention is NSA or dense, by config.
+
+    from nsa_model.model import Transformer
+    model = Transformer(cfg)                  # cfg: nsa_model.config.ModelConfig
+    logits, loss = model(tokens, targets)     # loss = mean cross-entropy over targets (the caller shifts)
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from nsa_model.attention import Compressor, NSAAttention, build_attention
+from nsa_model.config import ModelConfig
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden, bias=False)  # gate
+        self.w3 = nn.Linear(dim, hidden, bias=False)  # up
+        self.w2 = nn.Linear(hidden, dim, bias=False)  # down (an output projection: scaled init)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig, backend: str) -> None:
+        super().__init__()
+        self.attn_norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
+        self.attn = build_attention(cfg, backend)
+        self.ffn_norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
+        self.ffn = SwiGLU(cfg.dim, cfg.ffn_dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x))
+        return x + self.ffn(self.ffn_norm(x))
+
+
+class Transformer(nn.Module):
+    def __init__(self, cfg: ModelConfig, *, backend: str = "auto", activation_checkpointing: bool = False) -> None:
+        super().__init__()
+        if not isinstance(cfg, ModelConfig):
+            raise TypeError(f"Transformer: cfg must be a ModelConfig, got {type(cfg).__name__}")
+        self.cfg, self.activation_checkpointing = cfg, activation_checkpointing
+        self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.blocks = nn.ModuleList(Block(cfg, backend) for _ in range(cfg.n_layers))
+        self.norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
+        self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.tok_emb.weight
+        self.apply(self._init_weights)
+        # Output projections feed the residual stream once per sub-layer: shrink them so the stream's
+        # variance at init does not grow with depth (GPT-2 / Llama practice).
+        out_std = cfg.init_std / math.sqrt(2 * cfg.n_layers)
+        for block in self.blocks:
+            nn.init.normal_(block.attn.wo.weight, std=out_std)
+            nn.init.normal_(block.ffn.w2.weight, std=out_std)
+
+    def _init_weights(self, module: nn.Module) -> None:
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, std=self.cfg.init_std)
+            if getattr(module, "bias", None) is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, Compressor) and module.kind == "mlp":
+            nn.init.normal_(module.pos_emb, std=self.cfg.init_std)
+
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None):
+        """tokens [B, T] int -> (logits [B, T, vocab], loss or None). targets [B, T], -100 entries ignored."""
+        if tokens.dim() != 2:
+            raise ValueError(f"tokens: expected [B, T], got shape {tuple(tokens.shape)}")
+        if tokens.shape[1] > self.cfg.max_seq_len:
+            raise ValueError(f"tokens: sequence length {tokens.shape[1]} exceeds max_seq_len {self.cfg.max_seq_len}")
+        if targets is not None and targets.shape != tokens.shape:
+            raise ValueError(f"targets: expected shape {tuple(tokens.shape)}, got {tuple(targets.shape)}")
+        x = self.tok_emb(tokens)
+        for block in self.blocks:
+            if self.activation_checkpointing and self.training and torch.is_grad_enabled():
+                x = checkpoint(block, x, use_reentrant=False)
+            else:
+                x = block(x)
+        logits = self.lm_head(self.norm(x))
+        if targets is None:
+            return logits, None
+        loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(0, 1))
+        return logits, loss
+
+    # --- accounting --------------------------------------------------------------------------------------------
+
+    def num_params(self, exclude_embeddings: bool = False) -> int:
+        """Distinct parameters (a tied embedding counts once); optionally without the token embedding."""
+        n = sum(p.numel() for p in self.parameters())
+        return n - self.tok_emb.weight.numel() if exclude_embeddings else n
+
+    def attention_stats(self) -> dict[str, torch.Tensor]:
+        """NSA gate and selection statistics of the last forward, averaged over layers, as 0-d device tensors.
+
+        No host sync happens here; calling .item() on them (at logging time) is the only sync. Empty for dense.
+        """
+        layers = [b.attn.stats for b in self.blocks if isinstance(b.attn, NSAAttention)]
+        if not layers:
+            return {}
+        mean = torch.stack(layers).mean(dim=0)
+        return {f"nsa/{name}": mean[i] for i, name in enumerate(NSAAttention.STATS)}
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs per token (forward + backward) at seq_len: 6 * (matmul params) + attention.
+
+        The attention term counts the keys each query really reads, averaged over the positions 0..T-1:
+        dense reads t + 1 keys; NSA reads Nc(t) compressed tokens, its selected blocks' keys up to t and
+        min(w, t + 1) window keys. Each key costs 2*Dk (score) + 2*Dv (value) FLOPs per head forward, times 3
+        for forward + backward. phi's parameters run once per compressed token, not once per token.
+        """
+        cfg = self.cfg
+        matmul_params = self.num_params() - (0 if cfg.tie_embeddings else self.tok_emb.weight.numel())
+        keys = _mean_keys_per_query(cfg, seq_len)
+        if cfg.attention == "nsa":
+            phi_params = sum(p.numel() for b in self.blocks for p in (*b.attn.phi_k.parameters(),
+                                                                        *b.attn.phi_v.parameters()))
+            cmp_per_token = cfg.n_kv_heads * cfg.nsa.num_cmp_tokens(seq_len) / seq_len
+            matmul_params += phi_params * (cmp_per_token - 1)
+        attention = 3 * cfg.n_layers * cfg.n_heads * 2 * (cfg.head_dim + cfg.dv) * keys
+        return 6 * matmul_params + attention
+
+
+def _mean_keys_per_query(cfg: ModelConfig, seq_len: int) -> float:
+    """Keys a query reads, averaged over positions 0 .. seq_len - 1 (a host-side count, done once)."""
+    t = torch.arange(seq_len, dtype=torch.float64)
+    if cfg.attention == "dense":
+        return float((t + 1).mean())
+    nsa = cfg.nsa
+    cmp_keys = torch.where(t + 1 >= nsa.cmp_block, torch.div(t + 1 - nsa.cmp_block, nsa.cmp_stride,
+                                                              rounding_mode="floor") + 1, 0)
+    candidates = torch.div(t, nsa.sel_block, rounding_mode="floor") + 1
+    # With more candidates than n, the current block (forced, cut at t) plus n - 1 full earlier blocks.
+    sel_keys = torch.where(candidates <= nsa.n_selected, t + 1,
+                           (nsa.n_selected - 1) * nsa.sel_block + t % nsa.sel_block + 1)
+    win_keys = torch.clamp(t + 1, max=nsa.window)
+    return float((cmp_keys + sel_keys + win_keys).mean())

@@ -1,0 +1,397 @@
+"""The Triton backend of the NSA core: autograd Functions around nsa_model/kernels.
+
+Same pieces, signatures and meaning as ops/reference.py (see ops/__init__.py). Everything here is a fixed set of
+kernel launches and batched tensor ops whose sizes depend only on shapes: no host sync, no loop over tokens.
+
+Launch parameters (tile sizes, warps) and the kernel variants (selected fwd/dQ per query or per query tile,
+gates eager or fused; the defaults were chosen by bench/results/kernels-h100-2026-11-22-v4.md, see
+kernels-notes.md) live in one LaunchConfig; `use_launch_config` pins another one (tests and the benchmark use it). Under TRITON_INTERPRET=1 (set before import) the kernels run on CPU tensors.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+import triton
+
+from nsa_model.config import NSAConfig
+from nsa_model.kernels.gates import gated_sum_bwd_kernel, gated_sum_fwd_kernel
+from nsa_model.kernels.range_attention import (range_attn_bwd_dkdv_kernel, range_attn_bwd_dq_kernel,
+                                               range_attn_fwd_kernel)
+from nsa_model.kernels.selected_attention import (selected_attn_bwd_dkdv_kernel, selected_attn_bwd_dq_kernel,
+                                                  selected_attn_fwd_kernel)
+from nsa_model.kernels.selected_tiled import selected_tiled_bwd_dq_kernel, selected_tiled_fwd_kernel
+from nsa_model.kernels.selection import select_blocks_kernel
+
+# triton.jit decided at import: an interpreted kernel runs on CPU tensors, a compiled one on CUDA tensors.
+INTERPRETED = not isinstance(range_attn_fwd_kernel, triton.runtime.JITFunction)
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+SELECTED_KERNELS = ("per_query", "tiled")  # selected fwd/dQ: one program per query, or per tile of queries
+GATE_KERNELS = ("torch", "fused")  # gated combination: eager PyTorch ops, or one Triton kernel each way
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    range_block_m: int = 64  # query tile of the compressed/window kernels
+    range_block_n: int = 64  # key tile of the compressed/window kernels
+    select_block_m: int = 64  # query tile of the selection kernel
+    range_warps: int = 4
+    range_stages: int = 2
+    select_warps: int = 4
+    slc_warps: int = 2  # selected attention forward and dQ (2 beat 4 in the v2 sweep on H100)
+    slc_stages: int = 2
+    dkdv_rows: int = 64  # rows (choosers x heads) per step of the selected dK/dV kernel
+    dkdv_chunk: int = 256  # choosers of one block handled by one program
+    dkdv_warps: int = 4
+    slc_kernel: str = "tiled"  # one of SELECTED_KERNELS
+    slc_tile_rows: int = 64  # rows (queries x padded heads) of one program of the tiled selected kernels
+    slc_tile_warps: int = 4
+    gate_kernel: str = "fused"  # one of GATE_KERNELS
+
+    def __post_init__(self) -> None:
+        choices = {"slc_kernel": SELECTED_KERNELS, "gate_kernel": GATE_KERNELS}
+        for name, allowed in choices.items():
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"LaunchConfig.{name}: must be one of {allowed}, got {getattr(self, name)!r}")
+        for f in dataclasses.fields(self):
+            if f.name in choices:
+                continue
+            value = getattr(self, f.name)
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"LaunchConfig.{f.name}: must be a positive int, got {value!r}")
+        for name in ("range_block_m", "range_block_n", "select_block_m", "dkdv_rows", "slc_tile_rows"):
+            value = getattr(self, name)
+            if value < 16 or value & (value - 1):
+                raise ValueError(f"LaunchConfig.{name}: must be a power of two >= 16, got {value}")
+
+
+# Small tiles in the interpreter: it costs per program and per op, and CI shapes are small.
+_INTERPRETER_CONFIG = LaunchConfig(range_block_m=64, range_block_n=64, select_block_m=128, dkdv_rows=32,
+                                   dkdv_chunk=64)
+_config = _INTERPRETER_CONFIG if INTERPRETED else LaunchConfig()
+
+
+def launch_config() -> LaunchConfig:
+    return _config
+
+
+def set_launch_config(config: LaunchConfig) -> None:
+    global _config
+    if not isinstance(config, LaunchConfig):
+        raise ValueError(f"launch config: expected a LaunchConfig, got {config!r}")
+    _config = config
+
+
+@contextlib.contextmanager
+def use_launch_config(config: LaunchConfig):
+    """Run the kernels with `config` inside the block."""
+    previous = _config
+    set_launch_config(config)
+    try:
+        yield config
+    finally:
+        set_launch_config(previous)
+
+
+def _check_inputs(**tensors: torch.Tensor) -> None:
+    first = next(iter(tensors.values()))
+    for name, x in tensors.items():
+        if x.dtype not in SUPPORTED_DTYPES:
+            raise ValueError(f"{name}: the triton backend takes {SUPPORTED_DTYPES}, got {x.dtype}")
+        if x.dtype != first.dtype:
+            raise ValueError(f"{name}: dtype {x.dtype} differs from {first.dtype} of the other inputs")
+        if INTERPRETED and x.is_cuda:
+            raise ValueError(f"{name}: the Triton interpreter (TRITON_INTERPRET=1) runs on CPU tensors, got {x.device}")
+        if not INTERPRETED and not x.is_cuda:
+            raise ValueError(f"{name}: the triton backend needs CUDA tensors (or TRITON_INTERPRET=1 set before "
+                             f"import), got a tensor on {x.device}")
+
+
+def _pow2(n: int, floor: int = 16) -> int:
+    return max(floor, triton.next_power_of_2(n))
+
+
+def _dot_precision(dtype: torch.dtype) -> str:
+    # fp32 inputs get exact fp32 products (tf32 would miss the fp32 tolerance); 16-bit inputs ignore this.
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def _slc_launch() -> dict:
+    return dict(num_warps=_config.slc_warps, num_stages=_config.slc_stages)
+
+
+def _head_dims(q: torch.Tensor, v: torch.Tensor) -> dict:
+    dk, dv = q.shape[-1], v.shape[-1]
+    return dict(DK=dk, DV=dv, BLOCK_DK=_pow2(dk), BLOCK_DV=_pow2(dv), DOT_PRECISION=_dot_precision(q.dtype))
+
+
+def _range_launch() -> dict:
+    return dict(num_warps=_config.range_warps, num_stages=_config.range_stages)
+
+
+# --- compressed and window branches: attention over a range of keys ------------------------------------------
+
+class _RangeAttention(torch.autograd.Function):
+    """Query t sees key j iff 0 <= t - (j * key_stride + key_offset) < window (kernels/range_attention.py)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, key_stride: int, key_offset: int, window: int, scale: float):
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+        B, T, H, _ = q.shape
+        num_keys, G = k.shape[1], k.shape[2]
+        o = torch.empty(*q.shape[:3], v.shape[-1], dtype=q.dtype, device=q.device)
+        lse = torch.empty(B, T, H, dtype=torch.float32, device=q.device)
+        bm, bn = _config.range_block_m, _config.range_block_n
+        range_attn_fwd_kernel[(triton.cdiv(T, bm), B * H)](
+            q, k, v, o, lse, T, num_keys, scale, key_stride, key_offset, window, H=H, G=G,
+            BLOCK_M=bm, BLOCK_N=bn, **_head_dims(q, v), **_range_launch())
+        ctx.save_for_backward(q, k, v, o, lse)
+        ctx.params = (key_stride, key_offset, window, scale)
+        ctx.mark_non_differentiable(lse)
+        return o, lse
+
+    @staticmethod
+    def backward(ctx, do, _dlse):
+        q, k, v, o, lse = ctx.saved_tensors
+        key_stride, key_offset, window, scale = ctx.params
+        do = do.contiguous()
+        B, T, H, _ = q.shape
+        num_keys, G = k.shape[1], k.shape[2]
+        delta = (do.float() * o.float()).sum(-1)
+        dq = torch.empty_like(q)
+        dk = torch.zeros(k.shape, dtype=torch.float32, device=k.device)  # the group's heads may add into these
+        dv = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
+        bm, bn = _config.range_block_m, _config.range_block_n
+        common = dict(H=H, G=G, BLOCK_M=bm, BLOCK_N=bn, **_head_dims(q, v), **_range_launch())
+        range_attn_bwd_dq_kernel[(triton.cdiv(T, bm), B * H)](
+            q, k, v, do, lse, delta, dq, T, num_keys, scale, key_stride, key_offset, window, **common)
+        if num_keys > 0:
+            # A key tile of the compressed branch is seen by up to T queries: one head per program (atomic adds)
+            # spreads that over the GPU. A window tile is seen by ~w queries: one program per group is enough.
+            head_split = H // G if window >= T else 1
+            range_attn_bwd_dkdv_kernel[(triton.cdiv(num_keys, bn), B * G * head_split)](
+                q, k, v, do, lse, delta, dk, dv, T, num_keys, scale, key_stride, key_offset, window,
+                HEAD_SPLIT=head_split, **common)
+        return dq, dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
+
+
+def compressed_attention(q, k_cmp, v_cmp, cfg: NSAConfig, scale: float):
+    """o_cmp [B,T,H,Dv] and lse [B,T,H] float32 (-inf where no compressed token is visible)."""
+    _check_inputs(q=q, k_cmp=k_cmp, v_cmp=v_cmp)
+    T = q.shape[1]
+    # Compressed token j ends at j*d + l - 1; no lower bound (window = T covers every earlier token).
+    return _RangeAttention.apply(q, k_cmp, v_cmp, cfg.cmp_stride, cfg.cmp_block - 1, T, scale)
+
+
+def window_attention(q, k, v, window: int, scale: float):
+    """Each query attends to positions max(0, t - w + 1) .. t."""
+    _check_inputs(q=q, k=k, v=v)
+    if window <= 0:
+        raise ValueError(f"window: must be positive, got {window}")
+    o, _ = _RangeAttention.apply(q, k, v, 1, 0, min(window, q.shape[1]), scale)
+    return o
+
+
+# --- selection ------------------------------------------------------------------------------------------------
+
+@torch.no_grad()
+def select_blocks(q, k_cmp, lse, cfg: NSAConfig, scale: float):
+    """blocks [B,T,G,n] int32, in decreasing importance (forced first), -1 where fewer than n exist."""
+    _check_inputs(q=q, k_cmp=k_cmp)
+    q, k_cmp, lse = q.contiguous(), k_cmp.contiguous(), lse.contiguous().float()
+    B, T, H, _ = q.shape
+    num_cmp, G = k_cmp.shape[1], k_cmp.shape[2]
+    n = cfg.n_selected
+    n_pad = _pow2(n)
+    blocks = torch.empty(B, T, G, n, dtype=torch.int32, device=q.device)
+    bm = _config.select_block_m
+    select_blocks_kernel[(triton.cdiv(T, bm), B * G)](
+        q, k_cmp, lse, blocks, T, num_cmp, scale, H=H, G=G, DK=q.shape[-1], BLOCK_DK=_pow2(q.shape[-1]),
+        CMP_BLOCK=cfg.cmp_block, CMP_STRIDE=cfg.cmp_stride, SEL_BLOCK=cfg.sel_block, N_SELECT=n,
+        N_INIT=cfg.n_init_blocks, N_LOCAL=cfg.n_local_blocks, BLOCK_M=bm, N_PAD=n_pad,
+        TOK_PAD=_pow2(n_pad * (cfg.sel_block // cfg.cmp_stride)), DOT_PRECISION=_dot_precision(q.dtype),
+        num_warps=_config.select_warps)
+    return blocks
+
+
+# --- selected branch ------------------------------------------------------------------------------------------
+
+def inverted_index(blocks: torch.Tensor, num_blocks: int):
+    """(query_of_entry [E] int32, starts [B*G*num_blocks + 1] int64): the queries that chose block j of
+    (batch b, group g) are query_of_entry[starts[s]:starts[s+1]] with s = (b*G + g)*num_blocks + j, ascending."""
+    B, T, G, n = blocks.shape
+    dev = blocks.device
+    group = (torch.arange(B, device=dev).view(B, 1, 1, 1) * G + torch.arange(G, device=dev).view(1, 1, G, 1))
+    segment = torch.where(blocks >= 0, group * num_blocks + blocks.long(), B * G * num_blocks).flatten()
+    sorted_segment, order = torch.sort(segment, stable=True)  # stable: choosers stay in query order
+    query_of_entry = ((order // (G * n)) % T).to(torch.int32)
+    starts = torch.searchsorted(sorted_segment, torch.arange(B * G * num_blocks + 1, device=dev))
+    return query_of_entry, starts
+
+
+def tile_block_union(blocks: torch.Tensor, tile_q: int):
+    """(union [B, num_tiles, G, tile_q * n] int32, count [B, num_tiles, G] int32): for each tile of tile_q
+    consecutive queries, the distinct blocks its queries chose, ascending in union[..., :count], padding after."""
+    B, T, G, n = blocks.shape
+    num_tiles = triton.cdiv(T, tile_q)
+    pad = num_tiles * tile_q - T
+    if pad:
+        blocks = torch.cat([blocks, blocks.new_full((B, pad, G, n), -1)], dim=1)
+    per_tile = blocks.view(B, num_tiles, tile_q, G, n).permute(0, 1, 3, 2, 4).reshape(B, num_tiles, G, tile_q * n)
+    absent = torch.iinfo(torch.int32).max  # sorts after every block id
+    ids = torch.where(per_tile >= 0, per_tile, absent).sort(-1).values
+    repeat = torch.zeros_like(ids, dtype=torch.bool)
+    repeat[..., 1:] = ids[..., 1:] == ids[..., :-1]
+    union = torch.where(repeat, absent, ids).sort(-1).values
+    count = (union != absent).sum(-1, dtype=torch.int32)
+    return union.contiguous(), count.contiguous()
+
+
+def _selected_tile(hpg: int) -> tuple[int, int]:
+    """(heads_pad, tile_q) of the tiled selected kernels: rows = tile_q * heads_pad = slc_tile_rows (>= 16)."""
+    heads_pad = triton.next_power_of_2(hpg)
+    return heads_pad, max(1, _config.slc_tile_rows // heads_pad)
+
+
+class _SelectedAttention(torch.autograd.Function):
+
+    @staticmethod
+    def forward(ctx, q, k, v, blocks, sel_block: int, scale: float):
+        q, k, v, blocks = q.contiguous(), k.contiguous(), v.contiguous(), blocks.contiguous()
+        B, T, H, _ = q.shape
+        G, n = k.shape[2], blocks.shape[-1]
+        o = torch.empty(*q.shape[:3], v.shape[-1], dtype=q.dtype, device=q.device)
+        lse = torch.empty(B, T, H, dtype=torch.float32, device=q.device)
+        common = dict(H=H, G=G, SEL_BLOCK=sel_block, BLOCK_S=_pow2(sel_block), N_SELECT=n, **_head_dims(q, v))
+        tiled = _config.slc_kernel == "tiled"
+        if tiled:
+            heads_pad, tile_q = _selected_tile(H // G)
+            union, count = tile_block_union(blocks, tile_q)
+            selected_tiled_fwd_kernel[(union.shape[1], B * G)](
+                q, k, v, blocks, union, count, o, lse, T, union.shape[1], scale, N_PAD=triton.next_power_of_2(n),
+                HEADS_PAD=heads_pad, TILE_Q=tile_q, **common, num_warps=_config.slc_tile_warps,
+                num_stages=_config.slc_stages)
+        else:
+            union = count = torch.empty(0, dtype=torch.int32, device=q.device)
+            selected_attn_fwd_kernel[(T, B * G)](
+                q, k, v, blocks, o, lse, T, scale, HEADS_PAD=_pow2(H // G), **common, **_slc_launch())
+        ctx.save_for_backward(q, k, v, blocks, o, lse, union, count)
+        ctx.params = (sel_block, scale, _config)  # backward uses the forward's variant and tile
+        return o
+
+    @staticmethod
+    def backward(ctx, do):
+        q, k, v, blocks, o, lse, union, count = ctx.saved_tensors
+        sel_block, scale, config = ctx.params
+        do = do.contiguous()
+        B, T, H, _ = q.shape
+        G, n = k.shape[2], blocks.shape[-1]
+        hpg = H // G
+        delta = (do.float() * o.float()).sum(-1)
+        dims = _head_dims(q, v)
+        dq = torch.empty_like(q)
+        common = dict(H=H, G=G, SEL_BLOCK=sel_block, BLOCK_S=_pow2(sel_block), N_SELECT=n, **dims)
+        with use_launch_config(config):
+            if config.slc_kernel == "tiled":
+                heads_pad, tile_q = _selected_tile(hpg)
+                selected_tiled_bwd_dq_kernel[(union.shape[1], B * G)](
+                    q, k, v, blocks, union, count, do, lse, delta, dq, T, union.shape[1], scale,
+                    N_PAD=triton.next_power_of_2(n), HEADS_PAD=heads_pad, TILE_Q=tile_q, **common,
+                    num_warps=config.slc_tile_warps, num_stages=config.slc_stages)
+            else:
+                selected_attn_bwd_dq_kernel[(T, B * G)](
+                    q, k, v, blocks, do, lse, delta, dq, T, scale, HEADS_PAD=_pow2(hpg), **common, **_slc_launch())
+            dk, dv = _selected_dkdv(q, k, v, do, lse, delta, blocks, sel_block, scale)
+        return dq, dk, dv, None, None, None
+
+
+def _selected_dkdv(q, k, v, do, lse, delta, blocks, sel_block, scale):
+    """dK, dV of the selected branch: one program per key block over its choosers (inverted index)."""
+    B, T, H, _ = q.shape
+    G = k.shape[2]
+    hpg = H // G
+    dims = _head_dims(q, v)
+    num_blocks = triton.cdiv(T, sel_block)
+    query_of_entry, starts = inverted_index(blocks, num_blocks)
+    heads_pad = triton.next_power_of_2(hpg)
+    rows = max(_config.dkdv_rows, heads_pad)
+    entries = rows // heads_pad
+    chunk = triton.cdiv(_config.dkdv_chunk, entries) * entries
+    dk_acc = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
+    dv_acc = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
+    selected_attn_bwd_dkdv_kernel[(num_blocks, B * G, triton.cdiv(T, chunk))](
+        q, k, v, do, lse, delta, query_of_entry, starts, dk_acc, dv_acc, T, num_blocks, scale, H=H, G=G,
+        SEL_BLOCK=sel_block, BLOCK_S=_pow2(sel_block), HEADS_PAD=heads_pad, ENTRIES=entries, CHUNK=chunk,
+        **dims, num_warps=_config.dkdv_warps)
+    return dk_acc.to(k.dtype), dv_acc.to(v.dtype)
+
+
+def selected_attention(q, k, v, blocks, cfg: NSAConfig, scale: float):
+    """Each query attends to the positions u <= t whose block is among its group's selected blocks."""
+    _check_inputs(q=q, k=k, v=v)
+    if blocks.dtype != torch.int32 or tuple(blocks.shape[:3]) != (q.shape[0], q.shape[1], k.shape[2]):
+        raise ValueError(f"blocks: expected int32 [B, T, G, n] = [{q.shape[0]}, {q.shape[1]}, {k.shape[2]}, n], "
+                         f"got {blocks.dtype} {tuple(blocks.shape)}")
+    return _SelectedAttention.apply(q, k, v, blocks, cfg.sel_block, scale)
+
+
+# --- gated combination ----------------------------------------------------------------------------------------
+
+_GATE_ROWS = 32  # (b, t, h) rows per program of the gate kernels
+
+
+class _GatedSum(torch.autograd.Function):
+    """o = gates[..., 0:1] * o_cmp + gates[..., 1:2] * o_slc + gates[..., 2:3] * o_win (kernels/gates.py)."""
+
+    @staticmethod
+    def forward(ctx, gates, o_cmp, o_slc, o_win):
+        gates, o_cmp, o_slc, o_win = (x.contiguous() for x in (gates, o_cmp, o_slc, o_win))
+        dv = o_cmp.shape[-1]
+        rows = o_cmp.numel() // dv if dv else 0
+        o = torch.empty_like(o_cmp)
+        if rows:
+            gated_sum_fwd_kernel[(triton.cdiv(rows, _GATE_ROWS),)](
+                gates, o_cmp, o_slc, o_win, o, rows, DV=dv, BLOCK_R=_GATE_ROWS, BLOCK_D=_pow2(dv))
+        ctx.save_for_backward(gates, o_cmp, o_slc, o_win)
+        return o
+
+    @staticmethod
+    def backward(ctx, do):
+        gates, o_cmp, o_slc, o_win = ctx.saved_tensors
+        do = do.contiguous()
+        dv = o_cmp.shape[-1]
+        rows = o_cmp.numel() // dv if dv else 0
+        dgates = torch.empty_like(gates)
+        d_cmp, d_slc, d_win = (torch.empty_like(o_cmp) for _ in range(3))
+        if rows:
+            gated_sum_bwd_kernel[(triton.cdiv(rows, _GATE_ROWS),)](
+                gates, o_cmp, o_slc, o_win, do, dgates, d_cmp, d_slc, d_win, rows, DV=dv, BLOCK_R=_GATE_ROWS,
+                BLOCK_D=_pow2(dv))
+        return dgates, d_cmp, d_slc, d_win
+
+
+def gated_sum(gates, o_cmp, o_slc, o_win):
+    """The gated combination of the three branch outputs [B,T,H,Dv] with gates [B,T,H,3]."""
+    if gates.shape != (*o_cmp.shape[:3], 3) or not o_cmp.shape == o_slc.shape == o_win.shape:
+        raise ValueError(f"gated_sum: expected gates [B,T,H,3] and three equal [B,T,H,Dv] outputs, got gates "
+                         f"{tuple(gates.shape)}, outputs {tuple(o_cmp.shape)}, {tuple(o_slc.shape)}, "
+                         f"{tuple(o_win.shape)}")
+    if _config.gate_kernel == "fused":
+        return _GatedSum.apply(gates, o_cmp, o_slc, o_win)
+    return gates[..., 0:1] * o_cmp + gates[..., 1:2] * o_slc + gates[..., 2:3] * o_win
+
+
+# --- the whole thing ------------------------------------------------------------------------------------------
+
+def nsa_attention(q, k_slc, v_slc, k_win, v_win, k_cmp, v_cmp, gates, cfg: NSAConfig, *, scale: float,
+                  return_blocks: bool = False):
+    _check_inputs(q=q, k_slc=k_slc, v_slc=v_slc, k_win=k_win, v_win=v_win, k_cmp=k_cmp, v_cmp=v_cmp, gates=gates)
+    o_cmp, lse = compressed_attention(q, k_cmp, v_cmp, cfg, scale)
+    blocks = select_blocks(q.detach(), k_cmp.detach(), lse.detach(), cfg, scale)
+    o_slc = selected_attention(q, k_slc, v_slc, blocks, cfg, scale)
+    o_win = window_attention(q, k_win, v_win, cfg.window, scale)
+    o = gated_sum(gates, o_cmp, o_slc, o_win)
+    return (o, blocks) if return_blocks else o

@@ -1,0 +1,196 @@
+"""The attention modules and the decoder: init loss, overfitting, causality, backends, compile, accounting."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from nsa_model import ModelConfig, NSAConfig, Transformer, get_preset, ops
+from nsa_model.attention import NSAAttention
+from nsa_model.model import _mean_keys_per_query
+
+SMALL_NSA = NSAConfig(cmp_block=4, cmp_stride=2, sel_block=4, n_selected=3, window=6)
+
+
+def small_cfg(attention="nsa", **kw) -> ModelConfig:
+    base = dict(vocab_size=64, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, max_seq_len=64,
+                attention=attention, nsa=SMALL_NSA)
+    return ModelConfig(**{**base, **kw})
+
+
+def tokens(cfg, B, T, seed=0):
+    return torch.randint(0, cfg.vocab_size, (B, T + 1), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("preset", ["tiny", "tiny-dense"])
+def test_loss_at_init_is_about_ln_vocab(preset):
+    cfg = get_preset(preset).replace(n_layers=2)
+    torch.manual_seed(0)
+    x = tokens(cfg, 2, 64)
+    with torch.no_grad():
+        logits, loss = Transformer(cfg)(x[:, :-1], x[:, 1:])
+    assert logits.shape == (2, 64, cfg.vocab_size)
+    assert abs(loss.item() / math.log(cfg.vocab_size) - 1) < 0.05
+
+
+@pytest.mark.parametrize("attention", ["nsa", "dense"])
+def test_tiny_model_overfits_one_batch(attention):
+    cfg = small_cfg(attention)
+    torch.manual_seed(0)
+    model = Transformer(cfg)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
+    x = tokens(cfg, 4, 32)
+    first = None
+    for _ in range(300):
+        _, loss = model(x[:, :-1], x[:, 1:])
+        first = loss.item() if first is None else first
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        if loss.item() < 0.1 * first:
+            break
+    assert loss.item() < 0.1 * first, f"loss {first:.3f} -> {loss.item():.3f}"
+
+
+@pytest.mark.parametrize("overrides", [dict(phi="mlp"), dict(phi="avg", shared_kv=True), dict(v_head_dim=8),
+                                       dict(attention="dense")])
+def test_model_is_causal_through_compression_and_selection(overrides):
+    cfg = small_cfg(**overrides)
+    torch.manual_seed(0)
+    model = Transformer(cfg).double()
+    x = tokens(cfg, 2, 40)[:, :-1]
+    t0 = 20  # the compressed token [18, 22) straddles t0
+    y = x.clone()
+    y[:, t0 + 1:] = (y[:, t0 + 1:] + 1) % cfg.vocab_size
+    with torch.no_grad():
+        a, _ = model(x)
+        b, _ = model(y)
+    assert torch.allclose(a[:, : t0 + 1], b[:, : t0 + 1], rtol=0, atol=1e-10)
+    assert not torch.allclose(a[:, t0 + 1:], b[:, t0 + 1:])
+
+
+@pytest.mark.parametrize("overrides", [dict(phi="mlp"), dict(phi="avg", shared_kv=True, v_head_dim=8)])
+def test_nsa_module_torch_backend_matches_naive(overrides):
+    cfg = small_cfg(**overrides)
+    torch.manual_seed(0)
+    x = torch.randn(2, 27, cfg.dim, dtype=torch.float64)
+    results = {}
+    for backend in ("naive", "torch"):
+        torch.manual_seed(1)
+        attn = NSAAttention(cfg, backend=backend).double()
+        out = attn(x)
+        out.square().sum().backward()
+        results[backend] = (out.detach(), {n: p.grad for n, p in attn.named_parameters()})
+    out_ref, grads_ref = results["naive"]
+    out, grads = results["torch"]
+    assert torch.allclose(out, out_ref, rtol=1e-9, atol=1e-12)
+    assert grads.keys() == grads_ref.keys()
+    for name in grads:
+        assert grads[name] is not None, name
+        assert torch.allclose(grads[name], grads_ref[name], rtol=1e-8, atol=1e-12), name
+
+
+def test_compiled_model_matches_eager():
+    # fullgraph=True: any host sync or untraceable Python in the forward or backward is an error here.
+    # aot_eager keeps the test fast; inductor codegen on CPU is measured outside the suite.
+    cfg = small_cfg(n_layers=1, max_seq_len=16)
+    torch.manual_seed(0)
+    model = Transformer(cfg)
+    x = tokens(cfg, 2, 16)
+    _, loss = model(x[:, :-1], x[:, 1:])
+    loss.backward()
+    eager = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+    _, loss_c = compiled(x[:, :-1], x[:, 1:])
+    loss_c.backward()
+    assert torch.allclose(loss_c, loss, rtol=1e-5)
+    for n, p in model.named_parameters():
+        assert torch.allclose(p.grad, eager[n], rtol=1e-4, atol=1e-6), n
+
+
+@pytest.mark.parametrize("attention", ["nsa", "dense"])
+def test_forward_backward_never_reads_tensor_values_on_the_host(attention):
+    # Meta tensors carry shapes but no data: any .item(), .tolist(), nonzero or unique (a host sync on a
+    # GPU) raises here, in the forward or the backward.
+    cfg = small_cfg(attention)
+    model = Transformer(cfg).to("meta")
+    x = torch.zeros(2, 33, dtype=torch.long, device="meta")
+    logits, loss = model(x[:, :-1], x[:, 1:])
+    loss.backward()
+    model.attention_stats()
+    assert logits.shape == (2, 32, cfg.vocab_size) and model.tok_emb.weight.grad.is_meta
+
+
+def test_activation_checkpointing_gives_the_same_gradients():
+    cfg = small_cfg()
+    x = tokens(cfg, 2, 24)
+    grads = []
+    for ckpt in (False, True):
+        torch.manual_seed(0)
+        model = Transformer(cfg, activation_checkpointing=ckpt)
+        model(x[:, :-1], x[:, 1:])[1].backward()
+        grads.append({n: p.grad for n, p in model.named_parameters()})
+    for n in grads[0]:
+        assert torch.allclose(grads[0][n], grads[1][n], rtol=1e-5, atol=1e-7), n
+
+
+@pytest.mark.parametrize("T", [5, 23, 64])
+def test_flops_key_count_matches_the_reference_selection(T):
+    cfg = small_cfg(max_seq_len=64)
+    nsa = cfg.nsa
+    x = torch.randn(1, T, 2, 4, dtype=torch.float64)
+    k_cmp = torch.randn(1, nsa.num_cmp_tokens(T), 1, 4, dtype=torch.float64)
+    _, lse = ops.compressed_attention(x, k_cmp, k_cmp, nsa, backend="naive")
+    blocks = ops.select_blocks(x, k_cmp, lse, nsa, backend="naive")
+    total = 0
+    for t in range(T):
+        chosen = {j for j in blocks[0, t, 0].tolist() if j >= 0}
+        total += nsa.num_cmp_tokens(t + 1) + sum(1 for u in range(t + 1) if u // nsa.sel_block in chosen)
+        total += min(nsa.window, t + 1)
+    assert _mean_keys_per_query(cfg, T) == pytest.approx(total / T)
+    assert _mean_keys_per_query(cfg.replace(attention="dense"), T) == pytest.approx((T + 1) / 2)
+
+
+def test_flops_per_token_and_params():
+    cfg = get_preset("tiny-dense")
+    model = Transformer(cfg)
+    n = model.num_params()
+    assert n == sum(p.numel() for p in model.parameters())
+    assert model.num_params(exclude_embeddings=True) == n - cfg.vocab_size * cfg.dim
+    attn = 3 * cfg.n_layers * cfg.n_heads * 2 * (cfg.head_dim + cfg.dv) * (256 + 1) / 2
+    assert model.flops_per_token(256) == pytest.approx(6 * n + attn)
+    tiny = get_preset("tiny")  # at 4096 tokens NSA reads ~Tc + n*l' + w = ~640 keys per query, dense ~2048
+    assert _mean_keys_per_query(tiny, 4096) < 0.35 * _mean_keys_per_query(cfg, 4096)
+
+
+def test_attention_stats_are_device_tensors_in_range():
+    cfg = small_cfg()
+    model = Transformer(cfg)
+    x = tokens(cfg, 2, 32)
+    model(x[:, :-1])
+    stats = model.attention_stats()
+    assert set(stats) == {f"nsa/{s}" for s in NSAAttention.STATS}
+    for name in ("nsa/gate_cmp", "nsa/gate_slc", "nsa/gate_win"):
+        assert 0.3 < stats[name].item() < 0.7  # sigmoid of a small init
+    assert 1 <= stats["nsa/sel_blocks"].item() <= cfg.nsa.n_selected
+    assert stats["nsa/sel_distance"].item() > 0
+    assert Transformer(small_cfg("dense")).attention_stats() == {}
+
+
+def test_bad_inputs_are_refused(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    cfg = small_cfg(max_seq_len=16)
+    model = Transformer(cfg)
+    with pytest.raises(ValueError, match="max_seq_len"):
+        model(torch.zeros(1, 17, dtype=torch.long))
+    with pytest.raises(ValueError, match="tokens"):
+        model(torch.zeros(17, dtype=torch.long))
+    with pytest.raises(ValueError, match="targets"):
+        model(torch.zeros(1, 8, dtype=torch.long), torch.zeros(1, 7, dtype=torch.long))
+    with pytest.raises(ValueError, match="backend"):
+        Transformer(cfg, backend="cuda")
+    with pytest.raises(ValueError, match="triton"):
+        Transformer(cfg, backend="triton")(torch.zeros(1, 8, dtype=torch.long))
