@@ -1,0 +1,525 @@
+"""Check, then time, the Triton NSA kernels on one GPU, against dense attention and fla-core, in one run.
+
+    python bench/kernels.py --out DIR [--quick]
+
+1. Correctness in bf16 against a float64 reference computed on the GPU in query chunks (outputs, all eight input
+   gradients, selected block sets; selection differences are excused only at detected near-ties, and counted).
+2. Timing (median of triton.testing.do_bench) of fwd+bwd of our full NSA (compressed attention, selection,
+   selected attention, window, gates) and of each piece, next to dense SDPA (cuDNN and flash backends, K/V
+   repeated to all heads) and fla-core's parallel_nsa where it applies, with peak memory, at the paper and the
+   125M-class configurations of ../shared/ANCHORS.md.
+Writes DIR/kernels-<device>-<date>.json and .md; prints the table last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import math
+import os
+import platform
+import subprocess
+import sys
+import time
+import traceback
+
+import torch
+import torch.nn.functional as F
+import triton
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from nsa_model.config import NSAConfig  # noqa: E402
+from nsa_model.ops import triton_impl as ti  # noqa: E402
+
+NAMES = ("q", "k_slc", "v_slc", "k_win", "v_win", "k_cmp", "v_cmp", "gates")
+PAPER_NSA = NSAConfig(cmp_block=32, cmp_stride=16, sel_block=64, n_selected=16, window=512)
+BF16_TOL = 1e-2
+NEAR_TIE_REL = 1e-3  # kernel importance is fp32 from exact bf16 products: its error is far below this
+
+# Targets of the brief: our fwd+bwd / dense cuDNN fwd+bwd, same run.
+TARGETS = {("paper", 1, 8192): 0.9, ("paper", 1, 65536): 0.18, ("125m", 16, 2048): 2.5, ("125m", 4, 8192): 1.0,
+           ("125m", 1, 32768): 0.45}
+SHAPES = {"paper": dict(H=64, G=4, Dk=128, Dv=128), "125m": dict(H=12, G=2, Dk=64, Dv=64)}
+
+
+def make_inputs(B, T, H, G, Dk, Dv, cfg, dtype, seed, device="cuda"):
+    gen = torch.Generator(device=device).manual_seed(seed)
+    tc = cfg.num_cmp_tokens(T)
+    shapes = {"q": (B, T, H, Dk), "k_slc": (B, T, G, Dk), "v_slc": (B, T, G, Dv), "k_win": (B, T, G, Dk),
+              "v_win": (B, T, G, Dv), "k_cmp": (B, tc, G, Dk), "v_cmp": (B, tc, G, Dv)}
+    x = {n: torch.randn(*s, generator=gen, device=device, dtype=torch.float32).to(dtype) for n, s in shapes.items()}
+    x["gates"] = torch.rand(B, T, H, 3, generator=gen, device=device, dtype=torch.float32).to(dtype)
+    return x
+
+
+# --- float64 reference, chunked over queries -----------------------------------------------------------------
+
+def block_importance(p_group, T, cfg):
+    """imp[..., j] = sum_i p[..., i] * W[i, j] (spec section 3) via pieces: piece k (d tokens) gets the mass of
+    every compressed token that covers it, and a block sums its pieces."""
+    L, K = cfg.cmp_block // cfg.cmp_stride, cfg.sel_block // cfg.cmp_stride
+    nb = cfg.num_sel_blocks(T)
+    tc = p_group.shape[-1]
+    padded = F.pad(p_group, (L - 1, nb * K - tc))
+    pieces = sum(padded[..., L - 1 - m: L - 1 - m + nb * K] for m in range(L))
+    return pieces.unflatten(-1, (nb, K)).sum(-1)
+
+
+def reference_chunk(x, t0, t1, blocks, cfg, scale):
+    """o [B, C, H, Dv] in float64 for queries t0..t1-1 (selected branch over the kernel's blocks), and the
+    reference selection keys [B, C, G, NB] (importance, +inf forced, -inf not a candidate)."""
+    q = x["q"][:, t0:t1]
+    B, C, H, Dk = q.shape
+    T, G, Dv = x["k_slc"].shape[1], x["k_slc"].shape[2], x["v_slc"].shape[-1]
+    h = H // G
+    qg = q.view(B, C, G, h, Dk)
+    dev = q.device
+    t = torch.arange(t0, t1, device=dev)
+
+    # compressed branch
+    tc = x["k_cmp"].shape[1]
+    n_vis = torch.where(t + 1 >= cfg.cmp_block, (t + 1 - cfg.cmp_block) // cfg.cmp_stride + 1, 0)
+    vis = torch.arange(tc, device=dev)[None, :] < n_vis[:, None]
+    s = torch.einsum("bcghd,bigd->bcghi", qg, x["k_cmp"]) * scale
+    s = s.masked_fill(~vis[None, :, None, None, :], float("-inf"))
+    lse = torch.logsumexp(s, -1, keepdim=True)
+    p = torch.where(vis[None, :, None, None, :], torch.exp(s - torch.where(torch.isinf(lse), 0.0, lse)), 0.0)
+    o_cmp = torch.einsum("bcghi,bigd->bcghd", p, x["v_cmp"])
+
+    imp = block_importance(p.detach().sum(3), T, cfg)  # [B, C, G, NB]
+    nb = imp.shape[-1]
+    j = torch.arange(nb, device=dev)
+    cand = (j[None, :] * cfg.sel_block) <= t[:, None]
+    cur = (t // cfg.sel_block)[:, None]
+    forced = cand & ((j[None, :] < cfg.n_init_blocks) | (j[None, :] > cur - cfg.n_local_blocks))
+    keys = imp.masked_fill(forced[None, :, None, :], float("inf")).masked_fill(~cand[None, :, None, :],
+                                                                            float("-inf"))
+
+    # selected branch over the given blocks
+    S = blocks.shape[-1] * cfg.sel_block
+    pos = blocks.long()[..., None] * cfg.sel_block + torch.arange(cfg.sel_block, device=dev)
+    valid = (blocks >= 0)[..., None] & (pos <= t[None, :, None, None, None])
+    pos = pos.clamp(0, T - 1).flatten(3)  # [B, C, G, S]
+    valid = valid.flatten(3)
+    idx = pos.permute(0, 2, 1, 3).reshape(B, G, C * S, 1)
+    ks = x["k_slc"].permute(0, 2, 1, 3).gather(2, idx.expand(-1, -1, -1, Dk)).view(B, G, C, S, Dk)
+    vs = x["v_slc"].permute(0, 2, 1, 3).gather(2, idx.expand(-1, -1, -1, Dv)).view(B, G, C, S, Dv)
+    s = torch.einsum("bcghd,bgcsd->bcghs", qg, ks) * scale
+    s = s.masked_fill(~valid[:, :, :, None, :], float("-inf"))
+    o_slc = torch.einsum("bcghs,bgcsd->bcghd", torch.softmax(s, -1), vs)
+
+    # window branch
+    lo = max(0, t0 - cfg.window + 1)
+    u = torch.arange(lo, t1, device=dev)
+    vis_w = (u[None, :] <= t[:, None]) & (u[None, :] > t[:, None] - cfg.window)
+    s = torch.einsum("bcghd,bugd->bcghu", qg, x["k_win"][:, lo:t1]) * scale
+    s = s.masked_fill(~vis_w[None, :, None, None, :], float("-inf"))
+    o_win = torch.einsum("bcghu,bugd->bcghd", torch.softmax(s, -1), x["v_win"][:, lo:t1])
+
+    g = x["gates"][:, t0:t1]
+    o = (g[..., 0:1] * o_cmp.reshape(B, C, H, Dv) + g[..., 1:2] * o_slc.reshape(B, C, H, Dv)
+         + g[..., 2:3] * o_win.reshape(B, C, H, Dv))
+    return o, keys
+
+
+def selection_agreement(keys, blocks):
+    """(rows that differ, of which near-ties, largest relative gap) between the kernel's and the reference's sets."""
+    n = blocks.shape[-1]
+    chosen = (blocks >= 0).to(torch.int32)
+    kernel = torch.zeros(keys.shape, dtype=torch.int32, device=keys.device)
+    kernel = kernel.scatter_add_(-1, blocks.long().clamp_min(0), chosen) > 0
+    order = torch.sort(keys, dim=-1, descending=True, stable=True).indices[..., :n]
+    ref = torch.zeros_like(kernel).scatter_(-1, order, True) & (keys > float("-inf"))
+    kernel_only, ref_only = kernel & ~ref, ref & ~kernel
+    differs = kernel_only.any(-1) | ref_only.any(-1)
+    # A near-tie swaps blocks of (almost) equal reference importance; a missing or extra block is never one.
+    swapped = kernel_only.sum(-1) == ref_only.sum(-1)
+    weakest_kernel = torch.where(kernel_only, keys, float("inf")).amin(-1)
+    strongest_ref = torch.where(ref_only, keys, float("-inf")).amax(-1)
+    gap = (strongest_ref - weakest_kernel) / strongest_ref.abs().clamp_min(1e-12)
+    gap = torch.where(differs, torch.where(swapped, gap, float("inf")), 0.0).nan_to_num(nan=float("inf"))
+    near = differs & (gap <= NEAR_TIE_REL)
+    return int(differs.sum()), int(near.sum()), float(gap.max()) if gap.numel() else 0.0
+
+
+def check_bf16(name, B, T, H, G, Dk, Dv, cfg, grads=True, seed=0):
+    """One bf16 case against the float64 chunked reference; returns a dict of errors."""
+    x = make_inputs(B, T, H, G, Dk, Dv, cfg, torch.bfloat16, seed)
+    scale = Dk ** -0.5
+    xin = {n: t.clone().requires_grad_(grads) for n, t in x.items()}
+    o, blocks = ti.nsa_attention(*xin.values(), cfg, scale=scale, return_blocks=True)
+    do = torch.randn_like(o)
+    if grads:
+        o.backward(do)
+    x64 = {n: t.double().requires_grad_(grads) for n, t in x.items()}
+    o_ref = torch.empty(o.shape, dtype=torch.float64, device=o.device)
+    per_query = G * cfg.n_selected * cfg.sel_block * (Dk + Dv) * 8 * 4 + H * max(1, x["k_cmp"].shape[1]) * 8 * 4
+    chunk = max(16, min(1024, 2 ** int(math.log2(max(1, (1 << 30) // per_query)))))
+    diff = near = 0
+    max_gap = 0.0
+    for t0 in range(0, T, chunk):
+        t1 = min(T, t0 + chunk)
+        with torch.set_grad_enabled(grads):
+            o_c, keys = reference_chunk(x64, t0, t1, blocks[:, t0:t1], cfg, scale)
+            if grads:
+                (o_c * do[:, t0:t1].double()).sum().backward()
+        o_ref[:, t0:t1] = o_c.detach()
+        d, nr, g = selection_agreement(keys, blocks[:, t0:t1])
+        diff, near, max_gap = diff + d, near + nr, max(max_gap, g if d else 0.0)
+
+    def rel(a, b):
+        # absolute where the reference is (nearly) zero: e.g. q and k gradients of a one-key softmax at T = 1
+        return float((a.detach().double() - b.detach()).norm() / b.detach().norm().clamp_min(1.0))
+
+    result = {"case": name, "B": B, "T": T, "H": H, "G": G, "Dk": Dk, "Dv": Dv, "o": rel(o, o_ref),
+              "selection_rows_differing": diff, "selection_near_ties": near, "selection_max_rel_gap": max_gap,
+              "finite": bool(torch.isfinite(o).all())}
+    if grads:
+        for n in NAMES:
+            result["d" + n] = rel(xin[n].grad, x64[n].grad)
+            result["finite"] &= bool(torch.isfinite(xin[n].grad).all())
+    errors = [v for k, v in result.items() if k in ("o",) or (k.startswith("d") and k[1:] in NAMES)]
+    result["ok"] = (result["finite"] and max(errors) <= BF16_TOL and diff == near)
+    return result
+
+
+CHECKS = [
+    dict(name="125m_T64k", B=1, T=65536, H=12, G=2, Dk=64, Dv=64),
+    dict(name="paper_T8k", B=1, T=8192, H=64, G=4, Dk=128, Dv=128),
+    dict(name="paper_T32k_fwd", B=1, T=32768, H=64, G=4, Dk=128, Dv=128, grads=False),
+    dict(name="h1_dk192_dv128", B=1, T=4133, H=4, G=4, Dk=192, Dv=128),
+    dict(name="h8_b2", B=2, T=3001, H=16, G=2, Dk=64, Dv=64),
+    dict(name="h16_T5000", B=1, T=5000, H=16, G=1, Dk=128, Dv=128),
+    dict(name="h2_T1", B=1, T=1, H=4, G=2, Dk=64, Dv=64),
+    dict(name="h2_T100", B=3, T=100, H=4, G=2, Dk=64, Dv=64),
+]
+
+
+# --- timing ---------------------------------------------------------------------------------------------------
+
+def bench(fn, grads=()):
+    return triton.testing.do_bench(fn, warmup=25, rep=100, grad_to_none=list(grads), return_mode="median")
+
+
+def peak_mib(fn):
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    fn()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - base) / 2 ** 20
+
+
+def time_config(family, B, T, cfg, have_fla):
+    s = SHAPES[family]
+    H, G, Dk, Dv = s["H"], s["G"], s["Dk"], s["Dv"]
+    scale = Dk ** -0.5
+    x = {n: t.requires_grad_() for n, t in make_inputs(B, T, H, G, Dk, Dv, cfg, torch.bfloat16, seed=1).items()}
+    leaves = list(x.values())
+    do = torch.randn(B, T, H, Dv, device="cuda", dtype=torch.bfloat16)
+    row = {"family": family, "B": B, "T": T}
+
+    def nsa_fb():
+        ti.nsa_attention(*leaves, cfg, scale=scale).backward(do)
+
+    def nsa_f():
+        with torch.no_grad():
+            ti.nsa_attention(*leaves, cfg, scale=scale)
+
+    with torch.no_grad():
+        _, lse = ti.compressed_attention(x["q"], x["k_cmp"], x["v_cmp"], cfg, scale)
+        blocks = ti.select_blocks(x["q"], x["k_cmp"], lse, cfg, scale)
+    pieces = {
+        "cmp_fb": lambda: ti.compressed_attention(x["q"], x["k_cmp"], x["v_cmp"], cfg, scale)[0].backward(do),
+        "select_f": lambda: ti.select_blocks(x["q"], x["k_cmp"], lse, cfg, scale),
+        "slc_fb": lambda: ti.selected_attention(x["q"], x["k_slc"], x["v_slc"], blocks, cfg, scale).backward(do),
+        "win_fb": lambda: ti.window_attention(x["q"], x["k_win"], x["v_win"], cfg.window, scale).backward(do),
+    }
+    row["nsa_fb_ms"] = bench(nsa_fb, leaves)
+    row["nsa_f_ms"] = bench(nsa_f)
+    row["nsa_fb_peak_mib"] = peak_mib(nsa_fb)
+    for name, fn in pieces.items():
+        row[name + "_ms"] = bench(fn, leaves)
+    try:
+        row.update(time_selected_variants(x, blocks, do, cfg, scale, nsa_fb, leaves))
+    except Exception as e:  # reported in the row; the main timings above stay
+        traceback.print_exc()
+        row["variants_error"] = repr(e)[:300]
+
+    # dense: SDPA with K/V repeated to all heads, [B, H, T, D] as its documentation takes them
+    qd = x["q"].detach().transpose(1, 2).contiguous().requires_grad_()
+    kd = x["k_win"].detach().repeat_interleave(H // G, dim=2).transpose(1, 2).contiguous().requires_grad_()
+    vd = x["v_win"].detach().repeat_interleave(H // G, dim=2).transpose(1, 2).contiguous().requires_grad_()
+    dod = do.transpose(1, 2).contiguous()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    for label, backend in (("cudnn", SDPBackend.CUDNN_ATTENTION), ("flash", SDPBackend.FLASH_ATTENTION)):
+        def dense_fb(backend=backend):
+            with sdpa_kernel(backend):
+                F.scaled_dot_product_attention(qd, kd, vd, is_causal=True).backward(dod)
+        try:
+            row[f"dense_{label}_fb_ms"] = bench(dense_fb, [qd, kd, vd])
+            row[f"dense_{label}_fb_peak_mib"] = peak_mib(dense_fb)
+        except Exception as e:  # a backend the build lacks is reported, not hidden
+            row[f"dense_{label}_error"] = repr(e)[:300]
+
+    hpg = H // G
+    if have_fla and hpg >= 16 and hpg & (hpg - 1) == 0:
+        from fla.ops.nsa import parallel_nsa
+        k = x["k_slc"].detach().requires_grad_()
+        v = x["v_slc"].detach().requires_grad_()
+        qf = x["q"].detach().requires_grad_()
+        g_cmp = x["gates"][..., 0].detach().contiguous().requires_grad_()
+        g_slc = x["gates"][..., 1].detach().contiguous().requires_grad_()
+
+        def fla_fb():
+            parallel_nsa(qf, k, v, g_cmp, g_slc, None, block_counts=cfg.n_selected, block_size=cfg.sel_block,
+                         window_size=0).backward(do)
+        try:
+            row["fla_fb_ms"] = bench(fla_fb, [qf, k, v, g_cmp, g_slc])
+            row["fla_fb_peak_mib"] = peak_mib(fla_fb)
+        except Exception as e:
+            row["fla_error"] = repr(e)[:300]
+    if "dense_cudnn_fb_ms" in row:
+        row["ratio_vs_cudnn"] = row["nsa_fb_ms"] / row["dense_cudnn_fb_ms"]
+    row["target"] = TARGETS.get((family, B, T))
+    return row
+
+
+# Selected fwd/dQ variants timed side by side in every run (LaunchConfig fields; dK/dV is shared).
+SELECTED_VARIANTS = {"per_query": dict(slc_kernel="per_query"),
+                     "tiled64": dict(slc_kernel="tiled", slc_tile_rows=64, slc_tile_warps=4),
+                     "tiled128": dict(slc_kernel="tiled", slc_tile_rows=128, slc_tile_warps=8)}
+
+
+def structured_blocks(x, cfg, scale):
+    """Blocks chosen by queries that repeat over each run of sel_block positions (and so share their choices, as
+    neighbouring queries of trained models mostly do); the forced blocks still follow each query."""
+    q = x["q"].detach()
+    B, T, H, D = q.shape
+    run = cfg.sel_block
+    q_runs = q[:, ::run].repeat_interleave(run, dim=1)[:, :T].contiguous()
+    _, lse = ti.compressed_attention(q_runs, x["k_cmp"], x["v_cmp"], cfg, scale)
+    return ti.select_blocks(q_runs, x["k_cmp"], lse, cfg, scale)
+
+
+def time_selected_variants(x, blocks, do, cfg, scale, nsa_fb, leaves):
+    """slc fwd+bwd of each selected variant on the real (random-input) and on structured selections, the mean
+    union length per query tile of each, and the whole NSA fwd+bwd per variant."""
+    out = {}
+    with torch.no_grad():
+        selections = {"random": blocks, "structured": structured_blocks(x, cfg, scale)}
+    hpg = x["q"].shape[2] // x["k_slc"].shape[2]
+    for label, variant in SELECTED_VARIANTS.items():
+        launch = dataclasses.replace(ti.launch_config(), **variant)
+        with ti.use_launch_config(launch):
+            for kind, sel in selections.items():
+                def fn(sel=sel):
+                    ti.selected_attention(x["q"], x["k_slc"], x["v_slc"], sel, cfg, scale).backward(do)
+                out[f"slc_{kind}_{label}_ms"] = bench(fn, leaves)
+                if variant["slc_kernel"] == "tiled":
+                    _, tile_q = ti._selected_tile(hpg)
+                    _, count = ti.tile_block_union(sel, tile_q)
+                    out[f"union_{kind}_{label}"] = float(count.float().mean())
+            out[f"nsa_fb_{label}_ms"] = bench(nsa_fb, leaves)
+    # gated combination: eager PyTorch vs the fused kernels, alone and inside the whole NSA
+    outs = [torch.randn(do.shape, device=do.device, dtype=do.dtype, requires_grad=True) for _ in range(3)]
+    gates = x["gates"]
+    for label in ti.GATE_KERNELS:
+        with ti.use_launch_config(dataclasses.replace(ti.launch_config(), gate_kernel=label)):
+            out[f"gates_{label}_fb_ms"] = bench(lambda: ti.gated_sum(gates, *outs).backward(do), [gates, *outs])
+            out[f"nsa_fb_gates_{label}_ms"] = bench(nsa_fb, leaves)
+    return out
+
+
+def sweep_launch_configs(have_fla):
+    """Time each piece under candidate launch parameters; return the best combination (one field group per
+    piece: range kernels -> cmp + win, selected fwd/dQ -> slc, selected dK/dV -> slc)."""
+    base = ti.LaunchConfig()
+    groups = {
+        "range": [dict(), dict(range_block_m=128, range_warps=8), dict(range_block_m=128, range_warps=8,
+                  range_stages=3), dict(range_stages=3)],
+        "slc": [dict(), dict(slc_warps=2), dict(slc_stages=3)],
+        "dkdv": [dict(), dict(dkdv_rows=128, dkdv_warps=8), dict(dkdv_rows=64, dkdv_warps=8)],
+    }
+    shapes = [("paper", 1, 8192), ("125m", 16, 2048)]
+    log, best = [], {}
+    for group, variants in groups.items():
+        scores = []
+        for v in variants:
+            cfg_l = dataclasses.replace(base, **v)
+            total = 0.0
+            with ti.use_launch_config(cfg_l):
+                for family, B, T in shapes:
+                    try:
+                        ms = time_pieces(family, B, T, PAPER_NSA, group)
+                    except Exception as e:  # e.g. out of shared memory: that variant is out
+                        ms, v = float("inf"), dict(v, error=repr(e)[:200])
+                    total += math.log(ms)
+                    log.append({"group": group, "variant": v, "family": family, "B": B, "T": T, "ms": ms})
+                    print(json.dumps(log[-1]), flush=True)
+            scores.append((total, v))
+        best.update({k: val for k, val in min(scores, key=lambda x: x[0])[1].items() if k != "error"})
+    return dataclasses.replace(base, **best), log
+
+
+def time_pieces(family, B, T, cfg, group):
+    s = SHAPES[family]
+    H, G, Dk, Dv = s["H"], s["G"], s["Dk"], s["Dv"]
+    scale = Dk ** -0.5
+    x = {n: t.requires_grad_() for n, t in make_inputs(B, T, H, G, Dk, Dv, cfg, torch.bfloat16, seed=2).items()}
+    do = torch.randn(B, T, H, Dv, device="cuda", dtype=torch.bfloat16)
+    if group == "range":
+        def fn():
+            ti.compressed_attention(x["q"], x["k_cmp"], x["v_cmp"], cfg, scale)[0].backward(do)
+            ti.window_attention(x["q"], x["k_win"], x["v_win"], cfg.window, scale).backward(do)
+    else:
+        with torch.no_grad():
+            _, lse = ti.compressed_attention(x["q"], x["k_cmp"], x["v_cmp"], cfg, scale)
+            blocks = ti.select_blocks(x["q"], x["k_cmp"], lse, cfg, scale)
+
+        def fn():
+            ti.selected_attention(x["q"], x["k_slc"], x["v_slc"], blocks, cfg, scale).backward(do)
+    return bench(fn, list(x.values()))
+
+
+TIMINGS = [("paper", 1, 8192), ("paper", 1, 16384), ("paper", 1, 32768), ("paper", 1, 65536),
+           ("125m", 16, 2048), ("125m", 4, 8192), ("125m", 1, 32768), ("125m", 1, 65536)]
+
+
+def fmt(v, spec=".2f"):
+    return "-" if v is None else format(v, spec)
+
+
+def markdown(meta, checks, rows):
+    lines = [f"# Triton NSA kernels: {meta['device']}, {meta['date']}", "",
+             f"commit {meta['commit']}, torch {meta['torch']}, triton {meta['triton']}, bf16, "
+             f"median of triton.testing.do_bench, fwd+bwd unless marked.", "",
+             f"launch config: {meta['launch_config']}", "",
+             "## Correctness (bf16 vs float64 reference on the GPU)", "",
+             "| case | B | T | H/G | Dk/Dv | rel err o | worst rel err grad | selection rows differing (near-ties) | ok |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for c in checks:
+        if "error" in c:
+            lines.append(f"| {c['case']} | error: {c['error'][:120]} |||||||| no |")
+            continue
+        g = [v for k, v in c.items() if k.startswith("d") and k[1:] in NAMES]
+        lines.append(f"| {c['case']} | {c['B']} | {c['T']} | {c['H']}/{c['G']} | {c['Dk']}/{c['Dv']} | "
+                     f"{c['o']:.2e} | {fmt(max(g) if g else None, '.2e')} | {c['selection_rows_differing']} "
+                     f"({c['selection_near_ties']}) | {'yes' if c['ok'] else 'NO'} |")
+    lines += ["", "## Time (ms) and ratio to dense cuDNN", "",
+              "| config | B x T | NSA fwd+bwd | NSA fwd | cmp | select (fwd) | slc | win | rest (gates, glue) | "
+              "dense cuDNN | dense FA2 | fla parallel_nsa | NSA / cuDNN | target | peak MiB NSA / cuDNN |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['family']} | {r['B']} x {r['T']} | error: {r['error'][:120]} |")
+            continue
+        rest = r["nsa_fb_ms"] - sum(r[k + "_ms"] for k in ("cmp_fb", "select_f", "slc_fb", "win_fb"))
+        lines.append(
+            f"| {r['family']} | {r['B']} x {r['T']} | {r['nsa_fb_ms']:.2f} | {r['nsa_f_ms']:.2f} | "
+            f"{r['cmp_fb_ms']:.2f} | {r['select_f_ms']:.2f} | {r['slc_fb_ms']:.2f} | {r['win_fb_ms']:.2f} | "
+            f"{rest:.2f} | {fmt(r.get('dense_cudnn_fb_ms'))} | {fmt(r.get('dense_flash_fb_ms'))} | "
+            f"{fmt(r.get('fla_fb_ms'))} | {fmt(r.get('ratio_vs_cudnn'), '.3f')} | {fmt(r.get('target'))} | "
+            f"{r['nsa_fb_peak_mib']:.0f} / {fmt(r.get('dense_cudnn_fb_peak_mib'), '.0f')} |")
+    lines += ["", "## Selected-branch variants (fwd+bwd ms; union = mean distinct blocks per query tile)", "",
+              "| config | B x T | selection | " + " | ".join(SELECTED_VARIANTS) + " | union tiled64 | union tiled128 |",
+              "|---|---|---|" + "---|" * (len(SELECTED_VARIANTS) + 2)]
+    for r in rows:
+        if "error" in r:
+            continue
+        for kind in ("random", "structured"):
+            times = " | ".join(fmt(r.get(f"slc_{kind}_{v}_ms")) for v in SELECTED_VARIANTS)
+            lines.append(f"| {r['family']} | {r['B']} x {r['T']} | {kind} | {times} | "
+                         f"{fmt(r.get(f'union_{kind}_tiled64'), '.1f')} | {fmt(r.get(f'union_{kind}_tiled128'), '.1f')} |")
+        times = " | ".join(fmt(r.get(f"nsa_fb_{v}_ms")) for v in SELECTED_VARIANTS)
+        lines.append(f"| {r['family']} | {r['B']} x {r['T']} | whole NSA | {times} | | |")
+    lines += ["", "## Gated combination (fwd+bwd ms): eager PyTorch vs fused kernels, alone and in the whole NSA", "",
+              "| config | B x T | gates torch | gates fused | NSA with torch gates | NSA with fused gates |",
+              "|---|---|---|---|---|---|"]
+    for r in rows:
+        if "error" not in r:
+            lines.append(f"| {r['family']} | {r['B']} x {r['T']} | {fmt(r.get('gates_torch_fb_ms'))} | "
+                         f"{fmt(r.get('gates_fused_fb_ms'))} | {fmt(r.get('nsa_fb_gates_torch_ms'))} | "
+                         f"{fmt(r.get('nsa_fb_gates_fused_ms'))} |")
+    return "\n".join(lines) + "\n"
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default="bench/results")
+    ap.add_argument("--quick", action="store_true", help="only the first two checks and timings")
+    ap.add_argument("--skip-checks", action="store_true")
+    ap.add_argument("--sweep", action="store_true", help="pick launch parameters by timing candidates first")
+    ap.add_argument("--checks", default="", help="comma-separated check names to run (default: all)")
+    ap.add_argument("--suffix", default="", help="appended to the result files' names, e.g. -v4")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("bench/kernels.py needs a CUDA GPU")
+    os.makedirs(args.out, exist_ok=True)
+    try:
+        import fla.ops.nsa  # noqa: F401
+        have_fla = True
+    except Exception as e:
+        print("fla-core not importable:", repr(e)[:200])
+        have_fla = False
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain"], capture_output=True, text=True).stdout.strip()
+        commit = commit + ("+uncommitted" if dirty else "")
+    except Exception:
+        commit = "uncommitted"
+    device = torch.cuda.get_device_name()
+    meta = {"device": device, "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+            "commit": commit, "torch": torch.__version__, "triton": triton.__version__,
+            "python": platform.python_version(), "launch_config": ti.launch_config().__dict__}
+    slug = "h200" if "H200" in device else "h100" if "H100" in device else device.split()[-1].lower()
+    stem = os.path.join(args.out, f"kernels-{slug}-{meta['date'][:10]}{args.suffix}")
+    checks, rows = [], []
+
+    def save():
+        with open(stem + ".json", "w") as f:
+            json.dump({"meta": meta, "checks": checks, "timings": rows, "sweep": sweep_log}, f, indent=1)
+        with open(stem + ".md", "w") as f:
+            f.write(markdown(meta, checks, rows))
+
+    sweep_log = []
+    if args.sweep:
+        chosen, sweep_log = sweep_launch_configs(have_fla)
+        ti.set_launch_config(chosen)  # for the rest of this run
+        meta["launch_config"] = ti.launch_config().__dict__
+        print("launch config:", meta["launch_config"], flush=True)
+    wanted = [c for c in CHECKS if not args.checks or c["name"] in args.checks.split(",")]
+    for c in ([] if args.skip_checks else wanted[:2] if args.quick else wanted):
+        c = dict(c)
+        name = c.pop("name")
+        start = time.time()
+        try:
+            r = check_bf16(name, cfg=PAPER_NSA, **c)
+        except Exception as e:
+            traceback.print_exc()
+            r = {"case": name, "error": repr(e)[:500], "ok": False}
+        r["seconds"] = round(time.time() - start, 1)
+        print(json.dumps(r), flush=True)
+        checks.append(r)
+        torch.cuda.empty_cache()
+        save()
+    for family, B, T in (TIMINGS[:1] + TIMINGS[4:5] if args.quick else TIMINGS):
+        start = time.time()
+        try:
+            r = time_config(family, B, T, PAPER_NSA, have_fla)
+        except Exception as e:
+            traceback.print_exc()
+            r = {"family": family, "B": B, "T": T, "error": repr(e)[:500]}
+        r["seconds"] = round(time.time() - start, 1)
+        print(json.dumps(r), flush=True)
+        rows.append(r)
+        torch.cuda.empty_cache()
+        save()
+    print(markdown(meta, checks, rows))
+
+
+if __name__ == "__main__":
+    main()

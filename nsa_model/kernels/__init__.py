@@ -1,0 +1,12 @@
+"""Triton kernels for NSA, one file per op; nsa_model/ops/triton_impl.py wraps them in autograd Functions.
+
+  range_attention.py     attention over a contiguous range of keys per query: the compressed and window branches
+  selection.py           block importance + top-n selection, fused, so no T x Tc score ever reaches memory
+  selected_attention.py  group-centric attention over the selected blocks, one program per query (forward, dQ);
+                         dK/dV through an inverted index (used by both selected variants)
+  selected_tiled.py      selected attention forward and dQ per tile of queries, walking the union of their blocks
+  gates.py               the gated combination of the three branches, fused, forward and backward
+
+The kernels run on CUDA, or on CPU under Triton's own interpreter (TRITON_INTERPRET=1 set before this package is
+imported: triton.jit reads it when a kernel is defined).
+"""

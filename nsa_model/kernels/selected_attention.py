@@ -1,0 +1,180 @@
+"""Selected-block attention (NSA_SPEC.md section 5), group-centric, forward and backward.
+
+Forward and dQ: one program per (query t, batch, kv group) loads the query rows of all the group's heads at once
+(HEADS_PAD >= 16 rows so the matrix units are used) and walks the group's n selected blocks, so each selected
+block's keys and values are read once for the whole group (paper section 3.4).
+
+dK/dV: an inverted index (block -> the queries that chose it, built by one stable sort outside) lets one program
+own one key block and loop over its choosers, ENTRIES queries x HEADS_PAD heads per step. A block chosen by many
+queries (the forced first block is chosen by all) is split into CHUNK-sized pieces over the grid's third axis,
+whose partial sums meet by atomic adds into float32 buffers (a block with one piece gets a single add onto zeros,
+which is exact).
+
+Layouts (contiguous): q [B, T, H, DK], k [B, T, G, DK], v [B, T, G, DV], blocks [B, T, G, N_SELECT] int32 (-1 =
+none), o [B, T, H, DV], lse/delta [B, T, H] fp32.
+"""
+
+import triton
+import triton.language as tl
+
+LOG2E = tl.constexpr(1.4426950408889634)
+
+
+@triton.jit
+def selected_attn_fwd_kernel(Q, K, V, BLOCKS, O, LSE, T, scale,
+                             H: tl.constexpr, G: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+                             BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, SEL_BLOCK: tl.constexpr,
+                             BLOCK_S: tl.constexpr, N_SELECT: tl.constexpr, HEADS_PAD: tl.constexpr,
+                             DOT_PRECISION: tl.constexpr):
+    t = tl.program_id(0)
+    pid_bg = tl.program_id(1)
+    b = pid_bg // G
+    g = pid_bg % G
+    HPG: tl.constexpr = H // G
+    offs_h = tl.arange(0, HEADS_PAD)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_dk = tl.arange(0, BLOCK_DK)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    h_ok = offs_h < HPG
+    row_q = (b * T + t).to(tl.int64) * H + g * HPG + offs_h
+    q = tl.load(Q + row_q[:, None] * DK + offs_dk[None, :], mask=h_ok[:, None] & (offs_dk < DK)[None, :], other=0.0)
+    block_row = ((b * T + t).to(tl.int64) * G + g) * N_SELECT
+
+    qk_scale = scale * LOG2E
+    m_i = tl.full([HEADS_PAD], float("-inf"), tl.float32)
+    l_i = tl.zeros([HEADS_PAD], tl.float32)
+    acc = tl.zeros([HEADS_PAD, BLOCK_DV], tl.float32)
+    # Key rows of a block relative to its first key; the block's own offset is added per step (int64).
+    k_ptrs = K + (offs_s * G + g)[:, None] * DK + offs_dk[None, :]
+    v_ptrs = V + (offs_s * G + g)[:, None] * DV + offs_dv[None, :]
+    for i in range(N_SELECT):
+        # No branch on the block id (-1: fewer than n blocks exist) so the loop stays software-pipelined.
+        blk = tl.load(BLOCKS + block_row + i)
+        first = blk * SEL_BLOCK
+        s_ok = (offs_s < tl.minimum(SEL_BLOCK, t - first + 1)) & (blk >= 0)  # in the block, at or before t
+        row0 = (b * T + first).to(tl.int64) * G
+        k = tl.load(k_ptrs + row0 * DK, mask=s_ok[:, None] & (offs_dk < DK)[None, :], other=0.0)
+        v = tl.load(v_ptrs + row0 * DV, mask=s_ok[:, None] & (offs_dv < DV)[None, :], other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+        s = tl.where(s_ok[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a block after t (not a valid choice) adds 0
+        p = tl.exp2(s - m_safe[:, None])
+        alpha = tl.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    has_key = l_i > 0
+    l_safe = tl.where(has_key, l_i, 1.0)
+    o = acc / l_safe[:, None]
+    lse = tl.where(has_key, (m_i + tl.log2(l_safe)) / LOG2E, float("-inf"))
+    tl.store(O + row_q[:, None] * DV + offs_dv[None, :], o.to(O.dtype.element_ty),
+             mask=h_ok[:, None] & (offs_dv < DV)[None, :])
+    tl.store(LSE + row_q, lse, mask=h_ok)
+
+
+@triton.jit
+def selected_attn_bwd_dq_kernel(Q, K, V, BLOCKS, DO, LSE, DELTA, DQ, T, scale,
+                                H: tl.constexpr, G: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+                                BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, SEL_BLOCK: tl.constexpr,
+                                BLOCK_S: tl.constexpr, N_SELECT: tl.constexpr, HEADS_PAD: tl.constexpr,
+                                DOT_PRECISION: tl.constexpr):
+    t = tl.program_id(0)
+    pid_bg = tl.program_id(1)
+    b = pid_bg // G
+    g = pid_bg % G
+    HPG: tl.constexpr = H // G
+    offs_h = tl.arange(0, HEADS_PAD)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_dk = tl.arange(0, BLOCK_DK)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    h_ok = offs_h < HPG
+    row_q = (b * T + t).to(tl.int64) * H + g * HPG + offs_h
+    q = tl.load(Q + row_q[:, None] * DK + offs_dk[None, :], mask=h_ok[:, None] & (offs_dk < DK)[None, :], other=0.0)
+    do = tl.load(DO + row_q[:, None] * DV + offs_dv[None, :], mask=h_ok[:, None] & (offs_dv < DV)[None, :],
+                 other=0.0)
+    lse2 = tl.load(LSE + row_q, mask=h_ok, other=0.0) * LOG2E
+    delta = tl.load(DELTA + row_q, mask=h_ok, other=0.0)
+    block_row = ((b * T + t).to(tl.int64) * G + g) * N_SELECT
+
+    qk_scale = scale * LOG2E
+    dq = tl.zeros([HEADS_PAD, BLOCK_DK], tl.float32)
+    k_ptrs = K + (offs_s * G + g)[:, None] * DK + offs_dk[None, :]
+    v_ptrs = V + (offs_s * G + g)[:, None] * DV + offs_dv[None, :]
+    for i in range(N_SELECT):
+        blk = tl.load(BLOCKS + block_row + i)
+        first = blk * SEL_BLOCK
+        s_ok = (offs_s < tl.minimum(SEL_BLOCK, t - first + 1)) & (blk >= 0)
+        row0 = (b * T + first).to(tl.int64) * G
+        k = tl.load(k_ptrs + row0 * DK, mask=s_ok[:, None] & (offs_dk < DK)[None, :], other=0.0)
+        v = tl.load(v_ptrs + row0 * DV, mask=s_ok[:, None] & (offs_dv < DV)[None, :], other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+        p = tl.where(s_ok[None, :] & h_ok[:, None], tl.exp2(s - lse2[:, None]), 0.0)
+        dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
+        ds = p * (dp - delta[:, None])
+        dq += tl.dot(ds.to(k.dtype), k, input_precision=DOT_PRECISION)
+    dq = dq * scale
+    tl.store(DQ + row_q[:, None] * DK + offs_dk[None, :], dq.to(DQ.dtype.element_ty),
+             mask=h_ok[:, None] & (offs_dk < DK)[None, :])
+
+
+@triton.jit
+def selected_attn_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, QUERY_OF_ENTRY, STARTS, DK_ACC, DV_ACC,
+                                  T, num_blocks, scale,
+                                  H: tl.constexpr, G: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+                                  BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, SEL_BLOCK: tl.constexpr,
+                                  BLOCK_S: tl.constexpr, HEADS_PAD: tl.constexpr, ENTRIES: tl.constexpr,
+                                  CHUNK: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    pid_j = tl.program_id(0)
+    pid_bg = tl.program_id(1)
+    pid_c = tl.program_id(2)
+    b = pid_bg // G
+    g = pid_bg % G
+    HPG: tl.constexpr = H // G
+    ROWS: tl.constexpr = ENTRIES * HEADS_PAD
+    segment = pid_bg * num_blocks + pid_j
+    seg_end = tl.load(STARTS + segment + 1)
+    start = tl.load(STARTS + segment) + pid_c * CHUNK
+    end = tl.minimum(seg_end, start + CHUNK)
+    if start < end:
+        offs_s = tl.arange(0, BLOCK_S)
+        offs_dk = tl.arange(0, BLOCK_DK)
+        offs_dv = tl.arange(0, BLOCK_DV)
+        pos = pid_j * SEL_BLOCK + offs_s
+        s_ok = (offs_s < SEL_BLOCK) & (pos < T)
+        row_k = (b * T + pos).to(tl.int64) * G + g
+        k = tl.load(K + row_k[:, None] * DK + offs_dk[None, :], mask=s_ok[:, None] & (offs_dk < DK)[None, :],
+                    other=0.0)
+        v = tl.load(V + row_k[:, None] * DV + offs_dv[None, :], mask=s_ok[:, None] & (offs_dv < DV)[None, :],
+                    other=0.0)
+        # Row r of a step is (entry r // HEADS_PAD, head r % HEADS_PAD).
+        offs_r = tl.arange(0, ROWS)
+        slot = offs_r // HEADS_PAD
+        head = offs_r % HEADS_PAD
+        qk_scale = scale * LOG2E
+        dk = tl.zeros([BLOCK_S, BLOCK_DK], tl.float32)
+        dv = tl.zeros([BLOCK_S, BLOCK_DV], tl.float32)
+        for e0 in range(start, end, ENTRIES):
+            entry = e0 + slot
+            r_ok = (entry < end) & (head < HPG)
+            t = tl.load(QUERY_OF_ENTRY + entry, mask=r_ok, other=0)
+            row_q = (b * T + t).to(tl.int64) * H + g * HPG + head
+            q = tl.load(Q + row_q[:, None] * DK + offs_dk[None, :], mask=r_ok[:, None] & (offs_dk < DK)[None, :],
+                        other=0.0)
+            do = tl.load(DO + row_q[:, None] * DV + offs_dv[None, :], mask=r_ok[:, None] & (offs_dv < DV)[None, :],
+                         other=0.0)
+            lse2 = tl.load(LSE + row_q, mask=r_ok, other=0.0) * LOG2E
+            delta = tl.load(DELTA + row_q, mask=r_ok, other=0.0)
+            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+            vis = r_ok[:, None] & s_ok[None, :] & (pos[None, :] <= t[:, None])
+            p = tl.where(vis, tl.exp2(s - lse2[:, None]), 0.0)
+            dv += tl.dot(tl.trans(p).to(do.dtype), do, input_precision=DOT_PRECISION)
+            dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
+            ds = p * (dp - delta[:, None])
+            dk += tl.dot(tl.trans(ds).to(q.dtype), q, input_precision=DOT_PRECISION)
+        dk = dk * scale
+        tl.atomic_add(DK_ACC + row_k[:, None] * DK + offs_dk[None, :], dk,
+                      mask=s_ok[:, None] & (offs_dk < DK)[None, :])
+        tl.atomic_add(DV_ACC + row_k[:, None] * DV + offs_dv[None, :], dv,
+                      mask=s_ok[:, None] & (offs_dv < DV)[None, :])

@@ -1,0 +1,138 @@
+"""Selected-block attention over query tiles (NSA_SPEC.md section 5): forward and dQ.
+
+The per-query kernels (selected_attention.py) reload every selected block once per query, so at small groups
+their time goes to L2 traffic, not to the matrix units. Here one program owns TILE_Q consecutive queries of one
+(batch, kv group); its matrix rows are (query, head) pairs, row r = query r // HEADS_PAD, head r % HEADS_PAD.
+It walks the sorted union of the tile's selected blocks (built outside by tile_block_union in triton_impl.py),
+loading each block's keys and values once for the whole tile; a per-row membership mask (is this block among
+the row's query's choices?) and the causal mask decide which rows see it. Neighbouring queries of trained
+models choose mostly the same blocks, so the union stays near n; random inputs make it up to TILE_Q * n long.
+
+dK/dV keep the inverted-index kernel of selected_attention.py (it already loads each key block once).
+
+Layouts (contiguous): q [B, T, H, DK], k [B, T, G, DK], v [B, T, G, DV], blocks [B, T, G, N_SELECT] int32 (-1 =
+none), union [B, num_tiles, G, TILE_Q * N_SELECT] int32 (ascending, padding after `count` entries),
+count [B, num_tiles, G] int32, o [B, T, H, DV], lse/delta [B, T, H] fp32.
+"""
+
+import triton
+import triton.language as tl
+
+LOG2E = tl.constexpr(1.4426950408889634)
+
+
+@triton.jit
+def _tile_rows(T, H, G, HPG: tl.constexpr, HEADS_PAD: tl.constexpr, TILE_Q: tl.constexpr):
+    """(query t, valid, row offset into [B*T*H]) of each (query, head) row of this program's tile."""
+    pid_tile = tl.program_id(0)
+    pid_bg = tl.program_id(1)
+    b = pid_bg // G
+    g = pid_bg % G
+    offs_r = tl.arange(0, TILE_Q * HEADS_PAD)
+    t = pid_tile * TILE_Q + offs_r // HEADS_PAD
+    head = offs_r % HEADS_PAD
+    r_ok = (t < T) & (head < HPG)
+    row_q = (b * T + t).to(tl.int64) * H + g * HPG + head
+    return b, g, t, r_ok, row_q
+
+
+@triton.jit
+def _tile_choices(BLOCKS, b, g, t, T, G, N_SELECT: tl.constexpr, N_PAD: tl.constexpr):
+    """[ROWS, N_PAD] the block ids chosen by each row's query (-1 = none or padding)."""
+    offs_n = tl.arange(0, N_PAD)
+    base = ((b * T + t).to(tl.int64) * G + g) * N_SELECT
+    return tl.load(BLOCKS + base[:, None] + offs_n[None, :], mask=(t < T)[:, None] & (offs_n < N_SELECT)[None, :],
+                   other=-1)
+
+
+@triton.jit
+def selected_tiled_fwd_kernel(Q, K, V, BLOCKS, UNION, COUNT, O, LSE, T, num_tiles, scale,
+                              H: tl.constexpr, G: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+                              BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, SEL_BLOCK: tl.constexpr,
+                              BLOCK_S: tl.constexpr, N_SELECT: tl.constexpr, N_PAD: tl.constexpr,
+                              HEADS_PAD: tl.constexpr, TILE_Q: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    HPG: tl.constexpr = H // G
+    b, g, t, r_ok, row_q = _tile_rows(T, H, G, HPG, HEADS_PAD, TILE_Q)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_dk = tl.arange(0, BLOCK_DK)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    q = tl.load(Q + row_q[:, None] * DK + offs_dk[None, :], mask=r_ok[:, None] & (offs_dk < DK)[None, :], other=0.0)
+    chosen = _tile_choices(BLOCKS, b, g, t, T, G, N_SELECT, N_PAD)
+    tile_row = (b * num_tiles + tl.program_id(0)).to(tl.int64) * G + g
+    count = tl.load(COUNT + tile_row)
+
+    qk_scale = scale * LOG2E
+    m_i = tl.full([TILE_Q * HEADS_PAD], float("-inf"), tl.float32)
+    l_i = tl.zeros([TILE_Q * HEADS_PAD], tl.float32)
+    acc = tl.zeros([TILE_Q * HEADS_PAD, BLOCK_DV], tl.float32)
+    for i in range(0, count):
+        blk = tl.load(UNION + tile_row * (TILE_Q * N_SELECT) + i)
+        member = tl.max((chosen == blk).to(tl.int32), axis=1) > 0
+        pos = blk * SEL_BLOCK + offs_s
+        s_ok = (offs_s < SEL_BLOCK) & (pos < T)
+        row_k = (b * T + pos).to(tl.int64) * G + g
+        k = tl.load(K + row_k[:, None] * DK + offs_dk[None, :], mask=s_ok[:, None] & (offs_dk < DK)[None, :],
+                    other=0.0)
+        v = tl.load(V + row_k[:, None] * DV + offs_dv[None, :], mask=s_ok[:, None] & (offs_dv < DV)[None, :],
+                    other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+        vis = (member & r_ok)[:, None] & s_ok[None, :] & (pos[None, :] <= t[:, None])
+        s = tl.where(vis, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that saw nothing yet adds 0
+        p = tl.exp2(s - m_safe[:, None])
+        alpha = tl.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    has_key = l_i > 0
+    l_safe = tl.where(has_key, l_i, 1.0)
+    o = acc / l_safe[:, None]
+    lse = tl.where(has_key, (m_i + tl.log2(l_safe)) / LOG2E, float("-inf"))
+    tl.store(O + row_q[:, None] * DV + offs_dv[None, :], o.to(O.dtype.element_ty),
+             mask=r_ok[:, None] & (offs_dv < DV)[None, :])
+    tl.store(LSE + row_q, lse, mask=r_ok)
+
+
+@triton.jit
+def selected_tiled_bwd_dq_kernel(Q, K, V, BLOCKS, UNION, COUNT, DO, LSE, DELTA, DQ, T, num_tiles, scale,
+                                 H: tl.constexpr, G: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+                                 BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, SEL_BLOCK: tl.constexpr,
+                                 BLOCK_S: tl.constexpr, N_SELECT: tl.constexpr, N_PAD: tl.constexpr,
+                                 HEADS_PAD: tl.constexpr, TILE_Q: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    HPG: tl.constexpr = H // G
+    b, g, t, r_ok, row_q = _tile_rows(T, H, G, HPG, HEADS_PAD, TILE_Q)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_dk = tl.arange(0, BLOCK_DK)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    q = tl.load(Q + row_q[:, None] * DK + offs_dk[None, :], mask=r_ok[:, None] & (offs_dk < DK)[None, :], other=0.0)
+    do = tl.load(DO + row_q[:, None] * DV + offs_dv[None, :], mask=r_ok[:, None] & (offs_dv < DV)[None, :],
+                 other=0.0)
+    lse2 = tl.load(LSE + row_q, mask=r_ok, other=0.0) * LOG2E
+    delta = tl.load(DELTA + row_q, mask=r_ok, other=0.0)
+    chosen = _tile_choices(BLOCKS, b, g, t, T, G, N_SELECT, N_PAD)
+    tile_row = (b * num_tiles + tl.program_id(0)).to(tl.int64) * G + g
+    count = tl.load(COUNT + tile_row)
+
+    qk_scale = scale * LOG2E
+    dq = tl.zeros([TILE_Q * HEADS_PAD, BLOCK_DK], tl.float32)
+    for i in range(0, count):
+        blk = tl.load(UNION + tile_row * (TILE_Q * N_SELECT) + i)
+        member = tl.max((chosen == blk).to(tl.int32), axis=1) > 0
+        pos = blk * SEL_BLOCK + offs_s
+        s_ok = (offs_s < SEL_BLOCK) & (pos < T)
+        row_k = (b * T + pos).to(tl.int64) * G + g
+        k = tl.load(K + row_k[:, None] * DK + offs_dk[None, :], mask=s_ok[:, None] & (offs_dk < DK)[None, :],
+                    other=0.0)
+        v = tl.load(V + row_k[:, None] * DV + offs_dv[None, :], mask=s_ok[:, None] & (offs_dv < DV)[None, :],
+                    other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+        vis = (member & r_ok)[:, None] & s_ok[None, :] & (pos[None, :] <= t[:, None])
+        p = tl.where(vis, tl.exp2(s - lse2[:, None]), 0.0)
+        dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
+        ds = p * (dp - delta[:, None])
+        dq += tl.dot(ds.to(k.dtype), k, input_precision=DOT_PRECISION)
+    dq = dq * scale
+    tl.store(DQ + row_q[:, None] * DK + offs_dk[None, :], dq.to(DQ.dtype.element_ty),
+             mask=r_ok[:, None] & (offs_dk < DK)[None, :])

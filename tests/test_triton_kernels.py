@@ -1,0 +1,269 @@
+"""The Triton backend against the naive float64 reference (NSA_SPEC.md invariants).
+
+Without CUDA the kernels run in Triton's interpreter on CPU: triton.jit reads TRITON_INTERPRET when a kernel is
+defined, so this module sets it only while it imports the backend and restores the environment at once (other
+test modules see what they started with). The interpreter costs about a millisecond per op and program, hence
+the small shapes. On a CUDA host the same tests run compiled, on CUDA tensors.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+
+import pytest
+import torch
+
+from nsa_model.config import NSAConfig
+from nsa_model.ops import reference
+
+ON_GPU = torch.cuda.is_available()
+DEVICE = "cuda" if ON_GPU else "cpu"
+
+
+def _import_triton_backend():
+    if ON_GPU:
+        return importlib.import_module("nsa_model.ops.triton_impl")
+    saved = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        module = importlib.import_module("nsa_model.ops.triton_impl")
+        # The interpreter imports gluon at its first launch, and gluon checks the variable on import: do it now.
+        importlib.import_module("triton.experimental.gluon")
+    finally:
+        if saved is None:
+            del os.environ["TRITON_INTERPRET"]
+        else:
+            os.environ["TRITON_INTERPRET"] = saved
+    if not module.INTERPRETED:
+        raise RuntimeError("nsa_model.ops.triton_impl was imported before this module without TRITON_INTERPRET=1; "
+                           "its kernels are compiled for CUDA and cannot run on this CPU-only host")
+    return module
+
+
+triton_impl = _import_triton_backend()
+
+NAMES = ("q", "k_slc", "v_slc", "k_win", "v_win", "k_cmp", "v_cmp", "gates")
+FP32_TOL = 2e-5
+
+
+def make_inputs(B, T, H, G, Dk, Dv, cfg: NSAConfig, seed: int, dtype=torch.float64):
+    gen = torch.Generator().manual_seed(seed)
+    tc = cfg.num_cmp_tokens(T)
+    shapes = {"q": (B, T, H, Dk), "k_slc": (B, T, G, Dk), "v_slc": (B, T, G, Dv), "k_win": (B, T, G, Dk),
+              "v_win": (B, T, G, Dv), "k_cmp": (B, tc, G, Dk), "v_cmp": (B, tc, G, Dv)}
+    inputs = {name: torch.randn(*shape, generator=gen, dtype=torch.float64) for name, shape in shapes.items()}
+    inputs["gates"] = torch.rand(B, T, H, 3, generator=gen, dtype=torch.float64)
+    return {name: x.to(dtype) for name, x in inputs.items()}
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    """||a - b|| / ||b||, absolute where b is (nearly) zero, e.g. the key gradient of a one-key softmax."""
+    a, b = a.detach().double().cpu(), b.detach().double().cpu()
+    return ((a - b).norm() / b.norm().clamp_min(1.0)).item()
+
+
+def same_block_sets(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return torch.equal(a.cpu().sort(-1).values, b.cpu().sort(-1).values)
+
+
+# Cases: 6 heads per group with Dk != Dv; GQA with two groups and batch 2; T < l (no compressed token);
+# T = 1. All T are not multiples of the block sizes; the first two make real choices (more candidates than n).
+CASES = {
+    "h6_dk16_dv32_T45": dict(B=1, T=45, H=6, G=1, Dk=16, Dv=32,
+                             cfg=NSAConfig(cmp_block=16, cmp_stride=8, sel_block=16, n_selected=3, window=24)),
+    "g2_b2_T37": dict(B=2, T=37, H=4, G=2, Dk=16, Dv=16,
+                      cfg=NSAConfig(cmp_block=8, cmp_stride=4, sel_block=8, n_selected=3, window=8,
+                                    n_init_blocks=1, n_local_blocks=1)),
+    "T_below_l": dict(B=1, T=11, H=2, G=1, Dk=16, Dv=16,
+                      cfg=NSAConfig(cmp_block=16, cmp_stride=8, sel_block=16, n_selected=3, window=4)),
+    "T1": dict(B=1, T=1, H=2, G=2, Dk=16, Dv=16, cfg=NSAConfig(cmp_block=16, cmp_stride=8, sel_block=16,
+                                                               n_selected=3, window=4)),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_nsa_matches_reference(case):
+    """Invariant 1: output, all eight input gradients and the selected block sets match the float64 reference."""
+    c = CASES[case]
+    cfg = c["cfg"]
+    inputs = make_inputs(c["B"], c["T"], c["H"], c["G"], c["Dk"], c["Dv"], cfg, seed=len(case))
+    scale = c["Dk"] ** -0.5
+
+    ref_in = {n: x.clone().requires_grad_() for n, x in inputs.items()}
+    o_ref, blocks_ref = reference.nsa_attention(*ref_in.values(), cfg, scale=scale, return_blocks=True)
+    grad_out = torch.randn_like(o_ref)
+    o_ref.backward(grad_out)
+
+    tri_in = {n: x.float().to(DEVICE).requires_grad_() for n, x in inputs.items()}
+    o, blocks = triton_impl.nsa_attention(*tri_in.values(), cfg, scale=scale, return_blocks=True)
+    o.backward(grad_out.float().to(DEVICE))
+
+    assert same_block_sets(blocks, blocks_ref)
+    assert torch.isfinite(o).all()
+    assert rel_err(o, o_ref) <= FP32_TOL
+    for name in NAMES:
+        if inputs[name].numel() == 0:  # no compressed tokens: an empty gradient is the right one
+            continue
+        assert torch.isfinite(tri_in[name].grad).all(), name
+        assert rel_err(tri_in[name].grad, ref_in[name].grad) <= FP32_TOL, name
+
+
+def test_selection_across_chunks_matches_reference():
+    """More blocks than one 16-block chunk of the selection kernel: the running top-n merge and the carry of
+    compressed tokens that straddle a chunk boundary must give the reference's sets."""
+    cfg = NSAConfig(cmp_block=16, cmp_stride=8, sel_block=16, n_selected=5, window=16, n_init_blocks=2)
+    B, T, H, G, Dk = 1, 300, 2, 1, 16
+    inputs = make_inputs(B, T, H, G, Dk, Dk, cfg, seed=3)
+    q, k_cmp, v_cmp = inputs["q"], inputs["k_cmp"], inputs["v_cmp"]
+    scale = Dk ** -0.5
+    _, lse_ref = reference.compressed_attention(q, k_cmp, v_cmp, cfg, scale)
+    blocks_ref = reference.select_blocks(q, k_cmp, lse_ref, cfg, scale)
+    _, lse = triton_impl.compressed_attention(q.float().to(DEVICE), k_cmp.float().to(DEVICE),
+                                              v_cmp.float().to(DEVICE), cfg, scale)
+    assert rel_err(lse[:, cfg.cmp_block - 1:], lse_ref[:, cfg.cmp_block - 1:]) <= FP32_TOL
+    blocks = triton_impl.select_blocks(q.float().to(DEVICE), k_cmp.float().to(DEVICE), lse, cfg, scale)
+    assert same_block_sets(blocks, blocks_ref)
+    # Invariant 4 directly: |S| = min(n, |C(t)|) and the forced blocks are in S.
+    t = torch.arange(T)
+    count = (blocks.cpu() >= 0).sum(-1)[0, :, 0]
+    assert torch.equal(count, torch.clamp(t // cfg.sel_block + 1, max=cfg.n_selected))
+    chosen = blocks.cpu()[0, :, 0]
+    current = t // cfg.sel_block
+    for forced in (torch.zeros_like(t), torch.ones_like(t), current, current - 1):
+        valid = (forced >= 0) & (forced <= current)
+        assert ((chosen == forced[:, None]).any(-1) | ~valid).all()
+
+
+def test_causality_under_perturbation():
+    """Invariant 2: changing every input after t0 (and the compressed tokens t0 cannot see) leaves o[:, :t0+1]
+    and the selection up to t0 unchanged."""
+    cfg = NSAConfig(cmp_block=8, cmp_stride=4, sel_block=8, n_selected=3, window=8,
+                    n_init_blocks=1, n_local_blocks=1)
+    B, T, H, G, D, t0 = 1, 40, 2, 1, 16, 21
+    base = make_inputs(B, T, H, G, D, D, cfg, seed=5, dtype=torch.float32)
+    moved = make_inputs(B, T, H, G, D, D, cfg, seed=6, dtype=torch.float32)
+    visible = cfg.num_cmp_tokens(t0 + 1)
+    mixed = {}
+    for name, x in base.items():
+        x = x.clone()
+        cut = visible if name in ("k_cmp", "v_cmp") else t0 + 1
+        x[:, cut:] = moved[name][:, cut:]
+        mixed[name] = x
+    scale = D ** -0.5
+    o_a, b_a = triton_impl.nsa_attention(*(x.to(DEVICE) for x in base.values()), cfg, scale=scale,
+                                         return_blocks=True)
+    o_b, b_b = triton_impl.nsa_attention(*(x.to(DEVICE) for x in mixed.values()), cfg, scale=scale,
+                                         return_blocks=True)
+    assert torch.equal(o_a[:, : t0 + 1], o_b[:, : t0 + 1])
+    assert torch.equal(b_a[:, : t0 + 1], b_b[:, : t0 + 1])
+    assert not torch.equal(o_a[:, t0 + 1:], o_b[:, t0 + 1:])  # the perturbation did reach the later outputs
+
+
+def test_fp16_branches_match_reference():
+    """Half precision in the interpreter (bf16 is only checked on the GPU: the interpreter mishandles it)."""
+    cfg = NSAConfig(cmp_block=8, cmp_stride=4, sel_block=8, n_selected=3, window=8,
+                    n_init_blocks=1, n_local_blocks=1)
+    B, T, H, G, D = 1, 30, 2, 1, 16
+    x = make_inputs(B, T, H, G, D, D, cfg, seed=7)
+    scale = D ** -0.5
+    half = {n: t.half().to(DEVICE) for n, t in x.items()}
+    o_win = triton_impl.window_attention(half["q"], half["k_win"], half["v_win"], cfg.window, scale)
+    o_cmp, _ = triton_impl.compressed_attention(half["q"], half["k_cmp"], half["v_cmp"], cfg, scale)
+    ref_in = {n: t.half().double() for n, t in x.items()}
+    assert rel_err(o_win, reference.window_attention(ref_in["q"], ref_in["k_win"], ref_in["v_win"], cfg.window,
+                                                     scale)) <= 2e-3
+    assert rel_err(o_cmp, reference.compressed_attention(ref_in["q"], ref_in["k_cmp"], ref_in["v_cmp"], cfg,
+                                                         scale)[0]) <= 2e-3
+
+
+def test_bad_inputs_are_refused():
+    cfg = NSAConfig(cmp_block=8, cmp_stride=4, sel_block=8, n_selected=3, window=8)
+    x = make_inputs(1, 16, 2, 1, 16, 16, cfg, seed=8)  # float64: not a dtype of this backend
+    with pytest.raises(ValueError, match="q: the triton backend takes"):
+        triton_impl.window_attention(x["q"].to(DEVICE), x["k_win"].to(DEVICE), x["v_win"].to(DEVICE), 8, 0.25)
+    with pytest.raises(ValueError, match="LaunchConfig.range_block_m"):
+        triton_impl.LaunchConfig(range_block_m=48)
+    with pytest.raises(ValueError, match="LaunchConfig.slc_kernel"):
+        triton_impl.LaunchConfig(slc_kernel="tiles")
+    with pytest.raises(ValueError, match="LaunchConfig.gate_kernel"):
+        triton_impl.LaunchConfig(gate_kernel="fast")
+    with pytest.raises(ValueError, match="blocks: expected int32"):
+        q = x["q"].float().to(DEVICE)
+        triton_impl.selected_attention(q, x["k_slc"].float().to(DEVICE), x["v_slc"].float().to(DEVICE),
+                                       torch.zeros(1, 16, 1, 3, dtype=torch.int64, device=DEVICE), cfg, 0.25)
+
+
+@pytest.mark.parametrize("slc_kernel,tile_rows", [("per_query", 64), ("tiled", 16), ("tiled", 64)])
+@pytest.mark.parametrize("structured", [False, True])
+def test_selected_variants_match_reference(slc_kernel, tile_rows, structured):
+    """Both selected-attention kernels (per query, and per tile of queries walking the union of their blocks),
+    forward and all three gradients, on random choices (large unions, -1 padding, blocks after t) and on
+    structured ones (neighbouring queries share most blocks, as in trained models)."""
+    cfg = NSAConfig(cmp_block=8, cmp_stride=4, sel_block=8, n_selected=3, window=8)
+    B, T, H, G, Dk, Dv = 2, 43, 6, 2, 16, 32
+    x = make_inputs(B, T, H, G, Dk, Dv, cfg, seed=11)
+    gen = torch.Generator().manual_seed(12)
+    num_blocks = (T + cfg.sel_block - 1) // cfg.sel_block
+    # Column 0 is the query's own block (forced, as in NSA); columns 1-2 are two other distinct blocks, possibly
+    # after the query (the causal mask must drop them) or -1; structured: shared by each run of 8 queries.
+    runs = (T + 7) // 8 if structured else T
+    others = torch.stack([torch.randperm(num_blocks - 1, generator=gen)[:2] for _ in range(B * runs * G)])
+    others = others.view(B, runs, G, 2)
+    if structured:
+        others = others.repeat_interleave(8, dim=1)[:, :T]
+    current = (torch.arange(T) // cfg.sel_block).view(1, T, 1, 1).expand(B, T, G, 1)
+    others = (current + 1 + others) % num_blocks
+    if not structured:
+        others = torch.where(torch.rand(others.shape, generator=gen) < 0.2, -1, others)
+    blocks = torch.cat([current, others], dim=-1)
+    blocks = blocks.to(torch.int32)
+    scale = Dk ** -0.5
+    ref_in = [x[n].clone().requires_grad_() for n in ("q", "k_slc", "v_slc")]
+    o_ref = reference.selected_attention(*ref_in, blocks.long(), cfg, scale)
+    grad_out = torch.randn_like(o_ref)
+    o_ref.backward(grad_out)
+    tri_in = [x[n].float().to(DEVICE).requires_grad_() for n in ("q", "k_slc", "v_slc")]
+    launch = triton_impl.LaunchConfig(slc_kernel=slc_kernel, slc_tile_rows=tile_rows, dkdv_rows=32, dkdv_chunk=64)
+    with triton_impl.use_launch_config(launch):
+        o = triton_impl.selected_attention(*tri_in, blocks.to(DEVICE), cfg, scale)
+        o.backward(grad_out.float().to(DEVICE))
+    assert rel_err(o, o_ref) <= FP32_TOL
+    for name, a, r in zip(("dq", "dk", "dv"), tri_in, ref_in):
+        assert rel_err(a.grad, r.grad) <= FP32_TOL, name
+
+
+def test_tile_block_union():
+    """Each tile's union is its queries' distinct valid blocks, ascending, counted, padded after the count."""
+    gen = torch.Generator().manual_seed(13)
+    blocks = torch.randint(-1, 9, (2, 21, 3, 4), generator=gen, dtype=torch.int32)
+    union, count = triton_impl.tile_block_union(blocks, 8)
+    assert union.shape == (2, 3, 3, 32) and count.shape == (2, 3, 3)
+    for b in range(2):
+        for tile in range(3):
+            for g in range(3):
+                chosen = blocks[b, tile * 8:(tile + 1) * 8, g].flatten()
+                expected = torch.unique(chosen[chosen >= 0])  # sorted
+                c = int(count[b, tile, g])
+                assert c == expected.numel()
+                assert torch.equal(union[b, tile, g, :c].long(), expected.long())
+
+
+def test_fused_gated_sum_matches_torch():
+    """The fused gate kernels (forward; backward to the gates and all three branch outputs) against autograd of
+    the eager formula, with a head dim that is not a power of two and rows that do not fill the last program."""
+    gen = torch.Generator().manual_seed(14)
+    B, T, H, Dv = 2, 7, 3, 24
+    outs = [torch.randn(B, T, H, Dv, generator=gen, dtype=torch.float64) for _ in range(3)]
+    gates = torch.rand(B, T, H, 3, generator=gen, dtype=torch.float64)
+    grad_out = torch.randn(B, T, H, Dv, generator=gen, dtype=torch.float64)
+    ref_in = [x.clone().requires_grad_() for x in (gates, *outs)]
+    o_ref = ref_in[0][..., 0:1] * ref_in[1] + ref_in[0][..., 1:2] * ref_in[2] + ref_in[0][..., 2:3] * ref_in[3]
+    o_ref.backward(grad_out)
+    tri_in = [x.float().to(DEVICE).requires_grad_() for x in (gates, *outs)]
+    with triton_impl.use_launch_config(triton_impl.LaunchConfig(gate_kernel="fused")):
+        o = triton_impl.gated_sum(*tri_in)
+    o.backward(grad_out.float().to(DEVICE))
+    assert rel_err(o, o_ref) <= FP32_TOL
+    for name, a, r in zip(("gates", "o_cmp", "o_slc", "o_win"), tri_in, ref_in):
+        assert rel_err(a.grad, r.grad) <= FP32_TOL, name
