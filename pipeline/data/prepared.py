@@ -1,0 +1,159 @@
+"""Prepared data: packed blocks written once as Parquet shards plus a manifest, read by training.
+
+    <dir>/manifest.json          tokenizer (name, sha256, vocab, eos), seq_len, dtype, per split: blocks,
+                                 tokens, shards [{path, first_index, blocks}], the DataStats counts
+    <dir>/tokenizer.json         a copy, when the tokenizer is a file
+    <dir>/<split>/shard-00000.parquet   columns index (int64), tokens (fixed_size_list<uint16|int32>)
+
+The folder appears atomically (written aside, then renamed), so a half-written one is never read.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import ray
+from tqdm import tqdm
+
+from pipeline.data.config import DataConfig
+from pipeline.data.packing import block_dtype
+from pipeline.data.split import SPLITS
+from pipeline.data.stats import DataStats, StatsRecorder
+from pipeline.data.tokenizer import copy_tokenizer, load_tokenizer
+
+MANIFEST = "manifest.json"
+FORMAT_VERSION = 1
+
+
+def default_packed_dir(cfg: DataConfig) -> Path:
+    """outputs/packed/<source>-<tokenizer hash>-L<seq_len>-v<val_fraction>-s<seed>."""
+    source = cfg.source.rstrip("/").split("/")[-1].replace(".parquet", "") or "source"
+    sha = load_tokenizer(cfg).sha256[:10]
+    return (Path(cfg.output_dir).resolve() / "packed"
+            / f"{source}-{sha}-L{cfg.seq_len}-v{cfg.val_fraction:g}-s{cfg.shuffle_seed}")
+
+
+def prepare_blocks(cfg: DataConfig, out_dir: Path, *, progress: bool = True) -> dict:
+    """Stream both splits of cfg (its source, not its packed_dir) into shards under out_dir."""
+    from pipeline.data.dataset import block_dataset, resolved_config
+
+    out_dir = Path(out_dir).resolve()
+    if (out_dir / MANIFEST).exists():
+        raise ValueError(f"prepared data already exists at {out_dir}; delete it or choose another folder")
+    cfg = resolved_config(cfg.replace(packed_dir=None))
+    tokenizer = load_tokenizer(cfg)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}-", dir=out_dir.parent))
+    try:
+        manifest = {
+            "format": FORMAT_VERSION, "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "data_config": cfg.to_dict(), "seq_len": cfg.seq_len, "block_len": cfg.block_len,
+            "dtype": block_dtype(tokenizer.vocab_size).name,
+            "tokenizer": {"name": tokenizer.name, "sha256": tokenizer.sha256,
+                          "vocab_size": tokenizer.vocab_size, "eos_id": tokenizer.eos_id},
+            "splits": {},
+        }
+        for split in SPLITS:
+            recorder = StatsRecorder()
+            ds = block_dataset(cfg, split, stats=recorder)
+            shards = _write_split(ds, tmp / split, cfg, split, progress)
+            stats = recorder.snapshot() or DataStats()
+            blocks = sum(s["blocks"] for s in shards)
+            if blocks != stats.blocks:
+                raise RuntimeError(f"{split}: wrote {blocks} blocks but the packer made {stats.blocks}")
+            manifest["splits"][split] = {"blocks": blocks, "tokens": blocks * cfg.block_len,
+                                         "shards": shards, "stats": stats.to_json()}
+        copy_tokenizer(tokenizer, tmp)
+        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2))
+        tmp.chmod(0o755)
+        os.rename(tmp, out_dir)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return manifest
+
+
+def _write_split(ds: ray.data.Dataset, folder: Path, cfg: DataConfig, split: str, progress: bool) -> list[dict]:
+    folder.mkdir(parents=True)
+    shards, expected = [], 0
+    bar = tqdm(desc=f"prepare {split}", unit=" blocks", disable=not progress)
+    for batch in ds.iter_batches(batch_size=cfg.shard_blocks, batch_format="numpy"):
+        index, tokens = batch["index"], batch["tokens"]
+        if not np.array_equal(index, np.arange(expected, expected + len(index))):
+            raise RuntimeError(f"{split}: block stream out of order at block {expected}")
+        expected += len(index)
+        name = f"{split}/shard-{len(shards):05d}.parquet"
+        flat = pa.array(np.ascontiguousarray(tokens).reshape(-1))
+        table = pa.table({"index": pa.array(index, pa.int64()),
+                          "tokens": pa.FixedSizeListArray.from_arrays(flat, cfg.block_len)})
+        pq.write_table(table, folder.parent / name, row_group_size=1024)
+        shards.append({"path": name, "first_index": int(index[0]), "blocks": len(index)})
+        bar.update(len(index))
+    bar.close()
+    return shards
+
+
+def read_manifest(packed_dir: str | Path) -> dict:
+    path = Path(packed_dir) / MANIFEST
+    if not path.is_file():
+        raise ValueError(f"DataConfig.packed_dir: no {MANIFEST} in {str(packed_dir)!r}; run jobs/prepare_data.py")
+    manifest = json.loads(path.read_text())
+    if manifest.get("format") != FORMAT_VERSION:
+        raise ValueError(f"DataConfig.packed_dir: {path} has format {manifest.get('format')}, expected {FORMAT_VERSION}")
+    return manifest
+
+
+def check_manifest(cfg: DataConfig, manifest: dict) -> None:
+    """Refuse prepared data made with another seq_len or tokenizer than cfg's."""
+    if manifest["seq_len"] != cfg.seq_len:
+        raise ValueError(f"DataConfig.seq_len: {cfg.seq_len}, but {cfg.packed_dir} was prepared with "
+                         f"seq_len {manifest['seq_len']}")
+    sha = load_tokenizer(cfg).sha256
+    if manifest["tokenizer"]["sha256"] != sha:
+        raise ValueError(f"DataConfig.tokenizer: {cfg.tokenizer!r} (sha256 {sha[:12]}) is not the tokenizer "
+                         f"{cfg.packed_dir} was prepared with ({manifest['tokenizer']['name']}, "
+                         f"sha256 {manifest['tokenizer']['sha256'][:12]})")
+
+
+def prepared_stats(cfg: DataConfig, split: str) -> DataStats:
+    return DataStats.from_json(read_manifest(cfg.resolve_path(cfg.packed_dir))["splits"][split]["stats"])
+
+
+def read_prepared_blocks(cfg: DataConfig, split: str, *, start_block: int = 0,
+                         stats: StatsRecorder | None = None) -> ray.data.Dataset:
+    packed_dir = cfg.resolve_path(cfg.packed_dir)
+    manifest = read_manifest(packed_dir)
+    check_manifest(cfg, manifest)
+    info = manifest["splits"][split]
+    if stats is not None:
+        stats.record("manifest", DataStats.from_json(info["stats"]))
+    # Whole shards before start_block are never opened.
+    paths = [os.path.join(packed_dir, s["path"]) for s in info["shards"]
+             if s["first_index"] + s["blocks"] > start_block]
+    if not paths:  # nothing left to read: one empty item keeps the dataset's schema-free shape valid
+        paths = [None]
+    items = ray.data.from_items([{"path": p} for p in paths], override_num_blocks=len(paths))
+    ds = items.map_batches(read_shards, batch_size=1, batch_format="pyarrow", num_cpus=0.25,
+                           fn_kwargs={"start_block": start_block, "block_len": cfg.block_len})
+    ds.context.execution_options.preserve_order = True
+    return ds
+
+
+def read_shards(items: pa.Table, start_block: int, block_len: int):
+    for path in items.column("path").to_pylist():
+        if path is None:
+            continue
+        pf = pq.ParquetFile(path)
+        for batch in pf.iter_batches(columns=["index", "tokens"]):
+            index = batch.column("index").to_numpy()
+            tokens = batch.column("tokens").flatten().to_numpy().reshape(-1, block_len)
+            keep = index >= start_block
+            if keep.any():
+                yield {"index": index[keep], "tokens": tokens[keep]}

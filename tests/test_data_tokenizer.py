@@ -1,0 +1,94 @@
+"""Tokenizers: BPE training round trip, the byte tokenizer, EOS placement, and clear load errors."""
+
+import numpy as np
+import pytest
+
+from pipeline.data.config import DataConfig
+from pipeline.data.tokenizer import ByteTokenizer, load_tokenizer, train_bpe
+from test_data_fixtures import fineweb_rows
+
+TEXTS = [r["text"] for r in fineweb_rows("tok", 300, seed=5)] + ["Ünïcödé — ok ✓ 日本語"]
+
+
+@pytest.fixture(scope="module")
+def bpe_path(tmp_path_factory):
+    return train_bpe(iter(TEXTS), 400, tmp_path_factory.mktemp("tok") / "tokenizer.json")
+
+
+def test_bpe_training_round_trip(bpe_path):
+    tok = load_tokenizer(DataConfig(tokenizer=str(bpe_path)))
+    assert tok.vocab_size == 400 and tok.eos_id == 0  # <|endoftext|> is the first special token
+    ids = tok.encode_batch(TEXTS)
+    assert [tok.decode(x) for x in ids] == TEXTS  # byte-level: every string survives
+    assert max(len(x) for x in ids) < max(len(t.encode()) for t in TEXTS)  # merges were learned
+    assert all(tok.eos_id not in x for x in ids)  # no special tokens added to documents
+    again = load_tokenizer(DataConfig(tokenizer=str(bpe_path)))
+    assert again.sha256 == tok.sha256 and len(tok.sha256) == 64
+
+
+def test_training_is_deterministic(bpe_path, tmp_path):
+    other = train_bpe(iter(TEXTS), 400, tmp_path / "tokenizer.json")
+    assert other.read_text() == bpe_path.read_text()
+
+
+def test_encode_docs_puts_one_eos_after_each_document(bpe_path):
+    tok = load_tokenizer(DataConfig(tokenizer=str(bpe_path)))
+    stream, lengths = tok.encode_docs(TEXTS[:5] + [""])
+    ids = tok.encode_batch(TEXTS[:5] + [""])
+    expected = [t for x in ids for t in x + [tok.eos_id]]
+    assert stream.tolist() == expected and lengths.tolist() == [len(x) for x in ids]
+
+
+def test_byte_tokenizer():
+    tok = load_tokenizer(DataConfig(tokenizer="bytes"))
+    assert isinstance(tok, ByteTokenizer) and tok.vocab_size == 257 and tok.eos_id == 256
+    stream, lengths = tok.encode_docs(["hé", "", "x"])
+    assert stream.tolist() == [104, 0xC3, 0xA9, 256, 256, 120, 256] and lengths.tolist() == [3, 0, 1]
+    assert tok.encode_batch(["hé"]) == [[104, 0xC3, 0xA9]]
+
+
+def test_missing_tokenizer_file_is_a_clear_error(tmp_path):
+    with pytest.raises(ValueError, match="does not exist"):
+        load_tokenizer(DataConfig(tokenizer=str(tmp_path / "nope.json")))
+
+
+def test_hf_name_not_available_offline_is_a_clear_error():
+    with pytest.raises(ValueError, match="cannot load 'no-such-org/no-such-tokenizer' offline"):
+        load_tokenizer(DataConfig(tokenizer="no-such-org/no-such-tokenizer"))
+
+
+def test_tiktoken_unavailable_is_a_clear_error():
+    with pytest.raises(ValueError, match="tiktoken"):
+        load_tokenizer(DataConfig(tokenizer="tiktoken:cl100k_base"))
+
+
+def test_eos_token_must_exist(bpe_path):
+    with pytest.raises(ValueError, match="DataConfig.eos_token"):
+        load_tokenizer(DataConfig(tokenizer=str(bpe_path), eos_token="<|nope|>"))
+
+
+def test_hf_tokenizer_folder_loads_through_autotokenizer(bpe_path, tmp_path):
+    from transformers import PreTrainedTokenizerFast
+    PreTrainedTokenizerFast(tokenizer_file=str(bpe_path), eos_token="<|endoftext|>").save_pretrained(tmp_path)
+    tok = load_tokenizer(DataConfig(tokenizer=str(tmp_path)))
+    assert tok.eos_id == 0 and tok.vocab_size == 400
+    assert tok.encode_batch(TEXTS[:3]) == load_tokenizer(DataConfig(tokenizer=str(bpe_path))).encode_batch(TEXTS[:3])
+
+
+def test_tokenizer_training_stage_of_the_prepare_job(tmp_path):
+    import importlib.util
+    from pathlib import Path
+
+    from test_data_fixtures import write_corpus
+
+    job_file = Path(__file__).resolve().parent.parent / "jobs" / "prepare_data.py"
+    spec = importlib.util.spec_from_file_location("prepare_data_job", job_file)
+    job = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(job)
+    src = write_corpus(tmp_path / "src", files=2, docs_per_file=40)
+    out = job.main(["--train-tokenizer", str(tmp_path / "bpe.json"), "--set", f"data.source={src}",
+                    "--set", "data.vocab_size=320", "--set", "data.tokenizer_train_docs=50"])
+    tok = load_tokenizer(DataConfig(tokenizer=str(out)))
+    assert tok.vocab_size == 320 and tok.eos_id == 0
+    text = "the sparse attention model"
+    assert tok.decode(tok.encode_batch([text])[0]) == text
