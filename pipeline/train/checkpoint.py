@@ -1,0 +1,98 @@
+"""The checkpoint: everything needed to continue the same run, loaded without unpickling arbitrary objects.
+
+A checkpoint directory holds
+    train_state.pt   rank 0: model and optimizer (full, unsharded state dicts), scheduler, step, next_block,
+                     guard counters; tensors and plain values only, read back with torch.load(weights_only=True)
+    rng_rank<r>.pt   every rank: its torch CPU (and CUDA) generator states
+    config.yaml      rank 0: the resolved JobConfig of the run that wrote it
+Ray Train merges the files that every rank reports into one directory in persistent storage.
+`next_block = step * global_batch`: the first global data block the resumed run consumes (DESIGN.md).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                     get_optimizer_state_dict, set_model_state_dict,
+                                                     set_optimizer_state_dict)
+
+TRAIN_STATE = "train_state.pt"
+CONFIG_FILE = "config.yaml"
+FORMAT_VERSION = 1
+
+
+def rng_file(rank: int) -> str:
+    return f"rng_rank{rank}.pt"
+
+
+@dataclass
+class TrainingPosition:
+    step: int  # optimizer steps done; the next step to run
+    next_block: int  # first global block index not yet consumed
+    guard: dict[str, int]
+
+
+def _full_options() -> StateDictOptions:
+    # Full (unsharded) state on CPU: the same file for DDP and FSDP2, any world size can load it.
+    return StateDictOptions(full_state_dict=True, cpu_offload=True)
+
+
+def rng_state() -> dict[str, Any]:
+    state = {"torch_cpu": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["torch_cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch_cpu"])
+    if "torch_cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["torch_cuda"])
+
+
+def save(directory: Path, *, rank: int, model: nn.Module, optimizer: torch.optim.Optimizer,
+         scheduler: torch.optim.lr_scheduler.LRScheduler, position: TrainingPosition, config_yaml: str) -> None:
+    """Every rank calls this (the state-dict gathers are collectives under FSDP); rank 0 writes the shared files."""
+    model_state = get_model_state_dict(model, options=_full_options())
+    optim_state = get_optimizer_state_dict(model, optimizer, options=_full_options())
+    directory.mkdir(parents=True, exist_ok=True)
+    torch.save(rng_state(), directory / rng_file(rank))
+    if rank == 0:
+        torch.save({"format_version": FORMAT_VERSION, "model": model_state, "optimizer": optim_state,
+                    "scheduler": scheduler.state_dict(), "step": position.step, "next_block": position.next_block,
+                    "guard": position.guard}, directory / TRAIN_STATE)
+        (directory / CONFIG_FILE).write_text(config_yaml)
+
+
+def load(directory: Path, *, rank: int, model: nn.Module, optimizer: torch.optim.Optimizer,
+         scheduler: torch.optim.lr_scheduler.LRScheduler, global_batch: int) -> TrainingPosition:
+    """Restore model, optimizer, scheduler and this rank's RNG; return where training continues."""
+    path = directory / TRAIN_STATE
+    if not path.exists():
+        raise FileNotFoundError(f"checkpoint {directory} has no {TRAIN_STATE}")
+    state = torch.load(path, map_location="cpu", weights_only=True)
+    if state.get("format_version") != FORMAT_VERSION:
+        raise ValueError(f"checkpoint {directory}: format {state.get('format_version')}, expected {FORMAT_VERSION}")
+    if state["next_block"] != state["step"] * global_batch:
+        raise ValueError(f"checkpoint {directory}: next_block {state['next_block']} != step {state['step']} * "
+                         f"global_batch {global_batch}; resuming with a different global batch is not exact")
+    set_model_state_dict(model, state["model"], options=_full_options())
+    set_optimizer_state_dict(model, optimizer, state["optimizer"], options=_full_options())
+    scheduler.load_state_dict(state["scheduler"])
+    rng_path = directory / rng_file(rank)
+    if not rng_path.exists():
+        raise FileNotFoundError(f"checkpoint {directory} has no RNG state for rank {rank} (was it written by a "
+                                f"run with fewer workers?)")
+    set_rng_state(torch.load(rng_path, map_location="cpu", weights_only=True))
+    return TrainingPosition(step=int(state["step"]), next_block=int(state["next_block"]),
+                            guard={k: int(v) for k, v in state["guard"].items()})
+
+
+def load_model_weights(directory: Path) -> dict[str, torch.Tensor]:
+    """The model state dict of a checkpoint (for evaluation or export), without unpickling objects."""
+    return torch.load(Path(directory) / TRAIN_STATE, map_location="cpu", weights_only=True)["model"]

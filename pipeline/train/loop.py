@@ -1,0 +1,360 @@
+"""train_loop_per_worker: what every Ray Train worker runs.
+
+One optimizer step s consumes the global blocks [s*GB, (s+1)*GB) (GB = train.global_batch): rank r of W takes
+those with index % W == r, in index order, `micro_batch` at a time over `grad_accum` forward/backward passes.
+The loop checks that every micro-batch holds exactly the blocks it should, so a data-position bug fails loudly.
+Per step there is one small all-reduce ([loss, finite]) and one host sync (the skip decision of the guard);
+everything else (metrics, NSA statistics) is synced only on the steps that report.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import resource
+import tempfile
+import time
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+import torch.distributed as dist
+
+from pipeline.train import checkpoint as ckpt
+from pipeline.train.config import TrainConfig
+from pipeline.train.guards import NonFiniteGuard, Watchdog, WatchdogTimeout
+from pipeline.train.schedule import build_optimizer, build_scheduler
+
+log = logging.getLogger(__name__)
+
+
+def expected_blocks(step: int, micro: int, *, rank: int, world: int, micro_batch: int, global_batch: int) -> list[int]:
+    """Global block indices of micro-batch `micro` of optimizer step `step` on `rank` (DESIGN.md)."""
+    first = step * global_batch + rank + world * micro * micro_batch
+    return [first + world * j for j in range(micro_batch)]
+
+
+def is_local(uri: str) -> bool:
+    return "://" not in uri
+
+
+# --- model -------------------------------------------------------------------------------------------------------
+
+def build_model(job, device: torch.device) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """(the wrapped model that trains, the bare Transformer underneath). Same seed on every rank: same init."""
+    import ray.train.torch
+
+    from nsa_model.model import Transformer
+
+    t: TrainConfig = job.train
+    torch.manual_seed(t.seed)
+    bare = Transformer(job.model, activation_checkpointing=t.activation_checkpointing).to(device)
+    if t.parallelism == "fsdp":
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        # fp32 parameters (the master copy) are sharded; compute runs in the autocast dtype.
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if t.precision == "bf16" else torch.float32,
+                                  reduce_dtype=torch.float32)
+        for block in bare.blocks:
+            fully_shard(block, mp_policy=mp)
+        fully_shard(bare, mp_policy=mp)
+        return bare, bare
+    # DDP; the model's buffers (RoPE tables, NSA statistics) need no broadcast at every forward.
+    wrapped = ray.train.torch.prepare_model(bare, move_to_device=False,
+                                            parallel_strategy_kwargs={"forward_sync_buffers": False})
+    return wrapped, bare
+
+
+# --- per-interval metrics ------------------------------------------------------------------------------------------
+
+@dataclass
+class Interval:
+    """Sums over the steps since the last report (host values: the per-step sync already brought them)."""
+
+    start: float = field(default_factory=time.perf_counter)
+    steps: int = 0
+    loss_sum: float = 0.0
+    finite_steps: int = 0
+    data_wait_s: float = 0.0
+    compute_s: float = 0.0
+
+    def add(self, loss: float, finite: bool, data_wait_s: float, compute_s: float) -> None:
+        self.steps += 1
+        self.data_wait_s += data_wait_s
+        self.compute_s += compute_s
+        if finite:
+            self.loss_sum += loss
+            self.finite_steps += 1
+
+
+def peak_memory_mb(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB -> MiB (process peak RSS)
+
+
+# --- the loop ------------------------------------------------------------------------------------------------------
+
+def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
+    import ray.train
+
+    from pipeline.data.loader import iter_rank_batches
+    from pipeline.tracking import RunLogger
+
+    job = loop_config["job"]
+    t: TrainConfig = job.train
+    ctx = ray.train.get_context()
+    rank, world = ctx.get_world_rank(), ctx.get_world_size()
+    device = ray.train.torch.get_device()
+    if world != t.num_workers:
+        raise RuntimeError(f"train.num_workers={t.num_workers} but Ray Train started {world} workers")
+    if device.type == "cpu":
+        # As many compute threads as CPUs reserved (at least 1): no oversubscription of the host's cores, and
+        # the same thread count in every run, so CPU results are reproducible across restarts.
+        torch.set_num_threads(max(1, int(t.cpus_per_worker)))
+    run_dir = loop_config["run_dir"]
+    local_run_dir = Path(run_dir) if is_local(run_dir) else None
+
+    model, bare = build_model(job, device)
+    optimizer = build_optimizer(bare, t, device)
+    scheduler = build_scheduler(optimizer, t)
+    guard = NonFiniteGuard(t.max_consecutive_nonfinite)
+    start_step = 0
+    checkpoint = ray.train.get_checkpoint()
+    if checkpoint is not None:
+        with checkpoint.as_directory() as d:
+            position = ckpt.load(Path(d), rank=rank, model=model, optimizer=optimizer, scheduler=scheduler,
+                                 global_batch=t.global_batch)
+        guard.load_state_dict(position.guard)
+        start_step = position.step
+        if rank == 0:
+            print(f"resumed from checkpoint at step {start_step} (next block {position.next_block})", flush=True)
+    forward = torch.compile(model) if t.compile else model
+    autocast = (torch.autocast(device.type, dtype=torch.bfloat16) if t.precision == "bf16"
+                else contextlib.nullcontext())
+    seq_len = job.data.seq_len
+    tokens_per_step = t.global_batch * seq_len
+    flops_per_token = bare.flops_per_token(seq_len)
+    logger = (RunLogger(job.tracking, loop_config["tracking_uri"], loop_config["mlflow_run_id"])
+              if rank == 0 and loop_config.get("mlflow_run_id") else None)
+
+    def batches(split: str, start_block: int) -> Iterator[tuple[torch.Tensor, list[int]]]:
+        shard = ray.train.get_dataset_shard(split)
+        return iter(iter_rank_batches(shard, rank=rank, world_size=world, batch_size=t.micro_batch,
+                                      start_block=start_block))
+
+    train_batches = batches("train", start_step * t.global_batch)
+    dump_dir = str(local_run_dir / "watchdog") if local_run_dir else None
+    interval = Interval()
+    try:
+        with Watchdog(t.watchdog_seconds, rank=rank, dump_dir=dump_dir) as watchdog:
+            for step in range(start_step, t.max_steps):
+                _inject_faults(t, step, rank, watchdog, local_run_dir)
+                loss_value, finite, blocks, wait_s, compute_s, grad_norm, lr = _train_step(
+                    t, step, rank, world, model, forward, autocast, optimizer, scheduler, guard, train_batches,
+                    device, watchdog)
+                interval.add(loss_value, finite, wait_s, compute_s)
+                if t.debug.trace and local_run_dir is not None:
+                    _trace(local_run_dir, rank, {"step": step, "loss": loss_value, "finite": finite, "blocks": blocks,
+                                                  "threads": torch.get_num_threads()})
+                done = step + 1
+                last = done == t.max_steps
+                log_now = done % t.log_every == 0 or last
+                val_now = (t.val_every and done % t.val_every == 0) or last
+                ckpt_now = (t.checkpoint_every and done % t.checkpoint_every == 0) or last
+                if not (log_now or val_now or ckpt_now):
+                    continue
+                metrics = _interval_metrics(interval, t, done, tokens_per_step, flops_per_token, lr, grad_norm,
+                                            guard, device, bare, world)
+                if val_now:
+                    watchdog.beat(step, "validation")
+                    metrics["val_loss"] = _validate(t, bare if t.parallelism == "ddp" else model, autocast,
+                                                    batches("val", 0), device)
+                if rank == 0:
+                    _print_progress(metrics, t)
+                if logger is not None:
+                    logger.log_metrics({k: v for k, v in metrics.items() if k != "step"}, step=done)
+                watchdog.beat(step, "checkpoint" if ckpt_now else "report")
+                _report(metrics, ckpt_now, rank, model, optimizer, scheduler, guard, done, t, job, logger)
+                interval = Interval()
+                if t.debug.stop_after_step == done:
+                    if rank == 0:
+                        print(f"debug: stopping after the checkpoint of step {done}", flush=True)
+                    if logger is not None:
+                        logger.close()
+                    return
+    except WatchdogTimeout:
+        raise WatchdogTimeout(watchdog.fired or "watchdog fired") from None
+    if logger is not None:
+        _log_final_model(logger, bare, job)
+        logger.close()
+
+
+def _train_step(t, step, rank, world, model, forward, autocast, optimizer, scheduler, guard, train_batches, device,
+                watchdog):
+    """One optimizer step (grad_accum micro-batches). Returns host values for the metrics."""
+    wait_s = compute_s = 0.0
+    loss_sum = torch.zeros((), device=device)
+    blocks: list[int] = []
+    lr = scheduler.get_last_lr()[0]
+    for micro in range(t.grad_accum):
+        watchdog.beat(step, "data")
+        t0 = time.perf_counter()
+        try:
+            tokens, indices = next(train_batches)
+        except StopIteration:
+            raise RuntimeError(f"rank {rank}: the training split ran out of blocks at step {step}, micro-batch {micro}; "
+                               f"lower train.max_steps or add data") from None
+        want = expected_blocks(step, micro, rank=rank, world=world, micro_batch=t.micro_batch,
+                               global_batch=t.global_batch)
+        got = [int(i) for i in indices]
+        if got != want:
+            raise RuntimeError(f"rank {rank} step {step} micro-batch {micro}: got blocks {got[:8]}..., expected "
+                               f"{want[:8]}...; the data position is wrong")
+        blocks += got
+        t1 = time.perf_counter()
+        watchdog.beat(step, "forward_backward")
+        tokens = tokens.to(device, non_blocking=True)
+        x, y = tokens[:, :-1], tokens[:, 1:]  # labels are the inputs shifted by one
+        # DDP all-reduces gradients only on the last micro-batch of the step.
+        sync = model.no_sync() if (micro < t.grad_accum - 1 and hasattr(model, "no_sync")) else contextlib.nullcontext()
+        with sync:
+            with autocast:
+                _, loss = forward(x, y)
+            if rank == 0 and step in t.debug.nan_at_steps:
+                loss = loss * float("nan")
+            (loss / t.grad_accum).backward()
+        loss_sum += loss.detach().float()
+        wait_s += t1 - t0
+        compute_s += time.perf_counter() - t1
+    t2 = time.perf_counter()
+    watchdog.beat(step, "optimizer")
+    # The norm is measured here, after backward and before any zero_grad (clip returns the pre-clip norm).
+    max_norm = t.grad_clip if t.grad_clip > 0 else float("inf")
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    if hasattr(grad_norm, "full_tensor"):  # FSDP2 returns a DTensor
+        grad_norm = grad_norm.full_tensor()
+    summary = torch.stack([loss_sum / t.grad_accum, (~torch.isfinite(loss_sum)).float()])
+    if dist.is_initialized():
+        dist.all_reduce(summary)
+    loss_value, nonfinite_ranks, norm_value = torch.cat([summary, grad_norm.detach().float()[None]]).tolist()
+    loss_value /= world
+    finite = nonfinite_ranks == 0 and bool(torch.isfinite(torch.tensor(norm_value)))
+    applied = guard.observe(step, finite)
+    if applied:
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    with warnings.catch_warnings():
+        if not applied:  # a skipped step still advances the schedule (it is tied to the step index)
+            warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step\\(\\)` before")
+        scheduler.step()
+    compute_s += time.perf_counter() - t2
+    return loss_value, finite, blocks, wait_s, compute_s, norm_value, lr
+
+
+def _interval_metrics(iv: Interval, t: TrainConfig, done: int, tokens_per_step: int, flops_per_token: float,
+                      lr: float, grad_norm: float, guard: NonFiniteGuard, device, bare, world: int) -> dict[str, float]:
+    elapsed = time.perf_counter() - iv.start
+    tokens_per_s = iv.steps * tokens_per_step / max(elapsed, 1e-9)
+    metrics = {
+        "step": done, "tokens_seen": done * tokens_per_step,
+        "train_loss": iv.loss_sum / iv.finite_steps if iv.finite_steps else float("nan"),
+        "lr": lr, "grad_norm": grad_norm, "tokens_per_s": tokens_per_s,
+        "step_time_s": elapsed / iv.steps, "data_wait_s": iv.data_wait_s / iv.steps,
+        "compute_s": iv.compute_s / iv.steps, "peak_mem_mb": peak_memory_mb(device),
+        "skipped_steps": guard.skipped_total,
+    }
+    if t.peak_tflops_per_device is not None:
+        metrics["mfu"] = flops_per_token * tokens_per_s / (t.peak_tflops_per_device * 1e12 * world)
+    for name, value in bare.attention_stats().items():  # the only sync of the NSA statistics
+        metrics[name] = float(value)
+    return metrics
+
+
+@torch.no_grad()
+def _validate(t: TrainConfig, model, autocast, val_batches, device) -> float:
+    """Mean loss over the first val_batches micro-batches of each rank's share of the held-out split."""
+    model.eval()
+    total = torch.zeros(2, device=device)  # [sum of losses, batches]
+    for _ in range(t.val_batches):
+        try:
+            tokens, _ = next(val_batches)
+        except StopIteration:
+            break
+        tokens = tokens.to(device)
+        with autocast:
+            _, loss = model(tokens[:, :-1], tokens[:, 1:])
+        total += torch.stack([loss.float(), torch.ones((), device=device)])
+    model.train()
+    if dist.is_initialized():
+        dist.all_reduce(total)
+    loss_sum, count = total.tolist()
+    if count == 0:
+        raise RuntimeError("validation: the held-out split has no blocks; raise data.val_fraction")
+    return loss_sum / count
+
+
+def _report(metrics, with_checkpoint, rank, model, optimizer, scheduler, guard, done, t, job, logger) -> None:
+    import ray.train
+
+    if not with_checkpoint:
+        ray.train.report(metrics)
+        return
+    position = ckpt.TrainingPosition(step=done, next_block=done * t.global_batch, guard=guard.state_dict())
+    with tempfile.TemporaryDirectory(prefix="nsa-ckpt-") as tmp:
+        ckpt.save(Path(tmp), rank=rank, model=model, optimizer=optimizer, scheduler=scheduler, position=position,
+                  config_yaml=job.to_yaml())
+        if logger is not None:
+            logger.log_checkpoint(tmp, done)
+        ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(tmp),
+                         checkpoint_dir_name=f"checkpoint_step_{done:08d}")
+
+
+def _log_final_model(logger, bare, job) -> None:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    state = get_model_state_dict(bare, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    with tempfile.TemporaryDirectory(prefix="nsa-model-") as tmp:
+        torch.save(state, Path(tmp) / "model.pt")
+        (Path(tmp) / "config.yaml").write_text(job.to_yaml())
+        version = logger.log_final_model(tmp)
+    if version is not None:
+        print(f"registered model {job.tracking.registered_model_name!r} version {version}", flush=True)
+
+
+def _print_progress(m: dict[str, float], t: TrainConfig) -> None:
+    steps_left = t.max_steps - m["step"]
+    eta = steps_left * m["step_time_s"]
+    line = (f"step {m['step']}/{t.max_steps} | loss {m['train_loss']:.4f} | lr {m['lr']:.2e} | "
+            f"{m['tokens_per_s']:.0f} tok/s | ETA {int(eta // 60)}m{int(eta % 60):02d}s")
+    if "val_loss" in m:
+        line += f" | val {m['val_loss']:.4f}"
+    print(line, flush=True)
+
+
+def _trace(run_dir: Path, rank: int, record: dict) -> None:
+    path = run_dir / "trace" / f"rank{rank}.jsonl"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a") as f:
+        f.write(json.dumps({**record, "pid": os.getpid()}) + "\n")
+
+
+def _inject_faults(t: TrainConfig, step: int, rank: int, watchdog: Watchdog, run_dir: Path | None) -> None:
+    """Test hooks (train.debug), all off by default and refused in long runs by preflight."""
+    dbg = t.debug
+    if dbg.fail_at_step == step and rank == dbg.fail_rank and run_dir is not None:
+        marker = run_dir / "debug" / f"failed_at_step_{step}"
+        if not marker.exists():  # die once: the restarted worker passes this step
+            marker.parent.mkdir(parents=True, exist_ok=True)
+            marker.touch()
+            print(f"debug: rank {rank} dies at step {step}", flush=True)
+            os._exit(1)
+    if dbg.stall_at_step == step:
+        watchdog.beat(step, "data")
+        deadline = time.monotonic() + dbg.stall_seconds
+        while time.monotonic() < deadline:  # short sleeps: the watchdog's exception lands between them
+            time.sleep(0.05)

@@ -1,0 +1,687 @@
+"""Ray Tune sweeps of NSA's block sizes against throughput and validation loss (issue 7).
+
+Read top to bottom:
+  1. TuneConfig: what to sweep and how (the `tune:` section of a job YAML), validated when built.
+  2. The search space: every combination of the swept NSA fields, with the ones NSAConfig refuses filtered
+     out before launch (each with a logged reason), so that no trial ever crashes on an invalid config.
+  3. One trial: a Tune function trainable that launches a Ray Train TorchTrainer (build_trainer) whose
+     RunConfig is named by the trial id; a report callback forwards its validation reports to Tune.
+  4. The sweep: Tuner (or Tuner.restore for an interrupted sweep) with ASHA on validation loss, one MLflow
+     parent run, the trials as its child runs, and a summary table plus a Pareto-front plot of throughput
+     against validation loss logged to the parent run.
+
+Metrics of a trial: `tokens_per_s` is the median of the trainer's reported tokens/s over the reports after
+`throughput_warmup_steps` (so compile and warmup are excluded), `val_loss` the last validation loss,
+`peak_mem_mb` the largest reported peak memory.
+"""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import itertools
+import json
+import logging
+import math
+import os
+import statistics
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from nsa_model.config import ModelConfig, NSAConfig
+
+log = logging.getLogger(__name__)
+
+SearchKind = Literal["grid", "random"]
+SchedulerKind = Literal["asha", "fifo"]
+
+# The NSAConfig fields a sweep may vary, in the order they appear in tables.
+SWEPT_FIELDS = ("sel_block", "n_selected", "cmp_block", "cmp_stride", "window")
+
+# Columns of the summary table, in order.
+SUMMARY_COLUMNS = ("trial_id", *SWEPT_FIELDS, "status", "step", "tokens_seen", "tokens_per_s", "val_loss",
+                   "peak_mem_mb", "pareto", "mlflow_run_id")
+
+
+def _require(ok: bool, name: str, why: str) -> None:
+    if not ok:
+        raise ValueError(f"{name}: {why}")
+
+
+def _int_list(value: Any, name: str, *, allow_none: bool) -> tuple[int, ...] | None:
+    if value is None:
+        _require(allow_none, name, "must be a non-empty list of positive ints, got None")
+        return None
+    _require(isinstance(value, (list, tuple)) and len(value) > 0, name,
+             f"must be a non-empty list of positive ints, got {value!r}")
+    for v in value:
+        _require(isinstance(v, int) and not isinstance(v, bool) and v > 0, name,
+                 f"must hold positive ints only, got {v!r} in {list(value)}")
+    _require(len(set(value)) == len(value), name, f"has duplicates: {list(value)}")
+    return tuple(value)
+
+
+@dataclass(frozen=True)
+class TuneConfig:
+    """The `tune:` section of a job config: the sweep over NSA settings and how trials are run."""
+
+    name: str = "nsa-sweep"  # the Tune experiment; rerunning with the same name resumes it
+    storage_path: str = "outputs/ray_results"  # Tune's storage; trials' Train runs go under <name>/trials/
+    search: SearchKind = "grid"  # grid: every valid combination; random: num_samples draws among them
+    num_samples: int = 1  # grid: repeats of the whole grid; random: number of trials
+    seed: int = 0  # random search's seed
+    # Values to sweep; None keeps the model preset's value.
+    sel_block: tuple[int, ...] | None = (16, 32)  # l'
+    n_selected: tuple[int, ...] | None = (4, 8)  # n
+    cmp_block: tuple[int, ...] | None = None  # l
+    cmp_stride: tuple[int, ...] | None = None  # d
+    window: tuple[int, ...] | None = None  # w
+    token_budget: int = 65536  # training tokens of every trial (sets train.max_steps)
+    throughput_warmup_steps: int = 2  # reports at or before this step are left out of tokens/s
+    scheduler: SchedulerKind = "asha"  # asha stops trials whose validation loss lags; fifo runs all to the end
+    grace_period: int = 8  # optimizer steps every trial runs before ASHA may stop it
+    reduction_factor: int = 2  # ASHA keeps 1/reduction_factor of the trials at each rung
+    max_concurrent_trials: int | None = None  # None: as many as the cluster's CPUs/GPUs hold
+    trial_driver_cpus: float = 0.1  # CPU of each trial's driver (it only waits on its TorchTrainer)
+    data_cpus_per_trial: float = 0.5  # CPU left free per trial for its Ray Data reads (else they starve)
+    # Tokenize and pack the data once, before the trials, when data.packed_dir is unset: every trial then
+    # reads the same prepared blocks instead of re-tokenizing, which would also skew its tokens/s.
+    prepare_data: bool = True
+
+    def __post_init__(self) -> None:
+        _require(isinstance(self.name, str) and self.name.strip() != "" and "/" not in self.name,
+                 "TuneConfig.name", f"must be a non-empty name without '/', got {self.name!r}")
+        _require(isinstance(self.storage_path, str) and self.storage_path != "", "TuneConfig.storage_path",
+                 f"must be a non-empty path or URI, got {self.storage_path!r}")
+        _require(self.search in ("grid", "random"), "TuneConfig.search",
+                 f"must be 'grid' or 'random', got {self.search!r}")
+        _require(self.scheduler in ("asha", "fifo"), "TuneConfig.scheduler",
+                 f"must be 'asha' or 'fifo', got {self.scheduler!r}")
+        for name in SWEPT_FIELDS:
+            object.__setattr__(self, name, _int_list(getattr(self, name), f"TuneConfig.{name}", allow_none=True))
+        _require(any(getattr(self, f) is not None for f in SWEPT_FIELDS), "TuneConfig",
+                 f"sweeps nothing: give values for at least one of {list(SWEPT_FIELDS)}")
+        for name in ("num_samples", "token_budget", "grace_period", "reduction_factor"):
+            value = getattr(self, name)
+            _require(isinstance(value, int) and not isinstance(value, bool) and value > 0, f"TuneConfig.{name}",
+                     f"must be a positive int, got {value!r}")
+        _require(isinstance(self.seed, int), "TuneConfig.seed", f"must be an int, got {self.seed!r}")
+        _require(isinstance(self.throughput_warmup_steps, int) and self.throughput_warmup_steps >= 0,
+                 "TuneConfig.throughput_warmup_steps", f"must be an int >= 0, got {self.throughput_warmup_steps!r}")
+        _require(self.reduction_factor >= 2, "TuneConfig.reduction_factor",
+                 f"must be >= 2, got {self.reduction_factor}")
+        _require(self.max_concurrent_trials is None
+                 or (isinstance(self.max_concurrent_trials, int) and self.max_concurrent_trials > 0),
+                 "TuneConfig.max_concurrent_trials", f"must be None or a positive int, got {self.max_concurrent_trials!r}")
+        _require(isinstance(self.data_cpus_per_trial, (int, float)) and self.data_cpus_per_trial >= 0,
+                 "TuneConfig.data_cpus_per_trial", f"must be >= 0, got {self.data_cpus_per_trial!r}")
+        _require(isinstance(self.prepare_data, bool), "TuneConfig.prepare_data",
+                 f"must be a bool, got {self.prepare_data!r}")
+        _require(isinstance(self.trial_driver_cpus, (int, float)) and 0 < self.trial_driver_cpus <= 1,
+                 "TuneConfig.trial_driver_cpus", f"must be in (0, 1], got {self.trial_driver_cpus!r}")
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "TuneConfig":
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - known)
+        _require(not unknown, "TuneConfig", f"unknown field(s) {unknown}; known: {sorted(known)}")
+        return cls(**d)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(self).items()}
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The search space
+
+
+@dataclass(frozen=True)
+class RejectedSetting:
+    """A combination of swept values that NSAConfig (or the model) refuses, and why."""
+
+    setting: dict[str, int]
+    reason: str
+
+
+def candidate_settings(tune_cfg: TuneConfig) -> list[dict[str, int]]:
+    """Every combination of the swept values (the cross product), in a stable order."""
+    fields = [f for f in SWEPT_FIELDS if getattr(tune_cfg, f) is not None]
+    return [dict(zip(fields, values)) for values in itertools.product(*(getattr(tune_cfg, f) for f in fields))]
+
+
+def apply_setting(model: ModelConfig, setting: dict[str, int]) -> ModelConfig:
+    """The model with the setting's NSA fields replaced; raises ValueError if NSAConfig refuses them."""
+    nsa = dataclasses.replace(model.nsa, **setting)  # NSAConfig.__post_init__ validates
+    return model.replace(nsa=nsa)
+
+
+def split_valid(settings: list[dict[str, int]], model: ModelConfig) -> tuple[list[dict[str, int]], list[RejectedSetting]]:
+    """Separate the settings NSA can run from those it refuses; every refusal is logged with its reason."""
+    valid, rejected = [], []
+    for setting in settings:
+        try:
+            apply_setting(model, setting)
+        except ValueError as err:
+            rejected.append(RejectedSetting(setting, str(err)))
+            log.warning("sweep: skipping %s: %s", _describe(setting), err)
+        else:
+            valid.append(setting)
+    return valid, rejected
+
+
+def full_setting(model: ModelConfig, setting: dict[str, int]) -> dict[str, int]:
+    """All swept fields of a trial (the model's own values where the sweep leaves a field alone)."""
+    nsa = apply_setting(model, setting).nsa
+    return {f: getattr(nsa, f) for f in SWEPT_FIELDS}
+
+
+def _describe(setting: dict[str, int]) -> str:
+    return ", ".join(f"{k}={v}" for k, v in setting.items())
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Results: steady-state throughput, the Pareto front, the summary table and plot
+
+
+class ThroughputTracker:
+    """Accumulates a trial's reports into its summary metrics.
+
+    tokens/s is the median over the reports after `warmup_steps`: the first steps pay for compilation, caches
+    and worker start, and a median also ignores a report slowed by a validation pass or a checkpoint.
+    """
+
+    def __init__(self, warmup_steps: int):
+        self.warmup_steps = warmup_steps
+        self.steady_tokens_per_s: list[float] = []
+        self.peak_mem_mb = float("nan")
+
+    def add(self, metrics: dict[str, Any]) -> None:
+        step = metrics.get("step")
+        tps = metrics.get("tokens_per_s")
+        if step is not None and tps is not None and step > self.warmup_steps and math.isfinite(tps):
+            self.steady_tokens_per_s.append(float(tps))
+        mem = metrics.get("peak_mem_mb")
+        if mem is not None and math.isfinite(mem):
+            self.peak_mem_mb = mem if math.isnan(self.peak_mem_mb) else max(self.peak_mem_mb, mem)
+
+    def tokens_per_s(self) -> float:
+        return statistics.median(self.steady_tokens_per_s) if self.steady_tokens_per_s else float("nan")
+
+
+def pareto_front(tokens_per_s: list[float], val_loss: list[float]) -> list[bool]:
+    """Which points no other point dominates (higher-or-equal throughput and lower-or-equal loss, one strictly).
+
+    Points with a missing (NaN) coordinate are never on the front and never dominate.
+    """
+    _require(len(tokens_per_s) == len(val_loss), "pareto_front",
+             f"got {len(tokens_per_s)} throughputs and {len(val_loss)} losses")
+    finite = [math.isfinite(t) and math.isfinite(v) for t, v in zip(tokens_per_s, val_loss)]
+    front = []
+    for i, (t_i, v_i) in enumerate(zip(tokens_per_s, val_loss)):
+        dominated = any(
+            finite[j] and tokens_per_s[j] >= t_i and val_loss[j] <= v_i
+            and (tokens_per_s[j] > t_i or val_loss[j] < v_i)
+            for j in range(len(val_loss)) if j != i
+        )
+        front.append(finite[i] and not dominated)
+    return front
+
+
+def write_summary_csv(rows: list[dict[str, Any]], path: Path) -> None:
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=SUMMARY_COLUMNS)
+        writer.writeheader()
+        for row in rows:
+            writer.writerow({k: row.get(k, "") for k in SUMMARY_COLUMNS})
+
+
+def format_summary(rows: list[dict[str, Any]]) -> str:
+    """The summary as an aligned text table for the terminal."""
+    columns = [c for c in SUMMARY_COLUMNS if c != "mlflow_run_id"]
+
+    def cell(value: Any) -> str:
+        if isinstance(value, float):
+            return "nan" if math.isnan(value) else f"{value:.4g}"
+        if isinstance(value, bool):
+            return "*" if value else ""
+        return str(value)
+
+    table = [columns] + [[cell(row.get(c, "")) for c in columns] for row in rows]
+    widths = [max(len(r[i]) for r in table) for i in range(len(columns))]
+    return "\n".join("  ".join(v.rjust(w) for v, w in zip(r, widths)) for r in table)
+
+
+def plot_pareto(rows: list[dict[str, Any]], path: Path, title: str) -> None:
+    """Throughput against validation loss, the Pareto front joined by a line (matplotlib, no display needed)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(7, 5))
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    points = [r for r in rows if math.isfinite(r["tokens_per_s"]) and math.isfinite(r["val_loss"])]
+    for r in points:
+        ax.scatter(r["tokens_per_s"], r["val_loss"], color="tab:red" if r["pareto"] else "tab:gray", zorder=3)
+        ax.annotate(f"l'={r['sel_block']} n={r['n_selected']}", (r["tokens_per_s"], r["val_loss"]),
+                    textcoords="offset points", xytext=(5, 5), fontsize=8)
+    front = sorted((r for r in points if r["pareto"]), key=lambda r: r["tokens_per_s"])
+    if front:
+        ax.plot([r["tokens_per_s"] for r in front], [r["val_loss"] for r in front], color="tab:red",
+                label="Pareto front", zorder=2)
+        ax.legend()
+    ax.set_xlabel("steady-state training throughput (tokens/s)")
+    ax.set_ylabel("validation loss")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    fig.savefig(path, dpi=120, bbox_inches="tight")
+
+
+def summarize(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Rows with their Pareto flag set, sorted by validation loss (trials without one last)."""
+    front = pareto_front([r["tokens_per_s"] for r in rows], [r["val_loss"] for r in rows])
+    rows = [{**r, "pareto": p} for r, p in zip(rows, front)]
+    return sorted(rows, key=lambda r: (not math.isfinite(r["val_loss"]), r["val_loss"], r["trial_id"]))
+
+
+# ----------------------------------------------------------------------------------------------------------
+# One trial: a Tune function trainable that runs a Ray Train TorchTrainer
+
+
+def _is_local(path: str) -> bool:
+    return "://" not in path
+
+
+def _absolute(path: str) -> str:
+    return str(Path(path).resolve()) if _is_local(path) else path
+
+
+def steps_for_budget(job, token_budget: int) -> int:
+    """Optimizer steps that train on at least token_budget tokens (a step trains global_batch * seq_len)."""
+    tokens_per_step = job.train.global_batch * job.data.seq_len
+    return -(-token_budget // tokens_per_step)
+
+
+@dataclass(frozen=True)
+class SweepPlan:
+    """What every trial of a sweep shares; shipped to the trials through tune.with_parameters."""
+
+    job: Any  # pipeline.config.JobConfig of the sweep (paths absolute), before any trial's changes
+    tune: TuneConfig
+    max_steps: int  # from the token budget
+    experiment_dir: str  # <tune.storage_path>/<tune.name>
+    parent_run_id: str  # MLflow run of the sweep
+
+    @property
+    def trials_storage(self) -> str:
+        """Where the trials' Ray Train runs (checkpoints, MLflow run ids) live: one folder per trial id."""
+        return self.experiment_dir.rstrip("/") + "/trials"
+
+    def trial_job(self, setting: dict[str, int], trial_id: str):
+        """The job of one trial: the sweep's job with the trial's NSA fields, budget, run name and MLflow parent."""
+        job = self.job
+        train = dataclasses.replace(job.train, run_name=trial_id, storage_path=self.trials_storage,
+                                    max_steps=self.max_steps, warmup_steps=min(job.train.warmup_steps, self.max_steps))
+        tags = {**job.tracking.tags, "sweep": self.tune.name, "trial_id": trial_id}
+        tracking = dataclasses.replace(job.tracking, run_name=f"{self.tune.name}/{trial_id}",
+                                       parent_run_id=self.parent_run_id, tags=tags,
+                                       registered_model_name=None)  # a sweep registers no model versions
+        return job.replace(model=apply_setting(job.model, setting), train=train, tracking=tracking)
+
+
+def _validation_report_callback(warmup_steps: int):
+    """A TuneReportCallback that forwards only reports carrying val_loss, with the trial's running summary.
+
+    Tune's ASHA decides on val_loss, and Tune refuses a result without the metric it schedules on; the trainer
+    reports val_loss only when it validated, so the other reports feed the throughput summary here instead.
+    """
+    from ray.tune.integration.ray_train import TuneReportCallback
+
+    class ValidationReportCallback(TuneReportCallback):
+        def __init__(self):
+            super().__init__()
+            self.tracker = ThroughputTracker(warmup_steps)
+
+        def after_report(self, run_context, metrics, checkpoint):
+            rank0 = metrics[0]
+            self.tracker.add(rank0)
+            if rank0.get("val_loss") is None:
+                return
+            forwarded = {k: rank0[k] for k in ("step", "tokens_seen", "train_loss", "val_loss", "lr") if k in rank0}
+            forwarded["tokens_per_s"] = self.tracker.tokens_per_s()
+            forwarded["peak_mem_mb"] = self.tracker.peak_mem_mb
+            super().after_report(run_context, [forwarded], checkpoint)
+
+    return ValidationReportCallback()
+
+
+def run_trial(config: dict[str, Any], plan: SweepPlan) -> None:
+    """Tune's function trainable: one TorchTrainer run with this trial's NSA setting."""
+    import ray.train
+    from ray import tune
+
+    from pipeline.tracking import close_run
+    from pipeline.train.trainer import build_trainer
+
+    trial_id = tune.get_context().get_trial_id()
+    job = plan.trial_job(config["nsa"], trial_id)
+    run_config = ray.train.RunConfig(
+        name=trial_id, storage_path=plan.trials_storage,
+        callbacks=[_validation_report_callback(plan.tune.throughput_warmup_steps)],
+        checkpoint_config=ray.train.CheckpointConfig(num_to_keep=job.train.keep_checkpoints),
+        failure_config=ray.train.FailureConfig(max_failures=job.train.max_failures),
+    )
+    trainer = build_trainer(job, run_config=run_config)
+    run_id, tracking_uri = trainer.nsa_mlflow  # the trial's MLflow child run, opened by build_trainer
+    try:
+        trainer.fit()
+    except BaseException:
+        if run_id is not None:
+            close_run(tracking_uri, run_id, "FAILED")
+        raise
+    if run_id is not None:
+        close_run(tracking_uri, run_id, "FINISHED")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The sweep
+
+
+SWEEP_CONFIG_FILE = "sweep_config.json"  # the sweep's tune config and budget, compared on resume
+
+
+@dataclass
+class SweepResult:
+    rows: list[dict[str, Any]]  # the summary table, best validation loss first
+    rejected: list[RejectedSetting]
+    experiment_dir: str
+    tracking_uri: str
+    parent_run_id: str
+    summary_csv: Path
+    pareto_png: Path
+
+
+def trial_dirname(trial) -> str:
+    """Tune's folder of a trial is its id, the same name as its Ray Train run."""
+    return trial.trial_id
+
+
+def plan_settings(job) -> tuple[list[dict[str, int]], list[RejectedSetting]]:
+    """The settings to launch and the ones refused, each refusal logged: NSAConfig's rules, then preflight."""
+    from pipeline.config import preflight
+    from pipeline.data.tokenizer import load_tokenizer
+
+    valid, rejected = split_valid(candidate_settings(job.tune), job.model)
+    vocab_size = load_tokenizer(job.data).vocab_size  # also builds the embedded tokenizer once, before any trial
+    launchable = []
+    for setting in valid:
+        try:
+            preflight(job.replace(model=apply_setting(job.model, setting)), tokenizer_vocab_size=vocab_size)
+        except ValueError as err:
+            rejected.append(RejectedSetting(setting, str(err)))
+            log.warning("sweep: skipping %s: %s", _describe(setting), err)
+        else:
+            launchable.append(setting)
+    return launchable, rejected
+
+
+def check_sweep(job, settings: list[dict[str, int]], max_steps: int) -> None:
+    """Refuse, before anything starts, a sweep that cannot produce what it is for."""
+    tune_cfg: TuneConfig = job.tune
+    _require(len(settings) > 0, "tune", "no valid combination of the swept NSA values is left to run "
+             "(see the 'skipping' warnings above for why each was refused)")
+    _require(job.train.val_every > 0, "train.val_every",
+             "must be > 0 in a sweep: trials are compared and scheduled on validation loss")
+    _require(max_steps > tune_cfg.throughput_warmup_steps, "tune.token_budget",
+             f"gives {max_steps} steps, not more than throughput_warmup_steps={tune_cfg.throughput_warmup_steps}: "
+             "no step would be measured")
+    if tune_cfg.scheduler == "asha":
+        _require(tune_cfg.grace_period < max_steps, "tune.grace_period",
+                 f"must be < the trial's {max_steps} steps (from token_budget), or ASHA never stops a trial; "
+                 f"got {tune_cfg.grace_period} (use scheduler: fifo to run every trial to the end)")
+        _require(job.train.val_every <= tune_cfg.grace_period, "train.val_every",
+                 f"must be <= tune.grace_period ({job.train.val_every} > {tune_cfg.grace_period}): ASHA decides "
+                 "on validation losses, so a trial must validate before its grace period ends")
+
+
+# What makes two runs of a sweep the same experiment (how many trials run side by side may change on resume).
+_EXPERIMENT_FIELDS = ("search", "num_samples", "seed", "token_budget", "throughput_warmup_steps", "scheduler",
+                      "grace_period", "reduction_factor")
+
+
+def sweep_record(job, settings: list[dict[str, int]], max_steps: int) -> dict[str, Any]:
+    """The sweep as an experiment: its settings, budget, scheduling, and the model and training they vary."""
+    train = {k: v for k, v in dataclasses.asdict(job.train).items() if k not in ("run_name", "storage_path")}
+    return json.loads(json.dumps({
+        "settings": settings, "max_steps": max_steps, **{f: getattr(job.tune, f) for f in _EXPERIMENT_FIELDS},
+        "model": job.model.to_dict(), "train": train, "data": job.data.to_dict()}, default=str))
+
+
+def _check_same_sweep(experiment_dir: str, record: dict[str, Any]) -> None:
+    """Resuming with a changed sweep would silently mix two experiments: refuse it."""
+    path = Path(experiment_dir) / SWEEP_CONFIG_FILE
+    if not _is_local(experiment_dir):
+        return  # the MLflow parent run's params hold the original config; Tune restores its own space
+    if path.exists():
+        saved = json.loads(path.read_text())
+        _require(saved == record, "tune.name",
+                 f"{experiment_dir} holds a sweep with a different config; use a new tune.name to start another "
+                 f"sweep (saved: {saved}, now: {record})")
+    else:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(record, indent=1))
+
+
+def max_concurrent_trials(job, cluster_resources: dict[str, float]) -> int:
+    """How many trials fit side by side: GPUs per trial on GPU, else the CPUs of a trial's workers, its driver
+    and its data pipeline (Tune does not see the workers: Ray Train reserves them when the trial starts)."""
+    t, tune_cfg = job.train, job.tune
+    if tune_cfg.max_concurrent_trials is not None:
+        return tune_cfg.max_concurrent_trials
+    if t.use_gpu:
+        have, need, what = cluster_resources.get("GPU", 0.0), float(t.num_workers), "GPU"
+    else:
+        have, what = cluster_resources.get("CPU", 0.0), "CPU"
+        need = t.num_workers * t.cpus_per_worker + tune_cfg.trial_driver_cpus + tune_cfg.data_cpus_per_trial
+    fit = math.floor(have / need + 1e-9)  # 16 / (1.0 + 0.1 + 0.5) is 10, whatever the rounding of 1.6
+    _require(fit >= 1, "train.num_workers", f"a trial needs {need:g} {what} but the cluster has {have:g}")
+    return fit
+
+
+def _open_parent_run(job, experiment_dir: str, tracking_uri: str, settings: list[dict[str, int]]) -> str:
+    from pipeline.tracking import TrackingConfig, default_artifact_location, flatten, open_run
+
+    parent_cfg = TrackingConfig(experiment=job.tracking.experiment, run_name=job.tune.name,
+                                tags={**job.tracking.tags, "sweep": job.tune.name}, system_metrics=False,
+                                registered_model_name=None)
+    params = flatten({"tune": job.tune.to_dict(), "base": job.to_dict()})
+    params = {k: v for k, v in params.items() if not k.startswith("base.tune.")}  # already under tune.
+    params["tune.settings"] = json.dumps(settings)
+    return open_run(parent_cfg, tracking_uri=tracking_uri,
+                    artifact_location=default_artifact_location(tracking_uri, job.output_dir),
+                    run_dir=experiment_dir, default_run_name=job.tune.name, params=params, artifacts={})
+
+
+def _build_tuner(plan: SweepPlan, settings: list[dict[str, int]], concurrency: int):
+    from ray import tune
+    from ray.tune.schedulers import ASHAScheduler, FIFOScheduler
+    from ray.tune.search.basic_variant import BasicVariantGenerator
+
+    tune_cfg = plan.tune
+    trainable = tune.with_resources(tune.with_parameters(run_trial, plan=plan), {"CPU": tune_cfg.trial_driver_cpus})
+    if tune.Tuner.can_restore(plan.experiment_dir):
+        log.info("sweep: resuming %s", plan.experiment_dir)
+        return tune.Tuner.restore(plan.experiment_dir, trainable=trainable, resume_unfinished=True,
+                                  resume_errored=True)
+    if tune_cfg.search == "grid":
+        space = {"nsa": tune.grid_search(settings)}
+    else:
+        space = {"nsa": tune.choice(settings)}
+    scheduler = (ASHAScheduler(time_attr="step", max_t=plan.max_steps, grace_period=tune_cfg.grace_period,
+                               reduction_factor=tune_cfg.reduction_factor)
+                 if tune_cfg.scheduler == "asha" else FIFOScheduler())
+    experiment = Path(plan.experiment_dir) if _is_local(plan.experiment_dir) else None
+    storage = str(experiment.parent) if experiment else plan.experiment_dir.rsplit("/", 1)[0]
+    return tune.Tuner(
+        trainable, param_space=space,
+        tune_config=tune.TuneConfig(metric="val_loss", mode="min", scheduler=scheduler,
+                                    # Tune ignores max_concurrent_trials when given a generator: limit it here
+                                    search_alg=BasicVariantGenerator(max_concurrent=concurrency,
+                                                                     random_state=tune_cfg.seed),
+                                    num_samples=tune_cfg.num_samples,
+                                    trial_dirname_creator=trial_dirname),
+        run_config=tune.RunConfig(name=tune_cfg.name, storage_path=storage,
+                                  failure_config=tune.FailureConfig(max_failures=0)),
+    )
+
+
+def _result_row(result, plan: SweepPlan, tune_status: str) -> dict[str, Any]:
+    """One trial's summary. tune_status: Tune's own (TERMINATED, ERROR, or PENDING/RUNNING/PAUSED when the
+    sweep was interrupted)."""
+    metrics = result.metrics or {}
+    step = metrics.get("step", 0)
+    if tune_status == "ERROR" or result.error is not None:
+        status = "ERROR"
+    elif tune_status != "TERMINATED":
+        status = "UNFINISHED"  # the sweep was interrupted; rerunning it resumes this trial
+    elif step >= plan.max_steps:
+        status = "DONE"
+    else:
+        status = "STOPPED"  # ASHA stopped it early
+    trial_id = Path(result.path).name
+    return {"trial_id": trial_id, **full_setting(plan.job.model, result.config["nsa"]),
+            "status": status, "step": step, "tokens_seen": metrics.get("tokens_seen", 0),
+            "tokens_per_s": float(metrics.get("tokens_per_s", float("nan"))),
+            "val_loss": float(metrics.get("val_loss", float("nan"))),
+            "peak_mem_mb": float(metrics.get("peak_mem_mb", float("nan")))}
+
+
+def _finish_child_run(client, experiment_id: str, plan: SweepPlan, row: dict[str, Any]) -> str:
+    """The trial's MLflow child run (made by its trainer) with the sweep's summary of it; made here if missing."""
+    found = client.search_runs([experiment_id], filter_string=(
+        f"tags.mlflow.parentRunId = '{plan.parent_run_id}' and tags.trial_id = '{row['trial_id']}'"))
+    if found:
+        run_id = found[0].info.run_id
+    else:  # the trial failed before its trainer opened a run: record the failure anyway
+        log.warning("sweep: trial %s has no MLflow run from its trainer; making one", row["trial_id"])
+        run_id = client.create_run(experiment_id, run_name=f"{plan.tune.name}/{row['trial_id']}", tags={
+            "mlflow.parentRunId": plan.parent_run_id, "trial_id": row["trial_id"], "sweep": plan.tune.name}).info.run_id
+    existing = client.get_run(run_id).data.params
+    for f in SWEPT_FIELDS:
+        if f"nsa.{f}" not in existing:
+            client.log_param(run_id, f"nsa.{f}", row[f])
+    client.set_tag(run_id, "sweep.status", row["status"])
+    for name in ("tokens_per_s", "val_loss", "peak_mem_mb"):
+        if math.isfinite(row[name]):
+            client.log_metric(run_id, f"trial.{name}", row[name], step=int(row["step"]))
+    if row["status"] != "UNFINISHED":  # an unfinished trial's run stays open for the resumed sweep
+        status = {"ERROR": "FAILED", "STOPPED": "KILLED", "DONE": "FINISHED"}[row["status"]]
+        client.set_terminated(run_id, status=status)
+    return run_id
+
+
+def _report_to_mlflow(plan: SweepPlan, tracking_uri: str, rows: list[dict[str, Any]],
+                      rejected: list[RejectedSetting], out_dir: Path) -> tuple[Path, Path]:
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri)
+    experiment_id = client.get_run(plan.parent_run_id).info.experiment_id
+    for row in rows:
+        row["mlflow_run_id"] = _finish_child_run(client, experiment_id, plan, row)
+    rows[:] = summarize(rows)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    summary_csv, pareto_png = out_dir / "summary.csv", out_dir / "pareto.png"
+    write_summary_csv(rows, summary_csv)
+    plot_pareto(rows, pareto_png, f"{plan.tune.name}: throughput vs validation loss")
+    rejected_json = out_dir / "rejected.json"
+    rejected_json.write_text(json.dumps([dataclasses.asdict(r) for r in rejected], indent=1))
+    for path in (summary_csv, pareto_png, rejected_json):
+        client.log_artifact(plan.parent_run_id, str(path))
+    client.log_metric(plan.parent_run_id, "trials", len(rows))
+    client.log_metric(plan.parent_run_id, "rejected_settings", len(rejected))
+    finite = [r for r in rows if math.isfinite(r["val_loss"])]
+    if finite:
+        client.log_metric(plan.parent_run_id, "best_val_loss", finite[0]["val_loss"])
+        client.set_tag(plan.parent_run_id, "best_trial", finite[0]["trial_id"])
+    interrupted = any(r["status"] == "UNFINISHED" for r in rows)
+    client.set_terminated(plan.parent_run_id, status="KILLED" if interrupted else "FINISHED")
+    return summary_csv, pareto_png
+
+
+def _with_prepared_data(job):
+    """The job reading prepared blocks: made once here (or reused) when tune.prepare_data and no packed_dir."""
+    if not job.tune.prepare_data or job.data.packed_dir is not None:
+        return job
+    from pipeline.data import default_packed_dir, prepare_blocks
+
+    packed_dir = default_packed_dir(job.data)
+    if (packed_dir / "manifest.json").exists():
+        log.info("sweep: reading the prepared blocks in %s", packed_dir)
+    else:
+        log.info("sweep: preparing the data once for every trial in %s", packed_dir)
+        prepare_blocks(job.data, packed_dir)
+    return job.replace(data=job.data.replace(packed_dir=str(packed_dir)))
+
+
+def init_ray(num_cpus: int | None = None) -> None:
+    """Join the cluster of RAY_ADDRESS (e.g. under `ray job submit`), else start a local one.
+
+    A trial that ASHA stops is killed with its Ray Train controller; Ray Train then frees the trial's workers
+    (its placement group) from a helper that finds the cluster through Ray's state API. On a machine running
+    several local Ray instances that lookup is ambiguous and fails, the resources are never freed and the next
+    trial waits forever. So a local cluster here serves its state API on a known port and tells its processes
+    where it is (RAY_API_SERVER_ADDRESS names a place; it changes no behaviour).
+    """
+    import socket
+
+    import ray
+
+    if ray.is_initialized():
+        return
+    if os.environ.get("RAY_ADDRESS"):
+        ray.init()
+        return
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ray.init(num_cpus=num_cpus, include_dashboard=True, dashboard_host="127.0.0.1", dashboard_port=port,
+             runtime_env={"env_vars": {"RAY_API_SERVER_ADDRESS": f"http://127.0.0.1:{port}"}})
+
+
+def run_sweep(job) -> SweepResult:
+    """Run (or resume) the sweep of job.tune over job's training setup; returns its summary."""
+    import ray
+
+    from pipeline.config import resolve_paths
+    from pipeline.tracking import resolve_tracking_uri
+
+    _require(job.tune is not None, "tune", "the config has no tune section; a sweep needs one")
+    job = resolve_paths(job)
+    settings, rejected = plan_settings(job)
+    max_steps = steps_for_budget(job, job.tune.token_budget)
+    check_sweep(job, settings, max_steps)
+
+    init_ray()
+    job = _with_prepared_data(job)
+    experiment_dir = _absolute(job.tune.storage_path).rstrip("/") + "/" + job.tune.name
+    _check_same_sweep(experiment_dir, sweep_record(job, settings, max_steps))
+    tracking_uri = resolve_tracking_uri(job.tracking, job.output_dir)
+    job = job.replace(tracking=dataclasses.replace(job.tracking, tracking_uri=tracking_uri))  # trials log there too
+    parent_run_id = _open_parent_run(job, experiment_dir, tracking_uri, settings)
+    plan = SweepPlan(job=job, tune=job.tune, max_steps=max_steps, experiment_dir=experiment_dir,
+                     parent_run_id=parent_run_id)
+
+    concurrency = max_concurrent_trials(job, ray.cluster_resources())
+    n_trials = len(settings) * job.tune.num_samples if job.tune.search == "grid" else job.tune.num_samples
+    log.info("sweep %s: %d trials of %d steps, %d at a time, MLflow parent run %s", job.tune.name, n_trials,
+             max_steps, concurrency, parent_run_id)
+    grid = _build_tuner(plan, settings, concurrency).fit()
+
+    from ray.tune import ExperimentAnalysis
+
+    tune_status = {t.trial_id: t.status for t in ExperimentAnalysis(experiment_dir).trials}
+    rows = [_result_row(result, plan, tune_status.get(Path(result.path).name, "UNKNOWN")) for result in grid]
+    out_dir = Path(experiment_dir) if _is_local(experiment_dir) else Path(job.output_dir) / "sweeps" / job.tune.name
+    summary_csv, pareto_png = _report_to_mlflow(plan, tracking_uri, rows, rejected, out_dir)
+    return SweepResult(rows=rows, rejected=rejected, experiment_dir=experiment_dir, tracking_uri=tracking_uri,
+                       parent_run_id=parent_run_id, summary_csv=summary_csv, pareto_png=pareto_png)

@@ -1,0 +1,153 @@
+"""jobs/pretrain.py end to end: as a script (its own local Ray cluster, streaming data), through
+`ray job submit` to a head node this test starts on loopback, and its refusal of a bad config."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from test_train_support import REPO, SEQ_LEN, SMALL_MODEL
+
+pytestmark = pytest.mark.timeout(900)
+VENV_BIN = Path(sys.executable).parent
+
+
+def job_overrides(tmp_path: Path, name: str) -> list[str]:
+    """A 4-step run of the small model streaming one corpus file (Ray Data reads, tokenizes and packs)."""
+    sets = [*SMALL_MODEL, f"data.seq_len={SEQ_LEN}", "data.max_files=1", f"data.output_dir={REPO / 'outputs'}",
+            "train.global_batch=4", "train.micro_batch=2", "train.max_steps=4", "train.warmup_steps=1",
+            "train.log_every=2", "train.val_every=0", "train.val_batches=1", "train.checkpoint_every=2",
+            f"train.run_name={name}", f"train.storage_path={tmp_path / 'ray_results'}",
+            f"tracking.tracking_uri=sqlite:///{tmp_path / 'mlflow.db'}", "tracking.experiment=job-test"]
+    return [arg for s in sets for arg in ("--set", s)]
+
+
+def env_without_ray_address() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "MLFLOW_TRACKING_URI")}
+    env["PATH"] = f"{VENV_BIN}:{env.get('PATH', '')}"
+    return env
+
+
+def cluster_env() -> dict[str, str]:
+    # Ray 2.60's `ray start` turns token authentication on (token in ~/.ray/auth_token); its clients (the CLI,
+    # JobSubmissionClient) send the token only in token mode.
+    return {**env_without_ray_address(), "RAY_AUTH_MODE": "token"}
+
+
+def finished_run(tracking_uri: str):
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri)
+    runs = client.search_runs([client.get_experiment_by_name("job-test").experiment_id])
+    assert len(runs) == 1
+    run = runs[0]
+    assert run.info.status == "FINISHED"
+    steps = {h.step for h in client.get_metric_history(run.info.run_id, "train_loss")}
+    assert steps == {2, 4}
+    assert "val_loss" in run.data.metrics  # validation at the end
+    return run
+
+
+def test_pretrain_script_end_to_end(tmp_path):
+    proc = subprocess.run([sys.executable, "jobs/pretrain.py", *job_overrides(tmp_path, "script")], cwd=REPO,
+                          env=env_without_ray_address(), capture_output=True, text=True, timeout=600)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-4000:]
+    assert "# resolved config" in out and "max_steps: 4" in out
+    assert "started a local Ray cluster" in out
+    assert "step 4/4 | loss" in out and "tok/s | ETA" in out  # the live progress line
+    assert f"open the UI with:  mlflow ui --backend-store-uri sqlite:///{tmp_path / 'mlflow.db'}" in out
+    assert "latest checkpoint: " + str(tmp_path / "ray_results" / "script" / "checkpoint_step_00000004") in out
+    run = finished_run(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    assert f"MLflow run:        {run.info.run_id}" in out
+
+
+def test_pretrain_script_refuses_a_bad_config_before_starting():
+    proc = subprocess.run([sys.executable, "jobs/pretrain.py", "--set", "train.global_batch=7"], cwd=REPO,
+                          env=env_without_ray_address(), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert "config error" in proc.stderr and "train.global_batch: must be a multiple of" in proc.stderr
+    assert "Ray" not in proc.stdout  # refused before any cluster was started
+
+
+def free_ports(n: int) -> list[int]:
+    socks = [socket.socket() for _ in range(n)]
+    for s in socks:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports
+
+
+@pytest.fixture
+def ray_head(tmp_path, monkeypatch):
+    """`ray start --head` on loopback with its own ports and temp dir; stopped (only it) at the end."""
+    gcs, dash, client, agent_http, agent_grpc, metrics, node_mgr, obj_mgr, rt_env = free_ports(9)
+    temp_dir = Path("/tmp") / f"rt-{uuid.uuid4().hex[:8]}"  # short: Ray's socket paths have a length limit
+    cmd = ["ray", "start", "--head", "--block", f"--port={gcs}", "--node-ip-address=127.0.0.1", "--num-cpus=2",
+           "--num-gpus=0", "--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--dashboard-port={dash}",
+           f"--ray-client-server-port={client}", f"--dashboard-agent-listen-port={agent_http}",
+           f"--dashboard-agent-grpc-port={agent_grpc}", f"--metrics-export-port={metrics}",
+           f"--node-manager-port={node_mgr}", f"--object-manager-port={obj_mgr}",
+           f"--runtime-env-agent-port={rt_env}", f"--temp-dir={temp_dir}", "--disable-usage-stats"]
+    log = (tmp_path / "ray-head.log").open("w")
+    monkeypatch.setenv("RAY_AUTH_MODE", "token")  # for this test's JobSubmissionClient
+    head = subprocess.Popen(cmd, cwd=tmp_path, env=cluster_env(), stdout=log, stderr=subprocess.STDOUT,
+                            start_new_session=True)  # its own process group: we stop exactly this cluster
+    address = f"http://127.0.0.1:{dash}"
+    try:
+        from ray.job_submission import JobSubmissionClient
+
+        deadline = time.time() + 240
+        while True:
+            try:
+                JobSubmissionClient(address).list_jobs()
+                break
+            except Exception:
+                if head.poll() is not None or time.time() > deadline:
+                    raise RuntimeError(f"ray head did not come up: {(tmp_path / 'ray-head.log').read_text()[-3000:]}")
+                time.sleep(2)
+        yield address
+    finally:
+        head.send_signal(signal.SIGTERM)  # `ray start --block` stops the processes it started
+        try:
+            head.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            pass
+        try:
+            os.killpg(head.pid, signal.SIGKILL)  # whatever of this cluster is left, and only it
+        except ProcessLookupError:
+            pass
+        log.close()
+
+
+def test_ray_job_submit_runs_pretrain_on_a_started_head(ray_head, tmp_path):
+    from ray.job_submission import JobStatus, JobSubmissionClient
+
+    submission_id = f"pretrain-{uuid.uuid4().hex[:8]}"
+    submit = subprocess.run(
+        ["ray", "job", "submit", "--address", ray_head, "--submission-id", submission_id, "--no-wait",
+         "--working-dir", ".", "--", "python", "jobs/pretrain.py", *job_overrides(tmp_path, "submitted")],
+        cwd=REPO, env=cluster_env(), capture_output=True, text=True, timeout=300)
+    assert submit.returncode == 0, submit.stdout + submit.stderr
+    client = JobSubmissionClient(ray_head)
+    deadline = time.time() + 600
+    while (status := client.get_job_status(submission_id)) not in {JobStatus.SUCCEEDED, JobStatus.FAILED,
+                                                                    JobStatus.STOPPED}:
+        assert time.time() < deadline, "job did not finish in time"
+        time.sleep(3)
+    logs = client.get_job_logs(submission_id)
+    assert status == JobStatus.SUCCEEDED, logs[-4000:]
+    assert "joined Ray cluster" in logs and "step 4/4 | loss" in logs
+    run = finished_run(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    assert run.data.params["train.run_name"] == "submitted"
+    assert (tmp_path / "ray_results" / "submitted" / "checkpoint_step_00000004" / "train_state.pt").exists()

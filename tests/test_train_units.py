@@ -1,0 +1,297 @@
+"""Unit tests of the training stage that need no Ray: schedule, optimizer groups, accumulation, guards,
+watchdog, checkpoint round trip, config loading and preflight."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import dataclasses
+import math
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from nsa_model.config import get_preset
+from nsa_model.model import Transformer
+from pipeline.config import JobConfig, apply_overrides, load_job_config, preflight
+from pipeline.train import checkpoint as ckpt
+from pipeline.train.config import TrainConfig
+from pipeline.train.guards import NonFiniteGuard, NonFiniteStepError, Watchdog, WatchdogTimeout
+from pipeline.train.loop import _train_step, expected_blocks
+from pipeline.train.schedule import build_optimizer, build_scheduler, lr_at, param_groups
+
+TINY = ["model.dim=32", "model.n_layers=1", "model.n_heads=2", "model.n_kv_heads=1", "model.head_dim=16",
+        "model.vocab_size=64", "model.max_seq_len=32", "data.seq_len=32"]
+
+
+def small_model(seed: int = 0) -> Transformer:
+    cfg = get_preset("tiny-dense").replace(vocab_size=64, dim=32, n_layers=1, n_heads=2, n_kv_heads=1, head_dim=16,
+                                           max_seq_len=32)
+    torch.manual_seed(seed)
+    return Transformer(cfg)
+
+
+# --- schedule ----------------------------------------------------------------------------------------------------
+
+def scheduler_lrs(cfg: TrainConfig) -> list[float]:
+    opt = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))], lr=cfg.lr)
+    sched = build_scheduler(opt, cfg)
+    lrs = []
+    for _ in range(cfg.max_steps):
+        lrs.append(sched.get_last_lr()[0])
+        opt.step()
+        sched.step()
+    return lrs
+
+
+@pytest.mark.parametrize("schedule", ["cosine", "wsd"])
+def test_schedule_peak_at_end_of_warmup_and_min_at_last_step(schedule):
+    cfg = TrainConfig(lr=1e-3, min_lr=1e-4, warmup_steps=10, max_steps=50, schedule=schedule, num_workers=1,
+                      global_batch=4, micro_batch=4)
+    lrs = scheduler_lrs(cfg)
+    assert lrs[0] == pytest.approx(1e-4)  # (0 + 1) / 10 of the peak
+    assert lrs[9] == pytest.approx(1e-3)  # the last warmup step trains at the peak
+    assert max(lrs) == pytest.approx(1e-3)
+    assert lrs[-1] == pytest.approx(1e-4)  # the last step trains at min_lr
+    assert all(a >= b - 1e-12 for a, b in zip(lrs[9:], lrs[10:]))  # never rises after warmup
+    assert lrs == pytest.approx([lr_at(s, cfg) for s in range(50)])
+
+
+def test_cosine_midpoint_and_wsd_plateau():
+    cos = TrainConfig(lr=1.0, min_lr=0.0, warmup_steps=0, max_steps=101, num_workers=1, global_batch=4, micro_batch=4)
+    assert lr_at(50, cos) == pytest.approx(0.5)
+    wsd = dataclasses.replace(cos, schedule="wsd", decay_fraction=0.2)
+    assert lr_at(79, wsd) == pytest.approx(1.0) and lr_at(100, wsd) == pytest.approx(0.0)
+
+
+def test_no_weight_decay_on_norms_biases_embeddings():
+    model = small_model()
+    decay, no_decay = param_groups(model, 0.1)
+    names = {id(p): n for n, p in model.named_parameters()}
+    decay_names = {names[id(p)] for p in decay["params"]}
+    no_decay_names = {names[id(p)] for p in no_decay["params"]}
+    assert "tok_emb.weight" in no_decay_names
+    assert not any("norm" in n for n in decay_names)
+    assert any(n.endswith("ffn.w2.weight") for n in decay_names)
+    assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
+    assert len(decay["params"]) + len(no_decay["params"]) == len(list(model.parameters()))
+
+
+# --- one optimizer step: accumulation, guard ---------------------------------------------------------------------
+
+class NoWatchdog:
+    def beat(self, step, phase):
+        pass
+
+
+def run_one_step(cfg: TrainConfig, model, tokens: torch.Tensor, step: int = 0, guard=None, grads=None):
+    """One _train_step on CPU without Ray; `grads` (a list) receives the gradients the optimizer stepped with."""
+    opt = build_optimizer(model, cfg, torch.device("cpu"))
+    if grads is not None:
+        opt.register_step_pre_hook(
+            lambda o, args, kwargs: grads.extend(p.grad.clone() for g in o.param_groups for p in g["params"]))
+    sched = build_scheduler(opt, cfg)
+    b = cfg.micro_batch
+    batches = iter([(tokens[i:i + b], list(range(step * cfg.global_batch + i, step * cfg.global_batch + i + b)))
+                    for i in range(0, tokens.shape[0], b)])
+    guard = guard or NonFiniteGuard(3)
+    return _train_step(cfg, step, 0, 1, model, model, contextlib.nullcontext(), opt, sched, guard, batches,
+                       torch.device("cpu"), NoWatchdog())
+
+
+def test_accumulation_equals_one_big_batch():
+    """4 micro-batches of 1 give the gradient (and loss, and grad norm) of one batch of 4."""
+    tokens = torch.randint(0, 64, (4, 33), generator=torch.Generator().manual_seed(1))
+    base = dict(num_workers=1, global_batch=4, max_steps=10, warmup_steps=0, lr=1e-2, grad_clip=0.0)
+    grads_accum, grads_big = [], []
+    loss_a, finite_a, blocks_a, *_, norm_a, _ = run_one_step(TrainConfig(micro_batch=1, **base), small_model(),
+                                                             tokens, grads=grads_accum)
+    loss_b, finite_b, blocks_b, *_, norm_b, _ = run_one_step(TrainConfig(micro_batch=4, **base), small_model(),
+                                                             tokens, grads=grads_big)
+    assert finite_a and finite_b and blocks_a == blocks_b == [0, 1, 2, 3]
+    assert loss_a == pytest.approx(loss_b, rel=1e-5)
+    assert norm_a == pytest.approx(norm_b, rel=1e-5)  # the same gradient, measured before zero_grad
+    assert norm_a > 0 and len(grads_accum) == len(grads_big) > 0
+    for ga, gb in zip(grads_accum, grads_big):
+        torch.testing.assert_close(ga, gb, rtol=1e-4, atol=1e-7)
+
+
+def test_train_step_refuses_wrong_blocks():
+    cfg = TrainConfig(num_workers=1, global_batch=4, micro_batch=4, max_steps=10, warmup_steps=2)
+    tokens = torch.randint(0, 64, (4, 33))
+    with pytest.raises(RuntimeError, match="data position is wrong"):
+        model = small_model()
+        opt = build_optimizer(model, cfg, torch.device("cpu"))
+        batches = iter([(tokens, [4, 5, 6, 7])])  # step 0 must see blocks 0..3
+        _train_step(cfg, 0, 0, 1, model, model, contextlib.nullcontext(), opt, build_scheduler(opt, cfg),
+                    NonFiniteGuard(3), batches, torch.device("cpu"), NoWatchdog())
+
+
+def test_expected_blocks_partition_each_step():
+    W, b, GB = 2, 2, 8
+    seen = []
+    for step in range(3):
+        for rank in range(W):
+            for micro in range(GB // (b * W)):
+                blocks = expected_blocks(step, micro, rank=rank, world=W, micro_batch=b, global_batch=GB)
+                assert all(i % W == rank for i in blocks)
+                seen += blocks
+    assert sorted(seen) == list(range(3 * GB))
+
+
+def test_nan_step_is_skipped_and_counted():
+    cfg = TrainConfig(num_workers=1, global_batch=4, micro_batch=4, max_steps=10, warmup_steps=2,
+                      debug={"nan_at_steps": [0]})
+    model = small_model()
+    before = copy.deepcopy(model.state_dict())
+    guard = NonFiniteGuard(3)
+    loss, finite, *_ = run_one_step(cfg, model, torch.randint(0, 64, (4, 33)), guard=guard)
+    assert not finite and math.isnan(loss) and guard.skipped_total == 1
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k]), k  # no update from a NaN step
+    for p in model.parameters():
+        assert p.grad is None  # and no NaN gradient left behind for the next step
+
+
+def test_guard_stops_after_k_in_a_row():
+    guard = NonFiniteGuard(3)
+    assert guard.observe(0, True)
+    assert not guard.observe(1, False) and not guard.observe(2, False)
+    assert guard.observe(3, True) and guard.consecutive == 0  # a good step resets the streak
+    guard.observe(4, False), guard.observe(5, False)
+    with pytest.raises(NonFiniteStepError, match="step 6: 3 consecutive"):
+        guard.observe(6, False)
+    assert guard.skipped_total == 5
+
+
+# --- watchdog ----------------------------------------------------------------------------------------------------
+
+def stalled_data_loader():
+    time.sleep(0.05)
+
+
+def test_watchdog_fails_a_stalled_step_with_step_phase_and_stacks(tmp_path):
+    start = time.monotonic()
+    with pytest.raises(WatchdogTimeout):
+        with Watchdog(0.5, rank=0, dump_dir=str(tmp_path), grace_s=10, poll_s=0.05) as wd:
+            wd.beat(7, "data")
+            while time.monotonic() - start < 10:
+                stalled_data_loader()
+    assert time.monotonic() - start < 5
+    assert "step 7" in wd.fired and "'data'" in wd.fired
+    dump = (tmp_path / "rank0-step7.txt").read_text()
+    assert "stalled_data_loader" in dump  # the stalled thread's stack is in the dump
+
+
+def test_watchdog_quiet_while_progressing():
+    with Watchdog(0.3, rank=0, poll_s=0.05) as wd:
+        for step in range(10):
+            wd.beat(step, "forward_backward")
+            time.sleep(0.05)
+    assert wd.fired is None
+
+
+# --- checkpoint --------------------------------------------------------------------------------------------------
+
+def test_checkpoint_round_trip_continues_identically(tmp_path):
+    cfg = TrainConfig(num_workers=1, global_batch=4, micro_batch=4, max_steps=10, warmup_steps=2)
+    gen = torch.Generator().manual_seed(3)
+    data = [torch.randint(0, 64, (4, 33), generator=gen) for _ in range(4)]
+
+    def steps(model, opt, sched, start, stop):
+        losses = []
+        for s in range(start, stop):
+            batches = iter([(data[s], list(range(4 * s, 4 * s + 4)))])
+            losses.append(_train_step(cfg, s, 0, 1, model, model, contextlib.nullcontext(), opt, sched,
+                                      NonFiniteGuard(3), batches, torch.device("cpu"), NoWatchdog())[0])
+        return losses
+
+    model = small_model()
+    opt = build_optimizer(model, cfg, torch.device("cpu"))
+    sched = build_scheduler(opt, cfg)
+    straight = steps(model, opt, sched, 0, 4)
+
+    model = small_model()
+    opt = build_optimizer(model, cfg, torch.device("cpu"))
+    sched = build_scheduler(opt, cfg)
+    first = steps(model, opt, sched, 0, 2)
+    ckpt.save(tmp_path, rank=0, model=model, optimizer=opt, scheduler=sched,
+              position=ckpt.TrainingPosition(step=2, next_block=8, guard={"skipped_total": 0, "consecutive": 0}),
+              config_yaml="x: 1\n")
+    model2 = small_model(seed=99)  # different init: everything must come from the checkpoint
+    opt2 = build_optimizer(model2, cfg, torch.device("cpu"))
+    sched2 = build_scheduler(opt2, cfg)
+    pos = ckpt.load(tmp_path, rank=0, model=model2, optimizer=opt2, scheduler=sched2, global_batch=4)
+    assert (pos.step, pos.next_block) == (2, 8)
+    assert sched2.get_last_lr() == sched.get_last_lr()
+    second = steps(model2, opt2, sched2, 2, 4)
+    assert first + second == straight  # bitwise on CPU
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["config.yaml", "rng_rank0.pt", "train_state.pt"]
+
+
+def test_checkpoint_load_refuses_pickled_objects(tmp_path):
+    torch.save({"format_version": 1, "evil": Path("/")}, tmp_path / ckpt.TRAIN_STATE)
+    model = small_model()
+    cfg = TrainConfig(num_workers=1, global_batch=4, micro_batch=4, max_steps=10, warmup_steps=2)
+    opt = build_optimizer(model, cfg, torch.device("cpu"))
+    with pytest.raises(Exception, match="(?i)weights_only|unsupported|global"):
+        ckpt.load(tmp_path, rank=0, model=model, optimizer=opt, scheduler=build_scheduler(opt, cfg), global_batch=4)
+
+
+# --- config and preflight ----------------------------------------------------------------------------------------
+
+def test_default_config_is_tiny_yaml_and_passes_preflight():
+    job = load_job_config()
+    assert job.model == get_preset("tiny")
+    assert job.train == TrainConfig() and job.train.num_workers == 2 and job.train.cpus_per_worker == 0.5
+    preflight(job, tokenizer_vocab_size=4096)
+    round_trip = JobConfig.from_dict(job.to_dict())
+    assert round_trip.train == job.train and round_trip.model == job.model and round_trip.data == job.data
+
+
+def test_overrides_parse_yaml_values_and_nested_model_fields():
+    job = load_job_config(None, TINY + ["train.lr=1e-3", "train.use_gpu=false", "model.nsa.window=16",
+                                         "train.debug.nan_at_steps=[1, 2]", "train.run_name=nan"])
+    assert job.train.lr == 1e-3 and job.model.dim == 32 and job.model.nsa.window == 16
+    assert job.train.run_name == "nan"  # a word stays a word
+    assert job.train.debug.nan_at_steps == (1, 2)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["train.global_batch=6"], "train.global_batch: must be a multiple of micro_batch"),
+    (["train.max_stepz=5"], r"train: unknown field\(s\) \['max_stepz'\]"),
+    (["trian.max_steps=5"], "section one of"),
+    (["model.dim=-1"], "ModelConfig.dim"),
+    (["train.lr=0"], "train.lr: must be positive"),
+    (["data.seq_len=0"], "seq_len"),
+    (["train.max_steps"], "expected section.key=value"),
+])
+def test_config_errors_name_the_field(overrides, message):
+    with pytest.raises(ValueError, match=message):
+        load_job_config(None, overrides)
+
+
+@pytest.mark.parametrize("overrides, kwargs, message", [
+    (["data.seq_len=512"], {}, "data.seq_len: 512 is longer than the model's max_seq_len 256"),
+    ([], {"tokenizer_vocab_size": 50257}, "model.vocab_size: the tokenizer has 50257"),
+    (["train.use_gpu=true"], {}, "fp32 compute on GPU is refused"),
+    (["train.precision=bf16"], {}, "bf16 autocast is for GPUs"),
+    (["train.max_steps=5000", "train.checkpoint_every=0"], {}, "must checkpoint at least every"),
+    (["train.max_steps=5000", "train.debug.trace=true"], {}, "test hooks are refused"),
+    (["train.debug.fail_at_step=3", "train.max_failures=0"], {}, "needs train.max_failures"),
+    (["train.debug.stall_at_step=400"], {}, "past the last step"),
+    (["train.use_gpu=true", "train.precision=bf16"], {"gpus_available": 1}, "2 GPU workers asked"),
+])
+def test_preflight_refuses(overrides, kwargs, message):
+    job = load_job_config(None, overrides)
+    with pytest.raises(ValueError, match=message):
+        preflight(job, **kwargs)
+
+
+def test_apply_overrides_does_not_touch_input():
+    raw = {"train": {"lr": 1.0}}
+    out = apply_overrides(raw, ["train.lr=2", "tracking.tags.team=nsa"])
+    assert raw == {"train": {"lr": 1.0}} and out == {"train": {"lr": 2}, "tracking": {"tags": {"team": "nsa"}}}

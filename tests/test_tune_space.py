@@ -1,0 +1,190 @@
+"""The sweep's pure parts: its config, the search space and its validity filter, throughput, the Pareto front."""
+
+import csv
+import json
+import logging
+import math
+from pathlib import Path
+
+import pytest
+
+from nsa_model.config import get_preset
+from pipeline.tune import (
+    SUMMARY_COLUMNS,
+    ThroughputTracker,
+    TuneConfig,
+    _check_same_sweep,
+    candidate_settings,
+    check_sweep,
+    format_summary,
+    full_setting,
+    max_concurrent_trials,
+    pareto_front,
+    plot_pareto,
+    split_valid,
+    steps_for_budget,
+    summarize,
+    sweep_record,
+    write_summary_csv,
+)
+
+
+def test_config_defaults_are_a_4_trial_grid_valid_for_tiny():
+    cfg = TuneConfig()
+    settings = candidate_settings(cfg)
+    assert settings == [{"sel_block": 16, "n_selected": 4}, {"sel_block": 16, "n_selected": 8},
+                        {"sel_block": 32, "n_selected": 4}, {"sel_block": 32, "n_selected": 8}]
+    valid, rejected = split_valid(settings, get_preset("tiny"))
+    assert valid == settings and rejected == []
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("sel_block", [], "TuneConfig.sel_block"),
+    ("sel_block", [16, 0], "TuneConfig.sel_block"),
+    ("n_selected", [4, 4], "duplicates"),
+    ("search", "bayes", "TuneConfig.search"),
+    ("scheduler", "pbt", "TuneConfig.scheduler"),
+    ("token_budget", 0, "TuneConfig.token_budget"),
+    ("reduction_factor", 1, "TuneConfig.reduction_factor"),
+    ("max_concurrent_trials", 0, "TuneConfig.max_concurrent_trials"),
+    ("name", "a/b", "TuneConfig.name"),
+])
+def test_config_refuses_bad_values_naming_the_field(field, value, message):
+    with pytest.raises(ValueError, match=message):
+        TuneConfig(**{field: value})
+
+
+def test_config_from_dict_refuses_unknown_fields_and_takes_yaml_lists():
+    with pytest.raises(ValueError, match="unknown field.*sel_blocks"):
+        TuneConfig.from_dict({"sel_blocks": [16]})
+    with pytest.raises(ValueError, match="sweeps nothing"):
+        TuneConfig.from_dict({"sel_block": None, "n_selected": None})
+    cfg = TuneConfig.from_dict({"sel_block": [32], "n_selected": None, "window": [32, 64]})
+    assert cfg.sel_block == (32,) and cfg.window == (32, 64)
+    assert TuneConfig.from_dict(cfg.to_dict()) == cfg
+
+
+def test_invalid_combinations_are_filtered_with_a_logged_reason(caplog):
+    # tiny: cmp_block=16, cmp_stride=8. sel_block=12 is not a multiple of the stride; sel_block=8 < cmp_block;
+    # n_selected=2 < n_init_blocks + n_local_blocks = 3.
+    cfg = TuneConfig(sel_block=(8, 12, 16), n_selected=(2, 4))
+    with caplog.at_level(logging.WARNING, logger="pipeline.tune"):
+        valid, rejected = split_valid(candidate_settings(cfg), get_preset("tiny"))
+    assert valid == [{"sel_block": 16, "n_selected": 4}]
+    assert len(rejected) == 5
+    reasons = {(r.setting["sel_block"], r.setting["n_selected"]): r.reason for r in rejected}
+    assert "must divide sel_block" in reasons[(12, 4)]
+    assert "cmp_block: must be <= sel_block" in reasons[(8, 4)]
+    assert "n_selected" in reasons[(16, 2)]
+    skipped = [r.getMessage() for r in caplog.records if "skipping" in r.getMessage()]
+    assert len(skipped) == 5
+    assert any("sel_block=12, n_selected=4" in m and "must divide sel_block" in m for m in skipped)
+
+
+def test_full_setting_fills_unswept_fields_from_the_model():
+    tiny = get_preset("tiny")
+    assert full_setting(tiny, {"sel_block": 32}) == {
+        "sel_block": 32, "n_selected": tiny.nsa.n_selected, "cmp_block": tiny.nsa.cmp_block,
+        "cmp_stride": tiny.nsa.cmp_stride, "window": tiny.nsa.window}
+
+
+def test_throughput_leaves_out_warmup_and_takes_the_median():
+    tracker = ThroughputTracker(warmup_steps=2)
+    for step, tps, mem in [(1, 10.0, 5.0), (2, 20.0, 9.0), (3, 100.0, 7.0), (4, 300.0, 6.0), (5, 110.0, None)]:
+        tracker.add({"step": step, "tokens_per_s": tps, "peak_mem_mb": mem})
+    tracker.add({"step": 6, "val_loss": 3.0})  # a validation-only report carries no throughput
+    assert tracker.tokens_per_s() == 110.0
+    assert tracker.peak_mem_mb == 9.0
+    assert math.isnan(ThroughputTracker(warmup_steps=10).tokens_per_s())
+
+
+def test_pareto_front_on_a_hand_made_example():
+    #            A      B      C      D      E      F(dup of B)  G(no loss)    H      I
+    tps = [100.0, 200.0, 150.0, 300.0, 50.0, 200.0, 1000.0, 90.0, 300.0]
+    loss = [3.0, 3.5, 3.6, 5.0, 2.9, 3.5, float("nan"), 3.0, 5.5]
+    # C is dominated by B (faster and lower loss); A, B, D, E trade off; F ties B exactly so neither dominates;
+    # G has no validation loss, so it is neither on the front nor dominating anything (else it would hide D);
+    # H has A's loss but is slower, I has D's throughput but a higher loss: both dominated.
+    assert pareto_front(tps, loss) == [True, True, False, True, True, True, False, False, False]
+    assert pareto_front([], []) == []
+    with pytest.raises(ValueError, match="pareto_front"):
+        pareto_front([1.0], [])
+
+
+def _rows():
+    rows = []
+    for i, (sel, n, tps, loss) in enumerate([(16, 4, 100.0, 3.0), (16, 8, 80.0, 3.2), (32, 4, 120.0, 3.1),
+                                              (32, 8, float("nan"), float("nan"))]):
+        rows.append({"trial_id": f"t{i}", "sel_block": sel, "n_selected": n, "cmp_block": 16, "cmp_stride": 8,
+                     "window": 64, "status": "TERMINATED", "step": 10, "tokens_seen": 1000, "tokens_per_s": tps,
+                     "val_loss": loss, "peak_mem_mb": 1.0, "mlflow_run_id": f"r{i}"})
+    return rows
+
+
+def test_summary_csv_table_and_plot(tmp_path):
+    rows = summarize(_rows())
+    assert [r["trial_id"] for r in rows] == ["t0", "t2", "t1", "t3"]  # by validation loss, missing last
+    assert {r["trial_id"]: r["pareto"] for r in rows} == {"t0": True, "t2": True, "t1": False, "t3": False}
+    write_summary_csv(rows, tmp_path / "summary.csv")
+    with open(tmp_path / "summary.csv") as f:
+        read = list(csv.DictReader(f))
+    assert tuple(read[0]) == SUMMARY_COLUMNS and [r["trial_id"] for r in read] == ["t0", "t2", "t1", "t3"]
+    text = format_summary(rows)
+    assert text.splitlines()[0].split()[:3] == ["trial_id", "sel_block", "n_selected"] and len(text.splitlines()) == 5
+    plot_pareto(rows, tmp_path / "pareto.png", "test")
+    assert (tmp_path / "pareto.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def _sweep_job(*overrides):
+    from pipeline.config import load_job_config
+
+    return load_job_config(Path(__file__).resolve().parent.parent / "configs" / "sweep-tiny.yaml", list(overrides))
+
+
+def test_sweep_tiny_config_plans_4_steps_budget_and_one_trial_at_a_time_on_2_cpus():
+    job = _sweep_job()
+    assert steps_for_budget(job, job.tune.token_budget) == 24  # 49152 tokens / (8 blocks x 256 tokens)
+    assert steps_for_budget(job, 2049) == 2  # rounded up: at least the budget
+    # 2 workers x 0.5 CPU + 0.1 for the trial's driver + 0.5 for its data pipeline
+    assert max_concurrent_trials(job, {"CPU": 2.0}) == 1
+    assert max_concurrent_trials(job, {"CPU": 16.0}) == 10
+    gpu = _sweep_job("train.use_gpu=true", "train.precision=bf16")
+    assert max_concurrent_trials(gpu, {"CPU": 64.0, "GPU": 8.0}) == 4  # 2 GPUs per trial
+    with pytest.raises(ValueError, match="needs 2 GPU but the cluster has 1"):
+        max_concurrent_trials(gpu, {"CPU": 64.0, "GPU": 1.0})
+    assert max_concurrent_trials(_sweep_job("tune.max_concurrent_trials=3"), {"CPU": 2.0}) == 3
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["tune.grace_period=24"], "tune.grace_period: must be < the trial's 24 steps"),
+    (["train.val_every=16"], "train.val_every: must be <= tune.grace_period"),
+    (["train.val_every=0"], "train.val_every: must be > 0 in a sweep"),
+    (["tune.token_budget=2048"], "tune.token_budget: gives 1 steps"),
+])
+def test_a_sweep_that_cannot_work_is_refused_before_it_starts(overrides, message):
+    job = _sweep_job(*overrides)
+    with pytest.raises(ValueError, match=message):
+        check_sweep(job, candidate_settings(job.tune), steps_for_budget(job, job.tune.token_budget))
+    fifo = _sweep_job("tune.scheduler=fifo", "tune.grace_period=24")
+    check_sweep(fifo, candidate_settings(fifo.tune), 24)  # no ASHA, no grace period to respect
+    with pytest.raises(ValueError, match="no valid combination"):
+        check_sweep(fifo, [], 24)
+
+
+def test_resuming_a_sweep_with_a_changed_config_is_refused(tmp_path):
+    record = {"tune": TuneConfig().to_dict(), "max_steps": 24, "settings": [{"sel_block": 16}]}
+    _check_same_sweep(str(tmp_path / "s"), record)  # first run: records it
+    _check_same_sweep(str(tmp_path / "s"), json.loads(json.dumps(record)))  # same sweep: resumes
+    with pytest.raises(ValueError, match="tune.name: .* different config"):
+        _check_same_sweep(str(tmp_path / "s"), {**record, "max_steps": 12})
+
+
+def test_the_sweep_record_changes_with_the_experiment_not_with_its_concurrency():
+    job = _sweep_job()
+    settings = candidate_settings(job.tune)
+    record = sweep_record(job, settings, 24)
+    assert record == sweep_record(_sweep_job("tune.max_concurrent_trials=2"), settings, 24)
+    assert record == json.loads(json.dumps(record))  # what the file holds compares equal after a round trip
+    for changed in (["model.dim=128"], ["train.lr=1e-3"], ["tune.grace_period=4"], ["data.seq_len=128"]):
+        assert record != sweep_record(_sweep_job(*changed), settings, 24), changed
+    assert record != sweep_record(job, settings[:2], 24)

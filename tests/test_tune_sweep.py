@@ -1,0 +1,131 @@
+"""A real sweep on CPU: a 4-trial grid of a very small NSA model, a few steps each, through Ray Tune and Ray Train.
+
+One sweep runs per module (it is the expensive part); the tests read what it left: the summary, the Tune
+experiment, and the MLflow parent and child runs (read back with MlflowClient).
+"""
+
+import csv
+import json
+from pathlib import Path
+
+import pytest
+
+ray = pytest.importorskip("ray")
+from mlflow.tracking import MlflowClient  # noqa: E402
+from ray.tune import ExperimentAnalysis  # noqa: E402
+
+from pipeline.config import load_job_config  # noqa: E402
+from pipeline.tune import SUMMARY_COLUMNS, format_summary, init_ray, run_sweep  # noqa: E402
+
+REPO = Path(__file__).resolve().parent.parent
+EXPERIMENT = "test-tune-sweep"
+
+# Small enough for 2 shared cores: 1 layer of width 64, 128-token sequences, 4 steps of 4 blocks, 1 worker.
+# At 128 tokens, sel_block=16 makes 8 blocks (n=4 is sparse, n=8 selects them all) and sel_block=32 makes 4
+# (n=4 and n=8 both select them all).
+OVERRIDES = [
+    "model.n_layers=1", "model.dim=64", "model.n_heads=2", "model.n_kv_heads=1", "model.head_dim=32",
+    "model.max_seq_len=128", "data.seq_len=128",
+    "train.num_workers=1", "train.global_batch=4", "train.micro_batch=4", "train.warmup_steps=1",
+    "train.log_every=1", "train.val_every=2", "train.val_batches=1", "train.checkpoint_every=0",
+    f"tracking.experiment={EXPERIMENT}",
+    "tune.token_budget=2048",  # 4 steps of 4 x 128 tokens
+    "tune.throughput_warmup_steps=1", "tune.grace_period=2", "tune.max_concurrent_trials=null",
+]
+
+
+def _job(tmp: Path, name: str = "grid", extra: tuple[str, ...] = ()):
+    return load_job_config(REPO / "configs" / "sweep-tiny.yaml", OVERRIDES + [
+        f"tune.name={name}", f"tune.storage_path={tmp / 'ray'}",
+        f"tracking.tracking_uri=sqlite:///{tmp / 'mlflow.db'}", *extra])
+
+
+@pytest.fixture(scope="module")
+def sweep(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("sweep")
+    # The experiment first, so that run artifacts land under tmp instead of the repo's outputs/.
+    MlflowClient(f"sqlite:///{tmp / 'mlflow.db'}").create_experiment(EXPERIMENT, artifact_location=(tmp / "art").as_uri())
+    init_ray(num_cpus=2)
+    try:
+        job = _job(tmp)
+        result = run_sweep(job)
+        print(format_summary(result.rows))  # shown with pytest -s (or -rA)
+        yield tmp, job, result
+    finally:
+        ray.shutdown()
+
+
+def test_the_4_trial_grid_completes(sweep):
+    tmp, job, result = sweep
+    rows = result.rows
+    assert sorted((r["sel_block"], r["n_selected"]) for r in rows) == [(16, 4), (16, 8), (32, 4), (32, 8)]
+    assert all(r["status"] in ("DONE", "STOPPED") for r in rows), rows  # no trial failed
+    assert any(r["status"] == "DONE" and r["step"] == 4 and r["tokens_seen"] == 4 * 4 * 128 for r in rows)
+    for r in rows:
+        assert 2 <= r["step"] <= 4  # every trial validated at least once (ASHA's grace period is 2 steps)
+        assert 0 < r["val_loss"] < 10 and r["tokens_per_s"] > 0 and r["peak_mem_mb"] > 0
+    assert any(r["pareto"] for r in rows)
+    with open(result.summary_csv) as f:
+        table = list(csv.DictReader(f))
+    assert tuple(table[0]) == SUMMARY_COLUMNS and len(table) == 4
+    assert result.pareto_png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_trials_ran_one_at_a_time_on_2_cpus(sweep):
+    tmp, job, result = sweep
+    frames = ExperimentAnalysis(result.experiment_dir).trial_dataframes.values()
+    spans = sorted((df["timestamp"].min(), df["timestamp"].max()) for df in frames if len(df))
+    assert len(spans) == 4
+    for (_, end), (start, _) in zip(spans, spans[1:]):
+        assert start >= end  # max_concurrent_trials = 1 on 2 CPUs (a trial: 0.5 worker + 0.1 driver + 0.5 data)
+
+
+def test_child_runs_hold_the_trials_nsa_settings(sweep):
+    tmp, job, result = sweep
+    client = MlflowClient(result.tracking_uri)
+    parent = client.get_run(result.parent_run_id)
+    assert parent.info.status == "FINISHED"
+    assert {a.path for a in client.list_artifacts(result.parent_run_id)} >= {"summary.csv", "pareto.png"}
+    assert parent.data.params["tune.sel_block"] == "[16, 32]"
+    children = client.search_runs([parent.info.experiment_id],
+                                  filter_string=f"tags.mlflow.parentRunId = '{result.parent_run_id}'")
+    assert len(children) == 4
+    by_trial = {c.data.tags["trial_id"]: c for c in children}
+    for row in result.rows:
+        child = by_trial[row["trial_id"]]
+        assert child.info.run_id == row["mlflow_run_id"]
+        params = child.data.params
+        for field in ("sel_block", "n_selected", "cmp_block", "cmp_stride", "window"):
+            assert params[f"nsa.{field}"] == str(row[field])
+            assert params[f"model.nsa.{field}"] == str(row[field])  # the config the trainer really ran
+        metrics = child.data.metrics
+        assert metrics["trial.val_loss"] == pytest.approx(row["val_loss"])
+        assert metrics["trial.tokens_per_s"] == pytest.approx(row["tokens_per_s"])
+        assert "trial.peak_mem_mb" in metrics and "train_loss" in metrics  # the trainer's own metrics too
+        assert child.info.status == ("FINISHED" if row["status"] == "DONE" else "KILLED")
+    # The settings reach the model: at step 2 (every trial gets there), sparse selection (l'=16, n=4 of 8 blocks)
+    # changes the loss against selecting all 8 blocks, while l'=32 (4 blocks) gives the same function for n=4 and 8.
+    val2 = {}
+    for row in result.rows:
+        history = client.get_metric_history(row["mlflow_run_id"], "val_loss")
+        val2[(row["sel_block"], row["n_selected"])] = next(m.value for m in history if m.step == 2)
+    same_function = abs(val2[(32, 4)] - val2[(32, 8)])
+    sparse_vs_all = abs(val2[(16, 4)] - val2[(16, 8)])
+    assert sparse_vs_all > 0 and sparse_vs_all > 10 * same_function, val2
+
+
+def test_rerun_with_the_same_name_restores_the_sweep(sweep):
+    tmp, job, result = sweep
+    again = run_sweep(job)  # Tuner.restore: every trial is already finished, none runs again
+    assert again.parent_run_id == result.parent_run_id
+    assert sorted(r["trial_id"] for r in again.rows) == sorted(r["trial_id"] for r in result.rows)
+    assert {r["trial_id"]: r["val_loss"] for r in again.rows} == {r["trial_id"]: r["val_loss"] for r in result.rows}
+    client = MlflowClient(result.tracking_uri)
+    children = client.search_runs([client.get_run(result.parent_run_id).info.experiment_id],
+                                  filter_string=f"tags.mlflow.parentRunId = '{result.parent_run_id}'")
+    assert len(children) == 4  # no trial was launched again
+    changed = _job(tmp, extra=("tune.n_selected=[4]",))
+    with pytest.raises(ValueError, match="different config"):
+        run_sweep(changed)
+    saved = json.loads((Path(result.experiment_dir) / "sweep_config.json").read_text())
+    assert saved["max_steps"] == 4
