@@ -73,11 +73,11 @@ class TrainConfig:
     # --- batch and length, in blocks and optimizer steps
     global_batch: int = 8  # blocks per optimizer step, over all ranks and accumulation micro-steps
     micro_batch: int = 4  # blocks per rank per forward
-    max_steps: int = 300
+    max_steps: int = 250  # one pass over the embedded corpus (~2.2k blocks of 256 tokens) at 8 blocks a step
     # --- optimizer: AdamW with decoupled weight decay, none on norms, biases and embeddings
     lr: float = 3e-3
     min_lr: float = 3e-4
-    warmup_steps: int = 30
+    warmup_steps: int = 25
     schedule: Literal["cosine", "wsd", "constant"] = "cosine"
     decay_fraction: float = 0.2  # wsd: the last fraction of the steps decays linearly to min_lr
     weight_decay: float = 0.1
