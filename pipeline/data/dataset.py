@@ -62,7 +62,10 @@ def _stream_blocks(cfg: DataConfig, split: str, start_block: int, stats: StatsRe
         tokenize_files, batch_size=1, batch_format="pyarrow", num_cpus=0.25,
         fn_kwargs={"fs": fs, "cfg": cfg, "split": split})
     blocks = chunks.map_batches(
-        PackBlocks, batch_size=None, batch_format="pyarrow", compute=ray.data.ActorPoolStrategy(size=1), num_cpus=0.1,
+        # One packer, one call at a time: with several concurrent calls per actor (Ray Data batches inputs in
+        # threads) the calls can run out of submission order, and block indices would not follow the stream.
+        PackBlocks, batch_size=None, batch_format="pyarrow",
+        compute=ray.data.ActorPoolStrategy(size=1, max_concurrent_calls_per_actor=1), num_cpus=0.1,
         fn_constructor_kwargs={"block_len": cfg.block_len, "dtype": block_dtype(tokenizer.vocab_size),
                                "start_block": start_block, "stats": stats},
         # A restarted packer would have lost its tail and block count: fail loudly instead of restarting.
