@@ -247,6 +247,7 @@ def time_config(family, B, T, cfg, have_fla):
     except Exception as e:  # reported in the row; the main timings above stay
         traceback.print_exc()
         row["variants_error"] = repr(e)[:300]
+    row.update(time_range_variants(pieces, nsa_fb, leaves))
 
     # dense: SDPA with K/V repeated to all heads, [B, H, T, D] as its documentation takes them
     qd = x["q"].detach().transpose(1, 2).contiguous().requires_grad_()
@@ -291,6 +292,46 @@ def time_config(family, B, T, cfg, have_fla):
 SELECTED_VARIANTS = {"per_query": dict(slc_kernel="per_query"),
                      "tiled64": dict(slc_kernel="tiled", slc_tile_rows=64, slc_tile_warps=4),
                      "tiled128": dict(slc_kernel="tiled", slc_tile_rows=128, slc_tile_warps=8)}
+
+
+def range_tiles(block_m, block_n, warps, stages):
+    """The same range-kernel tiles for every head dim (LaunchConfig has a set for <= 64 and one for larger)."""
+    return dict(range_block_m=block_m, range_block_n=block_n, range_warps=warps, range_stages=stages,
+                range_block_m_d64=block_m, range_block_n_d64=block_n, range_warps_d64=warps,
+                range_stages_d64=stages)
+
+
+# Compressed/window variants timed side by side in every run: v4 (every tile masked, eager delta, one compressed
+# dK/dV program per key tile and head), then one lever at a time (fused delta kernel, edge-only masking, query
+# chunks in the compressed dK/dV), then tile shapes (with all three levers).
+RANGE_VARIANTS = {
+    "v4": dict(range_kernel="masked", delta_kernel="torch", range_dkdv_programs=1, **range_tiles(64, 64, 4, 2)),
+    "delta": dict(range_kernel="masked", delta_kernel="fused", range_dkdv_programs=1, **range_tiles(64, 64, 4, 2)),
+    "split": dict(range_kernel="split", delta_kernel="fused", range_dkdv_programs=1, **range_tiles(64, 64, 4, 2)),
+    "chunks": dict(range_kernel="split", delta_kernel="fused", range_dkdv_programs=2048,
+                   **range_tiles(64, 64, 4, 2)),
+    "split_s3": dict(range_kernel="split", delta_kernel="fused", **range_tiles(64, 64, 4, 3)),
+    "split_64x128": dict(range_kernel="split", delta_kernel="fused", **range_tiles(64, 128, 4, 2)),
+    "split_128x64_w8": dict(range_kernel="split", delta_kernel="fused", **range_tiles(128, 64, 8, 2)),
+    "split_128x64_w4_s3": dict(range_kernel="split", delta_kernel="fused", **range_tiles(128, 64, 4, 3)),
+    "split_128x128_w8": dict(range_kernel="split", delta_kernel="fused", **range_tiles(128, 128, 8, 2)),
+}
+
+
+def time_range_variants(pieces, nsa_fb, leaves):
+    """cmp and win fwd+bwd, and the whole NSA fwd+bwd, under each range variant (an error, e.g. out of shared
+    memory, is recorded for that variant)."""
+    out = {}
+    for label, variant in RANGE_VARIANTS.items():
+        with ti.use_launch_config(dataclasses.replace(ti.launch_config(), **variant)):
+            try:
+                for piece in ("cmp_fb", "win_fb"):
+                    out[f"range_{label}_{piece}_ms"] = bench(pieces[piece], leaves)
+                out[f"range_{label}_nsa_fb_ms"] = bench(nsa_fb, leaves)
+            except Exception as e:
+                traceback.print_exc()
+                out[f"range_{label}_error"] = repr(e)[:200]
+    return out
 
 
 def structured_blocks(x, cfg, scale):
@@ -338,8 +379,7 @@ def sweep_launch_configs(have_fla):
     piece: range kernels -> cmp + win, selected fwd/dQ -> slc, selected dK/dV -> slc)."""
     base = ti.LaunchConfig()
     groups = {
-        "range": [dict(), dict(range_block_m=128, range_warps=8), dict(range_block_m=128, range_warps=8,
-                  range_stages=3), dict(range_stages=3)],
+        "range": [dict(), range_tiles(128, 64, 8, 2), range_tiles(128, 64, 8, 3), range_tiles(64, 64, 4, 3)],
         "slc": [dict(), dict(slc_warps=2), dict(slc_stages=3)],
         "dkdv": [dict(), dict(dkdv_rows=128, dkdv_warps=8), dict(dkdv_rows=64, dkdv_warps=8)],
     }
@@ -435,6 +475,18 @@ def markdown(meta, checks, rows):
                          f"{fmt(r.get(f'union_{kind}_tiled64'), '.1f')} | {fmt(r.get(f'union_{kind}_tiled128'), '.1f')} |")
         times = " | ".join(fmt(r.get(f"nsa_fb_{v}_ms")) for v in SELECTED_VARIANTS)
         lines.append(f"| {r['family']} | {r['B']} x {r['T']} | whole NSA | {times} | | |")
+    lines += ["", "## Range-branch variants (fwd+bwd ms: compressed / window / whole NSA)", "",
+              "| config | B x T | " + " | ".join(RANGE_VARIANTS) + " |", "|---|---|" + "---|" * len(RANGE_VARIANTS)]
+    for r in rows:
+        if "error" in r:
+            continue
+        cells = []
+        for v in RANGE_VARIANTS:
+            if f"range_{v}_error" in r:
+                cells.append("error")
+            else:
+                cells.append(" / ".join(fmt(r.get(f"range_{v}_{p}_ms")) for p in ("cmp_fb", "win_fb", "nsa_fb")))
+        lines.append(f"| {r['family']} | {r['B']} x {r['T']} | " + " | ".join(cells) + " |")
     lines += ["", "## Gated combination (fwd+bwd ms): eager PyTorch vs fused kernels, alone and in the whole NSA", "",
               "| config | B x T | gates torch | gates fused | NSA with torch gates | NSA with fused gates |",
               "|---|---|---|---|---|---|"]
