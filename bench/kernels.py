@@ -498,6 +498,16 @@ def markdown(meta, checks, rows):
     return "\n".join(lines) + "\n"
 
 
+def git_commit():
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain"], capture_output=True, text=True).stdout.strip()
+        return commit + ("+uncommitted" if dirty else "")
+    except Exception:
+        return "uncommitted"
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="bench/results")
@@ -506,6 +516,7 @@ def main():
     ap.add_argument("--sweep", action="store_true", help="pick launch parameters by timing candidates first")
     ap.add_argument("--checks", default="", help="comma-separated check names to run (default: all)")
     ap.add_argument("--suffix", default="", help="appended to the result files' names, e.g. -v4")
+    ap.add_argument("--commit", default="", help="commit id to record, for a copy of the tree without its git")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench/kernels.py needs a CUDA GPU")
@@ -516,13 +527,7 @@ def main():
     except Exception as e:
         print("fla-core not importable:", repr(e)[:200])
         have_fla = False
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain"], capture_output=True, text=True).stdout.strip()
-        commit = commit + ("+uncommitted" if dirty else "")
-    except Exception:
-        commit = "uncommitted"
+    commit = args.commit or git_commit()
     device = torch.cuda.get_device_name()
     meta = {"device": device, "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
             "commit": commit, "torch": torch.__version__, "triton": triton.__version__,
