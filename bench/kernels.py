@@ -515,6 +515,8 @@ def main():
     ap.add_argument("--skip-checks", action="store_true")
     ap.add_argument("--sweep", action="store_true", help="pick launch parameters by timing candidates first")
     ap.add_argument("--checks", default="", help="comma-separated check names to run (default: all)")
+    ap.add_argument("--timings", default="", help="comma-separated family:B:T to time, e.g. 125m:16:2048 "
+                    "(default: all of TIMINGS)")
     ap.add_argument("--suffix", default="", help="appended to the result files' names, e.g. -v4")
     ap.add_argument("--commit", default="", help="commit id to record, for a copy of the tree without its git")
     args = ap.parse_args()
@@ -563,7 +565,13 @@ def main():
         checks.append(r)
         torch.cuda.empty_cache()
         save()
-    for family, B, T in (TIMINGS[:1] + TIMINGS[4:5] if args.quick else TIMINGS):
+    timings = TIMINGS[:1] + TIMINGS[4:5] if args.quick else TIMINGS
+    if args.timings:
+        wanted_t = {tuple(x.split(":")) for x in args.timings.split(",")}
+        timings = [(f, B, T) for f, B, T in TIMINGS if (f, str(B), str(T)) in wanted_t]
+        if len(timings) != len(wanted_t):
+            raise SystemExit(f"--timings: not all of {sorted(wanted_t)} are in TIMINGS {TIMINGS}")
+    for family, B, T in timings:
         start = time.time()
         try:
             r = time_config(family, B, T, PAPER_NSA, have_fla)
