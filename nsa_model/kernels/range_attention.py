@@ -122,13 +122,15 @@ def range_attn_fwd_kernel(Q, K, V, O, LSE, T, num_keys, scale, key_stride, key_o
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
-    geometry = (key_stride, key_offset, window, G, DK, DV, BLOCK_DK, BLOCK_DV, BLOCK_N)
     acc, m_i, l_i = _fwd_tiles(acc, m_i, l_i, q, K, V, b, g, offs_m, lo, mid_lo, hi, num_keys, qk_scale,
-                               *geometry, True, DOT_PRECISION)
+                               key_stride, key_offset, window, G, DK, DV, BLOCK_DK, BLOCK_DV, BLOCK_N, True,
+                               DOT_PRECISION)
     acc, m_i, l_i = _fwd_tiles(acc, m_i, l_i, q, K, V, b, g, offs_m, mid_lo, mid_hi, hi, num_keys, qk_scale,
-                               *geometry, False, DOT_PRECISION)
+                               key_stride, key_offset, window, G, DK, DV, BLOCK_DK, BLOCK_DV, BLOCK_N, False,
+                               DOT_PRECISION)
     acc, m_i, l_i = _fwd_tiles(acc, m_i, l_i, q, K, V, b, g, offs_m, mid_hi, hi, hi, num_keys, qk_scale,
-                               *geometry, True, DOT_PRECISION)
+                               key_stride, key_offset, window, G, DK, DV, BLOCK_DK, BLOCK_DV, BLOCK_N, True,
+                               DOT_PRECISION)
 
     has_key = l_i > 0
     l_safe = tl.where(has_key, l_i, 1.0)
@@ -191,13 +193,12 @@ def range_attn_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, T, num_keys, scale, ke
                                         EDGE_SPLIT)
     qk_scale = scale * LOG2E
     dq = tl.zeros([BLOCK_M, BLOCK_DK], tl.float32)
-    geometry = (key_stride, key_offset, window, G, DK, DV, BLOCK_DK, BLOCK_DV, BLOCK_N)
-    dq = _dq_tiles(dq, q, do, lse2, delta, K, V, b, g, offs_m, lo, mid_lo, hi, num_keys, qk_scale, *geometry, True,
-                   DOT_PRECISION)
-    dq = _dq_tiles(dq, q, do, lse2, delta, K, V, b, g, offs_m, mid_lo, mid_hi, hi, num_keys, qk_scale, *geometry,
-                   False, DOT_PRECISION)
-    dq = _dq_tiles(dq, q, do, lse2, delta, K, V, b, g, offs_m, mid_hi, hi, hi, num_keys, qk_scale, *geometry, True,
-                   DOT_PRECISION)
+    dq = _dq_tiles(dq, q, do, lse2, delta, K, V, b, g, offs_m, lo, mid_lo, hi, num_keys, qk_scale, key_stride,
+                   key_offset, window, G, DK, DV, BLOCK_DK, BLOCK_DV, BLOCK_N, True, DOT_PRECISION)
+    dq = _dq_tiles(dq, q, do, lse2, delta, K, V, b, g, offs_m, mid_lo, mid_hi, hi, num_keys, qk_scale, key_stride,
+                   key_offset, window, G, DK, DV, BLOCK_DK, BLOCK_DV, BLOCK_N, False, DOT_PRECISION)
+    dq = _dq_tiles(dq, q, do, lse2, delta, K, V, b, g, offs_m, mid_hi, hi, hi, num_keys, qk_scale, key_stride,
+                   key_offset, window, G, DK, DV, BLOCK_DK, BLOCK_DV, BLOCK_N, True, DOT_PRECISION)
     dq = dq * scale
     tl.store(DQ + row_q[:, None] * DK + offs_dk[None, :], dq.to(DQ.dtype.element_ty),
              mask=m_ok[:, None] & (offs_dk < DK)[None, :])
@@ -283,15 +284,17 @@ def range_attn_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK_ACC, DV_ACC, T, num_k
     qk_scale = scale * LOG2E
     dk = tl.zeros([BLOCK_N, BLOCK_DK], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
-    geometry = (key_stride, key_offset, window, H, DK, DV, BLOCK_DK, BLOCK_DV, BLOCK_M)
     for head in range(HEADS):
         h = first_head + head
         dk, dv = _dkdv_tiles(dk, dv, k, v, Q, DO, LSE, DELTA, b, h, offs_n, n_ok, t_lo, full_lo, T, qk_scale,
-                             *geometry, True, DOT_PRECISION)
+                             key_stride, key_offset, window, H, DK, DV, BLOCK_DK, BLOCK_DV, BLOCK_M, True,
+                             DOT_PRECISION)
         dk, dv = _dkdv_tiles(dk, dv, k, v, Q, DO, LSE, DELTA, b, h, offs_n, n_ok, full_lo, full_hi, T, qk_scale,
-                             *geometry, False, DOT_PRECISION)
+                             key_stride, key_offset, window, H, DK, DV, BLOCK_DK, BLOCK_DV, BLOCK_M, False,
+                             DOT_PRECISION)
         dk, dv = _dkdv_tiles(dk, dv, k, v, Q, DO, LSE, DELTA, b, h, offs_n, n_ok, full_hi, t_hi, T, qk_scale,
-                             *geometry, True, DOT_PRECISION)
+                             key_stride, key_offset, window, H, DK, DV, BLOCK_DK, BLOCK_DV, BLOCK_M, True,
+                             DOT_PRECISION)
     dk = dk * scale
     dk_ptrs = DK_ACC + row_k[:, None] * DK + offs_dk[None, :]
     dv_ptrs = DV_ACC + row_k[:, None] * DV + offs_dv[None, :]
