@@ -212,7 +212,10 @@ def peak_mib(fn):
     return (torch.cuda.max_memory_allocated() - base) / 2 ** 20
 
 
-def time_config(family, B, T, cfg, have_fla):
+SECTIONS = ("selected", "range", "profile")  # optional parts of each timing row (--sections)
+
+
+def time_config(family, B, T, cfg, have_fla, sections=SECTIONS):
     s = SHAPES[family]
     H, G, Dk, Dv = s["H"], s["G"], s["Dk"], s["Dv"]
     scale = Dk ** -0.5
@@ -242,12 +245,16 @@ def time_config(family, B, T, cfg, have_fla):
     row["nsa_fb_peak_mib"] = peak_mib(nsa_fb)
     for name, fn in pieces.items():
         row[name + "_ms"] = bench(fn, leaves)
-    try:
-        row.update(time_selected_variants(x, blocks, do, cfg, scale, nsa_fb, leaves))
-    except Exception as e:  # reported in the row; the main timings above stay
-        traceback.print_exc()
-        row["variants_error"] = repr(e)[:300]
-    row.update(time_range_variants(pieces, nsa_fb, leaves))
+    if "selected" in sections:
+        try:
+            row.update(time_selected_variants(x, blocks, do, cfg, scale, nsa_fb, leaves))
+        except Exception as e:  # reported in the row; the main timings above stay
+            traceback.print_exc()
+            row["variants_error"] = repr(e)[:300]
+    if "range" in sections:
+        row.update(time_range_variants(pieces, nsa_fb, leaves))
+    if "profile" in sections:
+        row["kernel_ms"] = kernel_breakdown(nsa_fb)
 
     # dense: SDPA with K/V repeated to all heads, [B, H, T, D] as its documentation takes them
     qd = x["q"].detach().transpose(1, 2).contiguous().requires_grad_()
@@ -310,12 +317,32 @@ RANGE_VARIANTS = {
     "split": dict(range_kernel="split", delta_kernel="fused", range_dkdv_programs=1, **range_tiles(64, 64, 4, 2)),
     "chunks": dict(range_kernel="split", delta_kernel="fused", range_dkdv_programs=2048,
                    **range_tiles(64, 64, 4, 2)),
-    "split_s3": dict(range_kernel="split", delta_kernel="fused", **range_tiles(64, 64, 4, 3)),
-    "split_64x128": dict(range_kernel="split", delta_kernel="fused", **range_tiles(64, 128, 4, 2)),
+    # v5a (paper rows) also timed 64x64 with 3 stages, 64x128 and 128x64 with 4 warps and 3 stages: all lost
     "split_128x64_w8": dict(range_kernel="split", delta_kernel="fused", **range_tiles(128, 64, 8, 2)),
-    "split_128x64_w4_s3": dict(range_kernel="split", delta_kernel="fused", **range_tiles(128, 64, 4, 3)),
     "split_128x128_w8": dict(range_kernel="split", delta_kernel="fused", **range_tiles(128, 128, 8, 2)),
 }
+
+
+def kernel_breakdown(fn, top=12):
+    """GPU time per kernel name (ms) of one call of fn, the largest `top` and the rest summed, by torch.profiler."""
+    from torch.profiler import ProfilerActivity, profile
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    times = {}
+    for e in prof.key_averages():
+        # self time: a kernel's own; 0 for the CPU ops that launched it (their totals would count it twice)
+        us = getattr(e, "self_device_time_total", None)
+        if us is None:
+            us = getattr(e, "self_cuda_time_total", 0)
+        if us > 0:
+            times[e.key[:60]] = times.get(e.key[:60], 0.0) + us / 1000.0
+    ranked = sorted(times.items(), key=lambda kv: -kv[1])
+    out = dict(ranked[:top])
+    out["(others)"] = sum(v for _, v in ranked[top:])
+    return out
 
 
 def time_range_variants(pieces, nsa_fb, leaves):
@@ -487,6 +514,11 @@ def markdown(meta, checks, rows):
             else:
                 cells.append(" / ".join(fmt(r.get(f"range_{v}_{p}_ms")) for p in ("cmp_fb", "win_fb", "nsa_fb")))
         lines.append(f"| {r['family']} | {r['B']} x {r['T']} | " + " | ".join(cells) + " |")
+    lines += ["", "## Kernels of one NSA fwd+bwd (torch.profiler, GPU ms per kernel name, largest first)", ""]
+    for r in rows:
+        if "kernel_ms" in r:
+            lines.append(f"- {r['family']} {r['B']} x {r['T']}: " + ", ".join(
+                f"{name} {ms:.3f}" for name, ms in r["kernel_ms"].items()))
     lines += ["", "## Gated combination (fwd+bwd ms): eager PyTorch vs fused kernels, alone and in the whole NSA", "",
               "| config | B x T | gates torch | gates fused | NSA with torch gates | NSA with fused gates |",
               "|---|---|---|---|---|---|"]
@@ -517,6 +549,8 @@ def main():
     ap.add_argument("--checks", default="", help="comma-separated check names to run (default: all)")
     ap.add_argument("--timings", default="", help="comma-separated family:B:T to time, e.g. 125m:16:2048 "
                     "(default: all of TIMINGS)")
+    ap.add_argument("--sections", default=",".join(SECTIONS),
+                    help=f"comma-separated optional parts of each timing row, of {SECTIONS}")
     ap.add_argument("--suffix", default="", help="appended to the result files' names, e.g. -v4")
     ap.add_argument("--commit", default="", help="commit id to record, for a copy of the tree without its git")
     args = ap.parse_args()
@@ -574,7 +608,7 @@ def main():
     for family, B, T in timings:
         start = time.time()
         try:
-            r = time_config(family, B, T, PAPER_NSA, have_fla)
+            r = time_config(family, B, T, PAPER_NSA, have_fla, sections=args.sections.split(","))
         except Exception as e:
             traceback.print_exc()
             r = {"family": family, "B": B, "T": T, "error": repr(e)[:500]}

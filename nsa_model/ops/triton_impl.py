@@ -4,8 +4,9 @@ Same pieces, signatures and meaning as ops/reference.py (see ops/__init__.py). E
 kernel launches and batched tensor ops whose sizes depend only on shapes: no host sync, no loop over tokens.
 
 Launch parameters (tile sizes, warps) and the kernel variants (selected fwd/dQ per query or per query tile,
-gates eager or fused; the defaults were chosen by bench/results/kernels-h100-2026-11-22-v4.md, see
-kernels-notes.md) live in one LaunchConfig; `use_launch_config` pins another one (tests and the benchmark use it). Under TRITON_INTERPRET=1 (set before import) the kernels run on CPU tensors.
+gates eager or fused, range kernels masking every tile or only the edge tiles, delta eager or fused; the
+defaults were chosen by bench/results/kernels-h100-2026-11-22-v4.md and -v5*.md, see kernels-notes.md) live in
+one LaunchConfig; `use_launch_config` pins another one (tests and the benchmark use it). Under TRITON_INTERPRET=1 (set before import) the kernels run on CPU tensors.
 """
 
 from __future__ import annotations
