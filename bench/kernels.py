@@ -317,7 +317,11 @@ RANGE_VARIANTS = {
     "split": dict(range_kernel="split", delta_kernel="fused", range_dkdv_programs=1, **range_tiles(64, 64, 4, 2)),
     "chunks": dict(range_kernel="split", delta_kernel="fused", range_dkdv_programs=2048,
                    **range_tiles(64, 64, 4, 2)),
+    "chunks_8k": dict(range_kernel="split", delta_kernel="fused", range_dkdv_programs=8192,
+                      **range_tiles(64, 64, 4, 2)),
     # v5a (paper rows) also timed 64x64 with 3 stages, 64x128 and 128x64 with 4 warps and 3 stages: all lost
+    "win_per_head": dict(range_kernel="split", delta_kernel="fused", window_dkdv="head",
+                         **range_tiles(64, 64, 4, 2)),
     "split_128x64_w8": dict(range_kernel="split", delta_kernel="fused", **range_tiles(128, 64, 8, 2)),
     "split_128x128_w8": dict(range_kernel="split", delta_kernel="fused", **range_tiles(128, 128, 8, 2)),
 }
@@ -548,7 +552,7 @@ def main():
     ap.add_argument("--sweep", action="store_true", help="pick launch parameters by timing candidates first")
     ap.add_argument("--checks", default="", help="comma-separated check names to run (default: all)")
     ap.add_argument("--timings", default="", help="comma-separated family:B:T to time, e.g. 125m:16:2048 "
-                    "(default: all of TIMINGS)")
+                    "(default: all of TIMINGS, in that order)")
     ap.add_argument("--sections", default=",".join(SECTIONS),
                     help=f"comma-separated optional parts of each timing row, of {SECTIONS}")
     ap.add_argument("--suffix", default="", help="appended to the result files' names, e.g. -v4")
@@ -601,10 +605,11 @@ def main():
         save()
     timings = TIMINGS[:1] + TIMINGS[4:5] if args.quick else TIMINGS
     if args.timings:
-        wanted_t = {tuple(x.split(":")) for x in args.timings.split(",")}
-        timings = [(f, B, T) for f, B, T in TIMINGS if (f, str(B), str(T)) in wanted_t]
-        if len(timings) != len(wanted_t):
-            raise SystemExit(f"--timings: not all of {sorted(wanted_t)} are in TIMINGS {TIMINGS}")
+        known = {(f, str(B), str(T)): (f, B, T) for f, B, T in TIMINGS}
+        wanted_t = [tuple(x.split(":")) for x in args.timings.split(",")]  # in the order given
+        if any(w not in known for w in wanted_t):
+            raise SystemExit(f"--timings: not all of {wanted_t} are in TIMINGS {TIMINGS}")
+        timings = [known[w] for w in wanted_t]
     for family, B, T in timings:
         start = time.time()
         try:

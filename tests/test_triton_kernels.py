@@ -235,19 +235,21 @@ def test_selected_variants_match_reference(slc_kernel, tile_rows, structured):
         assert rel_err(a.grad, r.grad) <= FP32_TOL, name
 
 
-@pytest.mark.parametrize("range_kernel,delta_kernel,dkdv_programs", [("masked", "torch", 1), ("split", "fused", 1),
-                                                                    ("split", "fused", 2048)])
-def test_range_variants_match_reference(range_kernel, delta_kernel, dkdv_programs):
+@pytest.mark.parametrize("range_kernel,delta_kernel,dkdv_programs,window_dkdv", [
+    ("masked", "torch", 1, "group"), ("split", "fused", 1, "head"), ("split", "fused", 2048, "group")])
+def test_range_variants_match_reference(range_kernel, delta_kernel, dkdv_programs, window_dkdv):
     """Compressed and window branches, output, lse and all three gradients, with 16 x 16 tiles so that query tiles
     have full key tiles between their edges (the split kernels' unmasked runs), T not a multiple of a tile, a
     padded head dim, and queries that see no compressed token; the compressed dK/dV in one program per key tile
-    and head, or split into 16-query chunks (dkdv_programs = 2048)."""
+    and head, or split into 16-query chunks (dkdv_programs = 2048); the window dK/dV per group or per head."""
     cfg = NSAConfig(cmp_block=8, cmp_stride=4, sel_block=8, n_selected=3, window=40)
-    B, T, H, G, Dk, Dv = 1, 150, 2, 1, 16, 24
+    B, T, H, G, Dk, Dv = 1, 150, 2, 1, 16, 24  # two heads share the group's keys: their dK/dV add up
     x = make_inputs(B, T, H, G, Dk, Dv, cfg, seed=15)
     scale = Dk ** -0.5
+    # head dims <= 64 take the _d64 tiles
     launch = triton_impl.LaunchConfig(range_block_m_d64=16, range_block_n_d64=16, range_kernel=range_kernel,
-                                      delta_kernel=delta_kernel, range_dkdv_programs=dkdv_programs)  # head dims <= 64 take the _d64 tiles
+                                      delta_kernel=delta_kernel, range_dkdv_programs=dkdv_programs,
+                                      window_dkdv=window_dkdv)
     branches = {"cmp": ("k_cmp", "v_cmp"), "win": ("k_win", "v_win")}
     for branch, (kn, vn) in branches.items():
         ref_in = [x[n].clone().requires_grad_() for n in ("q", kn, vn)]

@@ -6,7 +6,8 @@ kernel launches and batched tensor ops whose sizes depend only on shapes: no hos
 Launch parameters (tile sizes, warps) and the kernel variants (selected fwd/dQ per query or per query tile,
 gates eager or fused, range kernels masking every tile or only the edge tiles, delta eager or fused; the
 defaults were chosen by bench/results/kernels-h100-2026-11-22-v4.md and -v5*.md, see kernels-notes.md) live in
-one LaunchConfig; `use_launch_config` pins another one (tests and the benchmark use it). Under TRITON_INTERPRET=1 (set before import) the kernels run on CPU tensors.
+one LaunchConfig; `use_launch_config` pins another one (tests and the benchmark use it). Under TRITON_INTERPRET=1
+(set before import) the kernels run on CPU tensors.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ SELECTED_KERNELS = ("per_query", "tiled")  # selected fwd/dQ: one program per qu
 GATE_KERNELS = ("torch", "fused")  # gated combination: eager PyTorch ops, or one Triton kernel each way
 RANGE_KERNELS = ("masked", "split")  # compressed/window: every tile masked (v4), or only the edge tiles (v5)
 DELTA_KERNELS = ("torch", "fused")  # backward row term sum(do * o): eager fp32 ops, or one Triton kernel
+WINDOW_DKDV = ("group", "head")  # window dK/dV: one program per key tile and group (stores) or per head (atomics)
 
 
 @dataclass(frozen=True)
@@ -61,10 +63,11 @@ class LaunchConfig:
     gate_kernel: str = "fused"  # one of GATE_KERNELS
     range_kernel: str = "split"  # one of RANGE_KERNELS
     delta_kernel: str = "fused"  # one of DELTA_KERNELS
+    window_dkdv: str = "group"  # one of WINDOW_DKDV
 
     def __post_init__(self) -> None:
         choices = {"slc_kernel": SELECTED_KERNELS, "gate_kernel": GATE_KERNELS, "range_kernel": RANGE_KERNELS,
-                   "delta_kernel": DELTA_KERNELS}
+                   "delta_kernel": DELTA_KERNELS, "window_dkdv": WINDOW_DKDV}
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise ValueError(f"LaunchConfig.{name}: must be one of {allowed}, got {getattr(self, name)!r}")
@@ -210,14 +213,15 @@ class _RangeAttention(torch.autograd.Function):
         if num_keys > 0:
             # A key tile of the compressed branch is seen by up to T queries: one head per program and chunks of
             # the query axis (atomic adds) spread that over the GPU. A window tile is seen by ~w queries: one
-            # program per group is enough.
+            # program per group is enough (window_dkdv = "group"), or one per head (atomic adds).
             key_tiles, query_tiles = triton.cdiv(num_keys, bn), triton.cdiv(T, bm)
             if window >= T:
                 head_split = H // G
                 chunks = triton.cdiv(_config.range_dkdv_programs, key_tiles * B * G * head_split)
                 q_chunk = triton.cdiv(query_tiles, min(max(chunks, 1), query_tiles)) * bm
             else:
-                head_split, q_chunk = 1, query_tiles * bm
+                head_split = H // G if _config.window_dkdv == "head" else 1
+                q_chunk = query_tiles * bm
             atomic = head_split > 1 or q_chunk < T
             range_attn_bwd_dkdv_kernel[(key_tiles, B * G * head_split, triton.cdiv(T, q_chunk))](
                 q, k, v, do, lse, delta, dk, dv, T, num_keys, scale, key_stride, key_offset, window, q_chunk,
