@@ -494,43 +494,49 @@ def markdown(meta, checks, rows):
             f"{rest:.2f} | {fmt(r.get('dense_cudnn_fb_ms'))} | {fmt(r.get('dense_flash_fb_ms'))} | "
             f"{fmt(r.get('fla_fb_ms'))} | {fmt(r.get('ratio_vs_cudnn'), '.3f')} | {fmt(r.get('target'))} | "
             f"{r['nsa_fb_peak_mib']:.0f} / {fmt(r.get('dense_cudnn_fb_peak_mib'), '.0f')} |")
-    lines += ["", "## Selected-branch variants (fwd+bwd ms; union = mean distinct blocks per query tile)", "",
-              "| config | B x T | selection | " + " | ".join(SELECTED_VARIANTS) + " | union tiled64 | union tiled128 |",
-              "|---|---|---|" + "---|" * (len(SELECTED_VARIANTS) + 2)]
-    for r in rows:
-        if "error" in r:
-            continue
-        for kind in ("random", "structured"):
-            times = " | ".join(fmt(r.get(f"slc_{kind}_{v}_ms")) for v in SELECTED_VARIANTS)
-            lines.append(f"| {r['family']} | {r['B']} x {r['T']} | {kind} | {times} | "
-                         f"{fmt(r.get(f'union_{kind}_tiled64'), '.1f')} | {fmt(r.get(f'union_{kind}_tiled128'), '.1f')} |")
-        times = " | ".join(fmt(r.get(f"nsa_fb_{v}_ms")) for v in SELECTED_VARIANTS)
-        lines.append(f"| {r['family']} | {r['B']} x {r['T']} | whole NSA | {times} | | |")
-    lines += ["", "## Range-branch variants (fwd+bwd ms: compressed / window / whole NSA)", "",
-              "| config | B x T | " + " | ".join(RANGE_VARIANTS) + " |", "|---|---|" + "---|" * len(RANGE_VARIANTS)]
-    for r in rows:
-        if "error" in r:
-            continue
-        cells = []
-        for v in RANGE_VARIANTS:
-            if f"range_{v}_error" in r:
-                cells.append("error")
-            else:
-                cells.append(" / ".join(fmt(r.get(f"range_{v}_{p}_ms")) for p in ("cmp_fb", "win_fb", "nsa_fb")))
-        lines.append(f"| {r['family']} | {r['B']} x {r['T']} | " + " | ".join(cells) + " |")
-    lines += ["", "## Kernels of one NSA fwd+bwd (torch.profiler, GPU ms per kernel name, largest first)", ""]
-    for r in rows:
-        if "kernel_ms" in r:
-            lines.append(f"- {r['family']} {r['B']} x {r['T']}: " + ", ".join(
-                f"{name} {ms:.3f}" for name, ms in r["kernel_ms"].items()))
-    lines += ["", "## Gated combination (fwd+bwd ms): eager PyTorch vs fused kernels, alone and in the whole NSA", "",
-              "| config | B x T | gates torch | gates fused | NSA with torch gates | NSA with fused gates |",
-              "|---|---|---|---|---|---|"]
-    for r in rows:
-        if "error" not in r:
-            lines.append(f"| {r['family']} | {r['B']} x {r['T']} | {fmt(r.get('gates_torch_fb_ms'))} | "
-                         f"{fmt(r.get('gates_fused_fb_ms'))} | {fmt(r.get('nsa_fb_gates_torch_ms'))} | "
-                         f"{fmt(r.get('nsa_fb_gates_fused_ms'))} |")
+    if any("slc_random_per_query_ms" in r for r in rows):  # a section this run did not time is left out
+        lines += ["", "## Selected-branch variants (fwd+bwd ms; union = mean distinct blocks per query tile)", "",
+                  "| config | B x T | selection | " + " | ".join(SELECTED_VARIANTS) + " | union tiled64 | union tiled128 |",
+                  "|---|---|---|" + "---|" * (len(SELECTED_VARIANTS) + 2)]
+        for r in rows:
+            if "error" in r:
+                continue
+            for kind in ("random", "structured"):
+                times = " | ".join(fmt(r.get(f"slc_{kind}_{v}_ms")) for v in SELECTED_VARIANTS)
+                unions = " | ".join(fmt(r.get(f"union_{kind}_{v}"), ".1f") for v in ("tiled64", "tiled128"))
+                lines.append(f"| {r['family']} | {r['B']} x {r['T']} | {kind} | {times} | {unions} |")
+            times = " | ".join(fmt(r.get(f"nsa_fb_{v}_ms")) for v in SELECTED_VARIANTS)
+            lines.append(f"| {r['family']} | {r['B']} x {r['T']} | whole NSA | {times} | | |")
+    if any(k.startswith("range_") for r in rows for k in r):  # a section this run did not time is left out
+        lines += ["", "## Range-branch variants (fwd+bwd ms: compressed / window / whole NSA)", "",
+                  "| config | B x T | " + " | ".join(RANGE_VARIANTS) + " |", "|---|---|" + "---|" * len(RANGE_VARIANTS)]
+        for r in rows:
+            if "error" in r:
+                continue
+            cells = []
+            for v in RANGE_VARIANTS:
+                if f"range_{v}_error" in r:
+                    cells.append("error")
+                else:
+                    pieces = ("cmp_fb", "win_fb", "nsa_fb")
+                    cells.append(" / ".join(fmt(r.get(f"range_{v}_{p}_ms")) for p in pieces))
+            lines.append(f"| {r['family']} | {r['B']} x {r['T']} | " + " | ".join(cells) + " |")
+    if any("kernel_ms" in r for r in rows):
+        lines += ["", "## Kernels of one NSA fwd+bwd (torch.profiler, GPU ms per kernel name, largest first)", ""]
+        for r in rows:
+            if "kernel_ms" in r:
+                lines.append(f"- {r['family']} {r['B']} x {r['T']}: " + ", ".join(
+                    f"{name} {ms:.3f}" for name, ms in r["kernel_ms"].items()))
+    if any("gates_fused_fb_ms" in r for r in rows):  # a section this run did not time is left out
+        lines += ["", "## Gated combination (fwd+bwd ms): eager PyTorch vs fused kernels, alone and in the whole NSA",
+                  "",
+                  "| config | B x T | gates torch | gates fused | NSA with torch gates | NSA with fused gates |",
+                  "|---|---|---|---|---|---|"]
+        for r in rows:
+            if "error" not in r:
+                lines.append(f"| {r['family']} | {r['B']} x {r['T']} | {fmt(r.get('gates_torch_fb_ms'))} | "
+                             f"{fmt(r.get('gates_fused_fb_ms'))} | {fmt(r.get('nsa_fb_gates_torch_ms'))} | "
+                             f"{fmt(r.get('nsa_fb_gates_fused_ms'))} |")
     return "\n".join(lines) + "\n"
 
 
