@@ -212,7 +212,10 @@ def peak_mib(fn):
     return (torch.cuda.max_memory_allocated() - base) / 2 ** 20
 
 
-def time_config(family, B, T, cfg, have_fla):
+SECTIONS = ("selected", "range", "profile")  # optional parts of each timing row (--sections)
+
+
+def time_config(family, B, T, cfg, have_fla, sections=SECTIONS):
     s = SHAPES[family]
     H, G, Dk, Dv = s["H"], s["G"], s["Dk"], s["Dv"]
     scale = Dk ** -0.5
@@ -242,11 +245,16 @@ def time_config(family, B, T, cfg, have_fla):
     row["nsa_fb_peak_mib"] = peak_mib(nsa_fb)
     for name, fn in pieces.items():
         row[name + "_ms"] = bench(fn, leaves)
-    try:
-        row.update(time_selected_variants(x, blocks, do, cfg, scale, nsa_fb, leaves))
-    except Exception as e:  # reported in the row; the main timings above stay
-        traceback.print_exc()
-        row["variants_error"] = repr(e)[:300]
+    if "selected" in sections:
+        try:
+            row.update(time_selected_variants(x, blocks, do, cfg, scale, nsa_fb, leaves))
+        except Exception as e:  # reported in the row; the main timings above stay
+            traceback.print_exc()
+            row["variants_error"] = repr(e)[:300]
+    if "range" in sections:
+        row.update(time_range_variants(pieces, nsa_fb, leaves))
+    if "profile" in sections:
+        row["kernel_ms"] = kernel_breakdown(nsa_fb)
 
     # dense: SDPA with K/V repeated to all heads, [B, H, T, D] as its documentation takes them
     qd = x["q"].detach().transpose(1, 2).contiguous().requires_grad_()
@@ -291,6 +299,70 @@ def time_config(family, B, T, cfg, have_fla):
 SELECTED_VARIANTS = {"per_query": dict(slc_kernel="per_query"),
                      "tiled64": dict(slc_kernel="tiled", slc_tile_rows=64, slc_tile_warps=4),
                      "tiled128": dict(slc_kernel="tiled", slc_tile_rows=128, slc_tile_warps=8)}
+
+
+def range_tiles(block_m, block_n, warps, stages):
+    """The same range-kernel tiles for every head dim (LaunchConfig has a set for <= 64 and one for larger)."""
+    return dict(range_block_m=block_m, range_block_n=block_n, range_warps=warps, range_stages=stages,
+                range_block_m_d64=block_m, range_block_n_d64=block_n, range_warps_d64=warps,
+                range_stages_d64=stages)
+
+
+# Compressed/window variants timed side by side in every run: v4 (every tile masked, eager delta, one compressed
+# dK/dV program per key tile and head), then one lever at a time (fused delta kernel, edge-only masking, query
+# chunks in the compressed dK/dV), then tile shapes (with all three levers).
+RANGE_VARIANTS = {
+    "v4": dict(range_kernel="masked", delta_kernel="torch", range_dkdv_programs=1, **range_tiles(64, 64, 4, 2)),
+    "delta": dict(range_kernel="masked", delta_kernel="fused", range_dkdv_programs=1, **range_tiles(64, 64, 4, 2)),
+    "split": dict(range_kernel="split", delta_kernel="fused", range_dkdv_programs=1, **range_tiles(64, 64, 4, 2)),
+    "chunks": dict(range_kernel="split", delta_kernel="fused", range_dkdv_programs=2048,
+                   **range_tiles(64, 64, 4, 2)),
+    "chunks_8k": dict(range_kernel="split", delta_kernel="fused", range_dkdv_programs=8192,
+                      **range_tiles(64, 64, 4, 2)),
+    # v5a (paper rows) also timed 64x64 with 3 stages, 64x128 and 128x64 with 4 warps and 3 stages: all lost
+    "win_per_head": dict(range_kernel="split", delta_kernel="fused", window_dkdv="head",
+                         **range_tiles(64, 64, 4, 2)),
+    "split_128x64_w8": dict(range_kernel="split", delta_kernel="fused", **range_tiles(128, 64, 8, 2)),
+    "split_128x128_w8": dict(range_kernel="split", delta_kernel="fused", **range_tiles(128, 128, 8, 2)),
+}
+
+
+def kernel_breakdown(fn, top=12):
+    """GPU time per kernel name (ms) of one call of fn, the largest `top` and the rest summed, by torch.profiler."""
+    from torch.profiler import ProfilerActivity, profile
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    times = {}
+    for e in prof.key_averages():
+        # self time: a kernel's own; 0 for the CPU ops that launched it (their totals would count it twice)
+        us = getattr(e, "self_device_time_total", None)
+        if us is None:
+            us = getattr(e, "self_cuda_time_total", 0)
+        if us > 0:
+            times[e.key[:60]] = times.get(e.key[:60], 0.0) + us / 1000.0
+    ranked = sorted(times.items(), key=lambda kv: -kv[1])
+    out = dict(ranked[:top])
+    out["(others)"] = sum(v for _, v in ranked[top:])
+    return out
+
+
+def time_range_variants(pieces, nsa_fb, leaves):
+    """cmp and win fwd+bwd, and the whole NSA fwd+bwd, under each range variant (an error, e.g. out of shared
+    memory, is recorded for that variant)."""
+    out = {}
+    for label, variant in RANGE_VARIANTS.items():
+        with ti.use_launch_config(dataclasses.replace(ti.launch_config(), **variant)):
+            try:
+                for piece in ("cmp_fb", "win_fb"):
+                    out[f"range_{label}_{piece}_ms"] = bench(pieces[piece], leaves)
+                out[f"range_{label}_nsa_fb_ms"] = bench(nsa_fb, leaves)
+            except Exception as e:
+                traceback.print_exc()
+                out[f"range_{label}_error"] = repr(e)[:200]
+    return out
 
 
 def structured_blocks(x, cfg, scale):
@@ -338,8 +410,7 @@ def sweep_launch_configs(have_fla):
     piece: range kernels -> cmp + win, selected fwd/dQ -> slc, selected dK/dV -> slc)."""
     base = ti.LaunchConfig()
     groups = {
-        "range": [dict(), dict(range_block_m=128, range_warps=8), dict(range_block_m=128, range_warps=8,
-                  range_stages=3), dict(range_stages=3)],
+        "range": [dict(), range_tiles(128, 64, 8, 2), range_tiles(128, 64, 8, 3), range_tiles(64, 64, 4, 3)],
         "slc": [dict(), dict(slc_warps=2), dict(slc_stages=3)],
         "dkdv": [dict(), dict(dkdv_rows=128, dkdv_warps=8), dict(dkdv_rows=64, dkdv_warps=8)],
     }
@@ -423,27 +494,60 @@ def markdown(meta, checks, rows):
             f"{rest:.2f} | {fmt(r.get('dense_cudnn_fb_ms'))} | {fmt(r.get('dense_flash_fb_ms'))} | "
             f"{fmt(r.get('fla_fb_ms'))} | {fmt(r.get('ratio_vs_cudnn'), '.3f')} | {fmt(r.get('target'))} | "
             f"{r['nsa_fb_peak_mib']:.0f} / {fmt(r.get('dense_cudnn_fb_peak_mib'), '.0f')} |")
-    lines += ["", "## Selected-branch variants (fwd+bwd ms; union = mean distinct blocks per query tile)", "",
-              "| config | B x T | selection | " + " | ".join(SELECTED_VARIANTS) + " | union tiled64 | union tiled128 |",
-              "|---|---|---|" + "---|" * (len(SELECTED_VARIANTS) + 2)]
-    for r in rows:
-        if "error" in r:
-            continue
-        for kind in ("random", "structured"):
-            times = " | ".join(fmt(r.get(f"slc_{kind}_{v}_ms")) for v in SELECTED_VARIANTS)
-            lines.append(f"| {r['family']} | {r['B']} x {r['T']} | {kind} | {times} | "
-                         f"{fmt(r.get(f'union_{kind}_tiled64'), '.1f')} | {fmt(r.get(f'union_{kind}_tiled128'), '.1f')} |")
-        times = " | ".join(fmt(r.get(f"nsa_fb_{v}_ms")) for v in SELECTED_VARIANTS)
-        lines.append(f"| {r['family']} | {r['B']} x {r['T']} | whole NSA | {times} | | |")
-    lines += ["", "## Gated combination (fwd+bwd ms): eager PyTorch vs fused kernels, alone and in the whole NSA", "",
-              "| config | B x T | gates torch | gates fused | NSA with torch gates | NSA with fused gates |",
-              "|---|---|---|---|---|---|"]
-    for r in rows:
-        if "error" not in r:
-            lines.append(f"| {r['family']} | {r['B']} x {r['T']} | {fmt(r.get('gates_torch_fb_ms'))} | "
-                         f"{fmt(r.get('gates_fused_fb_ms'))} | {fmt(r.get('nsa_fb_gates_torch_ms'))} | "
-                         f"{fmt(r.get('nsa_fb_gates_fused_ms'))} |")
+    if any("slc_random_per_query_ms" in r for r in rows):  # a section this run did not time is left out
+        lines += ["", "## Selected-branch variants (fwd+bwd ms; union = mean distinct blocks per query tile)", "",
+                  "| config | B x T | selection | " + " | ".join(SELECTED_VARIANTS) + " | union tiled64 | union tiled128 |",
+                  "|---|---|---|" + "---|" * (len(SELECTED_VARIANTS) + 2)]
+        for r in rows:
+            if "error" in r:
+                continue
+            for kind in ("random", "structured"):
+                times = " | ".join(fmt(r.get(f"slc_{kind}_{v}_ms")) for v in SELECTED_VARIANTS)
+                unions = " | ".join(fmt(r.get(f"union_{kind}_{v}"), ".1f") for v in ("tiled64", "tiled128"))
+                lines.append(f"| {r['family']} | {r['B']} x {r['T']} | {kind} | {times} | {unions} |")
+            times = " | ".join(fmt(r.get(f"nsa_fb_{v}_ms")) for v in SELECTED_VARIANTS)
+            lines.append(f"| {r['family']} | {r['B']} x {r['T']} | whole NSA | {times} | | |")
+    if any(k.startswith("range_") for r in rows for k in r):  # a section this run did not time is left out
+        lines += ["", "## Range-branch variants (fwd+bwd ms: compressed / window / whole NSA)", "",
+                  "| config | B x T | " + " | ".join(RANGE_VARIANTS) + " |", "|---|---|" + "---|" * len(RANGE_VARIANTS)]
+        for r in rows:
+            if "error" in r:
+                continue
+            cells = []
+            for v in RANGE_VARIANTS:
+                if f"range_{v}_error" in r:
+                    cells.append("error")
+                else:
+                    pieces = ("cmp_fb", "win_fb", "nsa_fb")
+                    cells.append(" / ".join(fmt(r.get(f"range_{v}_{p}_ms")) for p in pieces))
+            lines.append(f"| {r['family']} | {r['B']} x {r['T']} | " + " | ".join(cells) + " |")
+    if any("kernel_ms" in r for r in rows):
+        lines += ["", "## Kernels of one NSA fwd+bwd (torch.profiler, GPU ms per kernel name, largest first)", ""]
+        for r in rows:
+            if "kernel_ms" in r:
+                lines.append(f"- {r['family']} {r['B']} x {r['T']}: " + ", ".join(
+                    f"{name} {ms:.3f}" for name, ms in r["kernel_ms"].items()))
+    if any("gates_fused_fb_ms" in r for r in rows):  # a section this run did not time is left out
+        lines += ["", "## Gated combination (fwd+bwd ms): eager PyTorch vs fused kernels, alone and in the whole NSA",
+                  "",
+                  "| config | B x T | gates torch | gates fused | NSA with torch gates | NSA with fused gates |",
+                  "|---|---|---|---|---|---|"]
+        for r in rows:
+            if "error" not in r:
+                lines.append(f"| {r['family']} | {r['B']} x {r['T']} | {fmt(r.get('gates_torch_fb_ms'))} | "
+                             f"{fmt(r.get('gates_fused_fb_ms'))} | {fmt(r.get('nsa_fb_gates_torch_ms'))} | "
+                             f"{fmt(r.get('nsa_fb_gates_fused_ms'))} |")
     return "\n".join(lines) + "\n"
+
+
+def git_commit():
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain"], capture_output=True, text=True).stdout.strip()
+        return commit + ("+uncommitted" if dirty else "")
+    except Exception:
+        return "uncommitted"
 
 
 def main():
@@ -453,7 +557,12 @@ def main():
     ap.add_argument("--skip-checks", action="store_true")
     ap.add_argument("--sweep", action="store_true", help="pick launch parameters by timing candidates first")
     ap.add_argument("--checks", default="", help="comma-separated check names to run (default: all)")
+    ap.add_argument("--timings", default="", help="comma-separated family:B:T to time, e.g. 125m:16:2048 "
+                    "(default: all of TIMINGS, in that order)")
+    ap.add_argument("--sections", default=",".join(SECTIONS),
+                    help=f"comma-separated optional parts of each timing row, of {SECTIONS}")
     ap.add_argument("--suffix", default="", help="appended to the result files' names, e.g. -v4")
+    ap.add_argument("--commit", default="", help="commit id to record, for a copy of the tree without its git")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench/kernels.py needs a CUDA GPU")
@@ -464,13 +573,7 @@ def main():
     except Exception as e:
         print("fla-core not importable:", repr(e)[:200])
         have_fla = False
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain"], capture_output=True, text=True).stdout.strip()
-        commit = commit + ("+uncommitted" if dirty else "")
-    except Exception:
-        commit = "uncommitted"
+    commit = args.commit or git_commit()
     device = torch.cuda.get_device_name()
     meta = {"device": device, "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
             "commit": commit, "torch": torch.__version__, "triton": triton.__version__,
@@ -506,10 +609,17 @@ def main():
         checks.append(r)
         torch.cuda.empty_cache()
         save()
-    for family, B, T in (TIMINGS[:1] + TIMINGS[4:5] if args.quick else TIMINGS):
+    timings = TIMINGS[:1] + TIMINGS[4:5] if args.quick else TIMINGS
+    if args.timings:
+        known = {(f, str(B), str(T)): (f, B, T) for f, B, T in TIMINGS}
+        wanted_t = [tuple(x.split(":")) for x in args.timings.split(",")]  # in the order given
+        if any(w not in known for w in wanted_t):
+            raise SystemExit(f"--timings: not all of {wanted_t} are in TIMINGS {TIMINGS}")
+        timings = [known[w] for w in wanted_t]
+    for family, B, T in timings:
         start = time.time()
         try:
-            r = time_config(family, B, T, PAPER_NSA, have_fla)
+            r = time_config(family, B, T, PAPER_NSA, have_fla, sections=args.sections.split(","))
         except Exception as e:
             traceback.print_exc()
             r = {"family": family, "B": B, "T": T, "error": repr(e)[:500]}

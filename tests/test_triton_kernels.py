@@ -188,6 +188,8 @@ def test_bad_inputs_are_refused():
         triton_impl.LaunchConfig(slc_kernel="tiles")
     with pytest.raises(ValueError, match="LaunchConfig.gate_kernel"):
         triton_impl.LaunchConfig(gate_kernel="fast")
+    with pytest.raises(ValueError, match="LaunchConfig.range_kernel"):
+        triton_impl.LaunchConfig(range_kernel="edge")
     with pytest.raises(ValueError, match="blocks: expected int32"):
         q = x["q"].float().to(DEVICE)
         triton_impl.selected_attention(q, x["k_slc"].float().to(DEVICE), x["v_slc"].float().to(DEVICE),
@@ -231,6 +233,42 @@ def test_selected_variants_match_reference(slc_kernel, tile_rows, structured):
     assert rel_err(o, o_ref) <= FP32_TOL
     for name, a, r in zip(("dq", "dk", "dv"), tri_in, ref_in):
         assert rel_err(a.grad, r.grad) <= FP32_TOL, name
+
+
+@pytest.mark.parametrize("range_kernel,delta_kernel,dkdv_programs,window_dkdv", [
+    ("masked", "torch", 1, "group"), ("split", "fused", 1, "head"), ("split", "fused", 2048, "group")])
+def test_range_variants_match_reference(range_kernel, delta_kernel, dkdv_programs, window_dkdv):
+    """Compressed and window branches, output, lse and all three gradients, with 16 x 16 tiles so that query tiles
+    have full key tiles between their edges (the split kernels' unmasked runs), T not a multiple of a tile, a
+    padded head dim, and queries that see no compressed token; the compressed dK/dV in one program per key tile
+    and head, or split into 16-query chunks (dkdv_programs = 2048); the window dK/dV per group or per head."""
+    cfg = NSAConfig(cmp_block=8, cmp_stride=4, sel_block=8, n_selected=3, window=40)
+    B, T, H, G, Dk, Dv = 1, 150, 2, 1, 16, 24  # two heads share the group's keys: their dK/dV add up
+    x = make_inputs(B, T, H, G, Dk, Dv, cfg, seed=15)
+    scale = Dk ** -0.5
+    # head dims <= 64 take the _d64 tiles
+    launch = triton_impl.LaunchConfig(range_block_m_d64=16, range_block_n_d64=16, range_kernel=range_kernel,
+                                      delta_kernel=delta_kernel, range_dkdv_programs=dkdv_programs,
+                                      window_dkdv=window_dkdv)
+    branches = {"cmp": ("k_cmp", "v_cmp"), "win": ("k_win", "v_win")}
+    for branch, (kn, vn) in branches.items():
+        ref_in = [x[n].clone().requires_grad_() for n in ("q", kn, vn)]
+        tri_in = [x[n].float().to(DEVICE).requires_grad_() for n in ("q", kn, vn)]
+        with triton_impl.use_launch_config(launch):
+            if branch == "cmp":
+                o_ref, lse_ref = reference.compressed_attention(*ref_in, cfg, scale)
+                o, lse = triton_impl.compressed_attention(*tri_in, cfg, scale)
+                seen = cfg.cmp_block - 1  # earlier queries see no compressed token: lse -inf in both
+                assert torch.isinf(lse[:, :seen]).all() and rel_err(lse[:, seen:], lse_ref[:, seen:]) <= FP32_TOL
+            else:
+                o_ref = reference.window_attention(*ref_in, cfg.window, scale)
+                o = triton_impl.window_attention(*tri_in, cfg.window, scale)
+            grad_out = torch.randn(o_ref.shape, generator=torch.Generator().manual_seed(16), dtype=torch.float64)
+            o_ref.backward(grad_out)
+            o.backward(grad_out.float().to(DEVICE))
+        assert rel_err(o, o_ref) <= FP32_TOL, branch
+        for name, a, r in zip(("dq", "dk", "dv"), tri_in, ref_in):
+            assert rel_err(a.grad, r.grad) <= FP32_TOL, (branch, name)
 
 
 def test_tile_block_union():

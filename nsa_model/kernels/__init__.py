@@ -6,6 +6,7 @@
                          dK/dV through an inverted index (used by both selected variants)
   selected_tiled.py      selected attention forward and dQ per tile of queries, walking the union of their blocks
   gates.py               the gated combination of the three branches, fused, forward and backward
+  delta.py               the backward row term sum(do * o) of every attention branch, one read of each
 
 The kernels run on CUDA, or on CPU under Triton's own interpreter (TRITON_INTERPRET=1 set before this package is
 imported: triton.jit reads it when a kernel is defined).

@@ -11,6 +11,12 @@ Layouts (contiguous): q [B, T, H, DK], k [B, NK, G, DK], v [B, NK, G, DV], o [B,
 Head h reads kv head h // (H // G). FlashAttention-2 style: forward keeps an online softmax in registers; backward
 runs one kernel for dQ (per query tile and head) and one for dK/dV (per key tile and a slice of the group's
 heads; see range_attn_bwd_dkdv_kernel). Row offsets are computed in int64 (B*T*H*D can exceed 2^31).
+
+EDGE_SPLIT (constexpr): each program walks its tiles in three runs, masked / full / masked, where a full tile is
+one every (query, key) pair of which is visible and in bounds, so it skips the visibility mask, the bounds masks
+and the guard for rows with nothing visible. Only the tiles at the causal edge and the window's far edge need
+them: in the window branch at w = 512 with 64 x 64 tiles that is 2 of 9 tiles. EDGE_SPLIT = False masks every
+tile (the v4 kernels, kept selectable for the benchmark).
 """
 
 import triton
@@ -20,14 +26,40 @@ LOG2E = tl.constexpr(1.4426950408889634)
 
 
 @triton.jit
-def _key_tiles(t_first, t_last, key_stride, key_offset, window, num_keys, BLOCK_N: tl.constexpr):
-    """[lo, hi): the keys any query of [t_first, t_last] may see, lo rounded down to a tile."""
+def _key_tiles(t_first, t_last, key_stride, key_offset, window, num_keys, BLOCK_N: tl.constexpr,
+               EDGE_SPLIT: tl.constexpr):
+    """(lo, mid_lo, mid_hi, hi): queries t_first..t_last may see keys [lo, hi) (lo rounded down to a tile);
+    the tiles of [mid_lo, mid_hi) are seen whole by every one of them."""
     hi = (t_last - key_offset + key_stride) // key_stride
     hi = tl.minimum(tl.maximum(hi, 0), num_keys)
     x = t_first - window - key_offset
     lo = tl.where(x >= 0, x // key_stride + 1, 0)
     lo = (lo // BLOCK_N) * BLOCK_N
-    return lo, hi
+    if EDGE_SPLIT:
+        # full keys: position <= t_first (causal for the first query), t_last - position < window (the last one)
+        c = t_first - key_offset
+        full_hi = tl.minimum(tl.where(c >= 0, c // key_stride + 1, 0), hi)
+        y = t_last - key_offset - window
+        full_lo = tl.where(y >= 0, y // key_stride + 1, 0)
+        mid_lo = tl.minimum(lo + tl.cdiv(tl.maximum(full_lo - lo, 0), BLOCK_N) * BLOCK_N, hi)
+        mid_hi = mid_lo + (tl.maximum(full_hi - mid_lo, 0) // BLOCK_N) * BLOCK_N
+    else:
+        mid_lo = hi
+        mid_hi = hi
+    return lo, mid_lo, mid_hi, hi
+
+
+@triton.jit
+def _load_rows(ptrs, row_ok, offs_d, D: tl.constexpr, BLOCK_D: tl.constexpr, MASK_ROWS: tl.constexpr):
+    """A [rows, BLOCK_D] tile; rows masked by row_ok only where MASK_ROWS (a full tile's rows are all in bounds),
+    columns only where the head dim is padded."""
+    if MASK_ROWS:
+        x = tl.load(ptrs, mask=row_ok[:, None] & (offs_d < D)[None, :], other=0.0)
+    elif BLOCK_D == D:
+        x = tl.load(ptrs)
+    else:
+        x = tl.load(ptrs, mask=(offs_d < D)[None, :], other=0.0)
+    return x
 
 
 @triton.jit
@@ -37,10 +69,39 @@ def _visible(offs_m, offs_n, key_stride, key_offset, window):
 
 
 @triton.jit
+def _fwd_tiles(acc, m_i, l_i, q, K, V, b, g, offs_m, start, stop, hi, num_keys, qk_scale, key_stride, key_offset,
+               window, G: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BLOCK_DK: tl.constexpr,
+               BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    offs_dk = tl.arange(0, BLOCK_DK)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    for start_n in range(start, stop, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        row_k = (b * num_keys + offs_n).to(tl.int64) * G + g
+        n_ok = offs_n < hi
+        k = _load_rows(K + row_k[:, None] * DK + offs_dk[None, :], n_ok, offs_dk, DK, BLOCK_DK, MASKED)
+        v = _load_rows(V + row_k[:, None] * DV + offs_dv[None, :], n_ok, offs_dv, DV, BLOCK_DV, MASKED)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+        if MASKED:
+            vis = _visible(offs_m, offs_n, key_stride, key_offset, window) & n_ok[None, :]
+            s = tl.where(vis, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet stay zeros
+        else:
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))  # every row sees every key: finite
+            m_safe = m_new
+        p = tl.exp2(s - m_safe[:, None])
+        alpha = tl.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+    return acc, m_i, l_i
+
+
+@triton.jit
 def range_attn_fwd_kernel(Q, K, V, O, LSE, T, num_keys, scale, key_stride, key_offset, window,
                           H: tl.constexpr, G: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
                           BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr,
-                          BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                          BLOCK_N: tl.constexpr, EDGE_SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = pid_bh // H
@@ -55,29 +116,21 @@ def range_attn_fwd_kernel(Q, K, V, O, LSE, T, num_keys, scale, key_stride, key_o
 
     t_first = pid_m * BLOCK_M
     t_last = tl.minimum(t_first + BLOCK_M, T) - 1
-    lo, hi = _key_tiles(t_first, t_last, key_stride, key_offset, window, num_keys, BLOCK_N)
+    lo, mid_lo, mid_hi, hi = _key_tiles(t_first, t_last, key_stride, key_offset, window, num_keys, BLOCK_N,
+                                        EDGE_SPLIT)
     qk_scale = scale * LOG2E
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
-    for start_n in range(lo, hi, BLOCK_N):
-        offs_n = start_n + tl.arange(0, BLOCK_N)
-        n_ok = offs_n < hi
-        row_k = (b * num_keys + offs_n).to(tl.int64) * G + g
-        k = tl.load(K + row_k[:, None] * DK + offs_dk[None, :], mask=n_ok[:, None] & (offs_dk < DK)[None, :],
-                    other=0.0)
-        v = tl.load(V + row_k[:, None] * DV + offs_dv[None, :], mask=n_ok[:, None] & (offs_dv < DV)[None, :],
-                    other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
-        vis = _visible(offs_m, offs_n, key_stride, key_offset, window) & n_ok[None, :]
-        s = tl.where(vis, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet stay exact zeros
-        p = tl.exp2(s - m_safe[:, None])
-        alpha = tl.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        m_i = m_new
+    acc, m_i, l_i = _fwd_tiles(acc, m_i, l_i, q, K, V, b, g, offs_m, lo, mid_lo, hi, num_keys, qk_scale,
+                               key_stride, key_offset, window, G, DK, DV, BLOCK_DK, BLOCK_DV, BLOCK_N, True,
+                               DOT_PRECISION)
+    acc, m_i, l_i = _fwd_tiles(acc, m_i, l_i, q, K, V, b, g, offs_m, mid_lo, mid_hi, hi, num_keys, qk_scale,
+                               key_stride, key_offset, window, G, DK, DV, BLOCK_DK, BLOCK_DV, BLOCK_N, False,
+                               DOT_PRECISION)
+    acc, m_i, l_i = _fwd_tiles(acc, m_i, l_i, q, K, V, b, g, offs_m, mid_hi, hi, hi, num_keys, qk_scale,
+                               key_stride, key_offset, window, G, DK, DV, BLOCK_DK, BLOCK_DV, BLOCK_N, True,
+                               DOT_PRECISION)
 
     has_key = l_i > 0
     l_safe = tl.where(has_key, l_i, 1.0)
@@ -89,10 +142,33 @@ def range_attn_fwd_kernel(Q, K, V, O, LSE, T, num_keys, scale, key_stride, key_o
 
 
 @triton.jit
+def _dq_tiles(dq, q, do, lse2, delta, K, V, b, g, offs_m, start, stop, hi, num_keys, qk_scale, key_stride,
+              key_offset, window, G: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BLOCK_DK: tl.constexpr,
+              BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    offs_dk = tl.arange(0, BLOCK_DK)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    for start_n in range(start, stop, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        row_k = (b * num_keys + offs_n).to(tl.int64) * G + g
+        n_ok = offs_n < hi
+        k = _load_rows(K + row_k[:, None] * DK + offs_dk[None, :], n_ok, offs_dk, DK, BLOCK_DK, MASKED)
+        v = _load_rows(V + row_k[:, None] * DV + offs_dv[None, :], n_ok, offs_dv, DV, BLOCK_DV, MASKED)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+        p = tl.exp2(s - lse2[:, None])
+        if MASKED:
+            vis = _visible(offs_m, offs_n, key_stride, key_offset, window) & n_ok[None, :]
+            p = tl.where(vis, p, 0.0)
+        dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
+        ds = p * (dp - delta[:, None])
+        dq += tl.dot(ds.to(k.dtype), k, input_precision=DOT_PRECISION)
+    return dq
+
+
+@triton.jit
 def range_attn_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, T, num_keys, scale, key_stride, key_offset, window,
                              H: tl.constexpr, G: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
                              BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr,
-                             BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                             BLOCK_N: tl.constexpr, EDGE_SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = pid_bh // H
@@ -106,42 +182,71 @@ def range_attn_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, T, num_keys, scale, ke
     q = tl.load(Q + row_q[:, None] * DK + offs_dk[None, :], mask=m_ok[:, None] & (offs_dk < DK)[None, :], other=0.0)
     do = tl.load(DO + row_q[:, None] * DV + offs_dv[None, :], mask=m_ok[:, None] & (offs_dv < DV)[None, :],
                  other=0.0)
+    # Rows with no visible key have lse = -inf; 0 instead keeps exp2(s - lse) finite (they are masked or padding).
     lse2 = tl.load(LSE + row_q, mask=m_ok, other=0.0) * LOG2E
+    lse2 = tl.where(lse2 == float("-inf"), 0.0, lse2)
     delta = tl.load(DELTA + row_q, mask=m_ok, other=0.0)
 
     t_first = pid_m * BLOCK_M
     t_last = tl.minimum(t_first + BLOCK_M, T) - 1
-    lo, hi = _key_tiles(t_first, t_last, key_stride, key_offset, window, num_keys, BLOCK_N)
+    lo, mid_lo, mid_hi, hi = _key_tiles(t_first, t_last, key_stride, key_offset, window, num_keys, BLOCK_N,
+                                        EDGE_SPLIT)
     qk_scale = scale * LOG2E
     dq = tl.zeros([BLOCK_M, BLOCK_DK], tl.float32)
-    for start_n in range(lo, hi, BLOCK_N):
-        offs_n = start_n + tl.arange(0, BLOCK_N)
-        n_ok = offs_n < hi
-        row_k = (b * num_keys + offs_n).to(tl.int64) * G + g
-        k = tl.load(K + row_k[:, None] * DK + offs_dk[None, :], mask=n_ok[:, None] & (offs_dk < DK)[None, :],
-                    other=0.0)
-        v = tl.load(V + row_k[:, None] * DV + offs_dv[None, :], mask=n_ok[:, None] & (offs_dv < DV)[None, :],
-                    other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
-        vis = _visible(offs_m, offs_n, key_stride, key_offset, window) & n_ok[None, :]
-        p = tl.where(vis, tl.exp2(s - lse2[:, None]), 0.0)
-        dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
-        ds = p * (dp - delta[:, None])
-        dq += tl.dot(ds.to(k.dtype), k, input_precision=DOT_PRECISION)
+    dq = _dq_tiles(dq, q, do, lse2, delta, K, V, b, g, offs_m, lo, mid_lo, hi, num_keys, qk_scale, key_stride,
+                   key_offset, window, G, DK, DV, BLOCK_DK, BLOCK_DV, BLOCK_N, True, DOT_PRECISION)
+    dq = _dq_tiles(dq, q, do, lse2, delta, K, V, b, g, offs_m, mid_lo, mid_hi, hi, num_keys, qk_scale, key_stride,
+                   key_offset, window, G, DK, DV, BLOCK_DK, BLOCK_DV, BLOCK_N, False, DOT_PRECISION)
+    dq = _dq_tiles(dq, q, do, lse2, delta, K, V, b, g, offs_m, mid_hi, hi, hi, num_keys, qk_scale, key_stride,
+                   key_offset, window, G, DK, DV, BLOCK_DK, BLOCK_DV, BLOCK_N, True, DOT_PRECISION)
     dq = dq * scale
     tl.store(DQ + row_q[:, None] * DK + offs_dk[None, :], dq.to(DQ.dtype.element_ty),
              mask=m_ok[:, None] & (offs_dk < DK)[None, :])
 
 
 @triton.jit
+def _dkdv_tiles(dk, dv, k, v, Q, DO, LSE, DELTA, b, h, offs_n, n_ok, start, stop, T, qk_scale, key_stride,
+                key_offset, window, H: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BLOCK_DK: tl.constexpr,
+                BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    offs_dk = tl.arange(0, BLOCK_DK)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    for start_m in range(start, stop, BLOCK_M):
+        offs_m = start_m + tl.arange(0, BLOCK_M)
+        m_ok = offs_m < T
+        row_q = (b * T + offs_m).to(tl.int64) * H + h
+        q = _load_rows(Q + row_q[:, None] * DK + offs_dk[None, :], m_ok, offs_dk, DK, BLOCK_DK, MASKED)
+        do = _load_rows(DO + row_q[:, None] * DV + offs_dv[None, :], m_ok, offs_dv, DV, BLOCK_DV, MASKED)
+        if MASKED:
+            lse2 = tl.load(LSE + row_q, mask=m_ok, other=0.0) * LOG2E
+            delta = tl.load(DELTA + row_q, mask=m_ok, other=0.0)
+        else:  # a full query tile lies inside [0, T)
+            lse2 = tl.load(LSE + row_q) * LOG2E
+            delta = tl.load(DELTA + row_q)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+        if MASKED:
+            lse2 = tl.where(lse2 == float("-inf"), 0.0, lse2)
+            vis = _visible(offs_m, offs_n, key_stride, key_offset, window) & n_ok[None, :] & m_ok[:, None]
+            p = tl.where(vis, tl.exp2(s - lse2[:, None]), 0.0)
+        else:
+            p = tl.exp2(s - lse2[:, None])  # every query of a full tile sees a key: its lse is finite
+        dv += tl.dot(tl.trans(p).to(do.dtype), do, input_precision=DOT_PRECISION)
+        dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
+        ds = p * (dp - delta[:, None])
+        dk += tl.dot(tl.trans(ds).to(q.dtype), q, input_precision=DOT_PRECISION)
+    return dk, dv
+
+
+@triton.jit
 def range_attn_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK_ACC, DV_ACC, T, num_keys, scale, key_stride, key_offset,
-                               window, H: tl.constexpr, G: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-                               BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr,
-                               BLOCK_N: tl.constexpr, HEAD_SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """One program per (key tile, slice of HPG / HEAD_SPLIT heads of a group). HEAD_SPLIT = 1: the program loops
-    over the whole group and stores (exact, deterministic; right for the window branch, whose tiles see few
-    queries). HEAD_SPLIT = HPG: one head per program, the heads meet by float32 atomic adds (keeps the
-    many-query tiles of the compressed branch spread over the whole GPU)."""
+                               window, q_chunk, H: tl.constexpr, G: tl.constexpr, DK: tl.constexpr,
+                               DV: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr,
+                               BLOCK_N: tl.constexpr, HEAD_SPLIT: tl.constexpr, EDGE_SPLIT: tl.constexpr,
+                               ATOMIC: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """One program per (key tile, slice of HPG / HEAD_SPLIT heads of a group, chunk of q_chunk of the queries
+    that see the tile). HEAD_SPLIT = 1 and one chunk: the program loops over the whole group and stores (exact,
+    deterministic; right for the window branch, whose tiles see few queries). Otherwise (ATOMIC) the programs of
+    a key tile meet by float32 atomic adds: one head per program and the query axis in chunks keep the
+    compressed branch's tiles, the first of which is seen by every query, spread over the whole GPU."""
     HPG: tl.constexpr = H // G
     HEADS: tl.constexpr = HPG // HEAD_SPLIT
     pid_n = tl.program_id(0)
@@ -162,34 +267,40 @@ def range_attn_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK_ACC, DV_ACC, T, num_k
     last_pos = (pid_n * BLOCK_N + BLOCK_N - 1) * key_stride + key_offset
     t_lo = (first_pos // BLOCK_M) * BLOCK_M
     t_hi = tl.minimum(T, last_pos + window)
+    # this program's chunk of them (q_chunk is a multiple of BLOCK_M, so tiles stay aligned)
+    t_lo = t_lo + tl.program_id(2) * q_chunk
+    t_hi = tl.minimum(t_hi, t_lo + q_chunk)
+    if EDGE_SPLIT:
+        # Full query tiles: every query at or after the last key, before the first key's window end, inside T;
+        # and every key of the tile in bounds.
+        full_lo = tl.minimum(t_lo + tl.cdiv(tl.maximum(last_pos - t_lo, 0), BLOCK_M) * BLOCK_M, t_hi)
+        full_lo = tl.maximum(full_lo, t_lo)  # an empty chunk (t_hi < t_lo) runs no loop
+        full_end = tl.minimum(t_hi, first_pos + window)
+        keys_full = (pid_n + 1) * BLOCK_N <= num_keys
+        full_hi = tl.where(keys_full, full_lo + (tl.maximum(full_end - full_lo, 0) // BLOCK_M) * BLOCK_M, full_lo)
+    else:
+        full_lo = t_hi
+        full_hi = t_hi
     qk_scale = scale * LOG2E
     dk = tl.zeros([BLOCK_N, BLOCK_DK], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
     for head in range(HEADS):
         h = first_head + head
-        for start_m in range(t_lo, t_hi, BLOCK_M):
-            offs_m = start_m + tl.arange(0, BLOCK_M)
-            m_ok = offs_m < T
-            row_q = (b * T + offs_m).to(tl.int64) * H + h
-            q = tl.load(Q + row_q[:, None] * DK + offs_dk[None, :], mask=m_ok[:, None] & (offs_dk < DK)[None, :],
-                        other=0.0)
-            do = tl.load(DO + row_q[:, None] * DV + offs_dv[None, :], mask=m_ok[:, None] & (offs_dv < DV)[None, :],
-                         other=0.0)
-            lse2 = tl.load(LSE + row_q, mask=m_ok, other=0.0) * LOG2E
-            delta = tl.load(DELTA + row_q, mask=m_ok, other=0.0)
-            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
-            vis = _visible(offs_m, offs_n, key_stride, key_offset, window) & n_ok[None, :] & m_ok[:, None]
-            p = tl.where(vis, tl.exp2(s - lse2[:, None]), 0.0)
-            dv += tl.dot(tl.trans(p).to(do.dtype), do, input_precision=DOT_PRECISION)
-            dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
-            ds = p * (dp - delta[:, None])
-            dk += tl.dot(tl.trans(ds).to(q.dtype), q, input_precision=DOT_PRECISION)
+        dk, dv = _dkdv_tiles(dk, dv, k, v, Q, DO, LSE, DELTA, b, h, offs_n, n_ok, t_lo, full_lo, T, qk_scale,
+                             key_stride, key_offset, window, H, DK, DV, BLOCK_DK, BLOCK_DV, BLOCK_M, True,
+                             DOT_PRECISION)
+        dk, dv = _dkdv_tiles(dk, dv, k, v, Q, DO, LSE, DELTA, b, h, offs_n, n_ok, full_lo, full_hi, T, qk_scale,
+                             key_stride, key_offset, window, H, DK, DV, BLOCK_DK, BLOCK_DV, BLOCK_M, False,
+                             DOT_PRECISION)
+        dk, dv = _dkdv_tiles(dk, dv, k, v, Q, DO, LSE, DELTA, b, h, offs_n, n_ok, full_hi, t_hi, T, qk_scale,
+                             key_stride, key_offset, window, H, DK, DV, BLOCK_DK, BLOCK_DV, BLOCK_M, True,
+                             DOT_PRECISION)
     dk = dk * scale
     dk_ptrs = DK_ACC + row_k[:, None] * DK + offs_dk[None, :]
     dv_ptrs = DV_ACC + row_k[:, None] * DV + offs_dv[None, :]
-    if HEAD_SPLIT == 1:
+    if not ATOMIC:
         tl.store(dk_ptrs, dk, mask=n_ok[:, None] & (offs_dk < DK)[None, :])
         tl.store(dv_ptrs, dv, mask=n_ok[:, None] & (offs_dv < DV)[None, :])
-    else:
+    elif t_lo < t_hi:  # empty chunks add nothing
         tl.atomic_add(dk_ptrs, dk, mask=n_ok[:, None] & (offs_dk < DK)[None, :])
         tl.atomic_add(dv_ptrs, dv, mask=n_ok[:, None] & (offs_dv < DV)[None, :])

@@ -4,8 +4,10 @@ Same pieces, signatures and meaning as ops/reference.py (see ops/__init__.py). E
 kernel launches and batched tensor ops whose sizes depend only on shapes: no host sync, no loop over tokens.
 
 Launch parameters (tile sizes, warps) and the kernel variants (selected fwd/dQ per query or per query tile,
-gates eager or fused; the defaults were chosen by bench/results/kernels-h100-2026-11-22-v4.md, see
-kernels-notes.md) live in one LaunchConfig; `use_launch_config` pins another one (tests and the benchmark use it). Under TRITON_INTERPRET=1 (set before import) the kernels run on CPU tensors.
+gates eager or fused, range kernels masking every tile or only the edge tiles, delta eager or fused; the
+defaults were chosen by bench/results/kernels-h100-2026-11-22-v4.md and -v5*.md, see kernels-notes.md) live in
+one LaunchConfig; `use_launch_config` pins another one (tests and the benchmark use it). Under TRITON_INTERPRET=1
+(set before import) the kernels run on CPU tensors.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import torch
 import triton
 
 from nsa_model.config import NSAConfig
+from nsa_model.kernels.delta import row_dot_kernel
 from nsa_model.kernels.gates import gated_sum_bwd_kernel, gated_sum_fwd_kernel
 from nsa_model.kernels.range_attention import (range_attn_bwd_dkdv_kernel, range_attn_bwd_dq_kernel,
                                                range_attn_fwd_kernel)
@@ -31,15 +34,23 @@ INTERPRETED = not isinstance(range_attn_fwd_kernel, triton.runtime.JITFunction)
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 SELECTED_KERNELS = ("per_query", "tiled")  # selected fwd/dQ: one program per query, or per tile of queries
 GATE_KERNELS = ("torch", "fused")  # gated combination: eager PyTorch ops, or one Triton kernel each way
+RANGE_KERNELS = ("masked", "split")  # compressed/window: every tile masked (v4), or only the edge tiles (v5)
+DELTA_KERNELS = ("torch", "fused")  # backward row term sum(do * o): eager fp32 ops, or one Triton kernel
+WINDOW_DKDV = ("group", "head")  # window dK/dV: one program per key tile and group (stores) or per head (atomics)
 
 
 @dataclass(frozen=True)
 class LaunchConfig:
-    range_block_m: int = 64  # query tile of the compressed/window kernels
-    range_block_n: int = 64  # key tile of the compressed/window kernels
+    range_block_m: int = 64  # query tile of the compressed/window kernels (head dims > 64)
+    range_block_n: int = 64  # key tile of the compressed/window kernels (head dims > 64)
     select_block_m: int = 64  # query tile of the selection kernel
     range_warps: int = 4
     range_stages: int = 2
+    range_block_m_d64: int = 64  # the same four for head dims <= 64, which leave registers for larger tiles
+    range_block_n_d64: int = 64
+    range_warps_d64: int = 4
+    range_stages_d64: int = 2
+    range_dkdv_programs: int = 2048  # compressed dK/dV: split the query axis until about this many programs
     select_warps: int = 4
     slc_warps: int = 2  # selected attention forward and dQ (2 beat 4 in the v2 sweep on H100)
     slc_stages: int = 2
@@ -50,9 +61,13 @@ class LaunchConfig:
     slc_tile_rows: int = 64  # rows (queries x padded heads) of one program of the tiled selected kernels
     slc_tile_warps: int = 4
     gate_kernel: str = "fused"  # one of GATE_KERNELS
+    range_kernel: str = "split"  # one of RANGE_KERNELS
+    delta_kernel: str = "fused"  # one of DELTA_KERNELS
+    window_dkdv: str = "group"  # one of WINDOW_DKDV
 
     def __post_init__(self) -> None:
-        choices = {"slc_kernel": SELECTED_KERNELS, "gate_kernel": GATE_KERNELS}
+        choices = {"slc_kernel": SELECTED_KERNELS, "gate_kernel": GATE_KERNELS, "range_kernel": RANGE_KERNELS,
+                   "delta_kernel": DELTA_KERNELS, "window_dkdv": WINDOW_DKDV}
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise ValueError(f"LaunchConfig.{name}: must be one of {allowed}, got {getattr(self, name)!r}")
@@ -62,7 +77,8 @@ class LaunchConfig:
             value = getattr(self, f.name)
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"LaunchConfig.{f.name}: must be a positive int, got {value!r}")
-        for name in ("range_block_m", "range_block_n", "select_block_m", "dkdv_rows", "slc_tile_rows"):
+        for name in ("range_block_m", "range_block_n", "range_block_m_d64", "range_block_n_d64", "select_block_m",
+                     "dkdv_rows", "slc_tile_rows"):
             value = getattr(self, name)
             if value < 16 or value & (value - 1):
                 raise ValueError(f"LaunchConfig.{name}: must be a power of two >= 16, got {value}")
@@ -128,8 +144,33 @@ def _head_dims(q: torch.Tensor, v: torch.Tensor) -> dict:
     return dict(DK=dk, DV=dv, BLOCK_DK=_pow2(dk), BLOCK_DV=_pow2(dv), DOT_PRECISION=_dot_precision(q.dtype))
 
 
-def _range_launch() -> dict:
-    return dict(num_warps=_config.range_warps, num_stages=_config.range_stages)
+def _range_launch(q: torch.Tensor, v: torch.Tensor) -> dict:
+    """Tiles and launch parameters of the range kernels for these head dims."""
+    c = _config
+    if max(q.shape[-1], v.shape[-1]) <= 64:
+        tiles = dict(BLOCK_M=c.range_block_m_d64, BLOCK_N=c.range_block_n_d64, num_warps=c.range_warps_d64,
+                     num_stages=c.range_stages_d64)
+    else:
+        tiles = dict(BLOCK_M=c.range_block_m, BLOCK_N=c.range_block_n, num_warps=c.range_warps,
+                     num_stages=c.range_stages)
+    return dict(tiles, EDGE_SPLIT=c.range_kernel == "split")
+
+
+_DELTA_ROWS = 32  # (b, t, h) rows per program of the delta kernel
+
+
+def _delta(do: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
+    """[B, T, H] fp32 sum over the head dim of do * o (the row term of an attention backward)."""
+    if _config.delta_kernel == "torch":
+        return (do.float() * o.float()).sum(-1)
+    do, o = do.contiguous(), o.contiguous()
+    d = o.shape[-1]
+    delta = torch.empty(o.shape[:-1], dtype=torch.float32, device=o.device)
+    rows = delta.numel()
+    if rows:
+        row_dot_kernel[(triton.cdiv(rows, _DELTA_ROWS),)](do, o, delta, rows, D=d, BLOCK_R=_DELTA_ROWS,
+                                                          BLOCK_D=_pow2(d))
+    return delta
 
 
 # --- compressed and window branches: attention over a range of keys ------------------------------------------
@@ -144,10 +185,10 @@ class _RangeAttention(torch.autograd.Function):
         num_keys, G = k.shape[1], k.shape[2]
         o = torch.empty(*q.shape[:3], v.shape[-1], dtype=q.dtype, device=q.device)
         lse = torch.empty(B, T, H, dtype=torch.float32, device=q.device)
-        bm, bn = _config.range_block_m, _config.range_block_n
-        range_attn_fwd_kernel[(triton.cdiv(T, bm), B * H)](
-            q, k, v, o, lse, T, num_keys, scale, key_stride, key_offset, window, H=H, G=G,
-            BLOCK_M=bm, BLOCK_N=bn, **_head_dims(q, v), **_range_launch())
+        launch = _range_launch(q, v)
+        range_attn_fwd_kernel[(triton.cdiv(T, launch["BLOCK_M"]), B * H)](
+            q, k, v, o, lse, T, num_keys, scale, key_stride, key_offset, window, H=H, G=G, **_head_dims(q, v),
+            **launch)
         ctx.save_for_backward(q, k, v, o, lse)
         ctx.params = (key_stride, key_offset, window, scale)
         ctx.mark_non_differentiable(lse)
@@ -160,21 +201,31 @@ class _RangeAttention(torch.autograd.Function):
         do = do.contiguous()
         B, T, H, _ = q.shape
         num_keys, G = k.shape[1], k.shape[2]
-        delta = (do.float() * o.float()).sum(-1)
+        delta = _delta(do, o)
         dq = torch.empty_like(q)
         dk = torch.zeros(k.shape, dtype=torch.float32, device=k.device)  # the group's heads may add into these
         dv = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
-        bm, bn = _config.range_block_m, _config.range_block_n
-        common = dict(H=H, G=G, BLOCK_M=bm, BLOCK_N=bn, **_head_dims(q, v), **_range_launch())
+        launch = _range_launch(q, v)
+        bm, bn = launch["BLOCK_M"], launch["BLOCK_N"]
+        common = dict(H=H, G=G, **_head_dims(q, v), **launch)
         range_attn_bwd_dq_kernel[(triton.cdiv(T, bm), B * H)](
             q, k, v, do, lse, delta, dq, T, num_keys, scale, key_stride, key_offset, window, **common)
         if num_keys > 0:
-            # A key tile of the compressed branch is seen by up to T queries: one head per program (atomic adds)
-            # spreads that over the GPU. A window tile is seen by ~w queries: one program per group is enough.
-            head_split = H // G if window >= T else 1
-            range_attn_bwd_dkdv_kernel[(triton.cdiv(num_keys, bn), B * G * head_split)](
-                q, k, v, do, lse, delta, dk, dv, T, num_keys, scale, key_stride, key_offset, window,
-                HEAD_SPLIT=head_split, **common)
+            # A key tile of the compressed branch is seen by up to T queries: one head per program and chunks of
+            # the query axis (atomic adds) spread that over the GPU. A window tile is seen by ~w queries: one
+            # program per group is enough (window_dkdv = "group"), or one per head (atomic adds).
+            key_tiles, query_tiles = triton.cdiv(num_keys, bn), triton.cdiv(T, bm)
+            if window >= T:
+                head_split = H // G
+                chunks = triton.cdiv(_config.range_dkdv_programs, key_tiles * B * G * head_split)
+                q_chunk = triton.cdiv(query_tiles, min(max(chunks, 1), query_tiles)) * bm
+            else:
+                head_split = H // G if _config.window_dkdv == "head" else 1
+                q_chunk = query_tiles * bm
+            atomic = head_split > 1 or q_chunk < T
+            range_attn_bwd_dkdv_kernel[(key_tiles, B * G * head_split, triton.cdiv(T, q_chunk))](
+                q, k, v, do, lse, delta, dk, dv, T, num_keys, scale, key_stride, key_offset, window, q_chunk,
+                HEAD_SPLIT=head_split, ATOMIC=atomic, **common)
         return dq, dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
 
 
@@ -290,7 +341,7 @@ class _SelectedAttention(torch.autograd.Function):
         B, T, H, _ = q.shape
         G, n = k.shape[2], blocks.shape[-1]
         hpg = H // G
-        delta = (do.float() * o.float()).sum(-1)
+        delta = _delta(do, o)
         dims = _head_dims(q, v)
         dq = torch.empty_like(q)
         common = dict(H=H, G=G, SEL_BLOCK=sel_block, BLOCK_S=_pow2(sel_block), N_SELECT=n, **dims)
