@@ -82,7 +82,7 @@ class TuneConfig:
     scheduler: SchedulerKind = "asha"  # asha stops trials whose validation loss lags; fifo runs all to the end
     grace_period: int = 8  # optimizer steps every trial runs before ASHA may stop it
     reduction_factor: int = 2  # ASHA keeps 1/reduction_factor of the trials at each rung
-    max_concurrent_trials: int | None = None  # None: as many as the cluster's CPUs/GPUs hold
+    max_concurrent_trials: int | None = None  # None: derived from the cluster (see trial_concurrency)
     trial_driver_cpus: float = 0.1  # CPU of each trial's driver (it only waits on its TorchTrainer)
     data_cpus_per_trial: float = 0.5  # CPU left free per trial for its Ray Data reads (else they starve)
     # Tokenize and pack the data once, before the trials, when data.packed_dir is unset: every trial then
@@ -472,20 +472,73 @@ def _check_same_sweep(experiment_dir: str, record: dict[str, Any]) -> None:
         path.write_text(json.dumps(record, indent=1))
 
 
-def max_concurrent_trials(job, cluster_resources: dict[str, float]) -> int:
-    """How many trials fit side by side: GPUs per trial on GPU, else the CPUs of a trial's workers, its driver
-    and its data pipeline (Tune does not see the workers: Ray Train reserves them when the trial starts)."""
+@dataclass(frozen=True)
+class ClusterView:
+    """What a sweep can know about the cluster's size when it starts."""
+
+    fixed_size: bool  # a local cluster this process started itself: what it has now is all it will ever have
+    now: dict[str, float]  # ray.cluster_resources() at the start
+    max: dict[str, float] | None  # the most the autoscaler may grow it to, where the autoscaler reports it
+
+
+def cluster_view() -> ClusterView:
+    """The running cluster, seen as trainer._cluster_gpus() sees it: only a cluster this process started is fixed
+    in size; one it joined (ray job submit, RAY_ADDRESS) may autoscale from zero worker nodes."""
+    import ray
+
+    node = ray._private.worker._global_node  # the Node this driver started, or the one it connected to
+    fixed = node is not None and node.head
+    # The autoscaler's configured maximum (what Ray Train itself checks before it waits for workers); None where
+    # the autoscaler reports none.
+    ceiling = None if fixed else ray._private.state.state.get_max_resources_from_cluster_config()
+    return ClusterView(fixed_size=fixed, now=dict(ray.cluster_resources()), max=ceiling)
+
+
+def trial_concurrency(job, n_trials: int, cluster: ClusterView) -> tuple[int, str]:
+    """How many trials run side by side, and why (for the log).
+
+    A trial needs its workers' GPUs on GPU, else the CPUs of its workers, its driver and its data pipeline (Tune
+    does not see the workers: Ray Train reserves them when the trial starts). In order:
+      - tune.max_concurrent_trials when set;
+      - on a cluster this process started: as many trials as its resources hold (none is an error);
+      - on a joined cluster whose autoscaler reports its maximum: as many as that maximum holds;
+      - on a joined cluster holding at least one trial now: that many (the capacity asked for ahead of the sweep,
+        e.g. with cluster/request_capacity.py, or a fixed cluster);
+      - on a joined cluster holding none now (autoscaling from zero): every trial, each waiting for its workers:
+        their resource requests make the autoscaler add nodes, and Ray Train retries a worker group's start
+        until its nodes are up.
+    Never more than the sweep has trials.
+    """
     t, tune_cfg = job.train, job.tune
     if tune_cfg.max_concurrent_trials is not None:
-        return tune_cfg.max_concurrent_trials
+        n = min(tune_cfg.max_concurrent_trials, n_trials)
+        return n, f"tune.max_concurrent_trials={tune_cfg.max_concurrent_trials} (the sweep has {n_trials} trials)"
     if t.use_gpu:
-        have, need, what = cluster_resources.get("GPU", 0.0), float(t.num_workers), "GPU"
+        need, what = float(t.num_workers), "GPU"
     else:
-        have, what = cluster_resources.get("CPU", 0.0), "CPU"
-        need = t.num_workers * t.cpus_per_worker + tune_cfg.trial_driver_cpus + tune_cfg.data_cpus_per_trial
-    fit = math.floor(have / need + 1e-9)  # 16 / (1.0 + 0.1 + 0.5) is 10, whatever the rounding of 1.6
-    _require(fit >= 1, "train.num_workers", f"a trial needs {need:g} {what} but the cluster has {have:g}")
-    return fit
+        need, what = t.num_workers * t.cpus_per_worker + tune_cfg.trial_driver_cpus + tune_cfg.data_cpus_per_trial, "CPU"
+    per_trial = f"a trial needs {need:g} {what}"
+
+    def fit(have: float) -> int:
+        return math.floor(have / need + 1e-9)  # 16 / (1.0 + 0.1 + 0.5) is 10, whatever the rounding of 1.6
+
+    have_now = cluster.now.get(what, 0.0)
+    if cluster.fixed_size:
+        _require(fit(have_now) >= 1, "train.num_workers", f"{per_trial} but this local cluster has {have_now:g}")
+        return (min(fit(have_now), n_trials),
+                f"this process's local cluster has {have_now:g} {what} and {per_trial}")
+    if cluster.max is not None and what in cluster.max:
+        ceiling = cluster.max[what]
+        _require(fit(ceiling) >= 1, "train.num_workers",
+                 f"{per_trial} but the autoscaler can grow the cluster to {ceiling:g} {what} at most")
+        return (min(fit(ceiling), n_trials),
+                f"the autoscaler can grow the cluster to {ceiling:g} {what} and {per_trial}")
+    if fit(have_now) >= 1:
+        return (min(fit(have_now), n_trials),
+                f"the joined cluster has {have_now:g} {what} now and {per_trial}; if it can grow beyond that, set "
+                f"tune.max_concurrent_trials to the number it holds then")
+    return (n_trials, f"the joined cluster has {have_now:g} {what} now and {per_trial}: every trial starts and "
+            f"waits for the nodes the autoscaler adds; set tune.max_concurrent_trials to run fewer at once")
 
 
 def _open_parent_run(job, experiment_dir: str, tracking_uri: str, settings: list[dict[str, int]]) -> str:
@@ -650,8 +703,6 @@ def init_ray(num_cpus: int | None = None) -> None:
 
 def run_sweep(job) -> SweepResult:
     """Run (or resume) the sweep of job.tune over job's training setup; returns its summary."""
-    import ray
-
     from pipeline.config import resolve_paths
     from pipeline.tracking import resolve_tracking_uri
 
@@ -671,10 +722,11 @@ def run_sweep(job) -> SweepResult:
     plan = SweepPlan(job=job, tune=job.tune, max_steps=max_steps, experiment_dir=experiment_dir,
                      parent_run_id=parent_run_id)
 
-    concurrency = max_concurrent_trials(job, ray.cluster_resources())
     n_trials = len(settings) * job.tune.num_samples if job.tune.search == "grid" else job.tune.num_samples
-    log.info("sweep %s: %d trials of %d steps, %d at a time, MLflow parent run %s", job.tune.name, n_trials,
-             max_steps, concurrency, parent_run_id)
+    concurrency, why = trial_concurrency(job, n_trials, cluster_view())
+    log.info("sweep %s: %d trials of %d steps, MLflow parent run %s", job.tune.name, n_trials, max_steps,
+             parent_run_id)
+    log.info("sweep %s: %d trial(s) at a time: %s", job.tune.name, concurrency, why)
     grid = _build_tuner(plan, settings, concurrency).fit()
 
     from ray.tune import ExperimentAnalysis
