@@ -253,22 +253,31 @@ def format_summary(rows: list[dict[str, Any]]) -> str:
 
 
 def plot_pareto(rows: list[dict[str, Any]], path: Path, title: str) -> None:
-    """Throughput against validation loss, the Pareto front joined by a line (matplotlib, no display needed)."""
+    """Throughput against validation loss, the Pareto front joined by a line (matplotlib, no display needed).
+
+    Trials that ASHA stopped early are drawn hollow with the step they reached: their loss is from fewer tokens.
+    """
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
     fig = Figure(figsize=(7, 5))
     FigureCanvasAgg(fig)
     ax = fig.add_subplot()
-    points = [r for r in rows if math.isfinite(r["tokens_per_s"]) and math.isfinite(r["val_loss"])]
-    for r in points:
-        ax.scatter(r["tokens_per_s"], r["val_loss"], color="tab:red" if r["pareto"] else "tab:gray", zorder=3)
-        ax.annotate(f"l'={r['sel_block']} n={r['n_selected']}", (r["tokens_per_s"], r["val_loss"]),
-                    textcoords="offset points", xytext=(5, 5), fontsize=8)
-    front = sorted((r for r in points if r["pareto"]), key=lambda r: r["tokens_per_s"])
+    points = sorted((r for r in rows if math.isfinite(r["tokens_per_s"]) and math.isfinite(r["val_loss"])),
+                    key=lambda r: (r["tokens_per_s"], r["val_loss"]))
+    for i, r in enumerate(points):
+        done = r.get("status", "DONE") == "DONE"
+        color = "tab:red" if r["pareto"] else "tab:gray"
+        ax.scatter(r["tokens_per_s"], r["val_loss"], zorder=3, edgecolors=color,
+                   facecolors=color if done else "none")
+        label = f"l'={r['sel_block']} n={r['n_selected']}" + ("" if done else f" (stopped at step {r['step']})")
+        # Labels alternate above and below their points: neighbours in throughput often share a loss.
+        ax.annotate(label, (r["tokens_per_s"], r["val_loss"]), textcoords="offset points",
+                    xytext=(5, 6 if i % 2 == 0 else -13), fontsize=8)
+    front = [r for r in points if r["pareto"]]
     if front:
         ax.plot([r["tokens_per_s"] for r in front], [r["val_loss"] for r in front], color="tab:red",
-                label="Pareto front", zorder=2)
+                label="Pareto front (trials that trained the whole budget)", zorder=2)
         ax.legend()
     ax.set_xlabel("steady-state training throughput (tokens/s)")
     ax.set_ylabel("validation loss")
@@ -278,8 +287,14 @@ def plot_pareto(rows: list[dict[str, Any]], path: Path, title: str) -> None:
 
 
 def summarize(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Rows with their Pareto flag set, sorted by validation loss (trials without one last)."""
-    front = pareto_front([r["tokens_per_s"] for r in rows], [r["val_loss"] for r in rows])
+    """Rows with their Pareto flag set, sorted by validation loss (trials without one last).
+
+    Only trials that trained the whole token budget (status DONE) take part in the front: a trial ASHA stopped
+    early has a loss from fewer tokens, which is not comparable.
+    """
+    complete = [r.get("status") == "DONE" for r in rows]
+    front = pareto_front([r["tokens_per_s"] if c else math.nan for r, c in zip(rows, complete)],
+                         [r["val_loss"] if c else math.nan for r, c in zip(rows, complete)])
     rows = [{**r, "pareto": p} for r, p in zip(rows, front)]
     return sorted(rows, key=lambda r: (not math.isfinite(r["val_loss"]), r["val_loss"], r["trial_id"]))
 
@@ -357,6 +372,7 @@ def _validation_report_callback(warmup_steps: int):
 
 def run_trial(config: dict[str, Any], plan: SweepPlan) -> None:
     """Tune's function trainable: one TorchTrainer run with this trial's NSA setting."""
+    import ray.data
     import ray.train
     from ray import tune
 
@@ -365,6 +381,9 @@ def run_trial(config: dict[str, Any], plan: SweepPlan) -> None:
 
     trial_id = tune.get_context().get_trial_id()
     job = plan.trial_job(config["nsa"], trial_id)
+    # Trials print their training lines and Tune its status table; Ray Data's per-epoch progress bars from every
+    # trial would bury both.
+    ray.data.DataContext.get_current().enable_progress_bars = False
     run_config = ray.train.RunConfig(
         name=trial_id, storage_path=plan.trials_storage,
         callbacks=[_validation_report_callback(plan.tune.throughput_warmup_steps)],
@@ -404,6 +423,11 @@ class SweepResult:
 def trial_dirname(trial) -> str:
     """Tune's folder of a trial is its id, the same name as its Ray Train run."""
     return trial.trial_id
+
+
+def trial_name(trial) -> str:
+    """What Tune's status table and logs call a trial: its id and NSA setting (the table cuts a dict short)."""
+    return f"{trial.trial_id} {_describe(trial.config['nsa'])}"
 
 
 def plan_settings(job) -> tuple[list[dict[str, int]], list[RejectedSetting]]:
@@ -582,7 +606,7 @@ def _build_tuner(plan: SweepPlan, settings: list[dict[str, int]], concurrency: i
                                     search_alg=BasicVariantGenerator(max_concurrent=concurrency,
                                                                      random_state=tune_cfg.seed),
                                     num_samples=tune_cfg.num_samples,
-                                    trial_dirname_creator=trial_dirname),
+                                    trial_dirname_creator=trial_dirname, trial_name_creator=trial_name),
         run_config=tune.RunConfig(name=tune_cfg.name, storage_path=storage,
                                   failure_config=tune.FailureConfig(max_failures=0)),
     )

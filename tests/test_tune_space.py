@@ -114,24 +114,28 @@ def test_pareto_front_on_a_hand_made_example():
 
 def _rows():
     rows = []
-    for i, (sel, n, tps, loss) in enumerate([(16, 4, 100.0, 3.0), (16, 8, 80.0, 3.2), (32, 4, 120.0, 3.1),
-                                              (32, 8, float("nan"), float("nan"))]):
+    for i, (sel, n, tps, loss, status) in enumerate([
+            (16, 4, 100.0, 3.0, "DONE"), (16, 8, 80.0, 3.2, "DONE"), (32, 4, 120.0, 3.1, "DONE"),
+            (32, 8, float("nan"), float("nan"), "ERROR"),
+            (64, 4, 500.0, 2.0, "STOPPED")]):  # faster and lower loss than all, but from fewer tokens
         rows.append({"trial_id": f"t{i}", "sel_block": sel, "n_selected": n, "cmp_block": 16, "cmp_stride": 8,
-                     "window": 64, "status": "TERMINATED", "step": 10, "tokens_seen": 1000, "tokens_per_s": tps,
-                     "val_loss": loss, "peak_mem_mb": 1.0, "mlflow_run_id": f"r{i}"})
+                     "window": 64, "status": status, "step": 10 if status == "DONE" else 4, "tokens_seen": 1000,
+                     "tokens_per_s": tps, "val_loss": loss, "peak_mem_mb": 1.0, "mlflow_run_id": f"r{i}"})
     return rows
 
 
 def test_summary_csv_table_and_plot(tmp_path):
     rows = summarize(_rows())
-    assert [r["trial_id"] for r in rows] == ["t0", "t2", "t1", "t3"]  # by validation loss, missing last
-    assert {r["trial_id"]: r["pareto"] for r in rows} == {"t0": True, "t2": True, "t1": False, "t3": False}
+    assert [r["trial_id"] for r in rows] == ["t4", "t0", "t2", "t1", "t3"]  # by validation loss, missing last
+    # The front is among trials that trained the whole budget: the early-stopped t4 neither joins nor dominates.
+    assert {r["trial_id"]: r["pareto"] for r in rows} == {"t0": True, "t2": True, "t1": False, "t3": False,
+                                                          "t4": False}
     write_summary_csv(rows, tmp_path / "summary.csv")
     with open(tmp_path / "summary.csv") as f:
         read = list(csv.DictReader(f))
-    assert tuple(read[0]) == SUMMARY_COLUMNS and [r["trial_id"] for r in read] == ["t0", "t2", "t1", "t3"]
+    assert tuple(read[0]) == SUMMARY_COLUMNS and [r["trial_id"] for r in read] == ["t4", "t0", "t2", "t1", "t3"]
     text = format_summary(rows)
-    assert text.splitlines()[0].split()[:3] == ["trial_id", "sel_block", "n_selected"] and len(text.splitlines()) == 5
+    assert text.splitlines()[0].split()[:3] == ["trial_id", "sel_block", "n_selected"] and len(text.splitlines()) == 6
     plot_pareto(rows, tmp_path / "pareto.png", "test")
     assert (tmp_path / "pareto.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
