@@ -717,12 +717,15 @@ def init_ray(num_cpus: int | None = None) -> None:
         return
     if os.environ.get("RAY_ADDRESS"):
         ray.init()
+        log.info("sweep: joined the Ray cluster at %s", os.environ["RAY_ADDRESS"])
         return
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     ray.init(num_cpus=num_cpus, include_dashboard=True, dashboard_host="127.0.0.1", dashboard_port=port,
              runtime_env={"env_vars": {"RAY_API_SERVER_ADDRESS": f"http://127.0.0.1:{port}"}})
+    log.info("sweep: started a local Ray cluster (%g CPU, %g GPU)", ray.cluster_resources().get("CPU", 0),
+             ray.cluster_resources().get("GPU", 0))
 
 
 def run_sweep(job) -> SweepResult:
