@@ -759,6 +759,14 @@ def run_sweep(job) -> SweepResult:
     from ray.tune import ExperimentAnalysis
 
     tune_status = {t.trial_id: t.status for t in ExperimentAnalysis(experiment_dir).trials}
+    if any(status not in ("TERMINATED", "ERROR") for status in tune_status.values()):
+        # Interrupted (Ctrl-C): Tune saved its state but leaves running trials training until this driver exits,
+        # past their last registered checkpoint, steps that the resumed sweep would then train and log again.
+        log.warning("sweep %s: interrupted; stopping its running trials now (rerun the same command to resume)",
+                    job.tune.name)
+        import ray
+
+        ray.shutdown()
     rows = [_result_row(result, plan, tune_status.get(Path(result.path).name, "UNKNOWN")) for result in grid]
     out_dir = Path(experiment_dir) if _is_local(experiment_dir) else Path(job.output_dir) / "sweeps" / job.tune.name
     summary_csv, pareto_png = _report_to_mlflow(plan, tracking_uri, rows, rejected, out_dir)
