@@ -222,3 +222,17 @@ def test_the_sweep_record_changes_with_the_experiment_not_with_its_concurrency()
     for changed in (["model.dim=128"], ["train.lr=1e-3"], ["tune.grace_period=4"], ["data.seq_len=128"]):
         assert record != sweep_record(_sweep_job(*changed), settings, 24), changed
     assert record != sweep_record(job, settings[:2], 24)
+
+
+def test_sweep_script_refuses_a_bad_config_before_starting():
+    import os
+    import subprocess
+    import sys
+
+    repo = Path(__file__).resolve().parent.parent
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    proc = subprocess.run([sys.executable, "jobs/sweep.py", "--set", "tune.sel_block=[16, 0]"], cwd=repo, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "config error: " in proc.stderr and "TuneConfig.sel_block: must hold positive ints only, got 0" in proc.stderr
+    assert "Ray" not in proc.stdout + proc.stderr  # refused before any cluster was started
