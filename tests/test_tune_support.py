@@ -1,5 +1,5 @@
-"""Shared by the sweep tests (no tests here, and no Ray import: test_tune_job's Ray client must read its
-environment first): the very small sweep they run."""
+"""The very small sweep that tests/test_tune_sweep.py runs (no tests here, and no Ray import, so that a test
+starting its own Ray client can import it first)."""
 
 from pathlib import Path
 
