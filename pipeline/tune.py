@@ -540,7 +540,8 @@ def trial_concurrency(job, n_trials: int, cluster: ClusterView) -> tuple[int, st
     if t.use_gpu:
         need, what = float(t.num_workers), "GPU"
     else:
-        need, what = t.num_workers * t.cpus_per_worker + tune_cfg.trial_driver_cpus + tune_cfg.data_cpus_per_trial, "CPU"
+        what = "CPU"
+        need = t.num_workers * t.cpus_per_worker + tune_cfg.trial_driver_cpus + tune_cfg.data_cpus_per_trial
     per_trial = f"a trial needs {need:g} {what}"
 
     def fit(have: float) -> int:

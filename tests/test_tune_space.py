@@ -234,5 +234,6 @@ def test_sweep_script_refuses_a_bad_config_before_starting():
     proc = subprocess.run([sys.executable, "jobs/sweep.py", "--set", "tune.sel_block=[16, 0]"], cwd=repo, env=env,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2, proc.stdout + proc.stderr
-    assert "config error: " in proc.stderr and "TuneConfig.sel_block: must hold positive ints only, got 0" in proc.stderr
+    assert "config error: " in proc.stderr
+    assert "TuneConfig.sel_block: must hold positive ints only, got 0" in proc.stderr
     assert "Ray" not in proc.stdout + proc.stderr  # refused before any cluster was started

@@ -85,7 +85,8 @@ def _kill_sweep_mid_trial(tmp: Path, trial_index: int) -> dict:
 
 
 def _paths(tmp: Path, name: str) -> list[str]:
-    return [f"tune.name={name}", f"tune.storage_path={tmp / 'ray'}", f"tracking.tracking_uri=sqlite:///{tmp / 'mlflow.db'}"]
+    return [f"tune.name={name}", f"tune.storage_path={tmp / 'ray'}",
+            f"tracking.tracking_uri=sqlite:///{tmp / 'mlflow.db'}"]
 
 
 @pytest.fixture(scope="module")
