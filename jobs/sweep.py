@@ -2,11 +2,15 @@
 
     python jobs/sweep.py                                        # configs/sweep-tiny.yaml: tiny model, 4-trial grid
     python jobs/sweep.py --config my-sweep.yaml --set tune.token_budget=200000
-    ray job submit --working-dir . -- python jobs/sweep.py      # on a cluster (RAY_ADDRESS or the submitted job's)
+    ray job submit --working-dir . -- python jobs/sweep.py \
+        --set tune.storage_path=$PWD/outputs/ray_results --set tracking.tracking_uri=sqlite:///$PWD/outputs/mlflow.db
 
 Each trial trains a TorchTrainer on a fixed token budget; trials are MLflow child runs of the sweep's run, which
-gets the summary table (CSV) and the Pareto-front plot (PNG). Rerunning with the same tune.name resumes an
-interrupted sweep.
+gets the summary table (CSV) and the Pareto-front plot (PNG). Rerunning the same command (same tune.name)
+resumes an interrupted sweep, even one whose driver was killed mid-trial. Under `ray job submit`, relative paths
+resolve inside the job's copy of the working directory (under Ray's session folder): give absolute paths or URIs
+(s3://, gs://, an MLflow server) for what should outlive the job. Exit codes: 0 done, 1 a trial failed, 2 bad
+config, 130 interrupted (rerun to resume).
 """
 
 from __future__ import annotations
@@ -33,9 +37,17 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
-    job = load_job_config(args.config, args.overrides)  # field checks; the sweep checks the rest before starting
+    try:
+        job = load_job_config(args.config, args.overrides)  # field checks; the sweep checks the rest before starting
+    except (ValueError, FileNotFoundError) as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
     print(f"sweep config ({args.config}):\n{job.to_yaml()}", flush=True)
-    result = run_sweep(job)
+    try:
+        result = run_sweep(job)
+    except ValueError as e:  # a sweep that cannot work (no valid setting, budget, resources), refused before trials
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
 
     print(f"\nsweep {job.tune.name}: {len(result.rows)} trials, {len(result.rejected)} settings refused")
     for r in result.rejected:

@@ -82,7 +82,7 @@ class TuneConfig:
     scheduler: SchedulerKind = "asha"  # asha stops trials whose validation loss lags; fifo runs all to the end
     grace_period: int = 8  # optimizer steps every trial runs before ASHA may stop it
     reduction_factor: int = 2  # ASHA keeps 1/reduction_factor of the trials at each rung
-    max_concurrent_trials: int | None = None  # None: as many as the cluster's CPUs/GPUs hold
+    max_concurrent_trials: int | None = None  # None: derived from the cluster (see trial_concurrency)
     trial_driver_cpus: float = 0.1  # CPU of each trial's driver (it only waits on its TorchTrainer)
     data_cpus_per_trial: float = 0.5  # CPU left free per trial for its Ray Data reads (else they starve)
     # Tokenize and pack the data once, before the trials, when data.packed_dir is unset: every trial then
@@ -253,22 +253,31 @@ def format_summary(rows: list[dict[str, Any]]) -> str:
 
 
 def plot_pareto(rows: list[dict[str, Any]], path: Path, title: str) -> None:
-    """Throughput against validation loss, the Pareto front joined by a line (matplotlib, no display needed)."""
+    """Throughput against validation loss, the Pareto front joined by a line (matplotlib, no display needed).
+
+    Trials that ASHA stopped early are drawn hollow with the step they reached: their loss is from fewer tokens.
+    """
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
     fig = Figure(figsize=(7, 5))
     FigureCanvasAgg(fig)
     ax = fig.add_subplot()
-    points = [r for r in rows if math.isfinite(r["tokens_per_s"]) and math.isfinite(r["val_loss"])]
-    for r in points:
-        ax.scatter(r["tokens_per_s"], r["val_loss"], color="tab:red" if r["pareto"] else "tab:gray", zorder=3)
-        ax.annotate(f"l'={r['sel_block']} n={r['n_selected']}", (r["tokens_per_s"], r["val_loss"]),
-                    textcoords="offset points", xytext=(5, 5), fontsize=8)
-    front = sorted((r for r in points if r["pareto"]), key=lambda r: r["tokens_per_s"])
+    points = sorted((r for r in rows if math.isfinite(r["tokens_per_s"]) and math.isfinite(r["val_loss"])),
+                    key=lambda r: (r["tokens_per_s"], r["val_loss"]))
+    for i, r in enumerate(points):
+        done = r.get("status", "DONE") == "DONE"
+        color = "tab:red" if r["pareto"] else "tab:gray"
+        ax.scatter(r["tokens_per_s"], r["val_loss"], zorder=3, edgecolors=color,
+                   facecolors=color if done else "none")
+        label = f"l'={r['sel_block']} n={r['n_selected']}" + ("" if done else f" (stopped at step {r['step']})")
+        # Labels alternate above and below their points: neighbours in throughput often share a loss.
+        ax.annotate(label, (r["tokens_per_s"], r["val_loss"]), textcoords="offset points",
+                    xytext=(5, 6 if i % 2 == 0 else -13), fontsize=8)
+    front = [r for r in points if r["pareto"]]
     if front:
         ax.plot([r["tokens_per_s"] for r in front], [r["val_loss"] for r in front], color="tab:red",
-                label="Pareto front", zorder=2)
+                label="Pareto front (trials that trained the whole budget)", zorder=2)
         ax.legend()
     ax.set_xlabel("steady-state training throughput (tokens/s)")
     ax.set_ylabel("validation loss")
@@ -278,8 +287,14 @@ def plot_pareto(rows: list[dict[str, Any]], path: Path, title: str) -> None:
 
 
 def summarize(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Rows with their Pareto flag set, sorted by validation loss (trials without one last)."""
-    front = pareto_front([r["tokens_per_s"] for r in rows], [r["val_loss"] for r in rows])
+    """Rows with their Pareto flag set, sorted by validation loss (trials without one last).
+
+    Only trials that trained the whole token budget (status DONE) take part in the front: a trial ASHA stopped
+    early has a loss from fewer tokens, which is not comparable.
+    """
+    complete = [r.get("status") == "DONE" for r in rows]
+    front = pareto_front([r["tokens_per_s"] if c else math.nan for r, c in zip(rows, complete)],
+                         [r["val_loss"] if c else math.nan for r, c in zip(rows, complete)])
     rows = [{**r, "pareto": p} for r, p in zip(rows, front)]
     return sorted(rows, key=lambda r: (not math.isfinite(r["val_loss"]), r["val_loss"], r["trial_id"]))
 
@@ -357,6 +372,7 @@ def _validation_report_callback(warmup_steps: int):
 
 def run_trial(config: dict[str, Any], plan: SweepPlan) -> None:
     """Tune's function trainable: one TorchTrainer run with this trial's NSA setting."""
+    import ray.data
     import ray.train
     from ray import tune
 
@@ -365,6 +381,9 @@ def run_trial(config: dict[str, Any], plan: SweepPlan) -> None:
 
     trial_id = tune.get_context().get_trial_id()
     job = plan.trial_job(config["nsa"], trial_id)
+    # Trials print their training lines and Tune its status table; Ray Data's per-epoch progress bars from every
+    # trial would bury both.
+    ray.data.DataContext.get_current().enable_progress_bars = False
     run_config = ray.train.RunConfig(
         name=trial_id, storage_path=plan.trials_storage,
         callbacks=[_validation_report_callback(plan.tune.throughput_warmup_steps)],
@@ -404,6 +423,11 @@ class SweepResult:
 def trial_dirname(trial) -> str:
     """Tune's folder of a trial is its id, the same name as its Ray Train run."""
     return trial.trial_id
+
+
+def trial_name(trial) -> str:
+    """What Tune's status table and logs call a trial: its id and NSA setting (the table cuts a dict short)."""
+    return f"{trial.trial_id} {_describe(trial.config['nsa'])}"
 
 
 def plan_settings(job) -> tuple[list[dict[str, int]], list[RejectedSetting]]:
@@ -472,20 +496,74 @@ def _check_same_sweep(experiment_dir: str, record: dict[str, Any]) -> None:
         path.write_text(json.dumps(record, indent=1))
 
 
-def max_concurrent_trials(job, cluster_resources: dict[str, float]) -> int:
-    """How many trials fit side by side: GPUs per trial on GPU, else the CPUs of a trial's workers, its driver
-    and its data pipeline (Tune does not see the workers: Ray Train reserves them when the trial starts)."""
+@dataclass(frozen=True)
+class ClusterView:
+    """What a sweep can know about the cluster's size when it starts."""
+
+    fixed_size: bool  # a local cluster this process started itself: what it has now is all it will ever have
+    now: dict[str, float]  # ray.cluster_resources() at the start
+    max: dict[str, float] | None  # the most the autoscaler may grow it to, where the autoscaler reports it
+
+
+def cluster_view() -> ClusterView:
+    """The running cluster, seen as trainer._cluster_gpus() sees it: only a cluster this process started is fixed
+    in size; one it joined (ray job submit, RAY_ADDRESS) may autoscale from zero worker nodes."""
+    import ray
+
+    node = ray._private.worker._global_node  # the Node this driver started, or the one it connected to
+    fixed = node is not None and node.head
+    # The autoscaler's configured maximum (what Ray Train itself checks before it waits for workers); None where
+    # the autoscaler reports none.
+    ceiling = None if fixed else ray._private.state.state.get_max_resources_from_cluster_config()
+    return ClusterView(fixed_size=fixed, now=dict(ray.cluster_resources()), max=ceiling)
+
+
+def trial_concurrency(job, n_trials: int, cluster: ClusterView) -> tuple[int, str]:
+    """How many trials run side by side, and why (for the log).
+
+    A trial needs its workers' GPUs on GPU, else the CPUs of its workers, its driver and its data pipeline (Tune
+    does not see the workers: Ray Train reserves them when the trial starts). In order:
+      - tune.max_concurrent_trials when set;
+      - on a cluster this process started: as many trials as its resources hold (none is an error);
+      - on a joined cluster whose autoscaler reports its maximum: as many as that maximum holds;
+      - on a joined cluster holding at least one trial now: that many (the capacity asked for ahead of the sweep,
+        e.g. with cluster/request_capacity.py, or a fixed cluster);
+      - on a joined cluster holding none now (autoscaling from zero): every trial, each waiting for its workers:
+        their resource requests make the autoscaler add nodes, and Ray Train retries a worker group's start
+        until its nodes are up.
+    Never more than the sweep has trials.
+    """
     t, tune_cfg = job.train, job.tune
     if tune_cfg.max_concurrent_trials is not None:
-        return tune_cfg.max_concurrent_trials
+        n = min(tune_cfg.max_concurrent_trials, n_trials)
+        return n, f"tune.max_concurrent_trials={tune_cfg.max_concurrent_trials} (the sweep has {n_trials} trials)"
     if t.use_gpu:
-        have, need, what = cluster_resources.get("GPU", 0.0), float(t.num_workers), "GPU"
+        need, what = float(t.num_workers), "GPU"
     else:
-        have, what = cluster_resources.get("CPU", 0.0), "CPU"
+        what = "CPU"
         need = t.num_workers * t.cpus_per_worker + tune_cfg.trial_driver_cpus + tune_cfg.data_cpus_per_trial
-    fit = math.floor(have / need + 1e-9)  # 16 / (1.0 + 0.1 + 0.5) is 10, whatever the rounding of 1.6
-    _require(fit >= 1, "train.num_workers", f"a trial needs {need:g} {what} but the cluster has {have:g}")
-    return fit
+    per_trial = f"a trial needs {need:g} {what}"
+
+    def fit(have: float) -> int:
+        return math.floor(have / need + 1e-9)  # 16 / (1.0 + 0.1 + 0.5) is 10, whatever the rounding of 1.6
+
+    have_now = cluster.now.get(what, 0.0)
+    if cluster.fixed_size:
+        _require(fit(have_now) >= 1, "train.num_workers", f"{per_trial} but this local cluster has {have_now:g}")
+        return (min(fit(have_now), n_trials),
+                f"this process's local cluster has {have_now:g} {what} and {per_trial}")
+    if cluster.max is not None and what in cluster.max:
+        ceiling = cluster.max[what]
+        _require(fit(ceiling) >= 1, "train.num_workers",
+                 f"{per_trial} but the autoscaler can grow the cluster to {ceiling:g} {what} at most")
+        return (min(fit(ceiling), n_trials),
+                f"the autoscaler can grow the cluster to {ceiling:g} {what} and {per_trial}")
+    if fit(have_now) >= 1:
+        return (min(fit(have_now), n_trials),
+                f"the joined cluster has {have_now:g} {what} now and {per_trial}; if it can grow beyond that, set "
+                f"tune.max_concurrent_trials to the number it holds then")
+    return (n_trials, f"the joined cluster has {have_now:g} {what} now and {per_trial}: every trial starts and "
+            f"waits for the nodes the autoscaler adds; set tune.max_concurrent_trials to run fewer at once")
 
 
 def _open_parent_run(job, experiment_dir: str, tracking_uri: str, settings: list[dict[str, int]]) -> str:
@@ -529,7 +607,7 @@ def _build_tuner(plan: SweepPlan, settings: list[dict[str, int]], concurrency: i
                                     search_alg=BasicVariantGenerator(max_concurrent=concurrency,
                                                                      random_state=tune_cfg.seed),
                                     num_samples=tune_cfg.num_samples,
-                                    trial_dirname_creator=trial_dirname),
+                                    trial_dirname_creator=trial_dirname, trial_name_creator=trial_name),
         run_config=tune.RunConfig(name=tune_cfg.name, storage_path=storage,
                                   failure_config=tune.FailureConfig(max_failures=0)),
     )
@@ -640,18 +718,19 @@ def init_ray(num_cpus: int | None = None) -> None:
         return
     if os.environ.get("RAY_ADDRESS"):
         ray.init()
+        log.info("sweep: joined the Ray cluster at %s", os.environ["RAY_ADDRESS"])
         return
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     ray.init(num_cpus=num_cpus, include_dashboard=True, dashboard_host="127.0.0.1", dashboard_port=port,
              runtime_env={"env_vars": {"RAY_API_SERVER_ADDRESS": f"http://127.0.0.1:{port}"}})
+    log.info("sweep: started a local Ray cluster (%g CPU, %g GPU)", ray.cluster_resources().get("CPU", 0),
+             ray.cluster_resources().get("GPU", 0))
 
 
 def run_sweep(job) -> SweepResult:
     """Run (or resume) the sweep of job.tune over job's training setup; returns its summary."""
-    import ray
-
     from pipeline.config import resolve_paths
     from pipeline.tracking import resolve_tracking_uri
 
@@ -671,15 +750,24 @@ def run_sweep(job) -> SweepResult:
     plan = SweepPlan(job=job, tune=job.tune, max_steps=max_steps, experiment_dir=experiment_dir,
                      parent_run_id=parent_run_id)
 
-    concurrency = max_concurrent_trials(job, ray.cluster_resources())
     n_trials = len(settings) * job.tune.num_samples if job.tune.search == "grid" else job.tune.num_samples
-    log.info("sweep %s: %d trials of %d steps, %d at a time, MLflow parent run %s", job.tune.name, n_trials,
-             max_steps, concurrency, parent_run_id)
+    concurrency, why = trial_concurrency(job, n_trials, cluster_view())
+    log.info("sweep %s: %d trials of %d steps, MLflow parent run %s", job.tune.name, n_trials, max_steps,
+             parent_run_id)
+    log.info("sweep %s: %d trial(s) at a time: %s", job.tune.name, concurrency, why)
     grid = _build_tuner(plan, settings, concurrency).fit()
 
     from ray.tune import ExperimentAnalysis
 
     tune_status = {t.trial_id: t.status for t in ExperimentAnalysis(experiment_dir).trials}
+    if any(status not in ("TERMINATED", "ERROR") for status in tune_status.values()):
+        # Interrupted (Ctrl-C): Tune saved its state but leaves running trials training until this driver exits,
+        # past their last registered checkpoint, steps that the resumed sweep would then train and log again.
+        log.warning("sweep %s: interrupted; stopping its running trials now (rerun the same command to resume)",
+                    job.tune.name)
+        import ray
+
+        ray.shutdown()
     rows = [_result_row(result, plan, tune_status.get(Path(result.path).name, "UNKNOWN")) for result in grid]
     out_dir = Path(experiment_dir) if _is_local(experiment_dir) else Path(job.output_dir) / "sweeps" / job.tune.name
     summary_csv, pareto_png = _report_to_mlflow(plan, tracking_uri, rows, rejected, out_dir)

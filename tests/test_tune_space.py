@@ -12,19 +12,20 @@ from nsa_model.config import get_preset
 from pipeline.tune import (
     SUMMARY_COLUMNS,
     ThroughputTracker,
+    ClusterView,
     TuneConfig,
     _check_same_sweep,
     candidate_settings,
     check_sweep,
     format_summary,
     full_setting,
-    max_concurrent_trials,
     pareto_front,
     plot_pareto,
     split_valid,
     steps_for_budget,
     summarize,
     sweep_record,
+    trial_concurrency,
     write_summary_csv,
 )
 
@@ -113,24 +114,28 @@ def test_pareto_front_on_a_hand_made_example():
 
 def _rows():
     rows = []
-    for i, (sel, n, tps, loss) in enumerate([(16, 4, 100.0, 3.0), (16, 8, 80.0, 3.2), (32, 4, 120.0, 3.1),
-                                              (32, 8, float("nan"), float("nan"))]):
+    for i, (sel, n, tps, loss, status) in enumerate([
+            (16, 4, 100.0, 3.0, "DONE"), (16, 8, 80.0, 3.2, "DONE"), (32, 4, 120.0, 3.1, "DONE"),
+            (32, 8, float("nan"), float("nan"), "ERROR"),
+            (64, 4, 500.0, 2.0, "STOPPED")]):  # faster and lower loss than all, but from fewer tokens
         rows.append({"trial_id": f"t{i}", "sel_block": sel, "n_selected": n, "cmp_block": 16, "cmp_stride": 8,
-                     "window": 64, "status": "TERMINATED", "step": 10, "tokens_seen": 1000, "tokens_per_s": tps,
-                     "val_loss": loss, "peak_mem_mb": 1.0, "mlflow_run_id": f"r{i}"})
+                     "window": 64, "status": status, "step": 10 if status == "DONE" else 4, "tokens_seen": 1000,
+                     "tokens_per_s": tps, "val_loss": loss, "peak_mem_mb": 1.0, "mlflow_run_id": f"r{i}"})
     return rows
 
 
 def test_summary_csv_table_and_plot(tmp_path):
     rows = summarize(_rows())
-    assert [r["trial_id"] for r in rows] == ["t0", "t2", "t1", "t3"]  # by validation loss, missing last
-    assert {r["trial_id"]: r["pareto"] for r in rows} == {"t0": True, "t2": True, "t1": False, "t3": False}
+    assert [r["trial_id"] for r in rows] == ["t4", "t0", "t2", "t1", "t3"]  # by validation loss, missing last
+    # The front is among trials that trained the whole budget: the early-stopped t4 neither joins nor dominates.
+    assert {r["trial_id"]: r["pareto"] for r in rows} == {"t0": True, "t2": True, "t1": False, "t3": False,
+                                                          "t4": False}
     write_summary_csv(rows, tmp_path / "summary.csv")
     with open(tmp_path / "summary.csv") as f:
         read = list(csv.DictReader(f))
-    assert tuple(read[0]) == SUMMARY_COLUMNS and [r["trial_id"] for r in read] == ["t0", "t2", "t1", "t3"]
+    assert tuple(read[0]) == SUMMARY_COLUMNS and [r["trial_id"] for r in read] == ["t4", "t0", "t2", "t1", "t3"]
     text = format_summary(rows)
-    assert text.splitlines()[0].split()[:3] == ["trial_id", "sel_block", "n_selected"] and len(text.splitlines()) == 5
+    assert text.splitlines()[0].split()[:3] == ["trial_id", "sel_block", "n_selected"] and len(text.splitlines()) == 6
     plot_pareto(rows, tmp_path / "pareto.png", "test")
     assert (tmp_path / "pareto.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
@@ -141,18 +146,47 @@ def _sweep_job(*overrides):
     return load_job_config(Path(__file__).resolve().parent.parent / "configs" / "sweep-tiny.yaml", list(overrides))
 
 
-def test_sweep_tiny_config_plans_4_steps_budget_and_one_trial_at_a_time_on_2_cpus():
+def test_sweep_tiny_config_plans_24_steps_and_one_trial_at_a_time_on_2_cpus():
     job = _sweep_job()
     assert steps_for_budget(job, job.tune.token_budget) == 24  # 49152 tokens / (8 blocks x 256 tokens)
     assert steps_for_budget(job, 2049) == 2  # rounded up: at least the budget
-    # 2 workers x 0.5 CPU + 0.1 for the trial's driver + 0.5 for its data pipeline
-    assert max_concurrent_trials(job, {"CPU": 2.0}) == 1
-    assert max_concurrent_trials(job, {"CPU": 16.0}) == 10
-    gpu = _sweep_job("train.use_gpu=true", "train.precision=bf16")
-    assert max_concurrent_trials(gpu, {"CPU": 64.0, "GPU": 8.0}) == 4  # 2 GPUs per trial
-    with pytest.raises(ValueError, match="needs 2 GPU but the cluster has 1"):
-        max_concurrent_trials(gpu, {"CPU": 64.0, "GPU": 1.0})
-    assert max_concurrent_trials(_sweep_job("tune.max_concurrent_trials=3"), {"CPU": 2.0}) == 3
+    # 2 workers x 0.5 CPU + 0.1 for the trial's driver + 0.5 for its data pipeline: 1.6 CPU a trial
+    n, why = trial_concurrency(job, 4, _local({"CPU": 2.0}))
+    assert n == 1 and "local cluster has 2 CPU and a trial needs 1.6 CPU" in why
+
+
+def _local(now):
+    return ClusterView(fixed_size=True, now=now, max=None)
+
+
+def _joined(now, ceiling=None):
+    return ClusterView(fixed_size=False, now=now, max=ceiling)
+
+
+def test_trial_concurrency_on_fixed_and_autoscaling_clusters():
+    cpu, gpu = _sweep_job(), _sweep_job("train.use_gpu=true", "train.precision=bf16")  # gpu: 2 GPUs a trial
+    # A cluster this process started: what it has is all there is; never more than the sweep's trials.
+    assert trial_concurrency(cpu, 20, _local({"CPU": 16.0}))[0] == 10
+    assert trial_concurrency(cpu, 4, _local({"CPU": 16.0}))[0] == 4
+    assert trial_concurrency(gpu, 8, _local({"CPU": 64.0, "GPU": 8.0}))[0] == 4
+    with pytest.raises(ValueError, match="a trial needs 2 GPU but this local cluster has 1"):
+        trial_concurrency(gpu, 8, _local({"CPU": 64.0, "GPU": 1.0}))
+    # A joined cluster autoscaling from zero GPU nodes: the autoscaler's maximum where it reports one...
+    n, why = trial_concurrency(gpu, 8, _joined({"CPU": 8.0}, ceiling={"CPU": 200.0, "GPU": 6.0}))
+    assert n == 3 and "autoscaler can grow the cluster to 6 GPU" in why
+    with pytest.raises(ValueError, match="grow the cluster to 1 GPU at most"):
+        trial_concurrency(gpu, 8, _joined({"CPU": 8.0}, ceiling={"CPU": 200.0, "GPU": 1.0}))
+    # ...else every trial starts and waits for its nodes (not 0, not 1)...
+    n, why = trial_concurrency(gpu, 8, _joined({"CPU": 8.0}))
+    assert n == 8 and "waits for the nodes the autoscaler adds" in why
+    # ...and where the capacity is there already (asked for ahead, or a fixed cluster), what it holds.
+    n, why = trial_concurrency(gpu, 8, _joined({"CPU": 64.0, "GPU": 4.0}))
+    assert n == 2 and "set tune.max_concurrent_trials" in why
+    # Set explicitly, it wins everywhere (capped at the sweep's trials).
+    three = _sweep_job("tune.max_concurrent_trials=3")
+    for cluster in (_local({"CPU": 2.0}), _joined({}), _joined({"CPU": 64.0}, ceiling={"CPU": 1.0})):
+        assert trial_concurrency(three, 8, cluster) == (3, "tune.max_concurrent_trials=3 (the sweep has 8 trials)")
+    assert trial_concurrency(three, 2, _joined({}))[0] == 2
 
 
 @pytest.mark.parametrize("overrides, message", [
@@ -188,3 +222,18 @@ def test_the_sweep_record_changes_with_the_experiment_not_with_its_concurrency()
     for changed in (["model.dim=128"], ["train.lr=1e-3"], ["tune.grace_period=4"], ["data.seq_len=128"]):
         assert record != sweep_record(_sweep_job(*changed), settings, 24), changed
     assert record != sweep_record(job, settings[:2], 24)
+
+
+def test_sweep_script_refuses_a_bad_config_before_starting():
+    import os
+    import subprocess
+    import sys
+
+    repo = Path(__file__).resolve().parent.parent
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    proc = subprocess.run([sys.executable, "jobs/sweep.py", "--set", "tune.sel_block=[16, 0]"], cwd=repo, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "config error: " in proc.stderr
+    assert "TuneConfig.sel_block: must hold positive ints only, got 0" in proc.stderr
+    assert "Ray" not in proc.stdout + proc.stderr  # refused before any cluster was started

@@ -1,11 +1,19 @@
 """A real sweep on CPU: a 4-trial grid of a very small NSA model, a few steps each, through Ray Tune and Ray Train.
 
-One sweep runs per module (it is the expensive part); the tests read what it left: the summary, the Tune
-experiment, and the MLflow parent and child runs (read back with MlflowClient).
+One sweep runs per module (it is the expensive part), and it is interrupted on the way: `jobs/sweep.py` starts it
+in a subprocess whose driver is killed (SIGKILL) while the second trial runs, then run_sweep (Tuner.restore)
+finishes it here. The tests read what it left: the summary, the Tune experiment, the trials' checkpoints, and the
+MLflow parent and child runs (read back with MlflowClient).
 """
 
 import csv
 import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -16,28 +24,69 @@ from ray.tune import ExperimentAnalysis  # noqa: E402
 
 from pipeline.config import load_job_config  # noqa: E402
 from pipeline.tune import SUMMARY_COLUMNS, format_summary, init_ray, run_sweep  # noqa: E402
+from test_tune_support import EXPERIMENT, OVERRIDES, REPO  # noqa: E402
 
-REPO = Path(__file__).resolve().parent.parent
-EXPERIMENT = "test-tune-sweep"
-
-# Small enough for 2 shared cores: 1 layer of width 64, 128-token sequences, 4 steps of 4 blocks, 1 worker.
-# At 128 tokens, sel_block=16 makes 8 blocks (n=4 is sparse, n=8 selects them all) and sel_block=32 makes 4
-# (n=4 and n=8 both select them all).
-OVERRIDES = [
-    "model.n_layers=1", "model.dim=64", "model.n_heads=2", "model.n_kv_heads=1", "model.head_dim=32",
-    "model.max_seq_len=128", "data.seq_len=128",
-    "train.num_workers=1", "train.global_batch=4", "train.micro_batch=4", "train.warmup_steps=1",
-    "train.log_every=1", "train.val_every=2", "train.val_batches=1", "train.checkpoint_every=0",
-    f"tracking.experiment={EXPERIMENT}",
-    "tune.token_budget=2048",  # 4 steps of 4 x 128 tokens
-    "tune.throughput_warmup_steps=1", "tune.grace_period=2", "tune.max_concurrent_trials=null",
-]
+# Every trial pauses after its step-1 checkpoint: the window in which the test kills the sweep's driver.
+OVERRIDES = [*OVERRIDES, "train.debug.stall_at_step=1", "train.debug.stall_seconds=3"]
 
 
 def _job(tmp: Path, name: str = "grid", extra: tuple[str, ...] = ()):
-    return load_job_config(REPO / "configs" / "sweep-tiny.yaml", OVERRIDES + [
-        f"tune.name={name}", f"tune.storage_path={tmp / 'ray'}",
-        f"tracking.tracking_uri=sqlite:///{tmp / 'mlflow.db'}", *extra])
+    return load_job_config(REPO / "configs" / "sweep-tiny.yaml", OVERRIDES + _paths(tmp, name) + list(extra))
+
+
+def _session_pids(sid: int) -> list[int]:
+    """Processes of the session a subprocess started (its Ray cluster included)."""
+    pids = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if int(fields[3]) == sid:  # field 6 of stat: the session id
+            pids.append(int(stat.parent.name))
+    return pids
+
+
+def _kill_sweep_mid_trial(tmp: Path, trial_index: int) -> dict:
+    """Start the sweep with jobs/sweep.py and SIGKILL its driver after trial `trial_index`'s step-1 checkpoint.
+
+    Returns what the killed run left: its log, its MLflow parent run id, and the trials' folders then.
+    """
+    args = [arg for o in OVERRIDES + _paths(tmp, "grid") for arg in ("--set", o)]
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "MLFLOW_TRACKING_URI")}
+    log_path = tmp / "killed-sweep.log"
+    with log_path.open("w") as log:
+        proc = subprocess.Popen([sys.executable, "jobs/sweep.py", "--config", "configs/sweep-tiny.yaml", *args],
+                                cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    trials = tmp / "ray" / "grid" / "trials"
+    deadline = time.time() + 420
+    try:
+        while not list(trials.glob(f"*_{trial_index:05d}/checkpoint_step_00000001")):
+            assert proc.poll() is None, f"the sweep ended before it could be killed:\n{log_path.read_text()[-4000:]}"
+            assert time.time() < deadline, f"trial {trial_index} did not checkpoint:\n{log_path.read_text()[-4000:]}"
+            time.sleep(0.2)
+        time.sleep(1.0)  # the trainer registers the checkpoint, then stalls 3 s in step 2
+        os.kill(proc.pid, signal.SIGKILL)  # the driver only: its local Ray cluster shares its fate
+        proc.wait()
+        left = {d.name: sorted(c.name for c in d.glob("checkpoint_step_*")) for d in trials.iterdir()}
+        deadline = time.time() + 60
+        while _session_pids(proc.pid) and time.time() < deadline:
+            time.sleep(0.5)
+    finally:
+        for pid in _session_pids(proc.pid):  # whatever of that cluster is still there, and only it
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    text = log_path.read_text()
+    parent = re.search(r"MLflow parent run (\w+)", text)
+    assert parent, text[-4000:]
+    return {"log": text, "parent_run_id": parent.group(1), "checkpoints": left}
+
+
+def _paths(tmp: Path, name: str) -> list[str]:
+    return [f"tune.name={name}", f"tune.storage_path={tmp / 'ray'}",
+            f"tracking.tracking_uri=sqlite:///{tmp / 'mlflow.db'}"]
 
 
 @pytest.fixture(scope="module")
@@ -45,18 +94,19 @@ def sweep(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("sweep")
     # The experiment first, so that run artifacts land under tmp instead of the repo's outputs/.
     MlflowClient(f"sqlite:///{tmp / 'mlflow.db'}").create_experiment(EXPERIMENT, artifact_location=(tmp / "art").as_uri())
+    killed = _kill_sweep_mid_trial(tmp, trial_index=1)
     init_ray(num_cpus=2)
     try:
         job = _job(tmp)
-        result = run_sweep(job)
+        result = run_sweep(job)  # Tuner.restore of the killed sweep
         print(format_summary(result.rows))  # shown with pytest -s (or -rA)
-        yield tmp, job, result
+        yield tmp, job, result, killed
     finally:
         ray.shutdown()
 
 
 def test_the_4_trial_grid_completes(sweep):
-    tmp, job, result = sweep
+    tmp, job, result, killed = sweep
     rows = result.rows
     assert sorted((r["sel_block"], r["n_selected"]) for r in rows) == [(16, 4), (16, 8), (32, 4), (32, 8)]
     assert all(r["status"] in ("DONE", "STOPPED") for r in rows), rows  # no trial failed
@@ -72,7 +122,7 @@ def test_the_4_trial_grid_completes(sweep):
 
 
 def test_trials_ran_one_at_a_time_on_2_cpus(sweep):
-    tmp, job, result = sweep
+    tmp, job, result, killed = sweep
     frames = ExperimentAnalysis(result.experiment_dir).trial_dataframes.values()
     spans = sorted((df["timestamp"].min(), df["timestamp"].max()) for df in frames if len(df))
     assert len(spans) == 4
@@ -81,7 +131,7 @@ def test_trials_ran_one_at_a_time_on_2_cpus(sweep):
 
 
 def test_child_runs_hold_the_trials_nsa_settings(sweep):
-    tmp, job, result = sweep
+    tmp, job, result, killed = sweep
     client = MlflowClient(result.tracking_uri)
     parent = client.get_run(result.parent_run_id)
     assert parent.info.status == "FINISHED"
@@ -115,7 +165,7 @@ def test_child_runs_hold_the_trials_nsa_settings(sweep):
 
 
 def test_rerun_with_the_same_name_restores_the_sweep(sweep):
-    tmp, job, result = sweep
+    tmp, job, result, killed = sweep
     again = run_sweep(job)  # Tuner.restore: every trial is already finished, none runs again
     assert again.parent_run_id == result.parent_run_id
     assert sorted(r["trial_id"] for r in again.rows) == sorted(r["trial_id"] for r in result.rows)
@@ -129,3 +179,27 @@ def test_rerun_with_the_same_name_restores_the_sweep(sweep):
         run_sweep(changed)
     saved = json.loads((Path(result.experiment_dir) / "sweep_config.json").read_text())
     assert saved["max_steps"] == 4
+
+
+def test_a_sweep_killed_mid_trial_resumes_that_trial_from_its_checkpoint(sweep):
+    tmp, job, result, killed = sweep
+    assert "sweep: resuming" not in killed["log"]  # the killed run was the sweep's first
+    by_index = {r["trial_id"].rsplit("_", 1)[1]: r for r in result.rows}
+    first, killed_trial = by_index["00000"], by_index["00001"]
+    # When the driver died, trial 0 had finished and trial 1's latest checkpoint was its step 1 (of 4).
+    assert killed["checkpoints"][first["trial_id"]][-1] == "checkpoint_step_00000004"
+    assert killed["checkpoints"][killed_trial["trial_id"]][-1] == "checkpoint_step_00000001"
+    assert set(killed["checkpoints"]) == {first["trial_id"], killed_trial["trial_id"]}  # trials 2, 3 not started
+    # The same MLflow parent run, and no duplicate child runs: one per trial.
+    assert result.parent_run_id == killed["parent_run_id"]
+    client = MlflowClient(result.tracking_uri)
+    experiment_id = client.get_run(result.parent_run_id).info.experiment_id
+    runs = client.search_runs([experiment_id])
+    assert len(runs) == 5 and sorted(r.data.tags.get("trial_id", "-") for r in runs) == sorted(
+        ["-", *(r["trial_id"] for r in result.rows)])
+    # Every step of every trial is logged once: trial 0 was not run again, and trial 1 went on from its step-1
+    # checkpoint (a restart from scratch would log its step 1 twice).
+    for row in result.rows:
+        steps = [m.step for m in client.get_metric_history(row["mlflow_run_id"], "train_loss")]
+        assert sorted(steps) == list(range(1, row["step"] + 1)), (row["trial_id"], steps)
+    assert killed_trial["step"] >= 2 and killed_trial["status"] in ("DONE", "STOPPED")
