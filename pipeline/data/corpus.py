@@ -13,14 +13,10 @@ characters by source, and the files skipped by reason.
 
 from __future__ import annotations
 
-import concurrent.futures
-import contextlib
-import functools
 import hashlib
 import importlib.metadata
 import json
 import math
-import multiprocessing
 import os
 import shutil
 import sys
@@ -33,10 +29,8 @@ from typing import Iterator
 
 import pyarrow as pa
 import pyarrow.parquet as pq
-from tqdm import tqdm
-
-from pipeline.data.corpus_sources import (SkipCounter, module_page, package_document, package_files,
-                                          pydoc_topics, site_package_dirs, stdlib_files)
+from pipeline.data.corpus_parse import parse_files
+from pipeline.data.corpus_sources import SkipCounter, package_files, pydoc_topics, site_package_dirs, stdlib_files
 
 SCOPES = ("stdlib", "installed")
 CORPUS_VERSION = 1  # of the stdlib corpus (its files are unchanged since version 1)
@@ -159,45 +153,10 @@ def documents(scope: str, skips: SkipCounter, progress: bool = False, workers: i
     work = [("stdlib", path, rel) for path, rel in stdlib_files()]
     if scope == "installed":
         work += [("site-packages", path, site) for site in site_package_dirs() for path in package_files(site)]
-    with _file_mapper(workers) as mapper:
-        results = mapper(_file_document, work)
-        for doc, file_skips in tqdm(results, total=len(work), desc=f"embedded corpus ({scope})", unit=" files",
-                                    disable=not progress):
-            skips.update(file_skips)
-            if doc is not None and fresh(doc[2]):
-                yield _row(doc[2], doc[1], doc[0])
-
-
-@contextlib.contextmanager
-def _file_mapper(workers: int):
-    """An order-preserving map over files: in this process, or in `workers` fresh (spawned) processes.
-    Spawned, not forked: the caller may hold threads (Ray), and parsing never touches its state."""
-    if workers <= 1:
-        yield map
-        return
-    ctx = multiprocessing.get_context("spawn")
-    with concurrent.futures.ProcessPoolExecutor(max_workers=workers, mp_context=ctx) as pool:
-        yield functools.partial(pool.map, chunksize=32)
-
-
-def _file_document(item: tuple[str, Path, object]) -> tuple[tuple[str, str, str] | None, SkipCounter]:
-    """(source, key, text) or None for one file, and the reasons it was skipped."""
-    kind, path, extra = item
-    skips = SkipCounter()
-    if kind == "stdlib":
-        text = _stdlib_page(path, extra, skips)
-        return (None if text is None else ("stdlib", f"stdlib/{extra}", text)), skips
-    doc = package_document(path, extra, skips)
-    return (None if doc is None else (doc[0], f"site-packages/{doc[1]}", doc[2])), skips
-
-
-def _stdlib_page(path: Path, rel: str, skips: SkipCounter) -> str | None:
-    try:
-        source = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError):
-        skips["unreadable"] += 1
-        return None
-    return module_page(source, rel.removesuffix(".py").replace("/", "."), skips)
+    for doc, file_skips in parse_files(work, workers, progress, desc=f"embedded corpus ({scope})"):
+        skips.update(file_skips)
+        if doc is not None and fresh(doc[2]):
+            yield _row(doc[2], doc[1], doc[0])
 
 
 def _row(text: str, key: str, source: str) -> dict:
