@@ -57,6 +57,7 @@ class DataConfig:
     text_column: str = "text"
     id_column: str = "id"
     read_batch_rows: int = 1024  # documents tokenized per encode_batch call
+    tokenize_tasks: int | None = None  # concurrent tokenizing tasks; None: the cluster's CPUs at dataset build
     shard_blocks: int = 4096  # blocks per prepared Parquet shard
     # Embedded BPE training (also the defaults of the tokenizer training stage).
     vocab_size: int = 4096
@@ -91,6 +92,8 @@ class DataConfig:
                  "min_language_score", f"must be None or a number in [0, 1], got {self.min_language_score!r}")
         _require(self.max_files is None or (_is_int(self.max_files) and self.max_files > 0), "max_files",
                  f"must be None or a positive int, got {self.max_files!r}")
+        _require(self.tokenize_tasks is None or (_is_int(self.tokenize_tasks) and self.tokenize_tasks > 0),
+                 "tokenize_tasks", f"must be None or a positive int, got {self.tokenize_tasks!r}")
         _require(self.packed_dir is None or (isinstance(self.packed_dir, str) and self.packed_dir != ""),
                  "packed_dir", f"must be None or a non-empty path, got {self.packed_dir!r}")
         _require(self.vocab_size >= 257, "vocab_size",
