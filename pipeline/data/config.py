@@ -16,6 +16,7 @@ EMBEDDED = "embedded"
 BYTES = "bytes"
 TIKTOKEN_PREFIX = "tiktoken:"
 # URI schemes we read through fsspec (hf:// via huggingface_hub.HfFileSystem); "file" is local.
+EMBEDDED_SCOPES = ("stdlib", "installed")  # pipeline.data.corpus.SCOPES
 KNOWN_SCHEMES = ("file", "hf", "s3", "gs", "gcs", "az", "abfs", "abfss", "memory", "http", "https")
 
 
@@ -37,6 +38,9 @@ class DataConfig:
     # Where documents come from: "embedded" (the built-in corpus), a local Parquet file or folder, or a
     # URI: hf://datasets/HuggingFaceFW/fineweb-edu/sample/10BT, s3://..., gs://...
     source: str = EMBEDDED
+    # What the embedded corpus holds: "stdlib" (Python's own docs, ~2.3M chars) or "installed" (also the
+    # docstrings and docs of every installed package: tens of millions of chars, built once, minutes).
+    embedded_scope: str = "stdlib"
     # "embedded" (the project's BPE trained on the embedded corpus), "bytes", "tiktoken:<encoding>",
     # a tokenizer.json path, or an HF name/path (transformers.AutoTokenizer, offline).
     tokenizer: str = EMBEDDED
@@ -53,6 +57,7 @@ class DataConfig:
     text_column: str = "text"
     id_column: str = "id"
     read_batch_rows: int = 1024  # documents tokenized per encode_batch call
+    tokenize_tasks: int | None = None  # concurrent tokenizing tasks; None: the cluster's CPUs at dataset build
     shard_blocks: int = 4096  # blocks per prepared Parquet shard
     # Embedded BPE training (also the defaults of the tokenizer training stage).
     vocab_size: int = 4096
@@ -62,6 +67,8 @@ class DataConfig:
         for name in ("source", "tokenizer", "output_dir", "text_column", "id_column"):
             value = getattr(self, name)
             _require(isinstance(value, str) and value.strip() != "", name, f"must be a non-empty string, got {value!r}")
+        _require(self.embedded_scope in EMBEDDED_SCOPES, "embedded_scope",
+                 f"must be one of {EMBEDDED_SCOPES}, got {self.embedded_scope!r}")
         scheme = self.source.split("://", 1)[0] if "://" in self.source else None
         _require(scheme is None or scheme in KNOWN_SCHEMES, "source",
                  f"unknown URI scheme {scheme!r} in {self.source!r}; known: {KNOWN_SCHEMES} or a local path")
@@ -85,6 +92,8 @@ class DataConfig:
                  "min_language_score", f"must be None or a number in [0, 1], got {self.min_language_score!r}")
         _require(self.max_files is None or (_is_int(self.max_files) and self.max_files > 0), "max_files",
                  f"must be None or a positive int, got {self.max_files!r}")
+        _require(self.tokenize_tasks is None or (_is_int(self.tokenize_tasks) and self.tokenize_tasks > 0),
+                 "tokenize_tasks", f"must be None or a positive int, got {self.tokenize_tasks!r}")
         _require(self.packed_dir is None or (isinstance(self.packed_dir, str) and self.packed_dir != ""),
                  "packed_dir", f"must be None or a non-empty path, got {self.packed_dir!r}")
         _require(self.vocab_size >= 257, "vocab_size",

@@ -3,7 +3,8 @@
     files (seeded order) --map_batches(tokenize_files, tasks)--> token chunks (one per read batch)
                          --map_batches(PackBlocks, one actor)--> {"index", "tokens"} blocks
 
-Tokenizing runs in parallel tasks (one per file, each calling the fast tokenizer's batched encode);
+Tokenizing runs in parallel tasks (one per file, each calling the fast tokenizer's batched encode, one
+task per core, single-threaded; each chunk leaves its task as soon as it is made);
 packing is sequential by nature (a block's index depends on every token before it), so it runs in a
 single actor that receives the chunks in stream order: the dataset's execution preserves order.
 A chunk carries the counts of its rows (DataStats) so the packer can record the totals.
@@ -25,6 +26,8 @@ from pipeline.data.source import list_source_files, read_file_batches
 from pipeline.data.split import check_split
 from pipeline.data.stats import DataStats, StatsRecorder
 from pipeline.data.tokenizer import ensure_embedded_tokenizer, load_tokenizer
+
+CHUNK_FLUSH_BYTES = 1 << 20  # Ray Data block target below one chunk's size: each chunk is its own block
 
 
 def block_dataset(cfg: DataConfig, split: str, *, start_block: int = 0,
@@ -58,8 +61,17 @@ def _stream_blocks(cfg: DataConfig, split: str, start_block: int, stats: StatsRe
     tokenizer = load_tokenizer(cfg)  # fail here, in the caller, if it cannot load
     fs, files = list_source_files(cfg)
     items = ray.data.from_items([{"path": p} for p in files], override_num_blocks=len(files))
+    # Every chunk leaves its tokenize task as soon as it is made (Ray Data would otherwise gather a task's
+    # output into blocks of up to 128 MiB, i.e. a whole file, and nothing downstream could overlap with it).
+    items.context.target_max_block_size = CHUNK_FLUSH_BYTES
     chunks = items.map_batches(
         tokenize_files, batch_size=1, batch_format="pyarrow", num_cpus=0.25,
+        # One single-threaded tokenizing task per core. Measured (bench/data.py): 8 concurrent tasks (0.25 CPU
+        # each, 2 cores), each with the tokenizer's own thread pool, ran at half the speed: the tasks and
+        # their threads oversubscribe the cores, and the head file, which the ordered packer waits for, gets
+        # a small share of them. Fractional num_cpus still lets Ray Train workers hold whole CPUs.
+        concurrency=tokenize_concurrency(cfg),
+        runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false"}},  # thread count only: same tokens
         fn_kwargs={"fs": fs, "cfg": cfg, "split": split})
     blocks = chunks.map_batches(
         # One packer, one call at a time: with several concurrent calls per actor (Ray Data batches inputs in
@@ -72,6 +84,13 @@ def _stream_blocks(cfg: DataConfig, split: str, start_block: int, stats: StatsRe
         max_restarts=0, max_task_retries=0)
     blocks.context.execution_options.preserve_order = True  # chunks reach the packer in stream order
     return blocks
+
+
+def tokenize_concurrency(cfg: DataConfig) -> int:
+    """cfg.tokenize_tasks, else the cluster's CPU count when the dataset is built."""
+    if cfg.tokenize_tasks is not None:
+        return cfg.tokenize_tasks
+    return max(1, int(ray.cluster_resources().get("CPU", 1)))
 
 
 @functools.lru_cache(maxsize=4)
