@@ -186,6 +186,32 @@ def git_commit() -> str:
         return "unknown"
 
 
+def write_results(args, base, runs: dict[tuple[str, int], dict[str, Any]]) -> str:
+    """Write train-<device>-<date><tag>.{json,md} under args.out; returns the markdown."""
+    import torch
+
+    name = device_name()
+    now = dt.datetime.now(dt.timezone.utc)
+    preset = (base.raw.get("model") or {}).get("preset", "tiny")
+    meta = {"device": name, "date": now.strftime("%Y-%m-%d %H:%M UTC"), "commit": args.commit or git_commit(),
+            "torch": torch.__version__, "preset": preset, "config": args.config, "overrides": args.set,
+            "tokens_per_step": args.tokens_per_step, "micro_tokens": args.micro_tokens, "warmup": args.warmup,
+            "measure": args.measure,
+            "compile_note": ("torch.compile of the whole model; the Triton NSA core runs eagerly between graphs "
+                             "(torch.compiler.disable), SDPA inside dense's graph" if base.train.compile
+                             else "eager (no torch.compile)")}
+    rows = compare(runs)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = f"train-{device_slug(name)}-{now.strftime('%Y-%m-%d')}{args.tag}"
+    (out / f"{stem}.json").write_text(json.dumps(
+        {"meta": meta, "runs": [{"attention": k, "seq_len": T, **r} for (k, T), r in runs.items()],
+         "comparison": rows}, indent=1))
+    table = markdown(meta, runs, rows)
+    (out / f"{stem}.md").write_text(table)
+    return table
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", required=True, help="base job YAML (model preset, device, precision, compile, data)")
@@ -205,7 +231,6 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> int:
     args = parse_args(argv)
     import ray
-    import torch
 
     from pipeline.config import load_job_config
 
@@ -238,27 +263,9 @@ def main(argv=None) -> int:
         runs[(kind, T)]["wall_s"] = time.time() - t0
         print(f"=== {kind} T={T}: {json.dumps({k: v for k, v in runs[(kind, T)].items() if k != 'reports'})}",
               flush=True)
+        write_results(args, base, runs)  # after every run: a call cut short still leaves what it measured
     ray.shutdown()
-    name = device_name()
-    now = dt.datetime.now(dt.timezone.utc)
-    meta = {"device": name, "date": now.strftime("%Y-%m-%d %H:%M UTC"), "commit": args.commit or git_commit(),
-            "torch": torch.__version__, "preset": preset, "config": args.config, "overrides": args.set,
-            "tokens_per_step": args.tokens_per_step, "micro_tokens": args.micro_tokens, "warmup": args.warmup,
-            "measure": args.measure,
-            "compile_note": ("torch.compile of the whole model; the Triton NSA core runs eagerly between graphs "
-                             "(torch.compiler.disable), SDPA inside dense's graph" if base.train.compile
-                             else "eager (no torch.compile)")}
-    rows = compare(runs)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    stem = f"train-{device_slug(name)}-{now.strftime('%Y-%m-%d')}{args.tag}"
-    (out / f"{stem}.json").write_text(json.dumps(
-        {"meta": meta, "runs": [{"attention": k, "seq_len": T, **r} for (k, T), r in runs.items()],
-         "comparison": rows}, indent=1))
-    table = markdown(meta, runs, rows)
-    (out / f"{stem}.md").write_text(table)
-    print("\n" + table)
-    print(f"wrote {out / stem}.json and .md")
+    print("\n" + write_results(args, base, runs))
     return 0 if all("error" not in r for r in runs.values()) else 1
 
 
