@@ -2,6 +2,7 @@
 
     python jobs/prepare_data.py [--config configs/tiny.yaml] [--set data.source=...] [--out DIR]
     python jobs/prepare_data.py --train-tokenizer OUT.json [--set data.vocab_size=32768 ...]
+    python jobs/prepare_data.py --set data.embedded_scope=installed   # the larger embedded corpus
 
 Uses the `data` section of the job config (pipeline.config.load_job_config). Writes to --out, else
 data.packed_dir when set, else outputs/packed/<source>-<tokenizer>-L<seq_len>-...; then train with

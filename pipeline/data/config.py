@@ -16,6 +16,7 @@ EMBEDDED = "embedded"
 BYTES = "bytes"
 TIKTOKEN_PREFIX = "tiktoken:"
 # URI schemes we read through fsspec (hf:// via huggingface_hub.HfFileSystem); "file" is local.
+EMBEDDED_SCOPES = ("stdlib", "installed")  # pipeline.data.corpus.SCOPES
 KNOWN_SCHEMES = ("file", "hf", "s3", "gs", "gcs", "az", "abfs", "abfss", "memory", "http", "https")
 
 
@@ -37,6 +38,9 @@ class DataConfig:
     # Where documents come from: "embedded" (the built-in corpus), a local Parquet file or folder, or a
     # URI: hf://datasets/HuggingFaceFW/fineweb-edu/sample/10BT, s3://..., gs://...
     source: str = EMBEDDED
+    # What the embedded corpus holds: "stdlib" (Python's own docs, ~2.3M chars) or "installed" (also the
+    # docstrings and docs of every installed package: tens of millions of chars, built once, minutes).
+    embedded_scope: str = "stdlib"
     # "embedded" (the project's BPE trained on the embedded corpus), "bytes", "tiktoken:<encoding>",
     # a tokenizer.json path, or an HF name/path (transformers.AutoTokenizer, offline).
     tokenizer: str = EMBEDDED
@@ -62,6 +66,8 @@ class DataConfig:
         for name in ("source", "tokenizer", "output_dir", "text_column", "id_column"):
             value = getattr(self, name)
             _require(isinstance(value, str) and value.strip() != "", name, f"must be a non-empty string, got {value!r}")
+        _require(self.embedded_scope in EMBEDDED_SCOPES, "embedded_scope",
+                 f"must be one of {EMBEDDED_SCOPES}, got {self.embedded_scope!r}")
         scheme = self.source.split("://", 1)[0] if "://" in self.source else None
         _require(scheme is None or scheme in KNOWN_SCHEMES, "source",
                  f"unknown URI scheme {scheme!r} in {self.source!r}; known: {KNOWN_SCHEMES} or a local path")

@@ -23,7 +23,7 @@ import pyarrow.parquet as pq
 import ray
 from tqdm import tqdm
 
-from pipeline.data.config import DataConfig
+from pipeline.data.config import EMBEDDED, DataConfig
 from pipeline.data.packing import block_dtype
 from pipeline.data.split import SPLITS
 from pipeline.data.stats import DataStats, StatsRecorder
@@ -36,6 +36,8 @@ FORMAT_VERSION = 1
 def default_packed_dir(cfg: DataConfig) -> Path:
     """outputs/packed/<source>-<tokenizer hash>-L<seq_len>-v<val_fraction>-s<seed>."""
     source = cfg.source.rstrip("/").split("/")[-1].replace(".parquet", "") or "source"
+    if cfg.source == EMBEDDED and cfg.embedded_scope != "stdlib":
+        source = f"{source}-{cfg.embedded_scope}"
     sha = load_tokenizer(cfg).sha256[:10]
     return (Path(cfg.output_dir).resolve() / "packed"
             / f"{source}-{sha}-L{cfg.seq_len}-v{cfg.val_fraction:g}-s{cfg.shuffle_seed}")

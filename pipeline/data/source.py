@@ -25,7 +25,7 @@ def source_filesystem(cfg: DataConfig) -> tuple[fsspec.AbstractFileSystem, str]:
     """(filesystem, path within it) for cfg.source; the embedded corpus is built on first use."""
     if cfg.source == EMBEDDED:
         from pipeline.data.corpus import ensure_corpus
-        return LocalFileSystem(), str(ensure_corpus(cfg.output_dir))
+        return LocalFileSystem(), str(ensure_corpus(cfg.output_dir, cfg.embedded_scope))
     if cfg.source.startswith("hf://"):
         return hub_filesystem(), cfg.source[len("hf://"):].rstrip("/")
     if "://" in cfg.source and not cfg.source.startswith("file://"):

@@ -179,7 +179,12 @@ def train_bpe(texts: Iterable[str], vocab_size: int, out_path: Path, eos_token: 
 
 
 def embedded_tokenizer_path(cfg: DataConfig) -> Path:
+    """Cached by corpus scope (and, for "installed", the corpus key) and vocab size."""
     root = Path(cfg.output_dir).resolve() / "tokenizer"
+    if cfg.embedded_scope != "stdlib":
+        from pipeline.data.corpus import corpus_key
+        scope = f"{cfg.embedded_scope}-{corpus_key(cfg.embedded_scope)}"
+        return root / scope / f"bpe-{cfg.vocab_size}" / "tokenizer.json"
     if cfg.vocab_size == _EMBEDDED_VOCAB:
         return root / "tokenizer.json"
     return root / f"bpe-{cfg.vocab_size}" / "tokenizer.json"
