@@ -51,6 +51,15 @@ class Compressor(nn.Module):
         return self.fc2(F.gelu(self.fc1(blocks.flatten(-2))))
 
 
+@torch.compiler.disable
+def _triton_core(*args, **kwargs):
+    """The Triton NSA core, kept out of torch.compile graphs: its autograd.Functions launch our kernels with
+    host-side launch logic that dynamo need not trace. Under torch.compile a model graph-breaks here (once per
+    layer) and everything around the core (projections, RoPE, phi, gates, norms, FFN, loss) is compiled; the
+    dense baseline's SDPA call is likewise one opaque kernel inside its compiled graph."""
+    return ops.nsa_attention(*args, **kwargs)
+
+
 class NSAAttention(nn.Module):
     """Native Sparse Attention: compressed, selected and sliding-window branches mixed by learned gates.
 
@@ -87,8 +96,9 @@ class NSAAttention(nn.Module):
         k_cmp, k_slc, k_win = k.unbind(2) if self.kv_sets > 1 else (k[:, :, 0],) * 3
         v_cmp, v_slc, v_win = v.unbind(2) if self.kv_sets > 1 else (v[:, :, 0],) * 3
         gates = torch.sigmoid(self.gate(x)).view(B, T, H, len(BRANCHES))
-        o, blocks = ops.nsa_attention(q, k_slc, v_slc, k_win, v_win, self.phi_k(k_cmp), self.phi_v(v_cmp), gates,
-                                      self.nsa, backend=self.backend, return_blocks=True)
+        core = _triton_core if ops.resolve_backend(self.backend, q) == "triton" else ops.nsa_attention
+        o, blocks = core(q, k_slc, v_slc, k_win, v_win, self.phi_k(k_cmp), self.phi_v(v_cmp), gates,
+                         self.nsa, backend=self.backend, return_blocks=True)
         self._record_stats(gates, blocks)
         return self.wo(o.reshape(B, T, H * Dv))
 

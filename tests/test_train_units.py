@@ -295,3 +295,15 @@ def test_apply_overrides_does_not_touch_input():
     raw = {"train": {"lr": 1.0}}
     out = apply_overrides(raw, ["train.lr=2", "tracking.tags.team=nsa"])
     assert raw == {"train": {"lr": 1.0}} and out == {"train": {"lr": 2}, "tracking": {"tags": {"team": "nsa"}}}
+
+
+def test_ddp_buffer_switch_is_a_parameter_of_this_torch_ddp():
+    """The GPU hosts' torch 2.11 refuses forward_sync_buffers (torch 2.13's name): the loop must pass the name
+    the installed DistributedDataParallel takes."""
+    import inspect
+
+    from pipeline.train.loop import ddp_no_buffer_sync_kwargs
+
+    kwargs = ddp_no_buffer_sync_kwargs()
+    params = inspect.signature(torch.nn.parallel.DistributedDataParallel.__init__).parameters
+    assert len(kwargs) == 1 and all(k in params and v is False for k, v in kwargs.items())

@@ -10,6 +10,7 @@ everything else (metrics, NSA statistics) is synced only on the steps that repor
 from __future__ import annotations
 
 import contextlib
+import inspect
 import json
 import logging
 import os
@@ -65,8 +66,15 @@ def build_model(job, device: torch.device) -> tuple[torch.nn.Module, torch.nn.Mo
         return bare, bare
     # DDP; the model's buffers (RoPE tables, NSA statistics) need no broadcast at every forward.
     wrapped = ray.train.torch.prepare_model(bare, move_to_device=False,
-                                            parallel_strategy_kwargs={"forward_sync_buffers": False})
+                                            parallel_strategy_kwargs=ddp_no_buffer_sync_kwargs())
     return wrapped, bare
+
+
+def ddp_no_buffer_sync_kwargs() -> dict[str, bool]:
+    """DDP's switch for the buffer broadcast at every forward, under the name this torch knows: torch 2.13 calls
+    it forward_sync_buffers, torch 2.11 (the GPU hosts) broadcast_buffers and refuses the newer name."""
+    params = inspect.signature(torch.nn.parallel.DistributedDataParallel.__init__).parameters
+    return {"forward_sync_buffers": False} if "forward_sync_buffers" in params else {"broadcast_buffers": False}
 
 
 # --- per-interval metrics ------------------------------------------------------------------------------------------

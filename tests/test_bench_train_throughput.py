@@ -1,0 +1,65 @@
+"""bench/train_throughput.py's arithmetic: steady-state numbers from interval reports, ratios against targets."""
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+_spec = importlib.util.spec_from_file_location(
+    "train_throughput", Path(__file__).resolve().parent.parent / "bench" / "train_throughput.py")
+tt = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(tt)
+
+
+def report(step, step_time_s, *, tokens_per_step=100, wait=0.0, mem=10.0, mfu_per_tps=None):
+    r = {"step": step, "tokens_seen": step * tokens_per_step, "step_time_s": step_time_s, "data_wait_s": wait,
+         "peak_mem_mb": mem, "train_loss": 1.0, "skipped_steps": 0, "tokens_per_s": tokens_per_step / step_time_s}
+    if mfu_per_tps is not None:
+        r["mfu"] = mfu_per_tps * r["tokens_per_s"]
+    return r
+
+
+def test_steady_state_leaves_out_the_warmup_interval_and_weights_by_time():
+    # warm-up interval (steps 1-2) is slow; then 2 steps at 1 s and 2 steps at 3 s: 400 tokens in 8 s
+    reports = [report(2, 50.0, mem=5), report(4, 1.0, wait=0.1, mem=30, mfu_per_tps=0.001),
+               report(6, 3.0, wait=0.1, mem=20, mfu_per_tps=0.001)]
+    s = tt.steady_state(reports, warmup=2)
+    assert s["steps_measured"] == 4
+    assert s["tokens_per_s"] == pytest.approx(400 / 8)
+    assert s["step_time_s"] == pytest.approx(2.0)
+    assert s["data_wait_share"] == pytest.approx(0.4 / 8)
+    assert s["peak_mem_mb"] == 30
+    assert s["mfu"] == pytest.approx(0.001 * 400 / 8)
+
+
+def test_steady_state_refuses_a_run_with_only_the_warmup():
+    with pytest.raises(ValueError, match="no report after the warm-up"):
+        tt.steady_state([report(3, 1.0)], warmup=3)
+
+
+def run(tokens_per_s, peak_mem_mb):
+    return {"tokens_per_s": tokens_per_s, "peak_mem_mb": peak_mem_mb, "step_time_s": 1.0, "data_wait_share": 0.0,
+            "train_loss_last": 1.0}
+
+
+def test_compare_ratios_and_verdicts():
+    runs = {("nsa", 2048): run(80.0, 10.0), ("dense", 2048): run(100.0, 10.0),
+            ("nsa", 32768): run(150.0, 12.0), ("dense", 32768): run(100.0, 10.0),
+            ("nsa", 8192): {"error": "OutOfMemoryError"}, ("dense", 8192): run(1.0, 1.0)}
+    rows = {r["seq_len"]: r for r in tt.compare(runs)}
+    assert rows[2048]["speed_ratio"] == pytest.approx(0.8) and rows[2048]["status"] == "speed met"
+    assert rows[32768]["speed_ratio"] == pytest.approx(1.5)
+    assert rows[32768]["status"] == "speed NOT met, memory NOT met"
+    assert rows[8192]["status"].startswith("incomplete")
+    assert "| 2048 | 0.800 | 0.7 |" in tt.markdown(
+        {"device": "d", "date": "x", "commit": "c", "torch": "t", "preset": "p", "tokens_per_step": 1,
+         "micro_tokens": 1, "warmup": 1, "measure": 1, "config": "f", "compile_note": "n"}, runs, tt.compare(runs))
+
+
+def test_run_overrides_keep_tokens_per_step_equal():
+    o = tt.run_overrides(preset="nsa-125m", attention="dense", seq_len=8192, tokens_per_step=65536,
+                         micro_tokens=32768, warmup=3, measure=6, storage="/tmp/x")
+    assert "model.preset=nsa-125m-dense" in o and "train.global_batch=8" in o and "train.micro_batch=4" in o
+    with pytest.raises(ValueError, match="multiples of T"):
+        tt.run_overrides(preset="p", attention="nsa", seq_len=3000, tokens_per_step=65536, micro_tokens=32768,
+                         warmup=3, measure=6, storage="/tmp/x")
