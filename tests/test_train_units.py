@@ -20,7 +20,7 @@ from pipeline.config import JobConfig, apply_overrides, load_job_config, preflig
 from pipeline.train import checkpoint as ckpt
 from pipeline.train.config import TrainConfig
 from pipeline.train.guards import NonFiniteGuard, NonFiniteStepError, Watchdog, WatchdogTimeout
-from pipeline.train.loop import _train_step, expected_blocks
+from pipeline.train.loop import _train_step, _validate, _validation_set, expected_blocks
 from pipeline.train.schedule import build_optimizer, build_scheduler, lr_at, param_groups
 
 TINY = ["model.dim=32", "model.n_layers=1", "model.n_heads=2", "model.n_kv_heads=1", "model.head_dim=16",
@@ -307,3 +307,28 @@ def test_ddp_buffer_switch_is_a_parameter_of_this_torch_ddp():
     kwargs = ddp_no_buffer_sync_kwargs()
     params = inspect.signature(torch.nn.parallel.DistributedDataParallel.__init__).parameters
     assert len(kwargs) == 1 and all(k in params and v is False for k, v in kwargs.items())
+
+
+def test_validation_reads_its_blocks_once_and_closes_the_stream():
+    """Every validation scores the same first val_batches micro-batches; the held-out stream is read once and
+    closed, never left half-consumed while a second pass starts."""
+    t = TrainConfig(val_batches=2, micro_batch=2)
+    pulled, closed = [], []
+
+    def stream():
+        try:
+            for i in range(10):
+                pulled.append(i)
+                yield torch.full((2, 5), i), [2 * i, 2 * i + 1]
+        finally:
+            closed.append(True)
+
+    gen = stream()  # held here, so only an explicit close (not garbage collection) can end it
+    held = _validation_set(t, gen)
+    assert [int(b[0, 0]) for b in held] == [0, 1]
+    assert pulled == [0, 1] and closed == [True]
+    with pytest.raises(RuntimeError, match="held-out split has no blocks"):
+        _validation_set(t, iter(()))
+    model = Transformer(get_preset("tiny").replace(vocab_size=16, n_layers=1))
+    first = _validate(model, contextlib.nullcontext(), held, torch.device("cpu"))
+    assert first == _validate(model, contextlib.nullcontext(), held, torch.device("cpu")) and math.isfinite(first)

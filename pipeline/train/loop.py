@@ -10,6 +10,7 @@ everything else (metrics, NSA statistics) is synced only on the steps that repor
 from __future__ import annotations
 
 import contextlib
+import itertools
 import inspect
 import json
 import logging
@@ -156,6 +157,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
                                       start_block=start_block))
 
     train_batches = batches("train", start_step * t.global_batch)
+    val_set: list[torch.Tensor] = []  # this rank's validation micro-batches, read once (see _validation_set)
     dump_dir = str(local_run_dir / "watchdog") if local_run_dir else None
     interval = Interval()
     try:
@@ -180,8 +182,9 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
                                             guard, device, bare, world)
                 if val_now:
                     watchdog.beat(step, "validation")
-                    metrics["val_loss"] = _validate(t, bare if t.parallelism == "ddp" else model, autocast,
-                                                    batches("val", 0), device)
+                    val_set = val_set or _validation_set(t, batches("val", 0))
+                    metrics["val_loss"] = _validate(bare if t.parallelism == "ddp" else model, autocast, val_set,
+                                                    device)
                 if rank == 0:
                     _print_progress(metrics, t)
                 if logger is not None:
@@ -283,17 +286,29 @@ def _interval_metrics(iv: Interval, t: TrainConfig, done: int, tokens_per_step: 
     return metrics
 
 
+def _validation_set(t: TrainConfig, val_batches: Iterator[tuple[torch.Tensor, Any]]) -> list[torch.Tensor]:
+    """The first val_batches micro-batches of this rank's share of the held-out split, kept in host memory.
+
+    Read once, then the stream is closed: every validation scores the same blocks, nothing is re-tokenized, and
+    no half-consumed stream of the held-out split is left running while the next one starts (a second
+    iteration of the val shard on a GPU host once delivered blocks from mid-stream, caught by the order check).
+    """
+    held = [tokens for tokens, _ in itertools.islice(val_batches, t.val_batches)]
+    close = getattr(val_batches, "close", None)
+    if close is not None:
+        close()
+    if not held:
+        raise RuntimeError("validation: the held-out split has no blocks; raise data.val_fraction")
+    return held
+
+
 @torch.no_grad()
-def _validate(t: TrainConfig, model, autocast, val_batches, device) -> float:
-    """Mean loss over the first val_batches micro-batches of each rank's share of the held-out split."""
+def _validate(model, autocast, val_set: list[torch.Tensor], device) -> float:
+    """Mean loss over the validation micro-batches of every rank."""
     model.eval()
     total = torch.zeros(2, device=device)  # [sum of losses, batches]
-    for _ in range(t.val_batches):
-        try:
-            tokens, _ = next(val_batches)
-        except StopIteration:
-            break
-        tokens = tokens.to(device)
+    for tokens in val_set:
+        tokens = tokens.to(device, non_blocking=True)
         with autocast:
             _, loss = model(tokens[:, :-1], tokens[:, 1:])
         total += torch.stack([loss.float(), torch.ones((), device=device)])
