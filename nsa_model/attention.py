@@ -5,6 +5,8 @@ Both take x [B, T, dim] and return [B, T, dim], with the same constructor, so th
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -51,13 +53,20 @@ class Compressor(nn.Module):
         return self.fc2(F.gelu(self.fc1(blocks.flatten(-2))))
 
 
-@torch.compiler.disable
 def _triton_core(*args, **kwargs):
     """The Triton NSA core, kept out of torch.compile graphs: its autograd.Functions launch our kernels with
     host-side launch logic that dynamo need not trace. Under torch.compile a model graph-breaks here (once per
     layer) and everything around the core (projections, RoPE, phi, gates, norms, FFN, loss) is compiled; the
     dense baseline's SDPA call is likewise one opaque kernel inside its compiled graph."""
-    return ops.nsa_attention(*args, **kwargs)
+    return _eager_nsa_attention()(*args, **kwargs)
+
+
+@functools.cache
+def _eager_nsa_attention():
+    # Built at the first call, not at import: torch.compiler.disable imports torch._dynamo, which imports
+    # triton.language; importing this module must leave that to the backend (Triton's interpreter on CPU hosts
+    # must be chosen before triton.language is first imported).
+    return torch.compiler.disable(ops.nsa_attention)
 
 
 class NSAAttention(nn.Module):
