@@ -196,12 +196,23 @@ def test_bad_inputs_are_refused():
                                        torch.zeros(1, 16, 1, 3, dtype=torch.int64, device=DEVICE), cfg, 0.25)
 
 
-@pytest.mark.parametrize("slc_kernel,tile_rows", [("per_query", 64), ("tiled", 16), ("tiled", 64)])
+SELECTED_VARIANTS = {
+    "per_query": dict(slc_kernel="per_query"),
+    "tiled16": dict(slc_kernel="tiled", slc_tile_rows=16),
+    "tiled64": dict(slc_kernel="tiled", slc_tile_rows=64),
+    # 16 rows hold 2 choosers of 6 heads (4 rows idle); chunks of 8 choosers split the busy blocks over programs
+    "by_block16_partial": dict(slc_kernel="by_block", slc_block_rows=16, slc_block_chunk=8),
+    "by_block64_atomic": dict(slc_kernel="by_block", slc_block_rows=64, slc_block_chunk=16, slc_dq="atomic"),
+}
+
+
+@pytest.mark.parametrize("variant", list(SELECTED_VARIANTS))
 @pytest.mark.parametrize("structured", [False, True])
-def test_selected_variants_match_reference(slc_kernel, tile_rows, structured):
-    """Both selected-attention kernels (per query, and per tile of queries walking the union of their blocks),
-    forward and all three gradients, on random choices (large unions, -1 padding, blocks after t) and on
-    structured ones (neighbouring queries share most blocks, as in trained models)."""
+def test_selected_variants_match_reference(variant, structured):
+    """Every selected-attention variant (per query; per tile of queries walking the union of their blocks; per
+    key block over its choosers, with dQ by slot sums or atomics), forward and all three gradients, on random
+    choices (large unions, -1 padding, blocks after t) and on structured ones (neighbouring queries share most
+    blocks, as in trained models)."""
     cfg = NSAConfig(cmp_block=8, cmp_stride=4, sel_block=8, n_selected=3, window=8)
     B, T, H, G, Dk, Dv = 2, 43, 6, 2, 16, 32
     x = make_inputs(B, T, H, G, Dk, Dv, cfg, seed=11)
@@ -226,7 +237,7 @@ def test_selected_variants_match_reference(slc_kernel, tile_rows, structured):
     grad_out = torch.randn_like(o_ref)
     o_ref.backward(grad_out)
     tri_in = [x[n].float().to(DEVICE).requires_grad_() for n in ("q", "k_slc", "v_slc")]
-    launch = triton_impl.LaunchConfig(slc_kernel=slc_kernel, slc_tile_rows=tile_rows, dkdv_rows=32, dkdv_chunk=64)
+    launch = triton_impl.LaunchConfig(dkdv_rows=32, dkdv_chunk=64, **SELECTED_VARIANTS[variant])
     with triton_impl.use_launch_config(launch):
         o = triton_impl.selected_attention(*tri_in, blocks.to(DEVICE), cfg, scale)
         o.backward(grad_out.float().to(DEVICE))
@@ -269,6 +280,32 @@ def test_range_variants_match_reference(range_kernel, delta_kernel, dkdv_program
         assert rel_err(o, o_ref) <= FP32_TOL, branch
         for name, a, r in zip(("dq", "dk", "dv"), tri_in, ref_in):
             assert rel_err(a.grad, r.grad) <= FP32_TOL, (branch, name)
+
+
+def test_block_work_covers_every_choice_once():
+    """The by_block index: every valid slot appears once, in its (b, g, block) segment, in query order; the work
+    list hands each segment's entries to programs in chunks, each entry to exactly one program, spares marked -1."""
+    gen = torch.Generator().manual_seed(17)
+    B, T, G, n, num_blocks, chunk = 2, 23, 3, 4, 6, 5
+    blocks = torch.randint(-1, num_blocks, (B, T, G, n), generator=gen, dtype=torch.int32)
+    order, starts, work_seg, work_chunk = triton_impl.block_work(blocks, num_blocks, chunk)
+    valid = int((blocks >= 0).sum())
+    assert int(starts[-1]) == valid and order.dtype == torch.int32
+    flat = blocks.flatten().long()
+    seen = torch.zeros(flat.numel(), dtype=torch.int64)
+    for seg in range(B * G * num_blocks):
+        b, g, j = seg // (G * num_blocks), (seg // num_blocks) % G, seg % num_blocks
+        entries = order[int(starts[seg]):int(starts[seg + 1])].long()
+        assert (flat[entries] == j).all()
+        t = (entries // (G * n)) % T
+        assert ((entries // (T * G * n)) == b).all() and (((entries // n) % G) == g).all()
+        assert (t[1:] >= t[:-1]).all()
+        covered = sorted(int(c) for s, c in zip(work_seg.tolist(), work_chunk.tolist()) if s == seg)
+        assert covered == list(range(-(-entries.numel() // chunk)))
+        seen[entries] += 1
+    assert torch.equal(seen, (flat >= 0).long())
+    assert (work_seg >= -1).all() and int((work_seg >= 0).sum()) == sum(
+        -(-int(starts[s + 1] - starts[s]) // chunk) for s in range(B * G * num_blocks))
 
 
 def test_tile_block_union():

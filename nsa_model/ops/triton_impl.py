@@ -26,13 +26,20 @@ from nsa_model.kernels.range_attention import (range_attn_bwd_dkdv_kernel, range
                                                range_attn_fwd_kernel)
 from nsa_model.kernels.selected_attention import (selected_attn_bwd_dkdv_kernel, selected_attn_bwd_dq_kernel,
                                                   selected_attn_fwd_kernel)
+from nsa_model.kernels.selected_by_block import (selected_block_bwd_kernel, selected_block_fwd_kernel,
+                                                 selected_combine_kernel, selected_dq_sum_kernel)
 from nsa_model.kernels.selected_tiled import selected_tiled_bwd_dq_kernel, selected_tiled_fwd_kernel
 from nsa_model.kernels.selection import select_blocks_kernel
 
 # triton.jit decided at import: an interpreted kernel runs on CPU tensors, a compiled one on CUDA tensors.
 INTERPRETED = not isinstance(range_attn_fwd_kernel, triton.runtime.JITFunction)
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-SELECTED_KERNELS = ("per_query", "tiled")  # selected fwd/dQ: one program per query, or per tile of queries
+# selected branch: query-driven (one program per query, or per tile of queries walking the union of their blocks;
+# dK/dV by inverted index), key-block-driven (by_block: fwd partials + combine, one fused backward), or auto
+# (by_block up to slc_auto_max_hpg heads per group, tiled above: bench/results/kernels-notes.md, v6)
+SELECTED_KERNELS = ("per_query", "tiled", "by_block", "auto")
+PARTIAL_DTYPES = ("fp32", "input")  # by_block: partial outputs and dQ contributions in float32 or the input dtype
+SELECTED_DQ = ("partial", "atomic")  # by_block dQ: per-slot contributions summed by a kernel, or fp32 atomics
 GATE_KERNELS = ("torch", "fused")  # gated combination: eager PyTorch ops, or one Triton kernel each way
 RANGE_KERNELS = ("masked", "split")  # compressed/window: every tile masked (v4), or only the edge tiles (v5)
 DELTA_KERNELS = ("torch", "fused")  # backward row term sum(do * o): eager fp32 ops, or one Triton kernel
@@ -57,7 +64,13 @@ class LaunchConfig:
     dkdv_rows: int = 64  # rows (choosers x heads) per step of the selected dK/dV kernel
     dkdv_chunk: int = 256  # choosers of one block handled by one program
     dkdv_warps: int = 4
-    slc_kernel: str = "tiled"  # one of SELECTED_KERNELS
+    slc_kernel: str = "auto"  # one of SELECTED_KERNELS
+    slc_auto_max_hpg: int = 8  # auto: by_block for groups of at most this many heads, tiled for larger ones
+    slc_block_rows: int = 64  # by_block: matrix rows (choosers x heads, unpadded) per step
+    slc_block_chunk: int = 256  # by_block: choosers of one block handled by one program
+    slc_block_warps: int = 4
+    slc_partial: str = "fp32"  # one of PARTIAL_DTYPES
+    slc_dq: str = "partial"  # one of SELECTED_DQ
     slc_tile_rows: int = 64  # rows (queries x padded heads) of one program of the tiled selected kernels
     slc_tile_warps: int = 4
     gate_kernel: str = "fused"  # one of GATE_KERNELS
@@ -67,7 +80,8 @@ class LaunchConfig:
 
     def __post_init__(self) -> None:
         choices = {"slc_kernel": SELECTED_KERNELS, "gate_kernel": GATE_KERNELS, "range_kernel": RANGE_KERNELS,
-                   "delta_kernel": DELTA_KERNELS, "window_dkdv": WINDOW_DKDV}
+                   "delta_kernel": DELTA_KERNELS, "window_dkdv": WINDOW_DKDV, "slc_partial": PARTIAL_DTYPES,
+                   "slc_dq": SELECTED_DQ}
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise ValueError(f"LaunchConfig.{name}: must be one of {allowed}, got {getattr(self, name)!r}")
@@ -78,7 +92,7 @@ class LaunchConfig:
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"LaunchConfig.{f.name}: must be a positive int, got {value!r}")
         for name in ("range_block_m", "range_block_n", "range_block_m_d64", "range_block_n_d64", "select_block_m",
-                     "dkdv_rows", "slc_tile_rows"):
+                     "dkdv_rows", "slc_tile_rows", "slc_block_rows"):
             value = getattr(self, name)
             if value < 16 or value & (value - 1):
                 raise ValueError(f"LaunchConfig.{name}: must be a power of two >= 16, got {value}")
@@ -86,7 +100,7 @@ class LaunchConfig:
 
 # Small tiles in the interpreter: it costs per program and per op, and CI shapes are small.
 _INTERPRETER_CONFIG = LaunchConfig(range_block_m=64, range_block_n=64, select_block_m=128, dkdv_rows=32,
-                                   dkdv_chunk=64)
+                                   dkdv_chunk=64, slc_block_chunk=64)
 _config = _INTERPRETER_CONFIG if INTERPRETED else LaunchConfig()
 
 
@@ -307,6 +321,50 @@ def _selected_tile(hpg: int) -> tuple[int, int]:
     return heads_pad, max(1, _config.slc_tile_rows // heads_pad)
 
 
+def selected_kernel(hpg: int, config: LaunchConfig | None = None) -> str:
+    """The selected-branch variant that runs for groups of hpg heads under config (auto resolved)."""
+    config = config or _config
+    if config.slc_kernel != "auto":
+        return config.slc_kernel
+    return "by_block" if hpg <= config.slc_auto_max_hpg else "tiled"
+
+
+def block_work(blocks: torch.Tensor, num_blocks: int, chunk: int):
+    """The inverted index of the by_block kernels and their work list, from one sort, sizes fixed by shapes.
+
+    order [B*T*G*n] int32: flat slot ((b*T + t)*G + g)*n + i of each entry, sorted by segment s = (b*G + g) *
+    num_blocks + block (query order inside a segment; -1 slots last); starts [S + 1] int64: segment s is
+    order[starts[s]:starts[s+1]]; work_seg, work_chunk [W] int32: program p handles chunk work_chunk[p] (chunk
+    entries) of segment work_seg[p], or nothing where work_seg[p] = -1 (W is an upper bound: no host sync)."""
+    B, T, G, n = blocks.shape
+    dev = blocks.device
+    num_segments = B * G * num_blocks
+    group = torch.arange(B, device=dev).view(B, 1, 1, 1) * G + torch.arange(G, device=dev).view(1, 1, G, 1)
+    segment = torch.where(blocks >= 0, group * num_blocks + blocks.long(), num_segments).flatten()
+    sorted_segment, order = torch.sort(segment, stable=True)  # stable: a block's choosers stay in query order
+    starts = torch.searchsorted(sorted_segment, torch.arange(num_segments + 1, device=dev))
+    chunks = (starts[1:] - starts[:-1] + chunk - 1) // chunk
+    ends = torch.cumsum(chunks, 0)
+    work = torch.arange(triton.cdiv(segment.numel(), chunk) + num_segments, device=dev)
+    work_seg = torch.searchsorted(ends, work, right=True)
+    seg_c = work_seg.clamp(max=num_segments - 1)
+    work_chunk = work - (ends - chunks)[seg_c]
+    work_seg = torch.where(work_seg < num_segments, work_seg, -1)
+    order = order.to(torch.int32) if order.numel() < 2 ** 31 else order
+    return order, starts, work_seg.to(torch.int32), work_chunk.to(torch.int32)
+
+
+def _block_rows(hpg: int, config: LaunchConfig) -> int:
+    return max(config.slc_block_rows, triton.next_power_of_2(hpg))  # at least one chooser per step
+
+
+def _partial_dtype(x: torch.Tensor, config: LaunchConfig) -> torch.dtype:
+    return torch.float32 if config.slc_partial == "fp32" else x.dtype
+
+
+_COMBINE_ROWS = 32  # (b, t, h) rows per program of the combine and dQ-sum kernels
+
+
 class _SelectedAttention(torch.autograd.Function):
 
     @staticmethod
@@ -317,36 +375,41 @@ class _SelectedAttention(torch.autograd.Function):
         o = torch.empty(*q.shape[:3], v.shape[-1], dtype=q.dtype, device=q.device)
         lse = torch.empty(B, T, H, dtype=torch.float32, device=q.device)
         common = dict(H=H, G=G, SEL_BLOCK=sel_block, BLOCK_S=_pow2(sel_block), N_SELECT=n, **_head_dims(q, v))
-        tiled = _config.slc_kernel == "tiled"
-        if tiled:
+        kernel = selected_kernel(H // G)
+        index = ()
+        if kernel == "by_block":
+            index = _selected_by_block_fwd(q, k, v, blocks, o, lse, common, scale)
+        elif kernel == "tiled":
             heads_pad, tile_q = _selected_tile(H // G)
             union, count = tile_block_union(blocks, tile_q)
             selected_tiled_fwd_kernel[(union.shape[1], B * G)](
                 q, k, v, blocks, union, count, o, lse, T, union.shape[1], scale, N_PAD=triton.next_power_of_2(n),
                 HEADS_PAD=heads_pad, TILE_Q=tile_q, **common, num_warps=_config.slc_tile_warps,
                 num_stages=_config.slc_stages)
+            index = (union, count)
         else:
-            union = count = torch.empty(0, dtype=torch.int32, device=q.device)
             selected_attn_fwd_kernel[(T, B * G)](
                 q, k, v, blocks, o, lse, T, scale, HEADS_PAD=_pow2(H // G), **common, **_slc_launch())
-        ctx.save_for_backward(q, k, v, blocks, o, lse, union, count)
-        ctx.params = (sel_block, scale, _config)  # backward uses the forward's variant and tile
+        ctx.save_for_backward(q, k, v, blocks, o, lse, *index)
+        ctx.params = (sel_block, scale, _config, kernel)  # backward uses the forward's variant and tile
         return o
 
     @staticmethod
     def backward(ctx, do):
-        q, k, v, blocks, o, lse, union, count = ctx.saved_tensors
-        sel_block, scale, config = ctx.params
+        q, k, v, blocks, o, lse, *index = ctx.saved_tensors
+        sel_block, scale, config, kernel = ctx.params
         do = do.contiguous()
         B, T, H, _ = q.shape
         G, n = k.shape[2], blocks.shape[-1]
         hpg = H // G
         delta = _delta(do, o)
-        dims = _head_dims(q, v)
-        dq = torch.empty_like(q)
-        common = dict(H=H, G=G, SEL_BLOCK=sel_block, BLOCK_S=_pow2(sel_block), N_SELECT=n, **dims)
+        common = dict(H=H, G=G, SEL_BLOCK=sel_block, BLOCK_S=_pow2(sel_block), N_SELECT=n, **_head_dims(q, v))
         with use_launch_config(config):
-            if config.slc_kernel == "tiled":
+            if kernel == "by_block":
+                return (*_selected_by_block_bwd(q, k, v, blocks, do, lse, delta, index, common, scale), None, None, None)
+            dq = torch.empty_like(q)
+            if kernel == "tiled":
+                union, count = index
                 heads_pad, tile_q = _selected_tile(hpg)
                 selected_tiled_bwd_dq_kernel[(union.shape[1], B * G)](
                     q, k, v, blocks, union, count, do, lse, delta, dq, T, union.shape[1], scale,
@@ -357,6 +420,56 @@ class _SelectedAttention(torch.autograd.Function):
                     q, k, v, blocks, do, lse, delta, dq, T, scale, HEADS_PAD=_pow2(hpg), **common, **_slc_launch())
             dk, dv = _selected_dkdv(q, k, v, do, lse, delta, blocks, sel_block, scale)
         return dq, dk, dv, None, None, None
+
+
+def _selected_by_block_fwd(q, k, v, blocks, o, lse, common, scale):
+    """Forward of the by_block variant into o and lse; returns the index the backward reuses."""
+    B, T, H, _ = q.shape
+    G, n, dv = k.shape[2], blocks.shape[-1], v.shape[-1]
+    hpg, c = H // G, _config
+    num_blocks = triton.cdiv(T, common["SEL_BLOCK"])
+    order, starts, work_seg, work_chunk = block_work(blocks, num_blocks, c.slc_block_chunk)
+    slots = B * T * G * n * hpg
+    o_part = torch.empty(slots, dv, dtype=_partial_dtype(q, c), device=q.device)
+    lse2_part = torch.empty(slots, dtype=torch.float32, device=q.device)
+    selected_block_fwd_kernel[(work_seg.numel(),)](
+        q, k, v, order, starts, work_seg, work_chunk, o_part, lse2_part, T, num_blocks, scale,
+        ROWS=_block_rows(hpg, c), CHUNK=c.slc_block_chunk, **common, num_warps=c.slc_block_warps,
+        num_stages=c.slc_stages)
+    rows = B * T * H
+    selected_combine_kernel[(triton.cdiv(rows, _COMBINE_ROWS),)](
+        o_part, lse2_part, blocks, o, lse, rows, H=H, G=G, DV=dv, BLOCK_DV=common["BLOCK_DV"], N_SELECT=n,
+        BLOCK_R=_COMBINE_ROWS)
+    return order, starts, work_seg, work_chunk
+
+
+def _selected_by_block_bwd(q, k, v, blocks, do, lse, delta, index, common, scale):
+    """dq, dk, dv of the by_block variant: one fused kernel over the blocks' choosers, then the dQ slot sum."""
+    order, starts, work_seg, work_chunk = index
+    B, T, H, dk_dim = q.shape
+    G, n = k.shape[2], blocks.shape[-1]
+    hpg, c = H // G, _config
+    num_blocks = triton.cdiv(T, common["SEL_BLOCK"])
+    dk_acc = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
+    dv_acc = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
+    atomic = c.slc_dq == "atomic"
+    if atomic:
+        dq_out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    else:
+        dq_out = torch.empty(B * T * G * n * hpg, dk_dim, dtype=_partial_dtype(q, c), device=q.device)
+    selected_block_bwd_kernel[(work_seg.numel(),)](
+        q, k, v, do, lse, delta, order, starts, work_seg, work_chunk, dk_acc, dv_acc, dq_out, T, num_blocks, scale,
+        ROWS=_block_rows(hpg, c), CHUNK=c.slc_block_chunk, DQ_ATOMIC=atomic, **common,
+        num_warps=c.slc_block_warps, num_stages=c.slc_stages)
+    if atomic:
+        dq = dq_out.to(q.dtype)
+    else:
+        dq = torch.empty_like(q)
+        rows = B * T * H
+        selected_dq_sum_kernel[(triton.cdiv(rows, _COMBINE_ROWS),)](
+            dq_out, blocks, dq, rows, H=H, G=G, DK=dk_dim, BLOCK_DK=common["BLOCK_DK"], N_SELECT=n,
+            BLOCK_R=_COMBINE_ROWS)
+    return dq, dk_acc.to(k.dtype), dv_acc.to(v.dtype)
 
 
 def _selected_dkdv(q, k, v, do, lse, delta, blocks, sel_block, scale):

@@ -1,0 +1,236 @@
+"""One training step of the model alone (no Ray, no data pipeline), NSA against dense, and where its time goes.
+
+    python bench/model_step.py --preset nsa-125m --seq-lens 2048,8192,32768 [--eager] [--no-profile]
+
+For each T and attention kind (the preset and its `-dense` twin): the decoder with bf16 autocast over fp32
+parameters, fused AdamW, `torch.compile` of the whole model unless --eager, the same tokens per optimizer step
+(gradient accumulation over micro-batches of --micro-tokens). Steady-state step time (CUDA events, median of
+--measure steps after --warmup), tokens/s, peak memory; then, unless --no-profile, one profiled step: wall time,
+GPU busy time (kernel time summed), the largest kernels, and kernel time by category (NSA core kernels, the
+rest of the model's compiled kernels, matmuls, elementwise glue), so that a gap between NSA and dense can be put
+on the attention kernels, on the glue around them, or on the host.
+
+This isolates the model from the pipeline; bench/train_throughput.py measures the same through the project's own
+training loop (issue 9's numbers). Writes bench/results/model-step-<device>-<date>.{json,md}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from nsa_model import Transformer, get_preset  # noqa: E402
+
+# Kernel names of the NSA core (nsa_model/kernels), for the breakdown.
+NSA_KERNELS = ("range_attn", "selected_", "select_blocks", "gated_sum", "row_dot")
+
+
+def category(name: str) -> str:
+    if any(name.startswith(k) for k in NSA_KERNELS):
+        return "nsa core (triton)"
+    lowered = name.lower()
+    if "gemm" in lowered or "sm90_xmma" in lowered or "cutlass" in lowered or "nvjet" in lowered:
+        return "matmul (cuBLAS)"
+    if "flash" in lowered or "fmha" in lowered or "cudnn" in lowered:
+        return "dense attention (SDPA)"
+    if name.startswith("triton_"):
+        return "compiled glue (inductor)"
+    if "sort" in lowered or "scan" in lowered or "search" in lowered:
+        return "sort/scan (torch)"
+    return "other (torch eager)"
+
+
+def build(preset: str, attention: str, seq_len: int, compile_model: bool):
+    cfg = get_preset(preset if attention == "nsa" else f"{preset}-dense").replace(max_seq_len=seq_len)
+    torch.manual_seed(0)
+    model = Transformer(cfg).cuda()
+    decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
+    no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+                            lr=3e-4, fused=True)
+    fwd = torch.compile(model) if compile_model else model
+    return cfg, model, fwd, opt
+
+
+def make_step(fwd, opt, batches):
+    def step():
+        for x, y in batches:
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                _, loss = fwd(x, y)
+            (loss / len(batches)).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss
+    return step
+
+
+def profile_step(step) -> dict:
+    from torch.profiler import ProfilerActivity, profile
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        start = time.perf_counter()
+        step()
+        torch.cuda.synchronize()
+        wall_ms = (time.perf_counter() - start) * 1e3
+    kernels, categories, cpu_ops = {}, {}, {}
+    for e in prof.key_averages():
+        gpu_us = getattr(e, "self_device_time_total", None)
+        if gpu_us is None:
+            gpu_us = getattr(e, "self_cuda_time_total", 0)
+        if gpu_us > 0 and e.device_type == torch.autograd.DeviceType.CUDA:
+            kernels[e.key[:80]] = kernels.get(e.key[:80], 0.0) + gpu_us / 1e3
+            cat = category(e.key)
+            categories[cat] = categories.get(cat, 0.0) + gpu_us / 1e3
+        elif e.device_type == torch.autograd.DeviceType.CPU and e.self_cpu_time_total > 0:
+            cpu_ops[e.key[:80]] = cpu_ops.get(e.key[:80], 0.0) + e.self_cpu_time_total / 1e3
+    top = dict(sorted(kernels.items(), key=lambda kv: -kv[1])[:15])
+    top_cpu = dict(sorted(cpu_ops.items(), key=lambda kv: -kv[1])[:10])
+    return {"wall_ms": wall_ms, "gpu_busy_ms": sum(kernels.values()), "kernel_count": len(kernels),
+            "categories_ms": dict(sorted(categories.items(), key=lambda kv: -kv[1])), "top_kernels_ms": top,
+            "top_cpu_self_ms": top_cpu}
+
+
+def measure(preset, attention, seq_len, tokens_per_step, micro_tokens, warmup, measure_steps, compile_model,
+            profile) -> dict:
+    cfg, model, fwd, opt = build(preset, attention, seq_len, compile_model)
+    micro_b = max(1, micro_tokens // seq_len)
+    accum = tokens_per_step // (micro_b * seq_len)
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    batches = []
+    for _ in range(accum):
+        tok = torch.randint(0, cfg.vocab_size, (micro_b, seq_len + 1), device="cuda", generator=gen)
+        batches.append((tok[:, :-1], tok[:, 1:]))
+    step = make_step(fwd, opt, batches)
+    t0 = time.perf_counter()
+    for _ in range(warmup):
+        step()
+    torch.cuda.synchronize()
+    warmup_s = time.perf_counter() - t0
+    torch.cuda.reset_peak_memory_stats()
+    times = []
+    for _ in range(measure_steps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        loss = step()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    step_s = statistics.median(times)
+    row = {"attention": attention, "seq_len": seq_len, "micro_batch": micro_b, "accum": accum,
+           "tokens_per_step": micro_b * seq_len * accum, "step_s": step_s, "step_s_all": times,
+           "tokens_per_s": micro_b * seq_len * accum / step_s, "peak_mib": torch.cuda.max_memory_allocated() / 2**20,
+           "warmup_s": warmup_s, "loss": float(loss), "params": model.num_params(),
+           "flops_per_token": model.flops_per_token(seq_len)}
+    row["mfu"] = row["tokens_per_s"] * row["flops_per_token"] / 989e12
+    if profile:
+        row["profile"] = profile_step(step)
+    del model, fwd, opt, batches
+    torch.cuda.empty_cache()
+    return row
+
+
+def markdown(meta, rows) -> str:
+    lines = [f"# Model step, NSA vs dense: {meta['device']}, {meta['date']}", "",
+             f"commit {meta['commit']}, torch {meta['torch']}, preset {meta['preset']}, {meta['tokens_per_step']} "
+             f"tokens per step (micro-batches of {meta['micro_tokens']}), {'eager' if meta['eager'] else 'torch.compile'}"
+             f", bf16 autocast, fused AdamW, median of {meta['measure']} steps after {meta['warmup']}; "
+             f"MFU of 989 TFLOP/s.", "",
+             "| attention | T | tokens/s | step ms | MFU | peak MiB | profiled step: wall ms / GPU busy ms | "
+             "NSA core kernels ms | matmul ms | compiled glue ms | other ms |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        p = r.get("profile", {})
+        c = p.get("categories_ms", {})
+        lines.append(f"| {r['attention']} | {r['seq_len']} | {r['tokens_per_s']:,.0f} | {r['step_s'] * 1e3:.1f} | "
+                     f"{r['mfu']:.3f} | {r['peak_mib']:,.0f} | {p.get('wall_ms', 0):.1f} / {p.get('gpu_busy_ms', 0):.1f} | "
+                     f"{c.get('nsa core (triton)', 0):.1f} | {c.get('matmul (cuBLAS)', 0):.1f} | "
+                     f"{c.get('compiled glue (inductor)', 0):.1f} | "
+                     f"{sum(v for k, v in c.items() if k not in ('nsa core (triton)', 'matmul (cuBLAS)', 'compiled glue (inductor)')):.1f} |")
+    by_t = {}
+    for r in rows:
+        by_t.setdefault(r["seq_len"], {})[r["attention"]] = r
+    lines += ["", "| T | NSA / dense tokens/s | NSA / dense peak memory |", "|---|---|---|"]
+    for t, pair in by_t.items():
+        if "nsa" in pair and "dense" in pair:
+            lines.append(f"| {t} | {pair['nsa']['tokens_per_s'] / pair['dense']['tokens_per_s']:.3f} | "
+                         f"{pair['nsa']['peak_mib'] / pair['dense']['peak_mib']:.3f} |")
+    for r in rows:
+        if "profile" in r:
+            p = r["profile"]
+            lines += ["", f"## {r['attention']} T={r['seq_len']}: kernels of one profiled step (GPU ms)", ""]
+            lines += [f"- by category: " + ", ".join(f"{k} {v:.1f}" for k, v in p["categories_ms"].items())]
+            lines += [f"- largest: " + ", ".join(f"{k} {v:.2f}" for k, v in p["top_kernels_ms"].items())]
+            lines += [f"- host (self CPU ms): " + ", ".join(f"{k} {v:.1f}" for k, v in p["top_cpu_self_ms"].items())]
+    return "\n".join(lines) + "\n"
+
+
+def git_commit() -> str:
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain"], capture_output=True, text=True).stdout.strip()
+        return commit + ("+uncommitted" if dirty else "")
+    except Exception:
+        return "uncommitted"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--preset", default="nsa-125m")
+    ap.add_argument("--seq-lens", default="2048,8192,32768")
+    ap.add_argument("--attention", default="nsa,dense")
+    ap.add_argument("--tokens-per-step", type=int, default=65536)
+    ap.add_argument("--micro-tokens", type=int, default=32768)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--measure", type=int, default=5)
+    ap.add_argument("--eager", action="store_true", help="no torch.compile")
+    ap.add_argument("--no-profile", action="store_true")
+    ap.add_argument("--out", default="bench/results")
+    ap.add_argument("--suffix", default="")
+    ap.add_argument("--commit", default="")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("bench/model_step.py needs a CUDA GPU")
+    seq_lens = [int(t) for t in args.seq_lens.split(",")]
+    for t in seq_lens:
+        if args.tokens_per_step % t or args.micro_tokens % t and t < args.micro_tokens:
+            raise SystemExit(f"--tokens-per-step {args.tokens_per_step} and --micro-tokens {args.micro_tokens} "
+                             f"must be multiples of T={t}")
+    device = torch.cuda.get_device_name()
+    now = dt.datetime.now(dt.timezone.utc)
+    meta = {"device": device, "date": now.strftime("%Y-%m-%d %H:%M UTC"), "commit": args.commit or git_commit(),
+            "torch": torch.__version__, "preset": args.preset, "tokens_per_step": args.tokens_per_step,
+            "micro_tokens": args.micro_tokens, "eager": args.eager, "warmup": args.warmup, "measure": args.measure}
+    slug = "h200" if "H200" in device else "h100" if "H100" in device else device.split()[-1].lower()
+    stem = Path(args.out) / f"model-step-{slug}-{now.strftime('%Y-%m-%d')}{args.suffix}"
+    stem.parent.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for t in seq_lens:
+        for attention in args.attention.split(","):
+            try:
+                row = measure(args.preset, attention, t, args.tokens_per_step, args.micro_tokens, args.warmup,
+                              args.measure, not args.eager, not args.no_profile)
+            except Exception as e:  # recorded, the other rows still run
+                import traceback
+                traceback.print_exc()
+                row = {"attention": attention, "seq_len": t, "error": repr(e)[:400], "tokens_per_s": 0.0,
+                       "step_s": 0.0, "mfu": 0.0, "peak_mib": 0.0}
+                torch.cuda.empty_cache()
+            print(json.dumps({k: v for k, v in row.items() if k != "profile"}), flush=True)
+            rows.append(row)
+            stem.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+            stem.with_suffix(".md").write_text(markdown(meta, [r for r in rows if "error" not in r]))
+    print(markdown(meta, [r for r in rows if "error" not in r]))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,212 @@
+"""Selected-block attention driven by key blocks (NSA_SPEC.md section 5): forward, combine, backward, dQ sum.
+
+The query-driven kernels (selected_attention.py, selected_tiled.py) load a selected block's keys and values once
+per query (or per tile of queries walking the union of their choices). With few heads per group (6 in the
+125M model) that means 6 useful matrix rows per 64-key load, and the time goes to L2 traffic, not to the matrix
+units. Here one program owns a slice of one key block's choosers (the inverted index: block -> the queries that
+chose it, one sort outside) and loads the block's keys and values once for all of them. Its matrix rows are
+(chooser, head) pairs packed without padding: row r is chooser r // HPG, head r % HPG, so 64 rows hold 10
+choosers of a 6-head group (60 useful rows).
+
+Forward: a chooser sees only part of its keys here, so the program writes a partial result per (query, slot):
+the softmax-normalized output over this block's visible keys and its log2-sum-exp. `selected_combine_kernel`
+then merges each query's n partials (max-shifted weights exp2(lse_i - m)) into the output and its lse. The
+partials live at the query's own slot (ORDER maps a sorted entry back to its flat (b, t, g, slot) position), so
+combining reads n contiguous rows and needs no second index.
+
+Backward: one fused kernel per block slice computes dK and dV (accumulated over its choosers, then added once
+into float32 buffers; slices of one block meet there) and each chooser's dQ contribution ds @ K, either stored
+at the chooser's slot (DQ_ATOMIC = False; `selected_dq_sum_kernel` adds the n slots) or added atomically into a
+float32 dQ. P and dP are computed once, where the query-driven path computes them twice (dQ kernel, dK/dV
+kernel).
+
+Work list: programs are (segment, chunk) pairs, a segment being the choosers of one (b, g, block) and a chunk
+CHUNK consecutive of them; WORK_SEG = -1 marks the spare programs of a static upper bound (no host sync).
+
+Layouts (contiguous): q [B, T, H, DK], k [B, T, G, DK], v [B, T, G, DV], blocks [B, T, G, N_SELECT] int32
+(-1 = none), ORDER [B*T*G*N_SELECT] int32 (flat slot of each sorted entry), STARTS [B*G*num_blocks + 1] int64,
+partial rows [B*T*G*N_SELECT*HPG, D] (row = flat slot * HPG + head), lse/delta [B, T, H] fp32.
+"""
+
+import triton
+import triton.language as tl
+
+LOG2E = tl.constexpr(1.4426950408889634)
+
+
+@triton.jit
+def _work_item(WORK_SEG, WORK_CHUNK, STARTS, num_blocks, G: tl.constexpr, CHUNK: tl.constexpr):
+    """(segment, b, g, block j, first entry, end entry) of this program; segment -1: nothing to do."""
+    pid = tl.program_id(0)
+    seg = tl.load(WORK_SEG + pid)
+    seg_c = tl.maximum(seg, 0)
+    chunk = tl.load(WORK_CHUNK + pid)
+    start = tl.load(STARTS + seg_c) + chunk * CHUNK
+    end = tl.minimum(tl.load(STARTS + seg_c + 1), start + CHUNK)
+    j = seg_c % num_blocks
+    bg = seg_c // num_blocks
+    return seg, bg // G, bg % G, j, start, end
+
+
+@triton.jit
+def _block_kv(K, V, b, g, j, T, G: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BLOCK_DK: tl.constexpr,
+              BLOCK_DV: tl.constexpr, SEL_BLOCK: tl.constexpr, BLOCK_S: tl.constexpr):
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_dk = tl.arange(0, BLOCK_DK)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    pos = j * SEL_BLOCK + offs_s
+    s_ok = (offs_s < SEL_BLOCK) & (pos < T)
+    row_k = (b * T + pos).to(tl.int64) * G + g
+    k = tl.load(K + row_k[:, None] * DK + offs_dk[None, :], mask=s_ok[:, None] & (offs_dk < DK)[None, :], other=0.0)
+    v = tl.load(V + row_k[:, None] * DV + offs_dv[None, :], mask=s_ok[:, None] & (offs_dv < DV)[None, :], other=0.0)
+    return k, v, pos, s_ok, row_k
+
+
+@triton.jit
+def _chooser_rows(ORDER, e0, end, b, g, T, H: tl.constexpr, G: tl.constexpr, N_SELECT: tl.constexpr,
+                  ROWS: tl.constexpr):
+    """For rows (chooser e0 + r // HPG, head r % HPG): (row ok, query t, row in [B*T*H], row in the partials)."""
+    HPG: tl.constexpr = H // G
+    ENTRIES: tl.constexpr = ROWS // HPG
+    offs_r = tl.arange(0, ROWS)
+    slot = offs_r // HPG
+    head = offs_r % HPG
+    entry = e0 + slot
+    r_ok = (slot < ENTRIES) & (entry < end)
+    flat = tl.load(ORDER + entry, mask=r_ok, other=0).to(tl.int64)  # ((b * T + t) * G + g) * N_SELECT + i
+    t = (flat // (G * N_SELECT)) % T
+    row_q = (b * T + t) * H + g * HPG + head
+    row_p = flat * HPG + head
+    return r_ok, t, row_q, row_p
+
+
+@triton.jit
+def selected_block_fwd_kernel(Q, K, V, ORDER, STARTS, WORK_SEG, WORK_CHUNK, O_PART, LSE2_PART, T, num_blocks, scale,
+                              H: tl.constexpr, G: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+                              BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, SEL_BLOCK: tl.constexpr,
+                              BLOCK_S: tl.constexpr, N_SELECT: tl.constexpr, ROWS: tl.constexpr,
+                              CHUNK: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    HPG: tl.constexpr = H // G
+    ENTRIES: tl.constexpr = ROWS // HPG
+    seg, b, g, j, start, end = _work_item(WORK_SEG, WORK_CHUNK, STARTS, num_blocks, G, CHUNK)
+    if seg >= 0:
+        k, v, pos, s_ok, _ = _block_kv(K, V, b, g, j, T, G, DK, DV, BLOCK_DK, BLOCK_DV, SEL_BLOCK, BLOCK_S)
+        offs_dk = tl.arange(0, BLOCK_DK)
+        offs_dv = tl.arange(0, BLOCK_DV)
+        qk_scale = scale * LOG2E
+        for e0 in range(start, end, ENTRIES):
+            r_ok, t, row_q, row_p = _chooser_rows(ORDER, e0, end, b, g, T, H, G, N_SELECT, ROWS)
+            q = tl.load(Q + row_q[:, None] * DK + offs_dk[None, :], mask=r_ok[:, None] & (offs_dk < DK)[None, :],
+                        other=0.0)
+            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+            vis = r_ok[:, None] & s_ok[None, :] & (pos[None, :] <= t[:, None])
+            s = tl.where(vis, s, float("-inf"))
+            m = tl.max(s, axis=1)
+            m_safe = tl.where(m == float("-inf"), 0.0, m)  # a chooser that sees none of the block (block after t)
+            p = tl.exp2(s - m_safe[:, None])
+            l_i = tl.sum(p, axis=1)
+            acc = tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+            has_key = l_i > 0
+            l_safe = tl.where(has_key, l_i, 1.0)
+            tl.store(O_PART + row_p[:, None] * DV + offs_dv[None, :], (acc / l_safe[:, None]).to(O_PART.dtype.element_ty),
+                     mask=r_ok[:, None] & (offs_dv < DV)[None, :])
+            tl.store(LSE2_PART + row_p, tl.where(has_key, m_safe + tl.log2(l_safe), float("-inf")), mask=r_ok)
+
+
+@triton.jit
+def selected_combine_kernel(O_PART, LSE2_PART, BLOCKS, O, LSE, num_rows, H: tl.constexpr, G: tl.constexpr,
+                            DV: tl.constexpr, BLOCK_DV: tl.constexpr, N_SELECT: tl.constexpr, BLOCK_R: tl.constexpr):
+    """o[b, t, h] and lse from the n partials of (b, t, h); slots with block -1 hold nothing and are skipped."""
+    HPG: tl.constexpr = H // G
+    rows = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)  # (b * T + t) * H + hh
+    offs_dv = tl.arange(0, BLOCK_DV)
+    r_ok = rows < num_rows
+    bt = rows // H
+    hh = rows % H
+    slot0 = (bt * G + hh // HPG) * N_SELECT
+    head = hh % HPG
+    m = tl.full([BLOCK_R], float("-inf"), tl.float32)
+    for i in range(N_SELECT):
+        used = r_ok & (tl.load(BLOCKS + slot0 + i, mask=r_ok, other=-1) >= 0)
+        m = tl.maximum(m, tl.load(LSE2_PART + (slot0 + i) * HPG + head, mask=used, other=float("-inf")))
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    l_i = tl.zeros([BLOCK_R], tl.float32)
+    acc = tl.zeros([BLOCK_R, BLOCK_DV], tl.float32)
+    for i in range(N_SELECT):
+        used = r_ok & (tl.load(BLOCKS + slot0 + i, mask=r_ok, other=-1) >= 0)
+        row_p = (slot0 + i) * HPG + head
+        w = tl.exp2(tl.load(LSE2_PART + row_p, mask=used, other=float("-inf")) - m_safe)
+        part = tl.load(O_PART + row_p[:, None] * DV + offs_dv[None, :], mask=used[:, None] & (offs_dv < DV)[None, :],
+                       other=0.0)
+        acc += w[:, None] * part.to(tl.float32)
+        l_i += w
+    has_key = l_i > 0
+    l_safe = tl.where(has_key, l_i, 1.0)
+    tl.store(O + rows[:, None] * DV + offs_dv[None, :], (acc / l_safe[:, None]).to(O.dtype.element_ty),
+             mask=r_ok[:, None] & (offs_dv < DV)[None, :])
+    tl.store(LSE + rows, tl.where(has_key, (m_safe + tl.log2(l_safe)) / LOG2E, float("-inf")), mask=r_ok)
+
+
+@triton.jit
+def selected_block_bwd_kernel(Q, K, V, DO, LSE, DELTA, ORDER, STARTS, WORK_SEG, WORK_CHUNK, DK_ACC, DV_ACC, DQ_OUT,
+                              T, num_blocks, scale,
+                              H: tl.constexpr, G: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+                              BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, SEL_BLOCK: tl.constexpr,
+                              BLOCK_S: tl.constexpr, N_SELECT: tl.constexpr, ROWS: tl.constexpr,
+                              CHUNK: tl.constexpr, DQ_ATOMIC: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    HPG: tl.constexpr = H // G
+    ENTRIES: tl.constexpr = ROWS // HPG
+    seg, b, g, j, start, end = _work_item(WORK_SEG, WORK_CHUNK, STARTS, num_blocks, G, CHUNK)
+    if seg >= 0:
+        k, v, pos, s_ok, row_k = _block_kv(K, V, b, g, j, T, G, DK, DV, BLOCK_DK, BLOCK_DV, SEL_BLOCK, BLOCK_S)
+        offs_dk = tl.arange(0, BLOCK_DK)
+        offs_dv = tl.arange(0, BLOCK_DV)
+        qk_scale = scale * LOG2E
+        dk = tl.zeros([BLOCK_S, BLOCK_DK], tl.float32)
+        dv = tl.zeros([BLOCK_S, BLOCK_DV], tl.float32)
+        for e0 in range(start, end, ENTRIES):
+            r_ok, t, row_q, row_p = _chooser_rows(ORDER, e0, end, b, g, T, H, G, N_SELECT, ROWS)
+            q_ok = r_ok[:, None] & (offs_dk < DK)[None, :]
+            q = tl.load(Q + row_q[:, None] * DK + offs_dk[None, :], mask=q_ok, other=0.0)
+            do = tl.load(DO + row_q[:, None] * DV + offs_dv[None, :], mask=r_ok[:, None] & (offs_dv < DV)[None, :],
+                         other=0.0)
+            lse2 = tl.load(LSE + row_q, mask=r_ok, other=0.0) * LOG2E
+            lse2 = tl.where(lse2 == float("-inf"), 0.0, lse2)  # a query that sees no key: its p is masked anyway
+            delta = tl.load(DELTA + row_q, mask=r_ok, other=0.0)
+            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+            vis = r_ok[:, None] & s_ok[None, :] & (pos[None, :] <= t[:, None])
+            p = tl.where(vis, tl.exp2(s - lse2[:, None]), 0.0)
+            dv += tl.dot(tl.trans(p).to(do.dtype), do, input_precision=DOT_PRECISION)
+            dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
+            ds = p * (dp - delta[:, None])
+            dk += tl.dot(tl.trans(ds).to(q.dtype), q, input_precision=DOT_PRECISION)
+            dq = tl.dot(ds.to(k.dtype), k, input_precision=DOT_PRECISION) * scale
+            if DQ_ATOMIC:
+                tl.atomic_add(DQ_OUT + row_q[:, None] * DK + offs_dk[None, :], dq, mask=q_ok)
+            else:
+                tl.store(DQ_OUT + row_p[:, None] * DK + offs_dk[None, :], dq.to(DQ_OUT.dtype.element_ty), mask=q_ok)
+        dk = dk * scale
+        tl.atomic_add(DK_ACC + row_k[:, None] * DK + offs_dk[None, :], dk, mask=s_ok[:, None] & (offs_dk < DK)[None, :])
+        tl.atomic_add(DV_ACC + row_k[:, None] * DV + offs_dv[None, :], dv, mask=s_ok[:, None] & (offs_dv < DV)[None, :])
+
+
+@triton.jit
+def selected_dq_sum_kernel(DQ_PART, BLOCKS, DQ, num_rows, H: tl.constexpr, G: tl.constexpr, DK: tl.constexpr,
+                           BLOCK_DK: tl.constexpr, N_SELECT: tl.constexpr, BLOCK_R: tl.constexpr):
+    """dq[b, t, h] = the sum of its n slots' contributions (slots with block -1 hold nothing)."""
+    HPG: tl.constexpr = H // G
+    rows = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
+    offs_dk = tl.arange(0, BLOCK_DK)
+    r_ok = rows < num_rows
+    bt = rows // H
+    hh = rows % H
+    slot0 = (bt * G + hh // HPG) * N_SELECT
+    head = hh % HPG
+    acc = tl.zeros([BLOCK_R, BLOCK_DK], tl.float32)
+    for i in range(N_SELECT):
+        used = r_ok & (tl.load(BLOCKS + slot0 + i, mask=r_ok, other=-1) >= 0)
+        row_p = (slot0 + i) * HPG + head
+        acc += tl.load(DQ_PART + row_p[:, None] * DK + offs_dk[None, :], mask=used[:, None] & (offs_dk < DK)[None, :],
+                       other=0.0).to(tl.float32)
+    tl.store(DQ + rows[:, None] * DK + offs_dk[None, :], acc.to(DQ.dtype.element_ty),
+             mask=r_ok[:, None] & (offs_dk < DK)[None, :])
