@@ -296,16 +296,19 @@ def time_config(family, B, T, cfg, have_fla, sections=SECTIONS):
 
 
 # Selected fwd/dQ variants timed side by side in every run (LaunchConfig fields; dK/dV is shared).
-# (v4 also timed tiled with 128 rows: it lost to 64 everywhere.) by_block: per key block over its choosers,
-# partials + combine forward, one fused backward; its levers: partial precision, dQ by slot sums or atomics,
-# rows per step, choosers per program.
+# (v4 also timed tiled with 128 rows: it lost to 64 everywhere; v6a timed by_block with fp32 dQ atomics, 128 rows
+# and 1024-chooser chunks: all lost.) by_block: per key block over its choosers, partials + combine forward, one
+# fused backward; its levers: partial precision, pipeline stages, choosers per program. `_inv` = the v5 dK/dV
+# kernel (padded heads, inverted index) under the query-driven variants instead of the by_block one.
 SELECTED_VARIANTS = {"per_query": dict(slc_kernel="per_query"),
                      "tiled64": dict(slc_kernel="tiled", slc_tile_rows=64, slc_tile_warps=4),
+                     "tiled64_inv": dict(slc_kernel="tiled", slc_tile_rows=64, slc_dkdv="inverted"),
                      "by_block": dict(slc_kernel="by_block"),
-                     "by_block_lowp": dict(slc_kernel="by_block", slc_partial="input"),
-                     "by_block_atomic": dict(slc_kernel="by_block", slc_dq="atomic"),
-                     "by_block128": dict(slc_kernel="by_block", slc_block_rows=128, slc_block_warps=8),
-                     "by_block_c1k": dict(slc_kernel="by_block", slc_block_chunk=1024)}
+                     "by_block_fp32": dict(slc_kernel="by_block", slc_partial="fp32"),
+                     "by_block_s3": dict(slc_kernel="by_block", slc_block_stages=3),
+                     "by_block_s4": dict(slc_kernel="by_block", slc_block_stages=4),
+                     "by_block_c128": dict(slc_kernel="by_block", slc_block_chunk=128)}
+BY_BLOCK_MAX_HPG = 8  # by_block variants are timed for groups up to this size (v6a: 2x slower at 16 heads)
 
 
 def range_tiles(block_m, block_n, warps, stages):
@@ -391,6 +394,8 @@ def time_selected_variants(x, blocks, do, cfg, scale, nsa_fb, leaves):
         selections = {"random": blocks, "structured": structured_blocks(x, cfg, scale)}
     hpg = x["q"].shape[2] // x["k_slc"].shape[2]
     for label, variant in SELECTED_VARIANTS.items():
+        if variant["slc_kernel"] == "by_block" and hpg > BY_BLOCK_MAX_HPG:
+            continue
         launch = dataclasses.replace(ti.launch_config(), **variant)
         try:  # a variant that fails (e.g. partial buffers out of memory at the largest shapes) is recorded
             with ti.use_launch_config(launch):

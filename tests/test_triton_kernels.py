@@ -197,9 +197,11 @@ def test_bad_inputs_are_refused():
 
 
 SELECTED_VARIANTS = {
-    "per_query": dict(slc_kernel="per_query"),
-    "tiled16": dict(slc_kernel="tiled", slc_tile_rows=16),
-    "tiled64": dict(slc_kernel="tiled", slc_tile_rows=64),
+    "per_query": dict(slc_kernel="per_query", slc_dkdv="inverted"),
+    "tiled16": dict(slc_kernel="tiled", slc_tile_rows=16, slc_dkdv="inverted"),
+    # dK/dV of the query-driven variants by the by_block kernel (no dQ), 2 choosers of 6 heads per 16 rows
+    "tiled64_dkdv_by_block": dict(slc_kernel="tiled", slc_tile_rows=64, slc_dkdv="by_block", slc_block_rows=16,
+                                  slc_block_chunk=8),
     # 16 rows hold 2 choosers of 6 heads (4 rows idle); chunks of 8 choosers split the busy blocks over programs
     "by_block16_partial": dict(slc_kernel="by_block", slc_block_rows=16, slc_block_chunk=8),
     "by_block64_atomic": dict(slc_kernel="by_block", slc_block_rows=64, slc_block_chunk=16, slc_dq="atomic"),

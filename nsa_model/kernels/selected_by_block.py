@@ -16,9 +16,9 @@ combining reads n contiguous rows and needs no second index.
 
 Backward: one fused kernel per block slice computes dK and dV (accumulated over its choosers, then added once
 into float32 buffers; slices of one block meet there) and each chooser's dQ contribution ds @ K, either stored
-at the chooser's slot (DQ_ATOMIC = False; `selected_dq_sum_kernel` adds the n slots) or added atomically into a
-float32 dQ. P and dP are computed once, where the query-driven path computes them twice (dQ kernel, dK/dV
-kernel).
+at the chooser's slot (DQ_MODE 1; `selected_dq_sum_kernel` adds the n slots) or added atomically into a float32
+dQ (DQ_MODE 2). P and dP are computed once, where the query-driven path computes them twice (dQ kernel, dK/dV
+kernel). With DQ_MODE 0 it is the dK/dV kernel of the query-driven variants (slc_dkdv = "by_block").
 
 Work list: programs are (segment, chunk) pairs, a segment being the choosers of one (b, g, block) and a chunk
 CHUNK consecutive of them; WORK_SEG = -1 marks the spare programs of a static upper bound (no host sync).
@@ -153,7 +153,9 @@ def selected_block_bwd_kernel(Q, K, V, DO, LSE, DELTA, ORDER, STARTS, WORK_SEG, 
                               H: tl.constexpr, G: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
                               BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, SEL_BLOCK: tl.constexpr,
                               BLOCK_S: tl.constexpr, N_SELECT: tl.constexpr, ROWS: tl.constexpr,
-                              CHUNK: tl.constexpr, DQ_ATOMIC: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                              CHUNK: tl.constexpr, DQ_MODE: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """DQ_MODE: 0 no dQ (the query-driven variants compute it), 1 store each chooser's contribution at its slot
+    (DQ_OUT rows as the partials), 2 add it atomically into a float32 DQ_OUT [B, T, H, DK]."""
     HPG: tl.constexpr = H // G
     ENTRIES: tl.constexpr = ROWS // HPG
     seg, b, g, j, start, end = _work_item(WORK_SEG, WORK_CHUNK, STARTS, num_blocks, G, CHUNK)
@@ -180,11 +182,12 @@ def selected_block_bwd_kernel(Q, K, V, DO, LSE, DELTA, ORDER, STARTS, WORK_SEG, 
             dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
             ds = p * (dp - delta[:, None])
             dk += tl.dot(tl.trans(ds).to(q.dtype), q, input_precision=DOT_PRECISION)
-            dq = tl.dot(ds.to(k.dtype), k, input_precision=DOT_PRECISION) * scale
-            if DQ_ATOMIC:
-                tl.atomic_add(DQ_OUT + row_q[:, None] * DK + offs_dk[None, :], dq, mask=q_ok)
-            else:
+            if DQ_MODE == 1:
+                dq = tl.dot(ds.to(k.dtype), k, input_precision=DOT_PRECISION) * scale
                 tl.store(DQ_OUT + row_p[:, None] * DK + offs_dk[None, :], dq.to(DQ_OUT.dtype.element_ty), mask=q_ok)
+            elif DQ_MODE == 2:
+                dq = tl.dot(ds.to(k.dtype), k, input_precision=DOT_PRECISION) * scale
+                tl.atomic_add(DQ_OUT + row_q[:, None] * DK + offs_dk[None, :], dq, mask=q_ok)
         dk = dk * scale
         tl.atomic_add(DK_ACC + row_k[:, None] * DK + offs_dk[None, :], dk, mask=s_ok[:, None] & (offs_dk < DK)[None, :])
         tl.atomic_add(DV_ACC + row_k[:, None] * DV + offs_dv[None, :], dv, mask=s_ok[:, None] & (offs_dv < DV)[None, :])

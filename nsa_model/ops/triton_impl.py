@@ -40,6 +40,7 @@ SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 SELECTED_KERNELS = ("per_query", "tiled", "by_block", "auto")
 PARTIAL_DTYPES = ("fp32", "input")  # by_block: partial outputs and dQ contributions in float32 or the input dtype
 SELECTED_DQ = ("partial", "atomic")  # by_block dQ: per-slot contributions summed by a kernel, or fp32 atomics
+SELECTED_DKDV = ("inverted", "by_block")  # dK/dV of per_query/tiled: padded-heads kernel, or the by_block one
 GATE_KERNELS = ("torch", "fused")  # gated combination: eager PyTorch ops, or one Triton kernel each way
 RANGE_KERNELS = ("masked", "split")  # compressed/window: every tile masked (v4), or only the edge tiles (v5)
 DELTA_KERNELS = ("torch", "fused")  # backward row term sum(do * o): eager fp32 ops, or one Triton kernel
@@ -65,12 +66,14 @@ class LaunchConfig:
     dkdv_chunk: int = 256  # choosers of one block handled by one program
     dkdv_warps: int = 4
     slc_kernel: str = "auto"  # one of SELECTED_KERNELS
-    slc_auto_max_hpg: int = 8  # auto: by_block for groups of at most this many heads, tiled for larger ones
+    slc_auto_max_hpg: int = 8  # auto: by_block for groups of at most this many heads, query-driven for larger ones
     slc_block_rows: int = 64  # by_block: matrix rows (choosers x heads, unpadded) per step
     slc_block_chunk: int = 256  # by_block: choosers of one block handled by one program
     slc_block_warps: int = 4
-    slc_partial: str = "fp32"  # one of PARTIAL_DTYPES
+    slc_block_stages: int = 2
+    slc_partial: str = "input"  # one of PARTIAL_DTYPES
     slc_dq: str = "partial"  # one of SELECTED_DQ
+    slc_dkdv: str = "by_block"  # one of SELECTED_DKDV
     slc_tile_rows: int = 64  # rows (queries x padded heads) of one program of the tiled selected kernels
     slc_tile_warps: int = 4
     gate_kernel: str = "fused"  # one of GATE_KERNELS
@@ -81,7 +84,7 @@ class LaunchConfig:
     def __post_init__(self) -> None:
         choices = {"slc_kernel": SELECTED_KERNELS, "gate_kernel": GATE_KERNELS, "range_kernel": RANGE_KERNELS,
                    "delta_kernel": DELTA_KERNELS, "window_dkdv": WINDOW_DKDV, "slc_partial": PARTIAL_DTYPES,
-                   "slc_dq": SELECTED_DQ}
+                   "slc_dq": SELECTED_DQ, "slc_dkdv": SELECTED_DKDV}
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise ValueError(f"LaunchConfig.{name}: must be one of {allowed}, got {getattr(self, name)!r}")
@@ -321,12 +324,21 @@ def _selected_tile(hpg: int) -> tuple[int, int]:
     return heads_pad, max(1, _config.slc_tile_rows // heads_pad)
 
 
-def selected_kernel(hpg: int, config: LaunchConfig | None = None) -> str:
-    """The selected-branch variant that runs for groups of hpg heads under config (auto resolved)."""
+def selected_kernel(hpg: int, num_blocks: int, n: int, config: LaunchConfig | None = None) -> str:
+    """The selected-branch variant that runs under config (auto resolved from static shapes, no host sync).
+
+    auto (bench/results/kernels-notes.md, v6): while a sequence has at most 2n blocks, a tile of neighbouring
+    queries chooses about n distinct blocks and `tiled` loads each once per tile; with more blocks, choices
+    spread (random inputs: unions of 3-6 n per tile) and small groups go `by_block`; large groups fill the
+    matrix rows per query already and go `tiled` up to 8n blocks, `per_query` beyond."""
     config = config or _config
     if config.slc_kernel != "auto":
         return config.slc_kernel
-    return "by_block" if hpg <= config.slc_auto_max_hpg else "tiled"
+    if num_blocks <= 2 * n:
+        return "tiled"
+    if hpg <= config.slc_auto_max_hpg:
+        return "by_block"
+    return "tiled" if num_blocks <= 8 * n else "per_query"
 
 
 def block_work(blocks: torch.Tensor, num_blocks: int, chunk: int):
@@ -375,7 +387,7 @@ class _SelectedAttention(torch.autograd.Function):
         o = torch.empty(*q.shape[:3], v.shape[-1], dtype=q.dtype, device=q.device)
         lse = torch.empty(B, T, H, dtype=torch.float32, device=q.device)
         common = dict(H=H, G=G, SEL_BLOCK=sel_block, BLOCK_S=_pow2(sel_block), N_SELECT=n, **_head_dims(q, v))
-        kernel = selected_kernel(H // G)
+        kernel = selected_kernel(H // G, triton.cdiv(T, sel_block), n)
         index = ()
         if kernel == "by_block":
             index = _selected_by_block_fwd(q, k, v, blocks, o, lse, common, scale)
@@ -406,7 +418,8 @@ class _SelectedAttention(torch.autograd.Function):
         common = dict(H=H, G=G, SEL_BLOCK=sel_block, BLOCK_S=_pow2(sel_block), N_SELECT=n, **_head_dims(q, v))
         with use_launch_config(config):
             if kernel == "by_block":
-                return (*_selected_by_block_bwd(q, k, v, blocks, do, lse, delta, index, common, scale), None, None, None)
+                dq, dk, dv = _selected_by_block_bwd(q, k, v, blocks, do, lse, delta, index, common, scale)
+                return dq, dk, dv, None, None, None
             dq = torch.empty_like(q)
             if kernel == "tiled":
                 union, count = index
@@ -418,7 +431,11 @@ class _SelectedAttention(torch.autograd.Function):
             else:
                 selected_attn_bwd_dq_kernel[(T, B * G)](
                     q, k, v, blocks, do, lse, delta, dq, T, scale, HEADS_PAD=_pow2(hpg), **common, **_slc_launch())
-            dk, dv = _selected_dkdv(q, k, v, do, lse, delta, blocks, sel_block, scale)
+            if config.slc_dkdv == "by_block":
+                index = _by_block_index(blocks, sel_block, config)
+                _, dk, dv = _selected_by_block_bwd(q, k, v, blocks, do, lse, delta, index, common, scale, dq_mode=0)
+            else:
+                dk, dv = _selected_dkdv(q, k, v, do, lse, delta, blocks, sel_block, scale)
         return dq, dk, dv, None, None, None
 
 
@@ -428,14 +445,14 @@ def _selected_by_block_fwd(q, k, v, blocks, o, lse, common, scale):
     G, n, dv = k.shape[2], blocks.shape[-1], v.shape[-1]
     hpg, c = H // G, _config
     num_blocks = triton.cdiv(T, common["SEL_BLOCK"])
-    order, starts, work_seg, work_chunk = block_work(blocks, num_blocks, c.slc_block_chunk)
+    order, starts, work_seg, work_chunk = _by_block_index(blocks, common["SEL_BLOCK"], c)
     slots = B * T * G * n * hpg
     o_part = torch.empty(slots, dv, dtype=_partial_dtype(q, c), device=q.device)
     lse2_part = torch.empty(slots, dtype=torch.float32, device=q.device)
     selected_block_fwd_kernel[(work_seg.numel(),)](
         q, k, v, order, starts, work_seg, work_chunk, o_part, lse2_part, T, num_blocks, scale,
         ROWS=_block_rows(hpg, c), CHUNK=c.slc_block_chunk, **common, num_warps=c.slc_block_warps,
-        num_stages=c.slc_stages)
+        num_stages=c.slc_block_stages)
     rows = B * T * H
     selected_combine_kernel[(triton.cdiv(rows, _COMBINE_ROWS),)](
         o_part, lse2_part, blocks, o, lse, rows, H=H, G=G, DV=dv, BLOCK_DV=common["BLOCK_DV"], N_SELECT=n,
@@ -443,27 +460,36 @@ def _selected_by_block_fwd(q, k, v, blocks, o, lse, common, scale):
     return order, starts, work_seg, work_chunk
 
 
-def _selected_by_block_bwd(q, k, v, blocks, do, lse, delta, index, common, scale):
-    """dq, dk, dv of the by_block variant: one fused kernel over the blocks' choosers, then the dQ slot sum."""
+def _by_block_index(blocks, sel_block, config):
+    return block_work(blocks, triton.cdiv(blocks.shape[1], sel_block), config.slc_block_chunk)
+
+
+def _selected_by_block_bwd(q, k, v, blocks, do, lse, delta, index, common, scale, dq_mode=None):
+    """(dq or None, dk, dv) of the selected branch by key blocks: one fused kernel over the blocks' choosers, then
+    the dQ slot sum. dq_mode 0 computes dK/dV only (for the query-driven variants); None follows slc_dq."""
     order, starts, work_seg, work_chunk = index
     B, T, H, dk_dim = q.shape
     G, n = k.shape[2], blocks.shape[-1]
     hpg, c = H // G, _config
     num_blocks = triton.cdiv(T, common["SEL_BLOCK"])
+    if dq_mode is None:
+        dq_mode = 2 if c.slc_dq == "atomic" else 1
     dk_acc = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
     dv_acc = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
-    atomic = c.slc_dq == "atomic"
-    if atomic:
+    if dq_mode == 2:
         dq_out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-    else:
+    elif dq_mode == 1:
         dq_out = torch.empty(B * T * G * n * hpg, dk_dim, dtype=_partial_dtype(q, c), device=q.device)
+    else:
+        dq_out = dk_acc  # not touched
     selected_block_bwd_kernel[(work_seg.numel(),)](
         q, k, v, do, lse, delta, order, starts, work_seg, work_chunk, dk_acc, dv_acc, dq_out, T, num_blocks, scale,
-        ROWS=_block_rows(hpg, c), CHUNK=c.slc_block_chunk, DQ_ATOMIC=atomic, **common,
-        num_warps=c.slc_block_warps, num_stages=c.slc_stages)
-    if atomic:
+        ROWS=_block_rows(hpg, c), CHUNK=c.slc_block_chunk, DQ_MODE=dq_mode, **common,
+        num_warps=c.slc_block_warps, num_stages=c.slc_block_stages)
+    dq = None
+    if dq_mode == 2:
         dq = dq_out.to(q.dtype)
-    else:
+    elif dq_mode == 1:
         dq = torch.empty_like(q)
         rows = B * T * H
         selected_dq_sum_kernel[(triton.cdiv(rows, _COMBINE_ROWS),)](
