@@ -65,7 +65,10 @@ def _block_kv(K, V, b, g, j, T, G: tl.constexpr, DK: tl.constexpr, DV: tl.conste
 @triton.jit
 def _chooser_rows(ORDER, e0, end, b, g, T, H: tl.constexpr, G: tl.constexpr, N_SELECT: tl.constexpr,
                   ROWS: tl.constexpr):
-    """For rows (chooser e0 + r // HPG, head r % HPG): (row ok, query t, row in [B*T*H], row in the partials)."""
+    """For rows (chooser e0 + r // HPG, head r % HPG): (row ok, query t, row in [B*T*H], row in the partials).
+
+    Index arithmetic stays in int32 (ORDER is int32, so flat slots fit) with constexpr divisors, which compile to
+    multiply-shifts: a 64-bit division per row costs about as much as a step's matrix work."""
     HPG: tl.constexpr = H // G
     ENTRIES: tl.constexpr = ROWS // HPG
     offs_r = tl.arange(0, ROWS)
@@ -73,10 +76,11 @@ def _chooser_rows(ORDER, e0, end, b, g, T, H: tl.constexpr, G: tl.constexpr, N_S
     head = offs_r % HPG
     entry = e0 + slot
     r_ok = (slot < ENTRIES) & (entry < end)
-    flat = tl.load(ORDER + entry, mask=r_ok, other=0).to(tl.int64)  # ((b * T + t) * G + g) * N_SELECT + i
-    t = (flat // (G * N_SELECT)) % T
-    row_q = (b * T + t) * H + g * HPG + head
-    row_p = flat * HPG + head
+    flat = tl.load(ORDER + entry, mask=r_ok, other=0)  # ((b * T + t) * G + g) * N_SELECT + i, int32
+    bt = flat // (G * N_SELECT)
+    t = bt - b * T
+    row_q = bt.to(tl.int64) * H + (g * HPG + head)
+    row_p = flat.to(tl.int64) * HPG + head
     return r_ok, t, row_q, row_p
 
 

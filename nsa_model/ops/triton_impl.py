@@ -362,8 +362,10 @@ def block_work(blocks: torch.Tensor, num_blocks: int, chunk: int):
     seg_c = work_seg.clamp(max=num_segments - 1)
     work_chunk = work - (ends - chunks)[seg_c]
     work_seg = torch.where(work_seg < num_segments, work_seg, -1)
-    order = order.to(torch.int32) if order.numel() < 2 ** 31 else order
-    return order, starts, work_seg.to(torch.int32), work_chunk.to(torch.int32)
+    if order.numel() >= 2 ** 31:  # the kernels' int32 index arithmetic (kernels/selected_by_block.py)
+        raise ValueError(f"blocks: B*T*G*n = {order.numel()} slots exceed the by_block kernels' int32 index; use "
+                         "LaunchConfig(slc_kernel='tiled') or a smaller batch")
+    return order.to(torch.int32), starts, work_seg.to(torch.int32), work_chunk.to(torch.int32)
 
 
 def _block_rows(hpg: int, config: LaunchConfig) -> int:
