@@ -70,7 +70,7 @@ class LaunchConfig:
     slc_block_rows: int = 64  # by_block: matrix rows (choosers x heads, unpadded) per step
     slc_block_chunk: int = 256  # by_block: choosers of one block handled by one program
     slc_block_warps: int = 4
-    slc_block_stages: int = 2
+    slc_block_stages: int = 3  # v6c: 3 beat 2 at every 125M shape (4 ties 3)
     slc_partial: str = "input"  # one of PARTIAL_DTYPES
     slc_dq: str = "partial"  # one of SELECTED_DQ
     slc_dkdv: str = "by_block"  # one of SELECTED_DKDV
@@ -327,15 +327,14 @@ def _selected_tile(hpg: int) -> tuple[int, int]:
 def selected_kernel(hpg: int, num_blocks: int, n: int, config: LaunchConfig | None = None) -> str:
     """The selected-branch variant that runs under config (auto resolved from static shapes, no host sync).
 
-    auto (bench/results/kernels-notes.md, v6): while a sequence has at most 2n blocks, a tile of neighbouring
-    queries chooses about n distinct blocks and `tiled` loads each once per tile; with more blocks, choices
-    spread (random inputs: unions of 3-6 n per tile) and small groups go `by_block`; large groups fill the
-    matrix rows per query already and go `tiled` up to 8n blocks, `per_query` beyond."""
+    auto (bench/results/kernels-notes.md, v6): small groups (<= slc_auto_max_hpg heads) go `by_block`, which
+    fills the matrix rows with several choosers and loads each block once per slice of its choosers, whatever
+    the selections look like. Large groups fill the rows per query already: `tiled` while a sequence has at most
+    8n blocks (a tile of neighbouring queries then shares most of its blocks), `per_query` beyond (random
+    selections make a tile's union 3-6x n there)."""
     config = config or _config
     if config.slc_kernel != "auto":
         return config.slc_kernel
-    if num_blocks <= 2 * n:
-        return "tiled"
     if hpg <= config.slc_auto_max_hpg:
         return "by_block"
     return "tiled" if num_blocks <= 8 * n else "per_query"
