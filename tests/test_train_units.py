@@ -365,3 +365,24 @@ def test_mfu_is_model_flops_per_token_times_tokens_per_s_over_the_configured_pea
                                 model.flops_per_token(32), 1e-3, 0.5, guard, torch.device("cpu"), model, 2)
     assert "mfu" not in no_peak
 
+
+@pytest.mark.parametrize("log_checkpoints", [True, False])
+def test_checkpoints_are_copied_to_the_mlflow_run_only_when_asked(tmp_path, log_checkpoints):
+    """tracking.log_checkpoints: each checkpoint goes into the run's artifacts as checkpoints/step_<step>;
+    off (the default), the run holds only where they are (its ray_train_run_dir tag)."""
+    from mlflow.tracking import MlflowClient
+
+    from pipeline.tracking import RunLogger, TrackingConfig
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    client = MlflowClient(uri)
+    run_id = client.create_run(client.create_experiment("ckpt", artifact_location=(tmp_path / "art").as_uri())).info.run_id
+    cfg = TrackingConfig(tracking_uri=uri, system_metrics=False, log_checkpoints=log_checkpoints)
+    checkpoint = tmp_path / "checkpoint"
+    checkpoint.mkdir()
+    (checkpoint / ckpt.TRAIN_STATE).write_bytes(b"state")
+    logger = RunLogger(cfg, uri, run_id)
+    logger.log_checkpoint(str(checkpoint), 100)
+    logger.close()
+    logged = {a.path for a in client.list_artifacts(run_id, "checkpoints/step_00000100")}
+    assert logged == ({f"checkpoints/step_00000100/{ckpt.TRAIN_STATE}"} if log_checkpoints else set())
