@@ -237,3 +237,22 @@ def test_sweep_script_refuses_a_bad_config_before_starting():
     assert "config error: " in proc.stderr
     assert "TuneConfig.sel_block: must hold positive ints only, got 0" in proc.stderr
     assert "Ray" not in proc.stdout + proc.stderr  # refused before any cluster was started
+
+
+def test_prepared_data_folder_changes_with_what_selects_the_blocks(tmp_path):
+    """The sweep reuses <output_dir>/packed/<name> when it exists: a run on fewer files or other filters must not
+    land in (or read) the folder of the full data."""
+    from pipeline.data import DataConfig, default_packed_dir
+
+    base = DataConfig(tokenizer="bytes", output_dir=str(tmp_path))
+    full = default_packed_dir(base)
+    assert full.name.endswith("-L256-v0.05-s0")  # the default data keeps its name (folders prepared before)
+    others = [base.replace(**change) for change in (
+        {"max_files": 1}, {"min_int_score": 3}, {"min_language_score": 0.9}, {"max_doc_chars": 1000},
+        {"eos_token": "<eos>"}, {"text_column": "body"}, {"seq_len": 128}, {"val_fraction": 0.1},
+        {"shuffle_seed": 1})]
+    names = {default_packed_dir(c) for c in others}
+    assert full not in names and len(names) == len(others)
+    assert default_packed_dir(base.replace(shard_blocks=8, read_batch_rows=7)) == full  # layout only
+    a, b = (default_packed_dir(base.replace(source=f"/data/{d}/train.parquet")) for d in ("a", "b"))
+    assert a != b  # same file name, other data
