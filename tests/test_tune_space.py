@@ -256,3 +256,24 @@ def test_prepared_data_folder_changes_with_what_selects_the_blocks(tmp_path):
     assert default_packed_dir(base.replace(shard_blocks=8, read_batch_rows=7)) == full  # layout only
     a, b = (default_packed_dir(base.replace(source=f"/data/{d}/train.parquet")) for d in ("a", "b"))
     assert a != b  # same file name, other data
+
+
+
+@pytest.mark.parametrize("search", ["grid", "random"])
+def test_search_space_holds_only_the_valid_settings(search):
+    """Tune's own variant expansion of the space: the grid gives each valid setting once per sample; random search
+    draws num_samples of them, never a refused one."""
+    from ray.tune.search.variant_generator import generate_variants
+
+    from pipeline.tune import param_space
+
+    cfg = TuneConfig(sel_block=(8, 12, 16, 32), n_selected=(2, 4, 8), search=search,
+                     num_samples=2 if search == "grid" else 12)
+    valid, rejected = split_valid(candidate_settings(cfg), get_preset("tiny"))
+    assert len(valid) == 4 and len(rejected) == 8
+    space = param_space(cfg, valid)
+    drawn = [variant["nsa"] for _ in range(cfg.num_samples) for _, variant in generate_variants(space)]
+    if search == "grid":
+        assert drawn == valid * 2
+    else:
+        assert len(drawn) == 12 and all(d in valid for d in drawn) and len({str(d) for d in drawn}) > 1
