@@ -386,3 +386,15 @@ def test_checkpoints_are_copied_to_the_mlflow_run_only_when_asked(tmp_path, log_
     logger.close()
     logged = {a.path for a in client.list_artifacts(run_id, "checkpoints/step_00000100")}
     assert logged == ({f"checkpoints/step_00000100/{ckpt.TRAIN_STATE}"} if log_checkpoints else set())
+
+
+def test_tracking_uri_from_config_then_environment_then_local_sqlite(tmp_path, monkeypatch):
+    """Cluster jobs get the team server's URI from MLFLOW_TRACKING_URI (runtime env, KubeRay ConfigMap); an explicit
+    tracking.tracking_uri wins; with neither, the local sqlite store under data.output_dir."""
+    from pipeline.tracking import TrackingConfig, resolve_tracking_uri
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    assert resolve_tracking_uri(TrackingConfig(), str(tmp_path)) == f"sqlite:///{tmp_path.resolve() / 'mlflow.db'}"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://mlflow.internal:5000")
+    assert resolve_tracking_uri(TrackingConfig(), str(tmp_path)) == "http://mlflow.internal:5000"
+    assert resolve_tracking_uri(TrackingConfig(tracking_uri="sqlite:///x.db"), str(tmp_path)) == "sqlite:///x.db"
