@@ -4,9 +4,10 @@
     python cluster/request_capacity.py --release
 
 Why: an autoscaling cluster starts with its head only. Anything that sizes itself from what the cluster
-has *now* (a preflight comparing GPUs asked with GPUs present, Tune's concurrency from
-ray.cluster_resources()) sees no GPUs until nodes are up. Requesting the capacity first makes the nodes
-come up; the job then finds them. The request stays in force (the nodes are kept) until --release,
+has *now* (Tune's concurrency from ray.cluster_resources() where the autoscaler reports no maximum) sees
+no GPUs until nodes are up. Requesting the capacity first makes the nodes come up; the job then finds
+them. (A training job needs no such step: on a joined cluster its preflight does not count GPUs, and Ray
+Train's worker group waits for the nodes the autoscaler adds.) The request stays in force (the nodes are kept) until --release,
 after which idle nodes go away after the cluster's idle timeout.
 
 Joins the cluster named by RAY_ADDRESS (or the submitted job's); never starts one.

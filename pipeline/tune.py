@@ -580,6 +580,15 @@ def _open_parent_run(job, experiment_dir: str, tracking_uri: str, settings: list
                     run_dir=experiment_dir, default_run_name=job.tune.name, params=params, artifacts={})
 
 
+def param_space(tune_cfg: TuneConfig, settings: list[dict[str, int]]) -> dict[str, Any]:
+    """Tune's search space over the valid settings: every one (grid, num_samples times) or num_samples draws."""
+    from ray import tune
+
+    if tune_cfg.search == "grid":
+        return {"nsa": tune.grid_search(settings)}
+    return {"nsa": tune.choice(settings)}
+
+
 def _build_tuner(plan: SweepPlan, settings: list[dict[str, int]], concurrency: int):
     from ray import tune
     from ray.tune.schedulers import ASHAScheduler, FIFOScheduler
@@ -591,10 +600,7 @@ def _build_tuner(plan: SweepPlan, settings: list[dict[str, int]], concurrency: i
         log.info("sweep: resuming %s", plan.experiment_dir)
         return tune.Tuner.restore(plan.experiment_dir, trainable=trainable, resume_unfinished=True,
                                   resume_errored=True)
-    if tune_cfg.search == "grid":
-        space = {"nsa": tune.grid_search(settings)}
-    else:
-        space = {"nsa": tune.choice(settings)}
+    space = param_space(tune_cfg, settings)
     scheduler = (ASHAScheduler(time_attr="step", max_t=plan.max_steps, grace_period=tune_cfg.grace_period,
                                reduction_factor=tune_cfg.reduction_factor)
                  if tune_cfg.scheduler == "asha" else FIFOScheduler())

@@ -1,8 +1,10 @@
 """jobs/pretrain.py end to end: as a script (its own local Ray cluster, streaming data), through
-`ray job submit` to a head node this test starts on loopback, and its refusal of a bad config."""
+`ray job submit` to a head node this module starts on loopback, and its refusal of a bad config; and jobs/sweep.py
+through `ray job submit` to the same head."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -88,9 +90,16 @@ def free_ports(n: int) -> list[int]:
     return ports
 
 
-@pytest.fixture
-def ray_head(tmp_path, monkeypatch):
-    """`ray start --head` on loopback with its own ports and temp dir; stopped (only it) at the end."""
+@pytest.fixture(scope="module")
+def ray_head(tmp_path_factory):
+    """`ray start --head` on loopback with its own ports and temp dir, shared by this module's submissions;
+    stopped (only it) at the end."""
+    tmp_path = tmp_path_factory.mktemp("head")
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        yield from _ray_head(tmp_path, monkeypatch)
+
+
+def _ray_head(tmp_path, monkeypatch):
     gcs, dash, client, agent_http, agent_grpc, metrics, node_mgr, obj_mgr, rt_env = free_ports(9)
     temp_dir = Path("/tmp") / f"rt-{uuid.uuid4().hex[:8]}"  # short: Ray's socket paths have a length limit
     cmd = ["ray", "start", "--head", "--block", f"--port={gcs}", "--node-ip-address=127.0.0.1", "--num-cpus=2",
@@ -151,3 +160,44 @@ def test_ray_job_submit_runs_pretrain_on_a_started_head(ray_head, tmp_path):
     run = finished_run(f"sqlite:///{tmp_path / 'mlflow.db'}")
     assert run.data.params["train.run_name"] == "submitted"
     assert (tmp_path / "ray_results" / "submitted" / "checkpoint_step_00000004" / "train_state.pt").exists()
+
+
+def test_ray_job_submit_runs_a_sweep_on_a_started_head(ray_head, tmp_path):
+    """jobs/sweep.py under `ray job submit`: it joins the head, sizes its concurrency from a joined cluster, and
+    leaves its MLflow parent and child runs where the (absolute) config paths say. One trial of 2 steps: the
+    sweep's own logic is tested in tests/test_tune_sweep.py; this is the submission path only."""
+    from mlflow.tracking import MlflowClient
+    from ray.job_submission import JobStatus, JobSubmissionClient
+
+    from test_tune_support import OVERRIDES
+
+    sets = [*OVERRIDES, "tune.sel_block=[16]", "tune.n_selected=[4]", "tune.scheduler=fifo",
+            "tune.token_budget=1024", "train.checkpoint_every=0",  # 1 trial of 2 steps
+            "tune.name=submitted", f"tune.storage_path={tmp_path / 'ray'}",
+            f"tracking.tracking_uri=sqlite:///{tmp_path / 'mlflow.db'}", f"data.output_dir={REPO / 'outputs'}"]
+    submission_id = f"sweep-{uuid.uuid4().hex[:8]}"
+    submit = subprocess.run(
+        ["ray", "job", "submit", "--address", ray_head, "--submission-id", submission_id, "--no-wait",
+         "--working-dir", ".", "--", "python", "jobs/sweep.py", *(a for s in sets for a in ("--set", s))],
+        cwd=REPO, env=cluster_env(), capture_output=True, text=True, timeout=300)
+    assert submit.returncode == 0, submit.stdout + submit.stderr
+    client = JobSubmissionClient(ray_head)
+    deadline = time.time() + 600
+    while (status := client.get_job_status(submission_id)) not in {JobStatus.SUCCEEDED, JobStatus.FAILED,
+                                                                    JobStatus.STOPPED}:
+        assert time.time() < deadline, "job did not finish in time"
+        time.sleep(3)
+    logs = client.get_job_logs(submission_id)
+    assert status == JobStatus.SUCCEEDED, logs[-4000:]
+    assert "sweep: joined the Ray cluster" in logs
+    assert "1 trial(s) at a time: the joined cluster has 2 CPU now and a trial needs 1.1 CPU" in logs
+    assert "sweep submitted: 1 trials, 0 settings refused" in logs
+    mlflow = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    parent = mlflow.get_run(json.loads((tmp_path / "ray" / "submitted" / "mlflow_run.json").read_text())["run_id"])
+    assert parent.info.status == "FINISHED" and f"MLflow parent run: {parent.info.run_id}" in logs
+    assert {a.path for a in mlflow.list_artifacts(parent.info.run_id)} >= {"summary.csv", "pareto.png"}
+    (child,) = mlflow.search_runs([parent.info.experiment_id],
+                                  filter_string=f"tags.mlflow.parentRunId = '{parent.info.run_id}'")
+    assert (child.data.params["nsa.sel_block"], child.data.params["nsa.n_selected"], child.info.status) == (
+        "16", "4", "FINISHED")
+    assert {m.step for m in mlflow.get_metric_history(child.info.run_id, "train_loss")} == {1, 2}

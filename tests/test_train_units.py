@@ -332,3 +332,69 @@ def test_validation_reads_its_blocks_once_and_closes_the_stream():
     model = Transformer(get_preset("tiny").replace(vocab_size=16, n_layers=1))
     first = _validate(model, contextlib.nullcontext(), held, torch.device("cpu"))
     assert first == _validate(model, contextlib.nullcontext(), held, torch.device("cpu")) and math.isfinite(first)
+
+
+def test_adamw_is_fused_on_gpu_with_decoupled_decay_groups():
+    """The GPU run's optimizer is the fused AdamW kernel (built here on CPU tensors: torch checks the flag, not the
+    device, until the first step); CPU runs keep the default implementation."""
+    cfg = TrainConfig(num_workers=1, global_batch=4, micro_batch=4, max_steps=10, warmup_steps=2, weight_decay=0.1)
+    gpu = build_optimizer(small_model(), cfg, torch.device("cuda"))
+    cpu = build_optimizer(small_model(), cfg, torch.device("cpu"))
+    assert isinstance(gpu, torch.optim.AdamW) and gpu.defaults["fused"] is True
+    assert not cpu.defaults["fused"]
+    assert [g["weight_decay"] for g in gpu.param_groups] == [0.1, 0.0]
+    assert gpu.defaults["betas"] == (cfg.beta1, cfg.beta2) and gpu.defaults["eps"] == cfg.eps
+
+
+def test_mfu_is_model_flops_per_token_times_tokens_per_s_over_the_configured_peak():
+    from pipeline.train.loop import Interval, _interval_metrics
+
+    model = Transformer(get_preset("tiny").replace(vocab_size=64, n_layers=1, max_seq_len=32))
+    iv = Interval(start=time.perf_counter() - 2.0)  # 2 s ago
+    for _ in range(4):
+        iv.add(3.0, True, 0.1, 0.4)
+    guard = NonFiniteGuard(3)
+    t = TrainConfig(num_workers=2, global_batch=8, micro_batch=4, max_steps=10, warmup_steps=2,
+                    peak_tflops_per_device=1e-6)
+    m = _interval_metrics(iv, t, 4, 8 * 32, model.flops_per_token(32), 1e-3, 0.5, guard, torch.device("cpu"), model, 2)
+    assert m["tokens_per_s"] == pytest.approx(4 * 8 * 32 / 2.0, rel=0.05)
+    assert m["mfu"] == pytest.approx(model.flops_per_token(32) * m["tokens_per_s"] / (1e-6 * 1e12 * 2))
+    assert m["data_wait_s"] == pytest.approx(0.1) and m["compute_s"] == pytest.approx(0.4)
+    assert {"nsa/gate_cmp", "nsa/gate_slc", "nsa/gate_win", "nsa/sel_blocks", "nsa/sel_distance"} <= set(m)
+    no_peak = _interval_metrics(iv, dataclasses.replace(t, peak_tflops_per_device=None), 4, 8 * 32,
+                                model.flops_per_token(32), 1e-3, 0.5, guard, torch.device("cpu"), model, 2)
+    assert "mfu" not in no_peak
+
+
+@pytest.mark.parametrize("log_checkpoints", [True, False])
+def test_checkpoints_are_copied_to_the_mlflow_run_only_when_asked(tmp_path, log_checkpoints):
+    """tracking.log_checkpoints: each checkpoint goes into the run's artifacts as checkpoints/step_<step>;
+    off (the default), the run holds only where they are (its ray_train_run_dir tag)."""
+    from mlflow.tracking import MlflowClient
+
+    from pipeline.tracking import RunLogger, TrackingConfig
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    client = MlflowClient(uri)
+    run_id = client.create_run(client.create_experiment("ckpt", artifact_location=(tmp_path / "art").as_uri())).info.run_id
+    cfg = TrackingConfig(tracking_uri=uri, system_metrics=False, log_checkpoints=log_checkpoints)
+    checkpoint = tmp_path / "checkpoint"
+    checkpoint.mkdir()
+    (checkpoint / ckpt.TRAIN_STATE).write_bytes(b"state")
+    logger = RunLogger(cfg, uri, run_id)
+    logger.log_checkpoint(str(checkpoint), 100)
+    logger.close()
+    logged = {a.path for a in client.list_artifacts(run_id, "checkpoints/step_00000100")}
+    assert logged == ({f"checkpoints/step_00000100/{ckpt.TRAIN_STATE}"} if log_checkpoints else set())
+
+
+def test_tracking_uri_from_config_then_environment_then_local_sqlite(tmp_path, monkeypatch):
+    """Cluster jobs get the team server's URI from MLFLOW_TRACKING_URI (runtime env, KubeRay ConfigMap); an explicit
+    tracking.tracking_uri wins; with neither, the local sqlite store under data.output_dir."""
+    from pipeline.tracking import TrackingConfig, resolve_tracking_uri
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    assert resolve_tracking_uri(TrackingConfig(), str(tmp_path)) == f"sqlite:///{tmp_path.resolve() / 'mlflow.db'}"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://mlflow.internal:5000")
+    assert resolve_tracking_uri(TrackingConfig(), str(tmp_path)) == "http://mlflow.internal:5000"
+    assert resolve_tracking_uri(TrackingConfig(tracking_uri="sqlite:///x.db"), str(tmp_path)) == "sqlite:///x.db"

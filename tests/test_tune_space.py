@@ -237,3 +237,43 @@ def test_sweep_script_refuses_a_bad_config_before_starting():
     assert "config error: " in proc.stderr
     assert "TuneConfig.sel_block: must hold positive ints only, got 0" in proc.stderr
     assert "Ray" not in proc.stdout + proc.stderr  # refused before any cluster was started
+
+
+def test_prepared_data_folder_changes_with_what_selects_the_blocks(tmp_path):
+    """The sweep reuses <output_dir>/packed/<name> when it exists: a run on fewer files or other filters must not
+    land in (or read) the folder of the full data."""
+    from pipeline.data import DataConfig, default_packed_dir
+
+    base = DataConfig(tokenizer="bytes", output_dir=str(tmp_path))
+    full = default_packed_dir(base)
+    assert full.name.endswith("-L256-v0.05-s0")  # the default data keeps its name (folders prepared before)
+    others = [base.replace(**change) for change in (
+        {"max_files": 1}, {"min_int_score": 3}, {"min_language_score": 0.9}, {"max_doc_chars": 1000},
+        {"eos_token": "<eos>"}, {"text_column": "body"}, {"seq_len": 128}, {"val_fraction": 0.1},
+        {"shuffle_seed": 1})]
+    names = {default_packed_dir(c) for c in others}
+    assert full not in names and len(names) == len(others)
+    assert default_packed_dir(base.replace(shard_blocks=8, read_batch_rows=7)) == full  # layout only
+    a, b = (default_packed_dir(base.replace(source=f"/data/{d}/train.parquet")) for d in ("a", "b"))
+    assert a != b  # same file name, other data
+
+
+
+@pytest.mark.parametrize("search", ["grid", "random"])
+def test_search_space_holds_only_the_valid_settings(search):
+    """Tune's own variant expansion of the space: the grid gives each valid setting once per sample; random search
+    draws num_samples of them, never a refused one."""
+    from ray.tune.search.variant_generator import generate_variants
+
+    from pipeline.tune import param_space
+
+    cfg = TuneConfig(sel_block=(8, 12, 16, 32), n_selected=(2, 4, 8), search=search,
+                     num_samples=2 if search == "grid" else 12)
+    valid, rejected = split_valid(candidate_settings(cfg), get_preset("tiny"))
+    assert len(valid) == 4 and len(rejected) == 8
+    space = param_space(cfg, valid)
+    drawn = [variant["nsa"] for _ in range(cfg.num_samples) for _, variant in generate_variants(space)]
+    if search == "grid":
+        assert drawn == valid * 2
+    else:
+        assert len(drawn) == 12 and all(d in valid for d in drawn) and len({str(d) for d in drawn}) > 1

@@ -33,14 +33,30 @@ MANIFEST = "manifest.json"
 FORMAT_VERSION = 1
 
 
+# DataConfig fields that change which blocks are made, beyond those the folder name spells out (source name,
+# tokenizer, seq_len, val_fraction, shuffle_seed): when any differs from its default, a hash of them is appended,
+# so that prepared data of another selection (e.g. max_files=1) is never reused in its place.
+_CONTENT_FIELDS = ("eos_token", "min_int_score", "min_language_score", "max_doc_chars", "max_files",
+                   "text_column", "id_column")
+
+
 def default_packed_dir(cfg: DataConfig) -> Path:
-    """outputs/packed/<source>-<tokenizer hash>-L<seq_len>-v<val_fraction>-s<seed>."""
+    """outputs/packed/<source>-<tokenizer hash>-L<seq_len>-v<val_fraction>-s<seed>[-d<hash of the rest>]."""
+    import dataclasses
+    import hashlib
+
     source = cfg.source.rstrip("/").split("/")[-1].replace(".parquet", "") or "source"
     if cfg.source == EMBEDDED and cfg.embedded_scope != "stdlib":
         source = f"{source}-{cfg.embedded_scope}"
     sha = load_tokenizer(cfg).sha256[:10]
-    return (Path(cfg.output_dir).resolve() / "packed"
-            / f"{source}-{sha}-L{cfg.seq_len}-v{cfg.val_fraction:g}-s{cfg.shuffle_seed}")
+    name = f"{source}-{sha}-L{cfg.seq_len}-v{cfg.val_fraction:g}-s{cfg.shuffle_seed}"
+    defaults = {f.name: f.default for f in dataclasses.fields(DataConfig)}
+    rest = {k: getattr(cfg, k) for k in _CONTENT_FIELDS if getattr(cfg, k) != defaults[k]}
+    if cfg.source != EMBEDDED:
+        rest["source"] = cfg.source  # two sources with the same last path component are not the same data
+    if rest:
+        name += "-d" + hashlib.sha256(json.dumps(rest, sort_keys=True).encode()).hexdigest()[:8]
+    return Path(cfg.output_dir).resolve() / "packed" / name
 
 
 def prepare_blocks(cfg: DataConfig, out_dir: Path, *, progress: bool = True) -> dict:
