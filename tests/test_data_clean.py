@@ -145,3 +145,12 @@ def test_uri_source_without_its_filesystem_package_is_a_clear_error(monkeypatch)
     with pytest.raises(ValueError, match=r"DataConfig.source: reading 's3://bucket/fineweb' needs a filesystem "
                                          r"package that is not installed: .*s3fs"):
         list_source_files(DataConfig(source="s3://bucket/fineweb"))
+
+
+def test_only_the_needed_columns_are_read(tmp_path):
+    path = write_fineweb(tmp_path / "cols.parquet", fineweb_rows("cols", 5, seed=2))
+    cfg = DataConfig(source=str(path))
+    fs, files = list_source_files(cfg)
+    assert next(read_file_batches(fs, files[0], cfg)).schema.names == ["text", "id"]
+    cfg = cfg.replace(min_int_score=3, min_language_score=0.5)
+    assert next(read_file_batches(fs, files[0], cfg)).schema.names == ["text", "id", "int_score", "language_score"]
