@@ -108,3 +108,49 @@ def test_split_is_deterministic_disjoint_and_stable_when_files_are_added(tmp_pat
     write_fineweb(tmp_path / "part-new.parquet", fineweb_rows("new", 50, seed=9))
     after = val_texts()
     assert before and after > before  # old validation documents all still there, new ones added
+
+
+def test_fsspec_uri_source_reads_the_same_documents(tmp_path):
+    """A URI source goes through fsspec (s3://, gs://, ... are fsspec filesystems too): here its in-memory one."""
+    import uuid
+
+    import fsspec
+
+    local = write_corpus(tmp_path / "src", files=3, docs_per_file=20)
+    fs = fsspec.filesystem("memory")
+    root = f"/nsa-test-{uuid.uuid4().hex[:8]}/fineweb"
+    try:
+        for f in sorted(local.glob("*.parquet")):
+            fs.pipe(f"{root}/sub/{f.name}", f.read_bytes())
+        fs.pipe(f"{root}/README.md", b"not parquet")  # ignored: only .parquet files are read
+
+        def documents(cfg):
+            fs_, files = list_source_files(cfg)
+            texts = [t for p in files for b in read_file_batches(fs_, p, cfg) for t in clean_batch(b, cfg, "train",
+                                                                                                 DataStats())]
+            return files, texts
+
+        remote_files, remote = documents(DataConfig(source=f"memory://{root}", val_fraction=0.2, shuffle_seed=4))
+        local_files, expected = documents(DataConfig(source=str(local), val_fraction=0.2, shuffle_seed=4))
+        assert [p.rsplit("/", 1)[1] for p in remote_files] == [p.rsplit("/", 1)[1] for p in local_files]
+        assert all(p.startswith(f"{root}/sub/") for p in remote_files)
+        assert remote == expected and len(remote) > 40
+    finally:
+        fs.rm(root.split("/fineweb")[0], recursive=True)
+
+
+def test_uri_source_without_its_filesystem_package_is_a_clear_error(monkeypatch):
+    import sys
+    monkeypatch.setitem(sys.modules, "s3fs", None)  # as if s3fs were not installed (it is not a dependency)
+    with pytest.raises(ValueError, match=r"DataConfig.source: reading 's3://bucket/fineweb' needs a filesystem "
+                                         r"package that is not installed: .*s3fs"):
+        list_source_files(DataConfig(source="s3://bucket/fineweb"))
+
+
+def test_only_the_needed_columns_are_read(tmp_path):
+    path = write_fineweb(tmp_path / "cols.parquet", fineweb_rows("cols", 5, seed=2))
+    cfg = DataConfig(source=str(path))
+    fs, files = list_source_files(cfg)
+    assert next(read_file_batches(fs, files[0], cfg)).schema.names == ["text", "id"]
+    cfg = cfg.replace(min_int_score=3, min_language_score=0.5)
+    assert next(read_file_batches(fs, files[0], cfg)).schema.names == ["text", "id", "int_score", "language_score"]

@@ -58,8 +58,9 @@ def test_hf_name_not_available_offline_is_a_clear_error():
 
 
 def test_tiktoken_unavailable_is_a_clear_error():
-    with pytest.raises(ValueError, match="tiktoken"):
-        load_tokenizer(DataConfig(tokenizer="tiktoken:cl100k_base"))
+    # An encoding no plugin defines: nothing is fetched (a real name such as cl100k_base would go to the network).
+    with pytest.raises(ValueError, match="DataConfig.tokenizer: tiktoken encoding 'nsa_no_such_encoding' is not"):
+        load_tokenizer(DataConfig(tokenizer="tiktoken:nsa_no_such_encoding"))
 
 
 def test_eos_token_must_exist(bpe_path):
@@ -92,3 +93,73 @@ def test_tokenizer_training_stage_of_the_prepare_job(tmp_path):
     assert tok.vocab_size == 320 and tok.eos_id == 0
     text = "the sparse attention model"
     assert tok.decode(tok.encode_batch([text])[0]) == text
+
+
+TIKTOKEN_PLUGIN = '''
+"""A tiktoken encoding whose files are present locally (tiktoken_ext plugin, as tiktoken's own encodings are)."""
+import os
+
+from tiktoken.load import load_tiktoken_bpe
+
+def nsa_test_bpe():
+    ranks = load_tiktoken_bpe(os.path.join(os.path.dirname(__file__), "nsa_test_bpe.tiktoken"))
+    return {"name": "nsa_test_bpe", "mergeable_ranks": ranks, "special_tokens": {"<|endoftext|>": len(ranks)},
+            "pat_str": r"""'s|'t|'re|'ve|'m|'ll|'d| ?\\p{L}+| ?\\p{N}+| ?[^\\s\\p{L}\\p{N}]+|\\s+(?!\\S)|\\s+"""}
+
+ENCODING_CONSTRUCTORS = {"nsa_test_bpe": nsa_test_bpe}
+'''
+
+TIKTOKEN_CHECK = '''
+import json, sys
+from pipeline.data.config import DataConfig
+from pipeline.data.tokenizer import TiktokenTokenizer, load_tokenizer
+texts = json.loads(sys.argv[1])
+tok = load_tokenizer(DataConfig(tokenizer="tiktoken:nsa_test_bpe"))
+assert isinstance(tok, TiktokenTokenizer)
+ids = tok.encode_batch(texts)
+stream, lengths = tok.encode_docs(texts)
+try:
+    load_tokenizer(DataConfig(tokenizer="tiktoken:nsa_test_bpe", eos_token="<|nope|>"))
+    eos_error = None
+except ValueError as e:
+    eos_error = str(e)
+print(json.dumps({"name": tok.name, "vocab_size": tok.vocab_size, "eos_id": tok.eos_id, "sha256": tok.sha256,
+                  "ids": ids, "decoded": [tok._enc.decode(x) for x in ids], "stream": stream.tolist(),
+                  "lengths": lengths.tolist(), "eos_error": eos_error}))
+'''
+
+
+def test_tiktoken_encoding_with_its_files_present(tmp_path):
+    """tiktoken:<encoding> through tiktoken.get_encoding, with the encoding's BPE file on local disk (a plugin in
+    tiktoken_ext, the way tiktoken registers its own encodings; no network). Run in a fresh process so that
+    tiktoken's registry finds the plugin."""
+    import base64
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    merges = [b"th", b"he", b"the", b" t", b" the", b"in", b"ing", b"at", b"ion", b"io", b"on", b"en", b"an"]
+    tokens = [bytes([b]) for b in range(256)] + merges
+    plugin = tmp_path / "tiktoken_ext"
+    plugin.mkdir()
+    (plugin / "nsa_test_bpe.tiktoken").write_text(
+        "".join(f"{base64.b64encode(t).decode()} {rank}\n" for rank, t in enumerate(tokens)))
+    (plugin / "nsa_test_plugin.py").write_text(TIKTOKEN_PLUGIN)
+    repo = Path(__file__).resolve().parents[1]
+    env = {**os.environ,
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(tmp_path), str(repo), os.environ.get("PYTHONPATH")]))}
+    texts = ["the thing at the station", "", "Ünïcödé ✓ then"]
+    proc = subprocess.run([sys.executable, "-c", TIKTOKEN_CHECK, json.dumps(texts)], env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["name"] == "tiktoken:nsa_test_bpe" and out["vocab_size"] == len(tokens) + 1
+    assert out["eos_id"] == len(tokens) and len(out["sha256"]) == 64
+    assert out["decoded"] == texts  # byte-level: every string survives
+    assert len(out["ids"][0]) < len(texts[0].encode())  # the merges were used
+    assert all(out["eos_id"] not in x for x in out["ids"])  # no special token inside documents
+    assert out["stream"] == [t for x in out["ids"] for t in x + [out["eos_id"]]]
+    assert out["lengths"] == [len(x) for x in out["ids"]]
+    assert "DataConfig.eos_token" in out["eos_error"] and "<|nope|>" in out["eos_error"]

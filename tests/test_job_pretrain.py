@@ -70,6 +70,13 @@ def test_pretrain_script_end_to_end(tmp_path):
     assert "latest checkpoint: " + str(tmp_path / "ray_results" / "script" / "checkpoint_step_00000004") in out
     run = finished_run(f"sqlite:///{tmp_path / 'mlflow.db'}")
     assert f"MLflow run:        {run.info.run_id}" in out
+    # The streamed data's counts (documents read, dropped and altered by reason, tokens, blocks) are in MLflow.
+    from mlflow.tracking import MlflowClient
+
+    stats = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}").download_artifacts(run.info.run_id, "data_stats.json")
+    train = json.loads(Path(stats).read_text())["train"]
+    assert train["documents_read"] > 0 and train["blocks"] >= 4 * 4 and "dropped" in train and "altered" in train
+    assert train["document_tokens"] + train["eos_tokens"] >= train["blocks"] * (SEQ_LEN + 1)
 
 
 def test_pretrain_script_refuses_a_bad_config_before_starting():

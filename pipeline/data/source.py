@@ -29,7 +29,11 @@ def source_filesystem(cfg: DataConfig) -> tuple[fsspec.AbstractFileSystem, str]:
     if cfg.source.startswith("hf://"):
         return hub_filesystem(), cfg.source[len("hf://"):].rstrip("/")
     if "://" in cfg.source and not cfg.source.startswith("file://"):
-        return fsspec.core.url_to_fs(cfg.source)
+        try:
+            return fsspec.core.url_to_fs(cfg.source)
+        except ImportError as e:  # s3fs, gcsfs, adlfs, ...: fsspec's backends are separate packages
+            raise ValueError(f"DataConfig.source: reading {cfg.source!r} needs a filesystem package that is not "
+                             f"installed: {e}") from e
     return LocalFileSystem(), cfg.resolve_path(cfg.source.removeprefix("file://"))
 
 
