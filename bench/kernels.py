@@ -308,6 +308,9 @@ SELECTED_VARIANTS = {"per_query": dict(slc_kernel="per_query"),
                      "by_block_s3": dict(slc_kernel="by_block", slc_block_stages=3),
                      "by_block_s4": dict(slc_kernel="by_block", slc_block_stages=4),
                      "by_block_c128": dict(slc_kernel="by_block", slc_block_chunk=128)}
+# Selection (block importance + top-n): chunks of 16 * 2^splits blocks per pass over the query tiles.
+SELECT_VARIANTS = {"chunk16": dict(select_chunk_splits=0), "chunk32": dict(select_chunk_splits=1),
+                   "chunk64": dict(select_chunk_splits=2), "chunk32_w8": dict(select_chunk_splits=1, select_warps=8)}
 BY_BLOCK_MAX_HPG = 8  # by_block variants are timed for groups up to this size (v6a: 2x slower at 16 heads)
 
 
@@ -414,6 +417,17 @@ def time_selected_variants(x, blocks, do, cfg, scale, nsa_fb, leaves):
             traceback.print_exc()
             out[f"slc_error_{label}"] = repr(e)[:200]
             torch.cuda.empty_cache()
+    with torch.no_grad():
+        _, lse = ti.compressed_attention(x["q"], x["k_cmp"], x["v_cmp"], cfg, scale)
+    for label, variant in SELECT_VARIANTS.items():
+        try:
+            with ti.use_launch_config(dataclasses.replace(ti.launch_config(), **variant)):
+                same = torch.equal(ti.select_blocks(x["q"], x["k_cmp"], lse, cfg, scale), blocks)
+                out[f"select_{label}_ms"] = bench(lambda: ti.select_blocks(x["q"], x["k_cmp"], lse, cfg, scale))
+                out[f"select_{label}_same"] = same
+        except Exception as e:
+            traceback.print_exc()
+            out[f"select_error_{label}"] = repr(e)[:200]
     # gated combination: eager PyTorch vs the fused kernels, alone and inside the whole NSA
     outs = [torch.randn(do.shape, device=do.device, dtype=do.dtype, requires_grad=True) for _ in range(3)]
     gates = x["gates"]
@@ -528,6 +542,14 @@ def markdown(meta, checks, rows):
             lines.append(f"| {r['family']} | {r['B']} x {r['T']} | whole NSA | {times} | |")
             peaks = " | ".join(fmt(r.get(f"slc_peak_mib_{v}"), ".0f") for v in SELECTED_VARIANTS)
             lines.append(f"| {r['family']} | {r['B']} x {r['T']} | slc peak MiB | {peaks} | |")
+    if any("select_chunk16_ms" in r for r in rows):
+        lines += ["", "## Selection variants (fwd ms; same = identical blocks to the default's)", "",
+                  "| config | B x T | " + " | ".join(SELECT_VARIANTS) + " |", "|---|---|" + "---|" * len(SELECT_VARIANTS)]
+        for r in rows:
+            if "error" not in r:
+                cells = [f"{fmt(r.get(f'select_{v}_ms'))} ({'same' if r.get(f'select_{v}_same') else 'DIFFERENT'})"
+                         for v in SELECT_VARIANTS]
+                lines.append(f"| {r['family']} | {r['B']} x {r['T']} | " + " | ".join(cells) + " |")
     if any(k.startswith("range_") for r in rows for k in r):  # a section this run did not time is left out
         lines += ["", "## Range-branch variants (fwd+bwd ms: compressed / window / whole NSA)", "",
                   "| config | B x T | " + " | ".join(RANGE_VARIANTS) + " |", "|---|---|" + "---|" * len(RANGE_VARIANTS)]

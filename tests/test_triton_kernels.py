@@ -109,11 +109,13 @@ def test_nsa_matches_reference(case):
         assert rel_err(tri_in[name].grad, ref_in[name].grad) <= FP32_TOL, name
 
 
-def test_selection_across_chunks_matches_reference():
-    """More blocks than one 16-block chunk of the selection kernel: the running top-n merge and the carry of
-    compressed tokens that straddle a chunk boundary must give the reference's sets."""
+@pytest.mark.parametrize("chunk_splits", [0, 1, 2])
+def test_selection_across_chunks_matches_reference(chunk_splits):
+    """More blocks than one chunk of the selection kernel (8, 16 or 32 blocks: n_pad = 8 times 2^splits): the
+    running top-n merge, the halving of a chunk to its top n_pad, and the carry of compressed tokens that straddle
+    a chunk boundary must give the reference's sets."""
     cfg = NSAConfig(cmp_block=16, cmp_stride=8, sel_block=16, n_selected=5, window=16, n_init_blocks=2)
-    B, T, H, G, Dk = 1, 300, 2, 1, 16
+    B, T, H, G, Dk = 1, 560, 2, 1, 16
     inputs = make_inputs(B, T, H, G, Dk, Dk, cfg, seed=3)
     q, k_cmp, v_cmp = inputs["q"], inputs["k_cmp"], inputs["v_cmp"]
     scale = Dk ** -0.5
@@ -122,7 +124,8 @@ def test_selection_across_chunks_matches_reference():
     _, lse = triton_impl.compressed_attention(q.float().to(DEVICE), k_cmp.float().to(DEVICE),
                                               v_cmp.float().to(DEVICE), cfg, scale)
     assert rel_err(lse[:, cfg.cmp_block - 1:], lse_ref[:, cfg.cmp_block - 1:]) <= FP32_TOL
-    blocks = triton_impl.select_blocks(q.float().to(DEVICE), k_cmp.float().to(DEVICE), lse, cfg, scale)
+    with triton_impl.use_launch_config(triton_impl.LaunchConfig(select_chunk_splits=chunk_splits)):
+        blocks = triton_impl.select_blocks(q.float().to(DEVICE), k_cmp.float().to(DEVICE), lse, cfg, scale)
     assert same_block_sets(blocks, blocks_ref)
     # Invariant 4 directly: |S| = min(n, |C(t)|) and the forced blocks are in S.
     t = torch.arange(T)

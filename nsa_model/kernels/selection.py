@@ -1,7 +1,8 @@
 """Block importance (NSA_SPEC.md section 3) and top-n selection (section 4), fused in one pass.
 
-One program owns BLOCK_M queries of one (batch, kv group). It walks the selection blocks in chunks of N_PAD
-blocks; for each chunk it recomputes p_cmp = exp(s * q.k_cmp - lse) for the compressed tokens that start in the
+One program owns BLOCK_M queries of one (batch, kv group). It walks the selection blocks in chunks of
+CHUNK_BLOCKS = N_PAD * 2^CHUNK_SPLITS blocks (larger chunks reload the group's query tiles fewer times: the
+kernel is bound by those reloads at long T); for each chunk it recomputes p_cmp = exp(s * q.k_cmp - lse) for the compressed tokens that start in the
 chunk, summed over the group's heads, turns it into block importance with one small matmul against the overlap
 weights W (integers, computed from indices), and merges the chunk into a running top-N_PAD list. No T x Tc score
 or T x (T / l') importance ever reaches memory.
@@ -9,8 +10,9 @@ or T x (T / l') importance ever reaches memory.
 Ordering: each (query, block) gets one int64 key = (float bits of importance) << 32 | (2^31 - 1 - block), so a
 larger key means more important, and among equal importance the lower block index. Forced blocks get the bits of
 +inf (always chosen); non-candidates (block start after t) get key -1 (never chosen over a candidate, decoded to
--1). Merge of a running list sorted descending with a chunk sorted ascending: the elementwise maximum holds the
-top N_PAD of their union (a bitonic split), which one more sort orders again.
+-1). A chunk's keys sorted ascending are halved CHUNK_SPLITS times, keeping the upper half, down to its top
+N_PAD. Merge of a running list sorted descending with a chunk's top sorted ascending: the elementwise maximum
+holds the top N_PAD of their union (a bitonic split), which one more sort orders again.
 
 A compressed token that starts before the chunk overlaps at most the chunk's first block (l <= l'); its share
 is carried from the previous chunk (`carry`).
@@ -36,8 +38,8 @@ def select_blocks_kernel(Q, KC, LSE, BLOCKS, T, num_cmp, scale,
                          H: tl.constexpr, G: tl.constexpr, DK: tl.constexpr, BLOCK_DK: tl.constexpr,
                          CMP_BLOCK: tl.constexpr, CMP_STRIDE: tl.constexpr, SEL_BLOCK: tl.constexpr,
                          N_SELECT: tl.constexpr, N_INIT: tl.constexpr, N_LOCAL: tl.constexpr,
-                         BLOCK_M: tl.constexpr, N_PAD: tl.constexpr, TOK_PAD: tl.constexpr,
-                         DOT_PRECISION: tl.constexpr):
+                         BLOCK_M: tl.constexpr, N_PAD: tl.constexpr, CHUNK_SPLITS: tl.constexpr,
+                         TOK_PAD: tl.constexpr, DOT_PRECISION: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_bg = tl.program_id(1)
     b = pid_bg // G
@@ -45,13 +47,14 @@ def select_blocks_kernel(Q, KC, LSE, BLOCKS, T, num_cmp, scale,
     HPG: tl.constexpr = H // G
     PIECES_PER_TOKEN: tl.constexpr = CMP_BLOCK // CMP_STRIDE
     PIECES_PER_BLOCK: tl.constexpr = SEL_BLOCK // CMP_STRIDE
-    TOKENS_PER_CHUNK: tl.constexpr = N_PAD * PIECES_PER_BLOCK
+    CHUNK_BLOCKS: tl.constexpr = N_PAD * (1 << CHUNK_SPLITS)
+    TOKENS_PER_CHUNK: tl.constexpr = CHUNK_BLOCKS * PIECES_PER_BLOCK
 
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     m_ok = offs_m < T
     offs_dk = tl.arange(0, BLOCK_DK)
     offs_i = tl.arange(0, TOK_PAD)  # token within the chunk; token i starts at piece i (pieces are d long)
-    offs_j = tl.arange(0, N_PAD)  # block within the chunk
+    offs_j = tl.arange(0, CHUNK_BLOCKS)  # block within the chunk
     n_visible = tl.where(offs_m + 1 >= CMP_BLOCK, (offs_m + 1 - CMP_BLOCK) // CMP_STRIDE + 1, 0)  # Nc(t)
     current = offs_m // SEL_BLOCK
     t_last = tl.minimum(pid_m * BLOCK_M + BLOCK_M, T) - 1
@@ -60,12 +63,12 @@ def select_blocks_kernel(Q, KC, LSE, BLOCKS, T, num_cmp, scale,
     # Overlap weights are the same for every chunk (relative indices).
     weights = _overlap(offs_i[:, None], offs_j[None, :], PIECES_PER_TOKEN, PIECES_PER_BLOCK).to(tl.float32)
     weights = tl.where((offs_i < TOKENS_PER_CHUNK)[:, None], weights, 0.0)
-    carry_weights = _overlap(offs_i, N_PAD, PIECES_PER_TOKEN, PIECES_PER_BLOCK).to(tl.float32)
+    carry_weights = _overlap(offs_i, CHUNK_BLOCKS, PIECES_PER_TOKEN, PIECES_PER_BLOCK).to(tl.float32)
     carry_weights = tl.where(offs_i < TOKENS_PER_CHUNK, carry_weights, 0.0)
 
     top = tl.full([BLOCK_M, N_PAD], -1, tl.int64)
     carry = tl.zeros([BLOCK_M], tl.float32)
-    for j0 in range(0, num_candidates, N_PAD):
+    for j0 in range(0, num_candidates, CHUNK_BLOCKS):
         tok = j0 * PIECES_PER_BLOCK + offs_i
         tok_ok = (offs_i < TOKENS_PER_CHUNK) & (tok < num_cmp)
         row_k = (b * num_cmp + tok).to(tl.int64) * G + g
@@ -90,9 +93,14 @@ def select_blocks_kernel(Q, KC, LSE, BLOCKS, T, num_cmp, scale,
         bits = tl.where(forced, INF_BITS, imp.to(tl.int32, bitcast=True))
         key = (bits.to(tl.int64) << 32) | (INDEX_MAX - blk.to(tl.int64)[None, :])
         key = tl.where(cand, key, -1)
-        top = tl.sort(tl.maximum(top, tl.sort(key, dim=1)), dim=1, descending=True)
+        chunk_top = tl.sort(key, dim=1)
+        for i in tl.static_range(CHUNK_SPLITS):  # keep the upper (larger) half, still ascending
+            halves = tl.permute(tl.reshape(chunk_top, [BLOCK_M, 2, CHUNK_BLOCKS >> (i + 1)]), (0, 2, 1))
+            _, chunk_top = tl.split(halves)
+        top = tl.sort(tl.maximum(top, chunk_top), dim=1, descending=True)
 
     chosen = tl.where(top >= 0, (0 - (top & 0x7FFFFFFF)) + INDEX_MAX, -1).to(tl.int32)
     row_b = (b * T + offs_m).to(tl.int64) * G + g
-    tl.store(BLOCKS + row_b[:, None] * N_SELECT + offs_j[None, :], chosen,
-             mask=m_ok[:, None] & (offs_j < N_SELECT)[None, :])
+    offs_n = tl.arange(0, N_PAD)
+    tl.store(BLOCKS + row_b[:, None] * N_SELECT + offs_n[None, :], chosen,
+             mask=m_ok[:, None] & (offs_n < N_SELECT)[None, :])

@@ -52,6 +52,7 @@ class LaunchConfig:
     range_block_m: int = 64  # query tile of the compressed/window kernels (head dims > 64)
     range_block_n: int = 64  # key tile of the compressed/window kernels (head dims > 64)
     select_block_m: int = 64  # query tile of the selection kernel
+    select_chunk_splits: int = 0  # selection walks chunks of n_pad * 2**this blocks (see kernels/selection.py)
     range_warps: int = 4
     range_stages: int = 2
     range_block_m_d64: int = 64  # the same four for head dims <= 64, which leave registers for larger tiles
@@ -92,8 +93,9 @@ class LaunchConfig:
             if f.name in choices:
                 continue
             value = getattr(self, f.name)
-            if not isinstance(value, int) or value <= 0:
-                raise ValueError(f"LaunchConfig.{f.name}: must be a positive int, got {value!r}")
+            low = 0 if f.name == "select_chunk_splits" else 1
+            if not isinstance(value, int) or value < low:
+                raise ValueError(f"LaunchConfig.{f.name}: must be an int >= {low}, got {value!r}")
         for name in ("range_block_m", "range_block_n", "range_block_m_d64", "range_block_n_d64", "select_block_m",
                      "dkdv_rows", "slc_tile_rows", "slc_block_rows"):
             value = getattr(self, name)
@@ -274,13 +276,14 @@ def select_blocks(q, k_cmp, lse, cfg: NSAConfig, scale: float):
     num_cmp, G = k_cmp.shape[1], k_cmp.shape[2]
     n = cfg.n_selected
     n_pad = _pow2(n)
+    splits = _config.select_chunk_splits
     blocks = torch.empty(B, T, G, n, dtype=torch.int32, device=q.device)
     bm = _config.select_block_m
     select_blocks_kernel[(triton.cdiv(T, bm), B * G)](
         q, k_cmp, lse, blocks, T, num_cmp, scale, H=H, G=G, DK=q.shape[-1], BLOCK_DK=_pow2(q.shape[-1]),
         CMP_BLOCK=cfg.cmp_block, CMP_STRIDE=cfg.cmp_stride, SEL_BLOCK=cfg.sel_block, N_SELECT=n,
-        N_INIT=cfg.n_init_blocks, N_LOCAL=cfg.n_local_blocks, BLOCK_M=bm, N_PAD=n_pad,
-        TOK_PAD=_pow2(n_pad * (cfg.sel_block // cfg.cmp_stride)), DOT_PRECISION=_dot_precision(q.dtype),
+        N_INIT=cfg.n_init_blocks, N_LOCAL=cfg.n_local_blocks, BLOCK_M=bm, N_PAD=n_pad, CHUNK_SPLITS=splits,
+        TOK_PAD=_pow2((n_pad << splits) * (cfg.sel_block // cfg.cmp_stride)), DOT_PRECISION=_dot_precision(q.dtype),
         num_warps=_config.select_warps)
     return blocks
 
