@@ -304,10 +304,9 @@ SELECTED_VARIANTS = {"per_query": dict(slc_kernel="per_query"),
                      "tiled64": dict(slc_kernel="tiled", slc_tile_rows=64, slc_tile_warps=4),
                      "tiled64_inv": dict(slc_kernel="tiled", slc_tile_rows=64, slc_dkdv="inverted"),
                      "by_block": dict(slc_kernel="by_block"),
-                     "by_block_fp32": dict(slc_kernel="by_block", slc_partial="fp32"),
-                     "by_block_s3": dict(slc_kernel="by_block", slc_block_stages=3),
-                     "by_block_s4": dict(slc_kernel="by_block", slc_block_stages=4),
-                     "by_block_c128": dict(slc_kernel="by_block", slc_block_chunk=128)}
+                     "by_block_s2": dict(slc_kernel="by_block", slc_block_stages=2)}
+# (v6b/v6c also timed by_block with fp32 partials (+1 ms at 125M, 2x the partials' memory), 4 stages (= 3) and
+# 128-chooser chunks (slower): see kernels-h100-2026-11-22-v6c.md.)
 # Selection (block importance + top-n): chunks of 16 * 2^splits blocks per pass over the query tiles.
 SELECT_VARIANTS = {"chunk16": dict(select_chunk_splits=0), "chunk32": dict(select_chunk_splits=1),
                    "chunk64": dict(select_chunk_splits=2), "chunk32_w8": dict(select_chunk_splits=1, select_warps=8)}
