@@ -43,6 +43,7 @@ CUDA_VISIBLE_DEVICES=$GPU_B python3 jobs/pretrain.py "${COMMON[@]}" "${ONE_GPU[@
 B=$!
 wait $A; echo "nsa-1gpu rc=$?"; wait $B; echo "dense-1gpu rc=$?"
 echo "phase A done at ${SECONDS}s"
+tar czf "$OUT/mlruns.tgz" -C "$STORE" mlruns  # what phase A measured comes back even if phase B runs out of time
 python3 jobs/pretrain.py "${COMMON[@]}" --set train.run_name=nsa-2gpu --set train.debug.stop_after_step=${STOP_STEP:-120} \
   > "$OUT/nsa-2gpu-a.log" 2>&1; echo "nsa-2gpu (stop at 120) rc=$?"
 python3 jobs/pretrain.py "${COMMON[@]}" --set train.run_name=nsa-2gpu > "$OUT/nsa-2gpu-b.log" 2>&1
