@@ -167,9 +167,9 @@ def markdown(meta, rows) -> str:
         if "profile" in r:
             p = r["profile"]
             lines += ["", f"## {r['attention']} T={r['seq_len']}: kernels of one profiled step (GPU ms)", ""]
-            lines += [f"- by category: " + ", ".join(f"{k} {v:.1f}" for k, v in p["categories_ms"].items())]
-            lines += [f"- largest: " + ", ".join(f"{k} {v:.2f}" for k, v in p["top_kernels_ms"].items())]
-            lines += [f"- host (self CPU ms): " + ", ".join(f"{k} {v:.1f}" for k, v in p["top_cpu_self_ms"].items())]
+            lines += ["- by category: " + ", ".join(f"{k} {v:.1f}" for k, v in p["categories_ms"].items())]
+            lines += ["- largest: " + ", ".join(f"{k} {v:.2f}" for k, v in p["top_kernels_ms"].items())]
+            lines += ["- host (self CPU ms): " + ", ".join(f"{k} {v:.1f}" for k, v in p["top_cpu_self_ms"].items())]
     return "\n".join(lines) + "\n"
 
 

@@ -11,7 +11,6 @@ same train.run_name (and storage path) resumes from the run's latest checkpoint 
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 from pathlib import Path
@@ -40,16 +39,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"# resolved config ({args.config}{' + ' + ' '.join(args.set) if args.set else ''})")
     print(job.to_yaml(), flush=True)
 
-    import ray
-
+    from pipeline.ray_cluster import init_ray
     from pipeline.train.trainer import run_pretraining
 
-    if os.environ.get("RAY_ADDRESS"):
-        ray.init()  # the cluster `ray job submit` (or the user) named
-        print(f"joined Ray cluster at {os.environ['RAY_ADDRESS']}", flush=True)
-    else:
-        ray.init(address="local", include_dashboard=False)  # never silently join another local cluster
-        print(f"started a local Ray cluster: {ray.cluster_resources()}", flush=True)
+    print(init_ray(), flush=True)  # RAY_ADDRESS's cluster (ray job submit), else a new local one
 
     def announce(resolved, run_id, uri) -> None:
         print(f"run directory: {resolved.run_dir}")

@@ -29,7 +29,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from nsa_model.config import ModelConfig, NSAConfig
+from nsa_model.config import ModelConfig
+from pipeline.ray_cluster import init_ray as _init_ray
 
 log = logging.getLogger(__name__)
 
@@ -708,31 +709,13 @@ def _with_prepared_data(job):
 
 
 def init_ray(num_cpus: int | None = None) -> None:
-    """Join the cluster of RAY_ADDRESS (e.g. under `ray job submit`), else start a local one.
-
-    A trial that ASHA stops is killed with its Ray Train controller; Ray Train then frees the trial's workers
-    (its placement group) from a helper that finds the cluster through Ray's state API. On a machine running
-    several local Ray instances that lookup is ambiguous and fails, the resources are never freed and the next
-    trial waits forever. So a local cluster here serves its state API on a known port and tells its processes
-    where it is (RAY_API_SERVER_ADDRESS names a place; it changes no behaviour).
-    """
-    import socket
-
-    import ray
-
-    if ray.is_initialized():
-        return
-    if os.environ.get("RAY_ADDRESS"):
-        ray.init()
+    """Join the cluster of RAY_ADDRESS (e.g. under `ray job submit`), else start a local one
+    (pipeline/ray_cluster.py: why a local one serves its State API on a known port)."""
+    what = _init_ray(num_cpus)
+    if what.startswith("joined"):
         log.info("sweep: joined the Ray cluster at %s", os.environ["RAY_ADDRESS"])
-        return
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ray.init(num_cpus=num_cpus, include_dashboard=True, dashboard_host="127.0.0.1", dashboard_port=port,
-             runtime_env={"env_vars": {"RAY_API_SERVER_ADDRESS": f"http://127.0.0.1:{port}"}})
-    log.info("sweep: started a local Ray cluster (%g CPU, %g GPU)", ray.cluster_resources().get("CPU", 0),
-             ray.cluster_resources().get("GPU", 0))
+    else:
+        log.info("sweep: %s", what)
 
 
 def run_sweep(job) -> SweepResult:
