@@ -3,8 +3,11 @@
   range_attention.py     attention over a contiguous range of keys per query: the compressed and window branches
   selection.py           block importance + top-n selection, fused, so no T x Tc score ever reaches memory
   selected_attention.py  group-centric attention over the selected blocks, one program per query (forward, dQ);
-                         dK/dV through an inverted index (used by both selected variants)
+                         dK/dV through an inverted index (padded heads; kept selectable as slc_dkdv="inverted")
   selected_tiled.py      selected attention forward and dQ per tile of queries, walking the union of their blocks
+  selected_by_block.py   selected attention driven by key blocks: each program loads one block once for a slice
+                         of the queries that chose it (forward partials + combine; one fused backward for dK, dV
+                         and dQ); the default for groups of <= 8 heads, and the dK/dV kernel of the other two
   gates.py               the gated combination of the three branches, fused, forward and backward
   delta.py               the backward row term sum(do * o) of every attention branch, one read of each
 
