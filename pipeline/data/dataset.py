@@ -81,7 +81,11 @@ def _stream_blocks(cfg: DataConfig, split: str, start_block: int, stats: StatsRe
         fn_constructor_kwargs={"block_len": cfg.block_len, "dtype": block_dtype(tokenizer.vocab_size),
                                "start_block": start_block, "stats": stats},
         # A restarted packer would have lost its tail and block count: fail loudly instead of restarting.
-        max_restarts=0, max_task_retries=0)
+        max_restarts=0, max_task_retries=0,
+        # Ray Data creates its actors with allow_out_of_order_execution=True: a call whose chunk is not yet
+        # local would let a later chunk be packed first (its output is still reordered by input, so the blocks
+        # come out scrambled and misnumbered; seen in 3 of 25 runs). The packer must take chunks in order.
+        allow_out_of_order_execution=False)
     blocks.context.execution_options.preserve_order = True  # chunks reach the packer in stream order
     return blocks
 
