@@ -3,7 +3,8 @@
     python bench/train_pipeline_report.py --mlruns /path/to/mlruns --device "2x NVIDIA H200" --commit abc1234
 
 Runs (by MLflow run name): nsa-2gpu (2 GPUs, stopped after step `--resume-step` and resumed), nsa-1gpu and
-dense-1gpu (one GPU each, the same global batch and data order). From the metrics each run's rank 0 logged:
+dense-1gpu (one GPU each, the same global batch; the data is dealt per worker, so 1 and 2 GPUs read it in
+different orders). From the metrics each run's rank 0 logged:
   scaling efficiency = steady tokens/s of nsa-2gpu / (2 x steady tokens/s of nsa-1gpu)   target >= 0.9
   data wait share    = data wait / step time of nsa-2gpu, steady intervals              target <= 2%
   resume             = nsa-2gpu's steps continue after the stop, and its losses follow nsa-1gpu's

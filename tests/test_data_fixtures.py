@@ -38,19 +38,23 @@ def fineweb_rows(prefix: str, n: int, seed: int) -> list[dict]:
     return rows
 
 
-def write_fineweb(path: Path, rows: list[dict], raw_text: list[bytes | None] | None = None) -> Path:
-    """Write rows in FineWeb-Edu's schema; raw_text (bytes, maybe invalid UTF-8) replaces the text column."""
+def write_fineweb(path: Path, rows: list[dict], raw_text: list[bytes | None] | None = None,
+                  row_group_rows: int | None = None) -> Path:
+    """Write rows in FineWeb-Edu's schema; raw_text (bytes, maybe invalid UTF-8) replaces the text column;
+    row_group_rows: Parquet row groups of that many rows (default: one row group)."""
     columns = {name: [r[name] for r in rows] for name in SCHEMA.names}
     table = pa.table(columns, schema=SCHEMA)
     if raw_text is not None:
         text = pa.array(raw_text, pa.binary()).view(pa.string())  # no validation: invalid UTF-8 survives
         table = table.set_column(0, "text", text)
     path.parent.mkdir(parents=True, exist_ok=True)
-    pq.write_table(table, path)
+    pq.write_table(table, path, row_group_size=row_group_rows)
     return path
 
 
-def write_corpus(folder: Path, files: int = 3, docs_per_file: int = 60, seed: int = 0) -> Path:
+def write_corpus(folder: Path, files: int = 3, docs_per_file: int = 60, seed: int = 0,
+                 row_group_rows: int | None = None) -> Path:
     for f in range(files):
-        write_fineweb(folder / f"part-{f:03d}.parquet", fineweb_rows(f"f{f}", docs_per_file, seed + f))
+        write_fineweb(folder / f"part-{f:03d}.parquet", fineweb_rows(f"f{f}", docs_per_file, seed + f),
+                      row_group_rows=row_group_rows)
     return folder

@@ -3,11 +3,12 @@ block or push boundaries; prepared shards keep the dtype and the tokens."""
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 
 from pipeline.data.config import DataConfig
 from pipeline.data.packing import BlockPacker, block_dtype
-from pipeline.data.prepared import _write_split, read_shards
+from pipeline.data.prepared import _write_split, read_pieces
 
 
 @pytest.mark.parametrize("vocab, dtype", [(257, np.uint16), (4096, np.uint16), (65536, np.uint16),
@@ -60,14 +61,26 @@ class _Blocks:
 
 @pytest.mark.parametrize("vocab", [4096, 100277])
 def test_prepared_shards_keep_dtype_and_tokens(tmp_path, vocab):
-    cfg = DataConfig(seq_len=15, shard_blocks=7)
+    cfg = DataConfig(seq_len=15, shard_blocks=7, row_group_blocks=3)
     dtype = block_dtype(vocab)
     tokens = np.random.default_rng(0).integers(0, vocab, size=(30, cfg.block_len)).astype(dtype)
     shards = _write_split(_Blocks(tokens), tmp_path / "train", cfg, "train", progress=False)
     assert [s["blocks"] for s in shards] == [7, 7, 7, 7, 2] and [s["first_index"] for s in shards][-1] == 28
-    paths = [str(tmp_path / s["path"]) for s in shards]
-    batches = list(read_shards(pa.table({"path": paths}), start_block=10, block_len=cfg.block_len))
+    # Every shard in row groups of row_group_blocks (the unit dealt to ranks), read back one row group at a time:
+    # all of them in order, as one rank's share would be, positions from local_first, those from 10 on.
+    items, local = [], 0
+    for s in shards:
+        meta = pq.ParquetFile(tmp_path / s["path"]).metadata
+        assert [meta.row_group(g).num_rows for g in range(meta.num_row_groups)] == ([3, 3, 1] if s["blocks"] == 7 else [2])
+        for g in range(meta.num_row_groups):
+            items.append({"path": str(tmp_path / s["path"]), "row_group": g, "first_index": local, "local_first": local})
+            local += meta.row_group(g).num_rows
+    batches = list(read_pieces(pa.Table.from_pylist(items), start_block=10, block_len=cfg.block_len))
     index = np.concatenate([b["index"] for b in batches])
     read = np.concatenate([b["tokens"] for b in batches])
     assert index.tolist() == list(range(10, 30)) and read.dtype == dtype
     assert np.array_equal(read, tokens[10:])
+    # A row group that does not hold the blocks the manifest places there is an error.
+    items[1]["first_index"] += 1
+    with pytest.raises(RuntimeError, match="row group 1: holds blocks \\[3, 4, 5\\].*places blocks 4"):
+        list(read_pieces(pa.Table.from_pylist(items[:2]), start_block=0, block_len=cfg.block_len))

@@ -1,14 +1,20 @@
 """The Ray Data pipeline end to end on a small FineWeb-Edu-schema corpus: token conservation, prepared
-shards, rank shares, exact resume, and the hub path through a local fsspec stand-in."""
+shards, per-rank shares (each rank reads only its own fragments or row groups), equal step counts on uneven
+shares, exact resume, and the hub path through a local fsspec stand-in."""
+
+import itertools
+import os
 
 import numpy as np
+import pyarrow.parquet as pq
 import pytest
 import ray
 
-from pipeline.data import (DataConfig, StatsRecorder, block_dataset, iter_rank_batches, load_tokenizer,
-                           prepare_blocks, read_manifest, train_bpe)
+from pipeline.data import (DataConfig, StatsRecorder, block_dataset, block_datasets, input_shares,
+                           iter_rank_batches, load_tokenizer, prepare_blocks, read_manifest, train_bpe)
 from pipeline.data.cleaning import clean_batch
-from pipeline.data.source import list_source_files, read_file_batches
+from pipeline.data.shards import deal
+from pipeline.data.source import list_source_files, needed_columns, read_file_batches
 from pipeline.data.stats import DataStats
 from test_data_fixtures import fineweb_rows, write_corpus, write_fineweb
 
@@ -26,7 +32,8 @@ def ray_local():
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
     root = tmp_path_factory.mktemp("corpus")
-    write_corpus(root / "src", files=3, docs_per_file=60)
+    # 3 files of 3 row groups (25, 25, 10 rows) and one of 1: 10 (file, row group) fragments in 4 files
+    write_corpus(root / "src", files=3, docs_per_file=60, row_group_rows=25)
     rows = fineweb_rows("odd", 6, seed=7)
     raw = [r["text"].encode() for r in rows]
     raw[0], raw[1], raw[2] = None, b"   ", b"bad \xff utf8 " * 3
@@ -35,7 +42,7 @@ def corpus(tmp_path_factory):
     tok = train_bpe((r["text"] for r in fineweb_rows("tok", 200, seed=11)), 300, root / "tok" / "tokenizer.json")
     cfg = DataConfig(source=str(root / "src"), tokenizer=str(tok), seq_len=SEQ_LEN, val_fraction=0.2,
                      max_doc_chars=1000, read_batch_rows=16, shuffle_seed=3, output_dir=str(root / "out"),
-                     shard_blocks=40)
+                     shard_blocks=40, row_group_blocks=16)
     return cfg
 
 
@@ -51,9 +58,52 @@ def reference_stream(cfg, split):
     return np.array(stream), stats
 
 
+def source_fragments(cfg):
+    """[(path, row group, rows)] of the source in the seeded file order, read with pyarrow."""
+    _, files = list_source_files(cfg)
+    out = []
+    for path in files:
+        meta = pq.ParquetFile(path).metadata
+        out += [(path, rg, meta.row_group(rg).num_rows) for rg in range(meta.num_row_groups)]
+    return out
+
+
+def fragment_stream(cfg, path, row_group, split):
+    """One fragment's token stream computed directly (pyarrow's read_row_group, cleaning, encode_batch, EOS)."""
+    tok = load_tokenizer(cfg)
+    table = pq.ParquetFile(path).read_row_group(row_group, columns=needed_columns(cfg))
+    stream = []
+    for ids in tok.encode_batch(clean_batch(table, cfg, split, DataStats())):
+        stream += ids + [tok.eos_id]
+    return np.array(stream, dtype=np.int64)
+
+
+def prepared_row_groups(packed_cfg, split):
+    """[(path, row group, first split-wide block index, blocks)] of the prepared split, read with pyarrow."""
+    out, first = [], 0
+    for shard in read_manifest(packed_cfg.packed_dir)["splits"][split]["shards"]:
+        path = os.path.join(packed_cfg.packed_dir, shard["path"])
+        meta = pq.ParquetFile(path).metadata
+        for rg in range(meta.num_row_groups):
+            out.append((path, rg, first, meta.row_group(rg).num_rows))
+            first += meta.row_group(rg).num_rows
+    return out
+
+
 def collect(ds):
     batches = list(ds.iter_batches(batch_size=50, batch_format="numpy"))
     return (np.concatenate([b["index"] for b in batches]), np.concatenate([b["tokens"] for b in batches]))
+
+
+def take(batches, n):
+    """The first n (tokens, positions) of a rank's batch iterator, as numpy arrays; closes the iterator."""
+    got = list(itertools.islice(batches, n))
+    batches.close()
+    return np.concatenate([x.numpy() for x, _ in got]), np.concatenate([pos for _, pos in got])
+
+
+def dealt(shares):
+    return [[(p.path, p.row_group) for p in share] for share in shares.ranks]
 
 
 @pytest.fixture(scope="module")
@@ -61,6 +111,23 @@ def streamed_train(ray_local, corpus):
     recorder = StatsRecorder()
     index, tokens = collect(block_dataset(corpus, "train", stats=recorder))
     return index, tokens, recorder.snapshot()
+
+
+@pytest.fixture(scope="module")
+def streamed_ranks(ray_local, corpus):
+    """world -> (the train shares, per rank (index, tokens) of its whole stream, per rank its DataStats)."""
+    cache = {}
+
+    def get(world):
+        if world not in cache:
+            shares = input_shares(corpus, world)["train"]
+            recorder = StatsRecorder()
+            data = [collect(ds) for ds in block_datasets(corpus, "train", world_size=world, stats=recorder,
+                                                         shares=shares)]
+            cache[world] = shares, data, [recorder.snapshot(part=r) for r in range(world)]
+        return cache[world]
+
+    return get
 
 
 @pytest.fixture(scope="module")
@@ -89,6 +156,7 @@ def test_streamed_blocks_conserve_every_token(corpus, streamed_train):
     assert stats.eos_tokens == stats.pieces == ref_stats.pieces
     assert stats.dropped == ref_stats.dropped and stats.altered == ref_stats.altered
     assert stats.documents_read + stats.documents_other_split == 3 * 60 + 6
+    assert stats.fragments_read == len(source_fragments(corpus)) == 10
 
 
 def test_bad_rows_are_counted_in_the_stream_stats(corpus, streamed_train):
@@ -121,44 +189,153 @@ def test_prepared_data_refuses_another_seq_len_or_tokenizer(packed):
         block_dataset(packed.replace(tokenizer="bytes"), "train")
 
 
-@pytest.mark.parametrize("world_size, batch_size", [(2, 3), (3, 2)])
-def test_ranks_get_disjoint_equal_shares_in_step_order(packed, packed_train, world_size, batch_size):
-    ds = packed_train
-    total = read_manifest(packed.packed_dir)["splits"]["train"]["blocks"]
-    group = world_size * batch_size
-    per_rank = [list(iter_rank_batches(ds, rank=r, world_size=world_size, batch_size=batch_size))
-                for r in range(world_size)]
-    steps = total // group
-    assert steps >= 3 and all(len(batches) == steps for batches in per_rank)  # same number of steps
+def test_deal_is_greedy_by_size_deterministic_and_near_equal():
+    assert deal([5, 1, 1, 1, 1, 1], 2) == [[0], [1, 2, 3, 4, 5]]
+    assert deal([3, 3, 3, 3, 1, 1, 1], 3) == [[0, 3], [1, 4, 6], [2, 5]]  # ties go to the lowest rank
+    rng = np.random.default_rng(0)
+    for _ in range(50):
+        sizes = rng.integers(0, 100, size=int(rng.integers(1, 40))).tolist()
+        world = int(rng.integers(1, 9))
+        shares = deal(sizes, world)
+        assert shares == deal(sizes, world)
+        assert sorted(i for share in shares for i in share) == list(range(len(sizes)))  # a partition
+        assert all(share == sorted(share) for share in shares)  # each share keeps the list order
+        totals = [sum(sizes[i] for i in share) for share in shares]
+        assert max(totals) - min(totals) <= max(sizes)  # near-equal: within one piece
+
+
+@pytest.mark.parametrize("world", [2, 3, 5])
+def test_each_rank_streams_only_its_own_fragments_and_together_every_token_once(corpus, streamed_ranks, world):
+    """Rank r's pipeline reads, tokenizes and packs exactly the (file, row group) fragments dealt to it: its
+    blocks are those fragments' documents packed in order, its counts are theirs alone; over all ranks every
+    fragment is read once and every document's tokens are in exactly one rank's stream. world=5 > 4 files."""
+    shares, data, stats = streamed_ranks(world)
+    n = corpus.block_len
+    fragments = source_fragments(corpus)
+    rows = {(path, rg): r for path, rg, r in fragments}
+    assert [(p.path, p.row_group) for p in shares.pieces] == [(path, rg) for path, rg, _ in fragments]
+    mine = dealt(shares)
+    assert sorted(k for share in mine for k in share) == sorted(rows)  # disjoint, and together all of them
+    assert all(mine)
+    if world == 5:  # more ranks than files: a file's row groups go to different ranks
+        owners = {}
+        for r, share in enumerate(mine):
+            for path, _ in share:
+                owners.setdefault(path, set()).add(r)
+        assert any(len(ranks) > 1 for ranks in owners.values())
+    sizes = shares.sizes()
+    assert max(sizes) - min(sizes) <= max(p.size for p in shares.pieces)  # near-equal shares (text bytes)
+
+    streams = {k: fragment_stream(corpus, *k, "train") for k in rows}
+    full, _ = reference_stream(corpus, "train")
+    assert np.array_equal(np.concatenate([streams[path, rg] for path, rg, _ in fragments]), full)
+    total = 0
+    for r in range(world):
+        index, tokens = data[r]
+        ref = np.concatenate([streams[k] for k in mine[r]])  # rank r's own fragments, in order
+        assert index.tolist() == list(range(len(ref) // n))  # indexed by position in the rank's own stream
+        assert np.array_equal(tokens.reshape(-1), ref[: len(index) * n])
+        s = stats[r]  # what rank r's pipeline read: its fragments, each once, and no other row
+        assert s.fragments_read == len(mine[r])
+        assert s.documents_read + s.documents_other_split == sum(rows[k] for k in mine[r])
+        assert s.blocks == len(index) and s.blocks * n + s.partial_block_tokens == len(ref)
+        total += s.document_tokens + s.eos_tokens
+    assert total == len(full)  # every document's tokens (and its EOS) once, over all ranks
+
+
+def test_more_ranks_than_fragments_is_refused_naming_the_source(corpus):
+    with pytest.raises(ValueError, match=r"DataConfig.source .*10 piece\(s\) .* for 11 training workers"):
+        input_shares(corpus, 11)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_each_rank_reads_only_its_own_prepared_row_groups(packed, packed_train, world):
+    shares = input_shares(packed, world)["train"]
+    groups = prepared_row_groups(packed, "train")
+    assert len(groups) > len({path for path, *_ in groups})  # shards of several row groups, dealt one by one
+    assert [(p.path, p.row_group) for p in shares.pieces] == [(path, rg) for path, rg, *_ in groups]
+    where = {(path, rg): (first, blocks) for path, rg, first, blocks in groups}
+    mine = dealt(shares)
+    assert sorted(k for share in mine for k in share) == sorted(where) and all(mine)
+    sizes = shares.sizes()
+    assert max(sizes) - min(sizes) <= max(blocks for *_, blocks in groups)
+    _, all_tokens = collect(packed_train)  # the whole split, split-wide index order
     seen = []
-    for r, batches in enumerate(per_rank):
-        for t, (x, idx) in enumerate(batches):
-            assert x.shape == (batch_size, packed.block_len) and str(x.dtype) == "torch.int64"
-            assert idx.tolist() == [i for i in range(t * group, (t + 1) * group) if i % world_size == r]
-            seen += idx.tolist()
-    assert sorted(seen) == list(range(steps * group))  # disjoint, and together exactly the first blocks
+    for r in range(world):
+        index, tokens = collect(block_dataset(packed, "train", rank=r, world_size=world))
+        want = np.concatenate([np.arange(where[k][0], where[k][0] + where[k][1]) for k in mine[r]])
+        assert index.tolist() == list(range(len(want)))
+        assert np.array_equal(tokens, all_tokens[want])  # exactly its row groups' blocks, in order
+        seen += want.tolist()
+    assert sorted(seen) == list(range(len(all_tokens)))  # every prepared block in exactly one share
 
 
-def test_resume_is_exact(packed, packed_train, streamed_train):
-    world, b, k, m = 2, 2, 3, 4
-    _, all_tokens, _ = streamed_train
-    first = []
-    for i, (x, idx) in enumerate(iter_rank_batches(packed_train, rank=1, world_size=world, batch_size=b)):
-        if i == k:
-            break  # "crash" after k micro-batches
-        first.append((x, idx))
-    start = k * b * world  # the checkpoint's next_block
-    resumed = block_dataset(packed, "train", start_block=start)
-    rest = [batch for _, batch in zip(range(m), iter_rank_batches(resumed, rank=1, world_size=world, batch_size=b,
-                                                                  start_block=start))]
-    got = np.concatenate([idx for _, idx in first + rest])
-    assert got.tolist() == [i for i in range((k + m) * b * world) if i % world == 1]  # no gap, no repeat
-    x = np.concatenate([x.numpy() for x, _ in first + rest])
-    assert np.array_equal(x, all_tokens[got].astype(np.int64))
+def test_uneven_shares_give_every_rank_the_same_steps_by_wrapping(packed):
+    """The shares differ in size; a rank whose share runs out continues into its next epoch (the same blocks in
+    the same order, positions still counting), so every rank yields as many batches as the run takes."""
+    world, b = 3, 4
+    sizes = input_shares(packed, world)["train"].sizes()
+    assert len(set(sizes)) > 1
+    steps = max(sizes) // b + 3  # past the end of every share
+    for r in range(world):
+        _, epoch = collect(block_dataset(packed, "train", rank=r, world_size=world))
+        assert len(epoch) == sizes[r]
+        wrapped = []
+        x, pos = take(iter_rank_batches(block_dataset(packed, "train", rank=r, world_size=world), batch_size=b,
+                                        wrap=True, on_epoch=lambda e, blocks: wrapped.append((e, blocks))),
+                      steps)
+        assert pos.tolist() == list(range(steps * b))  # the same number of batches on every rank
+        assert np.array_equal(x, epoch[pos % sizes[r]].astype(np.int64))
+        assert wrapped == [(e, e * sizes[r]) for e in range(1, (steps * b - 1) // sizes[r] + 1)]
 
 
-def test_hub_source_through_a_local_fsspec_stand_in_and_streaming_resume(corpus, streamed_train, monkeypatch,
-                                                                        tmp_path):
+def test_a_streaming_rank_wraps_into_the_same_stream_again(corpus, streamed_ranks):
+    world, rank, b = 5, 4, 8
+    _, data, _ = streamed_ranks(world)
+    index, epoch = data[rank]
+    steps = len(index) // b + 2
+    x, pos = take(iter_rank_batches(block_dataset(corpus, "train", rank=rank, world_size=world), batch_size=b,
+                                    wrap=True), steps)
+    assert pos.tolist() == list(range(steps * b))
+    assert np.array_equal(x, epoch[pos % len(index)].astype(np.int64))  # re-read, re-tokenized, identical
+
+
+@pytest.mark.parametrize("mode", ["prepared", "streaming"])
+def test_resume_is_exact_per_rank_across_an_epoch_boundary(mode, corpus, packed, streamed_ranks):
+    """Consume k batches of rank 2's stream, "crash", resume at the checkpoint's position k*b (what the trainer
+    does: the dataset from the start, the loader skipping; and a dataset built from that position): the
+    blocks are exactly the straight run's, across the end of the rank's first epoch, none lost or repeated."""
+    world, rank, b = 3, 2, 4
+    cfg = packed if mode == "prepared" else corpus
+    if mode == "prepared":
+        _, epoch = collect(block_dataset(cfg, "train", rank=rank, world_size=world))
+    else:
+        _, epoch = streamed_ranks(world)[1][rank]
+    size = len(epoch)
+    k = size // b - 1  # the crash: k batches done, the first epoch not over
+    m = 4  # then m more: into the second epoch
+
+    def batches(start, dataset_start=0, wrap=True):
+        ds = block_dataset(cfg, "train", rank=rank, world_size=world, start_block=dataset_start)
+        return iter_rank_batches(ds, batch_size=b, start_block=start, wrap=wrap)
+
+    x1, p1 = take(batches(0), k)
+    start = k * b
+    x2, p2 = take(batches(start), m)
+    pos = np.concatenate([p1, p2])
+    assert pos.tolist() == list(range((k + m) * b)) and pos[-1] >= size  # no gap, no repeat, past the wrap
+    assert np.array_equal(np.concatenate([x1, x2]), epoch[pos % size].astype(np.int64))
+    # A dataset built from the resume position (prepared: the row groups before it are never opened).
+    x3, p3 = take(batches(start, dataset_start=start, wrap=False), 1)
+    assert p3.tolist() == list(range(start, start + b)) and np.array_equal(x3, epoch[p3].astype(np.int64))
+    # Resuming in the second epoch.
+    x4, p4 = take(batches(size + 2 * b), 1)
+    assert p4.tolist() == list(range(size + 2 * b, size + 3 * b))
+    assert np.array_equal(x4, epoch[2 * b: 3 * b].astype(np.int64))
+
+
+def test_hub_source_through_a_local_fsspec_stand_in_and_streaming_resume(corpus, streamed_train, streamed_ranks,
+                                                                        monkeypatch, tmp_path):
     import shutil
     from fsspec.implementations.dirfs import DirFileSystem
     from fsspec.implementations.local import LocalFileSystem
@@ -174,18 +351,41 @@ def test_hub_source_through_a_local_fsspec_stand_in_and_streaming_resume(corpus,
     h_index, h_tokens = collect(block_dataset(cfg, "train", start_block=10))
     index, tokens, _ = streamed_train  # the same files, so the same blocks; streaming resume skips 10
     assert np.array_equal(h_index, index[10:]) and np.array_equal(h_tokens, tokens[10:])
+    # A rank's share through the hub's filesystem: its fragments, from position 5 on.
+    shares = input_shares(cfg, 2)["train"]
+    assert [(p.path, p.row_group) for p in shares.pieces] == [(f, rg) for f in files for rg in range(
+        pq.ParquetFile(str(tmp_path / "hub" / f)).metadata.num_row_groups)]
+    r_index, r_tokens = collect(block_dataset(cfg, "train", rank=1, world_size=2, start_block=5))
+    index, tokens = streamed_ranks(2)[1][1]
+    assert np.array_equal(r_index, index[5:]) and np.array_equal(r_tokens, tokens[5:])
 
 
-class _Shuffled:
+class _Epochs:
+    """A stand-in for a rank's DataIterator: each iteration (epoch) yields the next list of block indices."""
+
+    def __init__(self, *epochs):
+        self.epochs, self.calls = list(epochs), 0
+
     def iter_batches(self, **_):
-        yield {"index": np.array([0, 1, 3, 2]), "tokens": np.zeros((4, 5), np.uint16)}
+        assert self.calls < 100, "iterated the stream 100 times: an endless loop over empty epochs"
+        index = self.epochs[min(self.calls, len(self.epochs) - 1)]
+        self.calls += 1
+        if index:
+            yield {"index": np.array(index), "tokens": np.zeros((len(index), 5), np.uint16)}
 
 
 def test_out_of_order_stream_is_an_error():
     with pytest.raises(RuntimeError, match="out of order"):
-        list(iter_rank_batches(_Shuffled(), rank=0, world_size=1, batch_size=2))
+        list(iter_rank_batches(_Epochs([0, 1, 3, 2]), batch_size=2))
 
 
-def test_start_block_must_be_a_micro_batch_boundary():
-    with pytest.raises(ValueError, match="multiple of"):
-        list(iter_rank_batches(_Shuffled(), rank=0, world_size=2, batch_size=2, start_block=3))
+@pytest.mark.parametrize("epochs, kwargs, message", [
+    (([0, 1, 2], [1, 2]), {"wrap": True}, "epoch 1 starts at block 1, expected 0"),  # a lost block at the wrap
+    (([1, 2, 3],), {"wrap": True, "start_block": 1}, "epoch 0 starts at block 1, expected 0"),
+    (([5, 6],), {"start_block": 2}, "starts at block 5, expected at most 2"),  # blocks 2..4 missing
+    (([0, 1, 2], [0, 1]), {"wrap": True}, "epoch 1 of this rank's stream held 2 blocks, epoch 0 held 3"),
+    (([],), {"wrap": True}, "holds no full block"),
+])
+def test_a_wrong_stream_is_an_error(epochs, kwargs, message):
+    with pytest.raises(RuntimeError, match=message):
+        list(itertools.islice(iter_rank_batches(_Epochs(*epochs), batch_size=2, **kwargs), 10))

@@ -23,8 +23,9 @@ VENV_BIN = Path(sys.executable).parent
 
 
 def job_overrides(tmp_path: Path, name: str) -> list[str]:
-    """A 4-step run of the small model streaming one corpus file (Ray Data reads, tokenizes and packs)."""
-    sets = [*SMALL_MODEL, f"data.seq_len={SEQ_LEN}", "data.max_files=1", f"data.output_dir={REPO / 'outputs'}",
+    """A 4-step run of the small model streaming two corpus files (Ray Data reads, tokenizes and packs), one for
+    each of the 2 workers: a file of the embedded corpus is one row group, the unit dealt to workers."""
+    sets = [*SMALL_MODEL, f"data.seq_len={SEQ_LEN}", "data.max_files=2", f"data.output_dir={REPO / 'outputs'}",
             "train.global_batch=4", "train.micro_batch=2", "train.max_steps=4", "train.warmup_steps=1",
             "train.log_every=2", "train.val_every=0", "train.val_batches=1", "train.checkpoint_every=2",
             f"train.run_name={name}", f"train.storage_path={tmp_path / 'ray_results'}",
@@ -77,6 +78,18 @@ def test_pretrain_script_end_to_end(tmp_path):
     train = json.loads(Path(stats).read_text())["train"]
     assert train["documents_read"] > 0 and train["blocks"] >= 4 * 4 and "dropped" in train and "altered" in train
     assert train["document_tokens"] + train["eos_tokens"] >= train["blocks"] * (SEQ_LEN + 1)
+    # Each worker streamed only its own file (one (file, row group) fragment), once: together the two workers read
+    # the two files' rows once (every worker reading the whole stream would count each file twice). The files:
+    # the first two of the corpus in the seeded order (shuffle_seed 0), computed here without importing ray (this
+    # process must not import it before the ray_head fixture sets RAY_AUTH_MODE).
+    import numpy as np
+    import pyarrow.parquet as pq
+
+    corpus = sorted((REPO / "outputs" / "corpus").glob("*.parquet"))
+    files = [corpus[i] for i in np.random.default_rng(0).permutation(len(corpus))[:2]]
+    assert train["fragments_read"] == 2
+    assert train["documents_read"] + train["documents_other_split"] == sum(pq.ParquetFile(f).metadata.num_rows
+                                                                          for f in files)
 
 
 def test_pretrain_script_refuses_a_bad_config_before_starting():

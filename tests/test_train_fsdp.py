@@ -91,8 +91,8 @@ def fsdp_worker(rank: int, world: int, port: int, out: str) -> None:
 
         assert all(isinstance(p, DTensor) for p in model.parameters())  # really sharded
         ckpt.save(Path(out) / "ckpt", rank=rank, model=model, optimizer=optimizer, scheduler=scheduler,
-                  position=ckpt.TrainingPosition(step=STEPS, next_block=STEPS * GLOBAL_BATCH,
-                                                 guard={"skipped_total": 0, "consecutive": 0}),
+                  position=ckpt.TrainingPosition(step=STEPS, rank_blocks=STEPS * GLOBAL_BATCH // world,
+                                                 world_size=world, guard={"skipped_total": 0, "consecutive": 0}),
                   config_yaml=fsdp_job.to_yaml())
         (Path(out) / f"losses{rank}.json").write_text(json.dumps(losses))
     finally:
@@ -120,9 +120,10 @@ def test_fsdp2_trains_like_one_unsharded_process_and_checkpoints_full_state(tmp_
     bare2 = unsharded_model(fresh, seed=fresh.train.seed + 1)  # another init: the weights must come from the file
     opt2 = build_optimizer(bare2, fresh.train, torch.device("cpu"))
     sched2 = build_scheduler(opt2, fresh.train)
-    pos = ckpt.load(tmp_path / "ckpt", rank=0, model=bare2, optimizer=opt2, scheduler=sched2,
+    # (world_size=2: the data position is the 2-worker run's; the weights load into any model)
+    pos = ckpt.load(tmp_path / "ckpt", rank=0, world_size=2, model=bare2, optimizer=opt2, scheduler=sched2,
                     global_batch=GLOBAL_BATCH)
-    assert (pos.step, pos.next_block) == (STEPS, STEPS * GLOBAL_BATCH)
+    assert (pos.step, pos.rank_blocks, pos.world_size) == (STEPS, STEPS * GLOBAL_BATCH // 2, 2)
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == [
         "config.yaml", "rng_rank0.pt", "rng_rank1.pt", "train_state.pt"]  # the RNG of every rank
     want = model.state_dict()

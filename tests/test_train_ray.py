@@ -10,7 +10,7 @@ import ray
 
 from pipeline.config import load_job_config
 from pipeline.train.trainer import run_pretraining
-from test_train_support import losses_by_step, prepared_data_dir, run_overrides, trace
+from test_train_support import losses_by_step, prepared_data_dir, run_overrides, share_block_sums, trace
 
 pytestmark = pytest.mark.timeout(900)
 # Every run of the reference curve skips step 1 (NaN injected into rank 0's loss): the guard is exercised in
@@ -37,7 +37,19 @@ def straight(packed, tmp_path_factory):
     return result, losses_by_step(result.run_dir)
 
 
-def test_straight_run_reports_contract_metrics(straight):
+def check_own_shares(run_dir: str, packed: str) -> None:
+    """Every traced micro-batch of rank r holds blocks of rank r's own share (their token sums), at the
+    positions its block ids name (position = id // 2): each worker read its own data, nothing else."""
+    sums = share_block_sums(packed, 2)
+    for r in (0, 1):
+        records = trace(run_dir, r)
+        assert records
+        for rec in records:
+            assert all(b % 2 == r for b in rec["blocks"])
+            assert rec["block_sums"] == [int(sums[r][b // 2]) for b in rec["blocks"]], (r, rec["step"])
+
+
+def test_straight_run_reports_contract_metrics(straight, packed):
     result, losses = straight
     assert sorted(losses) == list(range(6))
     m = result.metrics
@@ -48,9 +60,10 @@ def test_straight_run_reports_contract_metrics(straight):
     assert m["lr"] == pytest.approx(3e-4)  # min_lr at the last step
     assert 0 < m["val_loss"] < 9 and m["tokens_per_s"] > 0
     assert Path(result.checkpoint_path).name == "checkpoint_step_00000006"
-    # every rank consumed its own blocks of each step, all of them, once
+    # every rank consumed its own blocks of each step, all of them, once, from its own share
     blocks = sorted(b for r in (0, 1) for rec in trace(result.run_dir, r) for b in rec["blocks"])
     assert blocks == list(range(6 * 8))
+    check_own_shares(result.run_dir, packed)
 
 
 def test_stop_resume_and_worker_death_continue_the_same_loss_curve(straight, packed, tmp_path):
@@ -77,6 +90,7 @@ def test_stop_resume_and_worker_death_continue_the_same_loss_curve(straight, pac
         for rec in trace(second.run_dir, r):
             final[(r, rec["step"])] = rec["blocks"]  # the last attempt of each step is what the model kept
     assert sorted(b for blocks in final.values() for b in blocks) == list(range(6 * 8))  # no block lost or repeated
+    check_own_shares(second.run_dir, packed)  # also after the restarts: each rank continued its own share
 
     from mlflow.tracking import MlflowClient
 

@@ -19,20 +19,41 @@ SMALL_MODEL = ["model.dim=32", "model.n_layers=1", "model.n_heads=2", "model.n_k
                "model.nsa.sel_block=8", "model.nsa.n_selected=3", "model.nsa.window=8"]
 
 
+ROW_GROUP_BLOCKS = 64  # row groups (the unit dealt to workers) much smaller than the splits, as at scale
+
+
 def prepared_data_dir() -> str:
     """Packed blocks of the embedded corpus's first file at SEQ_LEN (Ray must be initialized on first use)."""
     from pipeline.data.config import DataConfig
     from pipeline.data.prepared import prepare_blocks
     from pipeline.data.tokenizer import load_tokenizer
 
-    cfg = DataConfig(seq_len=SEQ_LEN, max_files=1, output_dir=str(REPO / "outputs"))
+    cfg = DataConfig(seq_len=SEQ_LEN, max_files=1, output_dir=str(REPO / "outputs"), row_group_blocks=ROW_GROUP_BLOCKS)
     sha = load_tokenizer(cfg).sha256[:10]
-    out = CACHE / f"packed-embedded-f1-{sha}-L{SEQ_LEN}"
+    out = CACHE / f"packed-embedded-f1-{sha}-L{SEQ_LEN}-rg{ROW_GROUP_BLOCKS}"
     if not (out / "manifest.json").exists():
         prepare_blocks(cfg, out, progress=False)
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["splits"]["train"]["blocks"] > 500 and manifest["splits"]["val"]["blocks"] > 8
     return str(out)
+
+
+def share_block_sums(packed_dir: str, world: int) -> list:
+    """Per rank, the token sum of each block of its share of the prepared train split, in its order (read with
+    pyarrow from the row groups dealt to it): what the trace's block_sums must show rank r trained on."""
+    import numpy as np
+    import pyarrow.parquet as pq
+
+    from pipeline.data.config import DataConfig
+    from pipeline.data.shards import input_shares
+
+    cfg = DataConfig(seq_len=SEQ_LEN, max_files=1, output_dir=str(REPO / "outputs"), packed_dir=packed_dir)
+    out = []
+    for share in input_shares(cfg, world)["train"].ranks:
+        tables = [pq.ParquetFile(p.path).read_row_group(p.row_group, columns=["tokens"]) for p in share]
+        tokens = np.concatenate([t.column("tokens").combine_chunks().flatten().to_numpy() for t in tables])
+        out.append(tokens.reshape(-1, SEQ_LEN + 1).astype(np.int64).sum(axis=1))
+    return out
 
 
 def run_overrides(tmp_path: Path, name: str, packed_dir: str, *extra: str) -> list[str]:

@@ -137,7 +137,9 @@ def test_expected_blocks_partition_each_step():
         for rank in range(W):
             for micro in range(GB // (b * W)):
                 blocks = expected_blocks(step, micro, rank=rank, world=W, micro_batch=b, global_batch=GB)
-                assert all(i % W == rank for i in blocks)
+                assert all(i % W == rank for i in blocks)  # run block id = position in rank's own stream * W + rank
+                first = step * GB // W + micro * b  # every rank consumed step * GB / W blocks of its share before
+                assert [i // W for i in blocks] == list(range(first, first + b))
                 seen += blocks
     assert sorted(seen) == list(range(3 * GB))
 
@@ -219,13 +221,14 @@ def test_checkpoint_round_trip_continues_identically(tmp_path):
     sched = build_scheduler(opt, cfg)
     first = steps(model, opt, sched, 0, 2)
     ckpt.save(tmp_path, rank=0, model=model, optimizer=opt, scheduler=sched,
-              position=ckpt.TrainingPosition(step=2, next_block=8, guard={"skipped_total": 0, "consecutive": 0}),
+              position=ckpt.TrainingPosition(step=2, rank_blocks=8, world_size=1,
+                                             guard={"skipped_total": 0, "consecutive": 0}),
               config_yaml="x: 1\n")
     model2 = small_model(seed=99)  # different init: everything must come from the checkpoint
     opt2 = build_optimizer(model2, cfg, torch.device("cpu"))
     sched2 = build_scheduler(opt2, cfg)
-    pos = ckpt.load(tmp_path, rank=0, model=model2, optimizer=opt2, scheduler=sched2, global_batch=4)
-    assert (pos.step, pos.next_block) == (2, 8)
+    pos = ckpt.load(tmp_path, rank=0, world_size=1, model=model2, optimizer=opt2, scheduler=sched2, global_batch=4)
+    assert (pos.step, pos.rank_blocks, pos.world_size) == (2, 8, 1)
     assert sched2.get_last_lr() == sched.get_last_lr()
     second = steps(model2, opt2, sched2, 2, 4)
     assert first + second == straight  # bitwise on CPU
@@ -233,12 +236,36 @@ def test_checkpoint_round_trip_continues_identically(tmp_path):
 
 
 def test_checkpoint_load_refuses_pickled_objects(tmp_path):
-    torch.save({"format_version": 1, "evil": Path("/")}, tmp_path / ckpt.TRAIN_STATE)
+    torch.save({"format_version": ckpt.FORMAT_VERSION, "evil": Path("/")}, tmp_path / ckpt.TRAIN_STATE)
     model = small_model()
     cfg = TrainConfig(num_workers=1, global_batch=4, micro_batch=4, max_steps=10, warmup_steps=2)
     opt = build_optimizer(model, cfg, torch.device("cpu"))
     with pytest.raises(Exception, match="(?i)weights_only|unsupported|global"):
-        ckpt.load(tmp_path, rank=0, model=model, optimizer=opt, scheduler=build_scheduler(opt, cfg), global_batch=4)
+        ckpt.load(tmp_path, rank=0, world_size=1, model=model, optimizer=opt, scheduler=build_scheduler(opt, cfg),
+                  global_batch=4)
+
+
+@pytest.mark.parametrize("world_size, global_batch, state, message", [
+    # The data shares are dealt by world size: another worker count cannot continue each rank's share exactly.
+    (4, 8, {}, r"written by a run of 2 workers, this run has 4.*train.num_workers=2"),
+    (2, 4, {}, r"8 blocks per rank after step 2 != step \* global_batch 4 / 2 workers"),
+    # The whole-stream scheme's checkpoints held one global next_block, not a position in each rank's share.
+    (2, 8, {"format_version": 1}, r"format 1, expected 2 \(format 1 was written when every rank read the whole"),
+])
+def test_checkpoint_load_refuses_a_data_position_it_cannot_continue(tmp_path, world_size, global_batch, state,
+                                                                   message):
+    cfg = TrainConfig(num_workers=2, global_batch=8, micro_batch=4, max_steps=10, warmup_steps=2)
+    model = small_model()
+    opt = build_optimizer(model, cfg, torch.device("cpu"))
+    ckpt.save(tmp_path, rank=0, model=model, optimizer=opt, scheduler=build_scheduler(opt, cfg),
+              position=ckpt.TrainingPosition(step=2, rank_blocks=8, world_size=2,
+                                             guard={"skipped_total": 0, "consecutive": 0}), config_yaml="x: 1\n")
+    if state:
+        saved = torch.load(tmp_path / ckpt.TRAIN_STATE, weights_only=True)
+        torch.save({**saved, **state}, tmp_path / ckpt.TRAIN_STATE)
+    with pytest.raises(ValueError, match=message):
+        ckpt.load(tmp_path, rank=0, world_size=world_size, model=model, optimizer=opt,
+                  scheduler=build_scheduler(opt, cfg), global_batch=global_batch)
 
 
 # --- config and preflight ----------------------------------------------------------------------------------------
@@ -329,6 +356,9 @@ def test_validation_reads_its_blocks_once_and_closes_the_stream():
     assert pulled == [0, 1] and closed == [True]
     with pytest.raises(RuntimeError, match="held-out split has no blocks"):
         _validation_set(t, iter(()))
+    # A rank's share with fewer than val_batches micro-batches is an error, not a smaller validation.
+    with pytest.raises(RuntimeError, match="holds only 1 micro-batch.*train.val_batches asks 2"):
+        _validation_set(t, iter([(torch.zeros(2, 5), [0, 1])]))
     model = Transformer(get_preset("tiny").replace(vocab_size=16, n_layers=1))
     first = _validate(model, contextlib.nullcontext(), held, torch.device("cpu"))
     assert first == _validate(model, contextlib.nullcontext(), held, torch.device("cpu")) and math.isfinite(first)
@@ -398,3 +428,23 @@ def test_tracking_uri_from_config_then_environment_then_local_sqlite(tmp_path, m
     monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://mlflow.internal:5000")
     assert resolve_tracking_uri(TrackingConfig(), str(tmp_path)) == "http://mlflow.internal:5000"
     assert resolve_tracking_uri(TrackingConfig(tracking_uri="sqlite:///x.db"), str(tmp_path)) == "sqlite:///x.db"
+
+
+def test_prepared_data_shares_are_checked_before_the_run(capsys):
+    """Prepared data's block counts are known up front: a worker whose share of the held-out split cannot fill
+    val_batches micro-batches is refused; a train share shorter than the run is announced (it will wrap)."""
+    from pipeline.data.shards import Piece, Shares
+    from pipeline.train.trainer import check_data_shares
+
+    def shares(split, *sizes):
+        ranks = tuple((Piece(f"{split}-{r}.parquet", 0, n, n, first_index=0),) for r, n in enumerate(sizes))
+        return Shares(kind="prepared", split=split, world_size=len(sizes), pieces=sum(ranks, ()), ranks=ranks)
+
+    job = load_job_config(None, ["train.num_workers=2", "train.global_batch=8", "train.micro_batch=4",
+                                 "train.val_batches=2", "train.max_steps=10", "train.warmup_steps=1"])
+    check_data_shares(job, {"train": shares("train", 40, 40), "val": shares("val", 8, 9)})  # 10 steps x 4 per worker
+    assert capsys.readouterr().out == ""
+    with pytest.raises(ValueError, match=r"data.packed_dir: worker 1's share of the val split holds 7 blocks.*= 8"):
+        check_data_shares(job, {"train": shares("train", 40, 40), "val": shares("val", 9, 7)})
+    check_data_shares(job, {"train": shares("train", 40, 39), "val": shares("val", 8, 8)})
+    assert "the run needs 40 train blocks per worker, the workers' shares hold [40, 39]" in capsys.readouterr().out

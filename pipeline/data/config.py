@@ -57,8 +57,14 @@ class DataConfig:
     text_column: str = "text"
     id_column: str = "id"
     read_batch_rows: int = 1024  # documents tokenized per encode_batch call
-    tokenize_tasks: int | None = None  # concurrent tokenizing tasks; None: the cluster's CPUs at dataset build
+    # Concurrent tokenizing tasks of one rank's pipeline (each training rank streams its own share); None: the
+    # cluster's CPUs at dataset build divided by the number of ranks (at least 1).
+    tokenize_tasks: int | None = None
     shard_blocks: int = 4096  # blocks per prepared Parquet shard
+    # Blocks per Parquet row group of a prepared shard: the unit dealt to training ranks (pipeline/data/shards.py),
+    # so two ranks' shares of prepared data differ by at most this many blocks, and a split needs at least one row
+    # group per rank. 64: 256 KiB at seq_len 2048; the tiny config's held-out split (~130 blocks) still splits.
+    row_group_blocks: int = 64
     # Embedded BPE training (also the defaults of the tokenizer training stage).
     vocab_size: int = 4096
     tokenizer_train_docs: int = 20_000
@@ -77,7 +83,7 @@ class DataConfig:
                      f"'tiktoken:' needs an encoding name, e.g. tiktoken:cl100k_base; got {self.tokenizer!r}")
         _require(self.eos_token is None or (isinstance(self.eos_token, str) and self.eos_token != ""),
                  "eos_token", f"must be None or a non-empty string, got {self.eos_token!r}")
-        for name in ("seq_len", "max_doc_chars", "read_batch_rows", "shard_blocks", "vocab_size",
+        for name in ("seq_len", "max_doc_chars", "read_batch_rows", "shard_blocks", "row_group_blocks", "vocab_size",
                      "tokenizer_train_docs"):
             value = getattr(self, name)
             _require(_is_int(value) and value > 0, name, f"must be a positive int, got {value!r}")

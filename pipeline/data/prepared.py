@@ -3,9 +3,12 @@
     <dir>/manifest.json          tokenizer (name, sha256, vocab, eos), seq_len, dtype, per split: blocks,
                                  tokens, shards [{path, first_index, blocks}], the DataStats counts
     <dir>/tokenizer.json         a copy, when the tokenizer is a file
-    <dir>/<split>/shard-00000.parquet   columns index (int64), tokens (fixed_size_list<uint16|int32>)
+    <dir>/<split>/shard-00000.parquet   columns index (int64), tokens (fixed_size_list<uint16|int32>), in row
+                                        groups of data.row_group_blocks blocks: the unit dealt to training ranks
 
-The folder appears atomically (written aside, then renamed), so a half-written one is never read.
+The folder appears atomically (written aside, then renamed), so a half-written one is never read. Training rank r
+reads only the row groups of its share (pipeline/data/shards.py); its blocks are indexed by their position in
+that share.
 """
 
 from __future__ import annotations
@@ -111,7 +114,7 @@ def _write_split(ds: ray.data.Dataset, folder: Path, cfg: DataConfig, split: str
         flat = pa.array(np.ascontiguousarray(tokens).reshape(-1))
         table = pa.table({"index": pa.array(index, pa.int64()),
                           "tokens": pa.FixedSizeListArray.from_arrays(flat, cfg.block_len)})
-        pq.write_table(table, folder.parent / name, row_group_size=1024)
+        pq.write_table(table, folder.parent / name, row_group_size=cfg.row_group_blocks)
         shards.append({"path": name, "first_index": int(index[0]), "blocks": len(index)})
         bar.update(len(index))
     bar.close()
@@ -144,34 +147,38 @@ def prepared_stats(cfg: DataConfig, split: str) -> DataStats:
     return DataStats.from_json(read_manifest(cfg.resolve_path(cfg.packed_dir))["splits"][split]["stats"])
 
 
-def read_prepared_blocks(cfg: DataConfig, split: str, *, start_block: int = 0,
-                         stats: StatsRecorder | None = None) -> ray.data.Dataset:
-    packed_dir = cfg.resolve_path(cfg.packed_dir)
-    manifest = read_manifest(packed_dir)
-    check_manifest(cfg, manifest)
-    info = manifest["splits"][split]
-    if stats is not None:
-        stats.record("manifest", DataStats.from_json(info["stats"]))
-    # Whole shards before start_block are never opened.
-    paths = [os.path.join(packed_dir, s["path"]) for s in info["shards"]
-             if s["first_index"] + s["blocks"] > start_block]
-    if not paths:  # nothing left to read: one empty item keeps the dataset's schema-free shape valid
-        paths = [None]
-    items = ray.data.from_items([{"path": p} for p in paths], override_num_blocks=len(paths))
-    ds = items.map_batches(read_shards, batch_size=1, batch_format="pyarrow", num_cpus=0.25,
-                           fn_kwargs={"start_block": start_block, "block_len": cfg.block_len})
+def read_prepared_blocks(cfg: DataConfig, pieces, *, start_block: int = 0) -> ray.data.Dataset:
+    """One rank's share (a sequence of pipeline.data.shards.Piece, row groups in block order) as rows {"index":
+    position in the share, "tokens"}, from start_block on. Row groups wholly before start_block are never opened."""
+    items, local = [], 0
+    for piece in pieces:
+        if local + piece.rows > start_block:
+            items.append({"path": piece.path, "row_group": piece.row_group, "first_index": piece.first_index,
+                          "local_first": local})
+        local += piece.rows
+    if not items:  # nothing left to read: one empty item keeps the dataset's schema-free shape valid
+        items = [{"path": None, "row_group": -1, "first_index": -1, "local_first": -1}]
+    ds = ray.data.from_items(items, override_num_blocks=len(items))
+    ds = ds.map_batches(read_pieces, batch_size=1, batch_format="pyarrow", num_cpus=0.25,
+                        fn_kwargs={"start_block": start_block, "block_len": cfg.block_len})
     ds.context.execution_options.preserve_order = True
     return ds
 
 
-def read_shards(items: pa.Table, start_block: int, block_len: int):
-    for path in items.column("path").to_pylist():
+def read_pieces(items: pa.Table, start_block: int, block_len: int):
+    """For each item (a row group of a shard): its blocks, indexed from local_first, those from start_block on.
+    The stored split-wide indices must be the ones the manifest places there (else the data is not what it says)."""
+    for path, row_group, first_index, local_first in zip(*(items.column(c).to_pylist() for c in
+                                                           ("path", "row_group", "first_index", "local_first"))):
         if path is None:
             continue
-        pf = pq.ParquetFile(path)
-        for batch in pf.iter_batches(columns=["index", "tokens"]):
-            index = batch.column("index").to_numpy()
-            tokens = batch.column("tokens").flatten().to_numpy().reshape(-1, block_len)
-            keep = index >= start_block
-            if keep.any():
-                yield {"index": index[keep], "tokens": tokens[keep]}
+        table = pq.ParquetFile(path).read_row_group(row_group, columns=["index", "tokens"])
+        stored = table.column("index").to_numpy()
+        if not np.array_equal(stored, np.arange(first_index, first_index + len(stored))):
+            raise RuntimeError(f"prepared shard {path} row group {row_group}: holds blocks {stored[:4].tolist()}..., "
+                               f"the manifest places blocks {first_index}.. there")
+        tokens = table.column("tokens").combine_chunks().flatten().to_numpy().reshape(-1, block_len)
+        index = np.arange(local_first, local_first + len(stored), dtype=np.int64)
+        keep = index >= start_block
+        if keep.any():
+            yield {"index": index[keep], "tokens": tokens[keep]}

@@ -63,18 +63,25 @@ def needed_columns(cfg: DataConfig) -> list[str]:
     return cols
 
 
-def read_file_batches(fs: fsspec.AbstractFileSystem, path: str, cfg: DataConfig) -> Iterator[pa.RecordBatch]:
-    """Record batches of the needed columns of one Parquet file, in row order."""
+def check_columns(pf: pq.ParquetFile, path: str, cfg: DataConfig) -> list[str]:
+    """The needed columns this file has; an error naming the file when it lacks a required one."""
+    present = set(pf.schema_arrow.names)
+    required = [c for c in needed_columns(cfg) if c != cfg.id_column]
+    missing = [c for c in required if c not in present]
+    if missing:
+        raise ValueError(f"source file {path!r} has no column(s) {missing} (it has {sorted(present)}); "
+                         f"set data.text_column or drop the score thresholds that need them")
+    return [c for c in needed_columns(cfg) if c in present]
+
+
+def read_file_batches(fs: fsspec.AbstractFileSystem, path: str, cfg: DataConfig,
+                      row_group: int | None = None) -> Iterator[pa.RecordBatch]:
+    """Record batches of the needed columns of one Parquet file (or only of one of its row groups), in row order."""
     with fs.open(path, "rb") as f:
         pf = pq.ParquetFile(f)
-        present = set(pf.schema_arrow.names)
-        required = [c for c in needed_columns(cfg) if c != cfg.id_column]
-        missing = [c for c in required if c not in present]
-        if missing:
-            raise ValueError(f"source file {path!r} has no column(s) {missing} (it has {sorted(present)}); "
-                             f"set data.text_column or drop the score thresholds that need them")
-        columns = [c for c in needed_columns(cfg) if c in present]
-        yield from pf.iter_batches(batch_size=cfg.read_batch_rows, columns=columns)
+        columns = check_columns(pf, path, cfg)
+        row_groups = None if row_group is None else [row_group]
+        yield from pf.iter_batches(batch_size=cfg.read_batch_rows, columns=columns, row_groups=row_groups)
 
 
 def sample_texts(cfg: DataConfig, n: int) -> Iterator[str]:

@@ -4,6 +4,8 @@
 A `StatsRecorder` is a small Ray actor that the packing stage updates after each batch, so the
 driver or a training worker can read the live counts of a streaming dataset at any time
 (`recorder.snapshot()`); the final partial block is known once the stream has ended.
+Each rank's pipeline records as its own part (its rank); `snapshot()` sums the parts, `snapshot(part=r)`
+is rank r's own counts (what its pipeline read: fragments, documents, tokens, blocks).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import ray
 
 @dataclass
 class DataStats:
+    fragments_read: int = 0  # source Parquet fragments (file, row group) read by the stream
     documents_read: int = 0  # rows of this split read from the source files
     documents_other_split: int = 0  # rows that belong to the other split (by id hash), not counted below
     documents_kept: int = 0  # documents that reached the tokenizer (before long-document splitting)
@@ -28,14 +31,16 @@ class DataStats:
     document_tokens: int = 0  # tokens of the pieces, EOS excluded
     eos_tokens: int = 0
     blocks: int = 0  # full blocks packed (including any skipped by start_block)
-    partial_block_tokens: int = 0  # tokens left in the final, incomplete block (not trained on)
+    partial_block_tokens: int = 0  # tokens left in the final, incomplete block(s) (not trained on), summed over ranks
 
     def add(self, other: "DataStats") -> None:
+        """Sum every count (the packer sets partial_block_tokens itself after adding its chunks' counts, which
+        hold none; summing over ranks adds each rank's final partial block)."""
         for f in dataclasses.fields(self):
             mine, theirs = getattr(self, f.name), getattr(other, f.name)
             if isinstance(mine, Counter):
                 mine.update(theirs)
-            elif f.name != "partial_block_tokens":  # a position, not a sum: the packer sets it
+            else:
                 setattr(self, f.name, mine + theirs)
 
     @property
@@ -64,36 +69,48 @@ class DataStats:
         return flat
 
 
+def _progress(d: dict) -> tuple[int, int]:
+    return d["documents_read"] + d["documents_other_split"], d["blocks"]
+
+
 @ray.remote(num_cpus=0)
 class _StatsStore:
     def __init__(self):
-        self._by_execution: dict[str, dict] = {}
-        self._latest: str | None = None
+        self._by_part: dict[str, dict[str, dict]] = {}  # part -> execution -> counts
 
-    def update(self, execution: str, stats: dict) -> None:
-        self._by_execution[execution] = stats
-        self._latest = execution
+    def update(self, part: str, execution: str, stats: dict) -> None:
+        self._by_part.setdefault(part, {})[execution] = stats
 
-    def latest(self) -> dict | None:
-        return None if self._latest is None else self._by_execution[self._latest]
+    def parts(self) -> dict[str, dict]:
+        """Per part, the execution that got furthest (a complete pass beats a later, partial one)."""
+        return {part: max(runs.values(), key=_progress) for part, runs in self._by_part.items()}
 
 
 class StatsRecorder:
     """Pass to block_dataset(..., stats=recorder); read with snapshot(). Picklable (holds an actor handle).
 
-    Each execution of the dataset (each epoch, each worker iterating its own copy) records under its own
-    key; snapshot() returns the most recently updated one.
+    Every execution of a dataset (each epoch) records under its own key and its part (the rank whose share
+    it reads; "manifest" for prepared data). Per part the execution that got furthest counts (an epoch that
+    ended, rather than the next one just begun); snapshot() sums the parts, snapshot(part) is one of them.
     """
 
     def __init__(self):
         self._store = _StatsStore.remote()
 
-    def record(self, execution: str, stats: DataStats) -> None:
-        ray.get(self._store.update.remote(execution, stats.to_json()))
+    def record(self, execution: str, stats: DataStats, part: int | str = 0) -> None:
+        ray.get(self._store.update.remote(str(part), execution, stats.to_json()))
 
-    def snapshot(self) -> DataStats | None:
-        d = ray.get(self._store.latest.remote())
-        return None if d is None else DataStats.from_json(d)
+    def snapshot(self, part: int | str | None = None) -> DataStats | None:
+        parts = ray.get(self._store.parts.remote())
+        if part is not None:
+            d = parts.get(str(part))
+            return None if d is None else DataStats.from_json(d)
+        if not parts:
+            return None
+        total = DataStats()
+        for d in parts.values():
+            total.add(DataStats.from_json(d))
+        return total
 
     @staticmethod
     def new_execution_id() -> str:

@@ -1,12 +1,15 @@
 """The checkpoint: everything needed to continue the same run, loaded without unpickling arbitrary objects.
 
 A checkpoint directory holds
-    train_state.pt   rank 0: model and optimizer (full, unsharded state dicts), scheduler, step, next_block,
-                     guard counters; tensors and plain values only, read back with torch.load(weights_only=True)
+    train_state.pt   rank 0: model and optimizer (full, unsharded state dicts), scheduler, step, the data
+                     position (rank_blocks, world_size), guard counters; tensors and plain values only, read
+                     back with torch.load(weights_only=True)
     rng_rank<r>.pt   every rank: its torch CPU (and CUDA) generator states
     config.yaml      rank 0: the resolved JobConfig of the run that wrote it
 Ray Train merges the files that every rank reports into one directory in persistent storage.
-`next_block = step * global_batch`: the first global data block the resumed run consumes (DESIGN.md).
+The data position: every rank consumed `rank_blocks = step * global_batch / world_size` blocks of its own share,
+and the resumed run continues each rank's stream at that position (DESIGN.md, "Data -> trainer"). The shares are
+dealt by world size, so a checkpoint resumes only under the world size that wrote it.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
 
 TRAIN_STATE = "train_state.pt"
 CONFIG_FILE = "config.yaml"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: per-rank data shares (rank_blocks, world_size); 1 held one global next_block
 
 
 def rng_file(rank: int) -> str:
@@ -33,7 +36,8 @@ def rng_file(rank: int) -> str:
 @dataclass
 class TrainingPosition:
     step: int  # optimizer steps done; the next step to run
-    next_block: int  # first global block index not yet consumed
+    rank_blocks: int  # blocks of its own share every rank consumed: its next block's position
+    world_size: int  # the ranks the data was dealt to
     guard: dict[str, int]
 
 
@@ -64,33 +68,45 @@ def save(directory: Path, *, rank: int, model: nn.Module, optimizer: torch.optim
     torch.save(rng_state(), directory / rng_file(rank))
     if rank == 0:
         torch.save({"format_version": FORMAT_VERSION, "model": model_state, "optimizer": optim_state,
-                    "scheduler": scheduler.state_dict(), "step": position.step, "next_block": position.next_block,
+                    "scheduler": scheduler.state_dict(), "step": position.step,
+                    "rank_blocks": position.rank_blocks, "world_size": position.world_size,
                     "guard": position.guard}, directory / TRAIN_STATE)
         (directory / CONFIG_FILE).write_text(config_yaml)
 
 
-def load(directory: Path, *, rank: int, model: nn.Module, optimizer: torch.optim.Optimizer,
+def load(directory: Path, *, rank: int, world_size: int, model: nn.Module, optimizer: torch.optim.Optimizer,
          scheduler: torch.optim.lr_scheduler.LRScheduler, global_batch: int) -> TrainingPosition:
-    """Restore model, optimizer, scheduler and this rank's RNG; return where training continues."""
+    """Restore model, optimizer, scheduler and this rank's RNG; return where training continues.
+
+    Refuses (ValueError) a checkpoint whose data position cannot be continued exactly: written by another world
+    size (the ranks' data shares differ), with another global batch, or in the format before per-rank shares."""
     path = directory / TRAIN_STATE
     if not path.exists():
         raise FileNotFoundError(f"checkpoint {directory} has no {TRAIN_STATE}")
     state = torch.load(path, map_location="cpu", weights_only=True)
     if state.get("format_version") != FORMAT_VERSION:
-        raise ValueError(f"checkpoint {directory}: format {state.get('format_version')}, expected {FORMAT_VERSION}")
-    if state["next_block"] != state["step"] * global_batch:
-        raise ValueError(f"checkpoint {directory}: next_block {state['next_block']} != step {state['step']} * "
-                         f"global_batch {global_batch}; resuming with a different global batch is not exact")
+        raise ValueError(f"checkpoint {directory}: format {state.get('format_version')}, expected {FORMAT_VERSION}"
+                         + (" (format 1 was written when every rank read the whole block stream; its data position "
+                            "does not say where each rank's own share continues)" if state.get("format_version") == 1
+                            else ""))
+    if state["world_size"] != world_size:
+        raise ValueError(f"checkpoint {directory} was written by a run of {state['world_size']} workers, this run has "
+                         f"{world_size}: each worker reads its own share of the data, dealt by the number of "
+                         f"workers, so the data position cannot be continued exactly under another count; resume "
+                         f"with train.num_workers={state['world_size']} (or start a new train.run_name)")
+    if state["rank_blocks"] * world_size != state["step"] * global_batch:
+        raise ValueError(f"checkpoint {directory}: {state['rank_blocks']} blocks per rank after step {state['step']} "
+                         f"!= step * global_batch {global_batch} / {world_size} workers; resuming with a different "
+                         f"global batch is not exact")
     set_model_state_dict(model, state["model"], options=_full_options())
     set_optimizer_state_dict(model, optimizer, state["optimizer"], options=_full_options())
     scheduler.load_state_dict(state["scheduler"])
     rng_path = directory / rng_file(rank)
     if not rng_path.exists():
-        raise FileNotFoundError(f"checkpoint {directory} has no RNG state for rank {rank} (was it written by a "
-                                f"run with fewer workers?)")
+        raise FileNotFoundError(f"checkpoint {directory} has no RNG state for rank {rank}")
     set_rng_state(torch.load(rng_path, map_location="cpu", weights_only=True))
-    return TrainingPosition(step=int(state["step"]), next_block=int(state["next_block"]),
-                            guard={k: int(v) for k, v in state["guard"].items()})
+    return TrainingPosition(step=int(state["step"]), rank_blocks=int(state["rank_blocks"]),
+                            world_size=int(state["world_size"]), guard={k: int(v) for k, v in state["guard"].items()})
 
 
 def load_model_weights(directory: Path) -> dict[str, torch.Tensor]:

@@ -36,7 +36,7 @@ class DebugConfig:
     stall_at_step: int | None = None  # the loop stops making progress at this step (watchdog test)
     stall_seconds: float = 3600.0
     stop_after_step: int | None = None  # the run ends cleanly after the checkpoint of this step (a stop to resume)
-    trace: bool = False  # every rank appends (step, loss, block indices) to <run dir>/trace/rank<r>.jsonl
+    trace: bool = False  # every rank appends (step, loss, block ids and token sums) to <run dir>/trace/rank<r>.jsonl
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "nan_at_steps", tuple(self.nan_at_steps or ()))

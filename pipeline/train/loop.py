@@ -1,8 +1,11 @@
 """train_loop_per_worker: what every Ray Train worker runs.
 
-One optimizer step s consumes the global blocks [s*GB, (s+1)*GB) (GB = train.global_batch): rank r of W takes
-those with index % W == r, in index order, `micro_batch` at a time over `grad_accum` forward/backward passes.
-The loop checks that every micro-batch holds exactly the blocks it should, so a data-position bug fails loudly.
+Rank r of W reads only its own share of the data (its datasets train_<r> and val_<r>, pipeline/data/loader.py).
+Optimizer step s consumes positions [s*PB, (s+1)*PB) of every rank's stream (PB = train.global_batch / W),
+`micro_batch` at a time over `grad_accum` forward/backward passes; a rank whose share runs out wraps into its
+next epoch, so every rank runs the same train.max_steps steps. A block is named in the trace and the checks by its
+run block id, position * W + rank: step s's blocks are the ids [s*GB, (s+1)*GB) over all ranks. The loop checks
+that every micro-batch holds exactly the blocks it should, so a data-position bug fails loudly.
 Per step there is one small all-reduce ([loss, finite]) and one host sync (the skip decision of the guard);
 everything else (metrics, NSA statistics) is synced only on the steps that report.
 """
@@ -35,9 +38,21 @@ log = logging.getLogger(__name__)
 
 
 def expected_blocks(step: int, micro: int, *, rank: int, world: int, micro_batch: int, global_batch: int) -> list[int]:
-    """Global block indices of micro-batch `micro` of optimizer step `step` on `rank` (DESIGN.md)."""
-    first = step * global_batch + rank + world * micro * micro_batch
+    """Run block ids (position in rank's stream * world + rank) of micro-batch `micro` of optimizer step `step` on
+    `rank`: positions step * global_batch / world + micro * micro_batch + j (DESIGN.md, "Data -> trainer")."""
+    first = (step * (global_batch // world) + micro * micro_batch) * world + rank
     return [first + world * j for j in range(micro_batch)]
+
+
+def run_block_ids(batches: Iterator[tuple[torch.Tensor, Any]], *, rank: int, world: int):
+    """(tokens, positions in this rank's stream) -> (tokens, run block ids); closing it closes `batches`."""
+    try:
+        for tokens, positions in batches:
+            yield tokens, [int(p) * world + rank for p in positions]
+    finally:
+        close = getattr(batches, "close", None)
+        if close is not None:
+            close()
 
 
 def is_local(uri: str) -> bool:
@@ -111,7 +126,7 @@ def peak_memory_mb(device: torch.device) -> float:
 def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     import ray.train
 
-    from pipeline.data.loader import iter_rank_batches
+    from pipeline.data.loader import iter_rank_batches, rank_dataset_name
     from pipeline.tracking import RunLogger
 
     job = loop_config["job"]
@@ -136,12 +151,13 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     checkpoint = ray.train.get_checkpoint()
     if checkpoint is not None:
         with checkpoint.as_directory() as d:
-            position = ckpt.load(Path(d), rank=rank, model=model, optimizer=optimizer, scheduler=scheduler,
-                                 global_batch=t.global_batch)
+            position = ckpt.load(Path(d), rank=rank, world_size=world, model=model, optimizer=optimizer,
+                                 scheduler=scheduler, global_batch=t.global_batch)
         guard.load_state_dict(position.guard)
         start_step = position.step
         if rank == 0:
-            print(f"resumed from checkpoint at step {start_step} (next block {position.next_block})", flush=True)
+            print(f"resumed from checkpoint at step {start_step} (every rank continues its share at block "
+                  f"{position.rank_blocks})", flush=True)
     forward = torch.compile(model) if t.compile else model
     autocast = (torch.autocast(device.type, dtype=torch.bfloat16) if t.precision == "bf16"
                 else contextlib.nullcontext())
@@ -151,26 +167,37 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     logger = (RunLogger(job.tracking, loop_config["tracking_uri"], loop_config["mlflow_run_id"])
               if rank == 0 and loop_config.get("mlflow_run_id") else None)
 
-    def batches(split: str, start_block: int) -> Iterator[tuple[torch.Tensor, list[int]]]:
-        shard = ray.train.get_dataset_shard(split)
-        return iter(iter_rank_batches(shard, rank=rank, world_size=world, batch_size=t.micro_batch,
-                                      start_block=start_block))
+    def on_epoch(split: str):
+        def report(epoch: int, blocks: int) -> None:
+            print(f"data: rank {rank}'s share of the {split} split ended after {blocks} blocks; it continues with "
+                  f"epoch {epoch} (the same blocks again, in the same order)", flush=True)
+        return report
 
-    train_batches = batches("train", start_step * t.global_batch)
-    val_set: list[torch.Tensor] = []  # this rank's validation micro-batches, read once (see _validation_set)
+    def batches(split: str, start_block: int, wrap: bool) -> Iterator[tuple[torch.Tensor, list[int]]]:
+        shard = ray.train.get_dataset_shard(rank_dataset_name(split, rank))  # this rank's own share
+        return run_block_ids(iter_rank_batches(shard, batch_size=t.micro_batch, start_block=start_block, wrap=wrap,
+                                               on_epoch=on_epoch(split)), rank=rank, world=world)
+
     dump_dir = str(local_run_dir / "watchdog") if local_run_dir else None
     interval = Interval()
     try:
         with Watchdog(t.watchdog_seconds, rank=rank, dump_dir=dump_dir) as watchdog:
+            # The held-out micro-batches are read first (and once): a share too small to validate fails here,
+            # on every rank alike, before any training step.
+            watchdog.beat(start_step, "validation")
+            val_set = _validation_set(t, batches("val", 0, wrap=False), device)
+            # Every rank consumed start_step * PB blocks of its share; wrapping, its stream never runs out.
+            train_batches = batches("train", start_step * (t.global_batch // world), wrap=True)
             for step in range(start_step, t.max_steps):
                 _inject_faults(t, step, rank, watchdog, local_run_dir)
+                sums = [] if t.debug.trace else None
                 loss_value, finite, blocks, wait_s, compute_s, grad_norm, lr = _train_step(
                     t, step, rank, world, model, forward, autocast, optimizer, scheduler, guard, train_batches,
-                    device, watchdog)
+                    device, watchdog, block_sums=sums)
                 interval.add(loss_value, finite, wait_s, compute_s)
                 if t.debug.trace and local_run_dir is not None:
                     _trace(local_run_dir, rank, {"step": step, "loss": loss_value, "finite": finite, "blocks": blocks,
-                                                  "threads": torch.get_num_threads()})
+                                                  "block_sums": sums, "threads": torch.get_num_threads()})
                 done = step + 1
                 last = done == t.max_steps
                 log_now = done % t.log_every == 0 or last
@@ -182,7 +209,6 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
                                             guard, device, bare, world)
                 if val_now:
                     watchdog.beat(step, "validation")
-                    val_set = val_set or _validation_set(t, batches("val", 0))
                     metrics["val_loss"] = _validate(bare if t.parallelism == "ddp" else model, autocast, val_set,
                                                     device)
                 if rank == 0:
@@ -206,8 +232,9 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
 
 
 def _train_step(t, step, rank, world, model, forward, autocast, optimizer, scheduler, guard, train_batches, device,
-                watchdog):
-    """One optimizer step (grad_accum micro-batches). Returns host values for the metrics."""
+                watchdog, block_sums: list[int] | None = None):
+    """One optimizer step (grad_accum micro-batches). Returns host values for the metrics.
+    block_sums (train.debug.trace): receives each block's token sum, taken from the host batch (no device sync)."""
     wait_s = compute_s = 0.0
     loss_sum = torch.zeros((), device=device)
     blocks: list[int] = []
@@ -227,6 +254,8 @@ def _train_step(t, step, rank, world, model, forward, autocast, optimizer, sched
             raise RuntimeError(f"rank {rank} step {step} micro-batch {micro}: got blocks {got[:8]}..., expected "
                                f"{want[:8]}...; the data position is wrong")
         blocks += got
+        if block_sums is not None:
+            block_sums += tokens.sum(dim=1).tolist()
         t1 = time.perf_counter()
         watchdog.beat(step, "forward_backward")
         tokens = tokens.to(device, non_blocking=True)
@@ -286,19 +315,31 @@ def _interval_metrics(iv: Interval, t: TrainConfig, done: int, tokens_per_step: 
     return metrics
 
 
-def _validation_set(t: TrainConfig, val_batches: Iterator[tuple[torch.Tensor, Any]]) -> list[torch.Tensor]:
+def _validation_set(t: TrainConfig, val_batches: Iterator[tuple[torch.Tensor, Any]],
+                    device: torch.device = torch.device("cpu")) -> list[torch.Tensor]:
     """The first val_batches micro-batches of this rank's share of the held-out split, kept in host memory.
 
     Read once, then the stream is closed: every validation scores the same blocks, nothing is re-tokenized, and
     no half-consumed stream of the held-out split is left running while the next one starts (a second
     iteration of the val shard on a GPU host once delivered blocks from mid-stream, caught by the order check).
+    Every rank must hold val_batches of them (the ranks agree on the smallest count first, so all of them raise
+    together and none waits in a collective for another).
     """
     held = [tokens for tokens, _ in itertools.islice(val_batches, t.val_batches)]
     close = getattr(val_batches, "close", None)
     if close is not None:
         close()
-    if not held:
-        raise RuntimeError("validation: the held-out split has no blocks; raise data.val_fraction")
+    fewest = len(held)
+    if dist.is_initialized():
+        count = torch.tensor([fewest], dtype=torch.int64, device=device)
+        dist.all_reduce(count, op=dist.ReduceOp.MIN)
+        fewest = int(count.item())
+    if fewest == 0:
+        raise RuntimeError("validation: the held-out split has no blocks on some rank; raise data.val_fraction")
+    if fewest < t.val_batches:
+        raise RuntimeError(f"validation: a rank's share of the held-out split holds only {fewest} micro-batch(es) "
+                           f"of {t.micro_batch} blocks, train.val_batches asks {t.val_batches}; raise "
+                           f"data.val_fraction or lower train.val_batches")
     return held
 
 
@@ -327,7 +368,9 @@ def _report(metrics, with_checkpoint, rank, model, optimizer, scheduler, guard, 
     if not with_checkpoint:
         ray.train.report(metrics)
         return
-    position = ckpt.TrainingPosition(step=done, next_block=done * t.global_batch, guard=guard.state_dict())
+    world = t.num_workers
+    position = ckpt.TrainingPosition(step=done, rank_blocks=done * t.global_batch // world, world_size=world,
+                                     guard=guard.state_dict())
     with tempfile.TemporaryDirectory(prefix="nsa-ckpt-") as tmp:
         ckpt.save(Path(tmp), rank=rank, model=model, optimizer=optimizer, scheduler=scheduler, position=position,
                   config_yaml=job.to_yaml())

@@ -84,13 +84,17 @@ def _open_mlflow_run(job: JobConfig, run_dir: str, run_name: str, tokenizer) -> 
 
 def build_trainer(job: JobConfig, *, run_config: RunConfig | None = None) -> TorchTrainer:
     """The TorchTrainer of this job; the whole config is checked before anything is started."""
-    from pipeline.data.dataset import block_dataset
-    from pipeline.data.loader import train_data_config
+    from pipeline.data.dataset import block_datasets
+    from pipeline.data.loader import rank_dataset_name, train_data_config
+    from pipeline.data.shards import input_shares
     from pipeline.data.tokenizer import load_tokenizer
 
     job = resolve_paths(job)
     tokenizer = load_tokenizer(job.data)
     preflight(job, tokenizer_vocab_size=tokenizer.vocab_size, gpus_available=_cluster_gpus())
+    # The input dealt to the workers (each reads only its own share); refused when a worker would get nothing.
+    shares = input_shares(job.data, job.train.num_workers)
+    check_data_shares(job, shares)
     if run_config is None:
         run_config = default_run_config(job)
     else:  # the caller (Tune) names and places the run; keep its folder and the job's in agreement
@@ -104,20 +108,50 @@ def build_trainer(job: JobConfig, *, run_config: RunConfig | None = None) -> Tor
     from pipeline.data.stats import StatsRecorder
 
     data_stats = {split: StatsRecorder() for split in ("train", "val")}  # documents/tokens/drops, logged at the end
-    datasets = {split: block_dataset(job.data, split, stats=data_stats[split]) for split in ("train", "val")}
+    datasets = {}
+    for split in ("train", "val"):  # one dataset per rank and split, each reading only that rank's share
+        for rank, ds in enumerate(block_datasets(job.data, split, world_size=job.train.num_workers,
+                                                 stats=data_stats[split], shares=shares[split])):
+            datasets[rank_dataset_name(split, rank)] = ds
     loop_config = {"job": job, "run_dir": run_dir, "mlflow_run_id": run_id, "tracking_uri": uri}
     trainer = TorchTrainer(
         train_loop_per_worker, train_loop_config=loop_config, scaling_config=scaling_config(job),
         torch_config=TorchConfig(backend="nccl" if job.train.use_gpu else "gloo"),
         datasets=datasets,
-        # Every worker sees the whole ordered stream and keeps its own blocks (index % W == rank): exact,
-        # deterministic shares and a resume position that is one number (see pipeline/data/loader.py).
+        # No splitting: worker r iterates only train_<r> and val_<r>, so only its own share is read (and, when
+        # streaming, tokenized); the resume position is one number per run (see pipeline/data/loader.py).
         dataset_config=train_data_config(),
         run_config=run_config)
     trainer.nsa_job = job  # what run_pretraining reports back
     trainer.nsa_mlflow = (run_id, uri)
     trainer.nsa_data_stats = data_stats
     return trainer
+
+
+def check_data_shares(job: JobConfig, shares) -> None:
+    """What can be known of the workers' data shares before the run: prepared data counts its blocks.
+
+    Every worker's share of the held-out split must hold train.val_batches micro-batches (else ValueError);
+    a train share shorter than the run needs wraps into its next epoch, said once here (streaming: each
+    worker says it when it happens, the block counts being unknown until then)."""
+    t = job.train
+    if shares["train"].kind != "prepared":
+        return
+    val_need = t.val_batches * t.micro_batch
+    val_sizes = shares["val"].sizes()
+    if min(val_sizes) < val_need:
+        rank = val_sizes.index(min(val_sizes))
+        raise ValueError(f"data.packed_dir: worker {rank}'s share of the val split holds {min(val_sizes)} blocks "
+                         f"(shares: {val_sizes}); validation needs train.val_batches * train.micro_batch = {val_need} "
+                         f"per worker. Prepare more held-out data (data.val_fraction) or smaller row groups "
+                         f"(data.row_group_blocks), or lower train.val_batches")
+    train_need = t.max_steps * t.global_batch // t.num_workers
+    train_sizes = shares["train"].sizes()
+    if min(train_sizes) < train_need:
+        msg = (f"data: the run needs {train_need} train blocks per worker, the workers' shares hold {train_sizes}: a "
+               f"worker whose share runs out continues with its next epoch (the same blocks again, in the same order)")
+        log.warning(msg)
+        print(msg, flush=True)
 
 
 def log_data_stats(trainer: TorchTrainer) -> dict[str, Any]:
