@@ -31,9 +31,12 @@ def packed():
 
 @pytest.fixture(scope="module")
 def straight(packed, tmp_path_factory):
-    """6 steps without interruption: the reference loss curve."""
+    """6 steps without interruption: the reference loss curve. With activation checkpointing (the other runs go
+    without: recomputing the blocks in the backward must give the same curve bitwise) and only the latest
+    checkpoint kept (of the two it writes)."""
     tmp = tmp_path_factory.mktemp("straight")
-    result = run_pretraining(load_job_config(None, run_overrides(tmp, "straight", packed, *NAN_AT_1)))
+    extra = (*NAN_AT_1, "train.activation_checkpointing=true", "train.keep_checkpoints=1")
+    result = run_pretraining(load_job_config(None, run_overrides(tmp, "straight", packed, *extra)))
     return result, losses_by_step(result.run_dir)
 
 
@@ -60,6 +63,8 @@ def test_straight_run_reports_contract_metrics(straight, packed):
     assert m["lr"] == pytest.approx(3e-4)  # min_lr at the last step
     assert 0 < m["val_loss"] < 9 and m["tokens_per_s"] > 0
     assert Path(result.checkpoint_path).name == "checkpoint_step_00000006"
+    # CheckpointConfig(num_to_keep=1): the step-3 checkpoint was deleted once step 6's was reported
+    assert sorted(p.name for p in Path(result.run_dir).glob("checkpoint_step_*")) == ["checkpoint_step_00000006"]
     # every rank consumed its own blocks of each step, all of them, once, from its own share
     blocks = sorted(b for r in (0, 1) for rec in trace(result.run_dir, r) for b in rec["blocks"])
     assert blocks == list(range(6 * 8))
