@@ -20,7 +20,6 @@ import json
 import math
 import os
 import platform
-import subprocess
 import sys
 import time
 import traceback
@@ -31,6 +30,7 @@ import triton
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from nsa_model.config import NSAConfig  # noqa: E402
+from bench.provenance import git_commit  # noqa: E402
 from nsa_model.ops import triton_impl as ti  # noqa: E402
 
 NAMES = ("q", "k_slc", "v_slc", "k_win", "v_win", "k_cmp", "v_cmp", "gates")
@@ -307,9 +307,9 @@ SELECTED_VARIANTS = {"per_query": dict(slc_kernel="per_query"),
                      "by_block_s2": dict(slc_kernel="by_block", slc_block_stages=2)}
 # (v6b/v6c also timed by_block with fp32 partials (+1 ms at 125M, 2x the partials' memory), 4 stages (= 3) and
 # 128-chooser chunks (slower): see kernels-h100-2026-11-22-v6c.md.)
-# Selection (block importance + top-n): chunks of 16 * 2^splits blocks per pass over the query tiles.
-SELECT_VARIANTS = {"chunk16": dict(select_chunk_splits=0), "chunk32": dict(select_chunk_splits=1),
-                   "chunk64": dict(select_chunk_splits=2), "chunk32_w8": dict(select_chunk_splits=1, select_warps=8)}
+# Selection (block importance + top-n): chunks of 16 * 2^splits blocks per pass over the query tiles. (v6d also
+# timed 32 and 64 blocks with 4 warps: 2-8x slower at every shape, see kernels-notes.md.)
+SELECT_VARIANTS = {"chunk16": dict(select_chunk_splits=0), "chunk32_w8": dict(select_chunk_splits=1, select_warps=8)}
 BY_BLOCK_MAX_HPG = 8  # by_block variants are timed for groups up to this size (v6a: 2x slower at 16 heads)
 
 
@@ -580,16 +580,6 @@ def markdown(meta, checks, rows):
                              f"{fmt(r.get('gates_fused_fb_ms'))} | {fmt(r.get('nsa_fb_gates_torch_ms'))} | "
                              f"{fmt(r.get('nsa_fb_gates_fused_ms'))} |")
     return "\n".join(lines) + "\n"
-
-
-def git_commit():
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain"], capture_output=True, text=True).stdout.strip()
-        return commit + ("+uncommitted" if dirty else "")
-    except Exception:
-        return "uncommitted"
 
 
 def main():

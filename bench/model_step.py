@@ -20,7 +20,6 @@ import argparse
 import datetime as dt
 import json
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -28,6 +27,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from bench.provenance import git_commit  # noqa: E402
 from nsa_model import Transformer, get_preset  # noqa: E402
 
 # Kernel names of the NSA core (nsa_model/kernels), for the breakdown.
@@ -171,16 +171,6 @@ def markdown(meta, rows) -> str:
             lines += ["- largest: " + ", ".join(f"{k} {v:.2f}" for k, v in p["top_kernels_ms"].items())]
             lines += ["- host (self CPU ms): " + ", ".join(f"{k} {v:.1f}" for k, v in p["top_cpu_self_ms"].items())]
     return "\n".join(lines) + "\n"
-
-
-def git_commit() -> str:
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain"], capture_output=True, text=True).stdout.strip()
-        return commit + ("+uncommitted" if dirty else "")
-    except Exception:
-        return "uncommitted"
 
 
 def main() -> None:

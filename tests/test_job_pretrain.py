@@ -159,14 +159,10 @@ def _ray_head(tmp_path, monkeypatch):
         log.close()
 
 
-def test_ray_job_submit_runs_pretrain_on_a_started_head(ray_head, tmp_path):
+def wait_for_success(ray_head: str, submission_id: str, submit: subprocess.CompletedProcess) -> str:
+    """Wait for a `ray job submit --no-wait` job to end; assert it succeeded; return its logs."""
     from ray.job_submission import JobStatus, JobSubmissionClient
 
-    submission_id = f"pretrain-{uuid.uuid4().hex[:8]}"
-    submit = subprocess.run(
-        ["ray", "job", "submit", "--address", ray_head, "--submission-id", submission_id, "--no-wait",
-         "--working-dir", ".", "--", "python", "jobs/pretrain.py", *job_overrides(tmp_path, "submitted")],
-        cwd=REPO, env=cluster_env(), capture_output=True, text=True, timeout=300)
     assert submit.returncode == 0, submit.stdout + submit.stderr
     client = JobSubmissionClient(ray_head)
     deadline = time.time() + 600
@@ -176,6 +172,16 @@ def test_ray_job_submit_runs_pretrain_on_a_started_head(ray_head, tmp_path):
         time.sleep(3)
     logs = client.get_job_logs(submission_id)
     assert status == JobStatus.SUCCEEDED, logs[-4000:]
+    return logs
+
+
+def test_ray_job_submit_runs_pretrain_on_a_started_head(ray_head, tmp_path):
+    submission_id = f"pretrain-{uuid.uuid4().hex[:8]}"
+    submit = subprocess.run(
+        ["ray", "job", "submit", "--address", ray_head, "--submission-id", submission_id, "--no-wait",
+         "--working-dir", ".", "--", "python", "jobs/pretrain.py", *job_overrides(tmp_path, "submitted")],
+        cwd=REPO, env=cluster_env(), capture_output=True, text=True, timeout=300)
+    logs = wait_for_success(ray_head, submission_id, submit)
     assert "joined Ray cluster" in logs and "step 4/4 | loss" in logs
     run = finished_run(f"sqlite:///{tmp_path / 'mlflow.db'}")
     assert run.data.params["train.run_name"] == "submitted"
@@ -187,7 +193,6 @@ def test_ray_job_submit_runs_a_sweep_on_a_started_head(ray_head, tmp_path):
     leaves its MLflow parent and child runs where the (absolute) config paths say. One trial of 2 steps: the
     sweep's own logic is tested in tests/test_tune_sweep.py; this is the submission path only."""
     from mlflow.tracking import MlflowClient
-    from ray.job_submission import JobStatus, JobSubmissionClient
 
     from test_tune_support import OVERRIDES
 
@@ -200,15 +205,7 @@ def test_ray_job_submit_runs_a_sweep_on_a_started_head(ray_head, tmp_path):
         ["ray", "job", "submit", "--address", ray_head, "--submission-id", submission_id, "--no-wait",
          "--working-dir", ".", "--", "python", "jobs/sweep.py", *(a for s in sets for a in ("--set", s))],
         cwd=REPO, env=cluster_env(), capture_output=True, text=True, timeout=300)
-    assert submit.returncode == 0, submit.stdout + submit.stderr
-    client = JobSubmissionClient(ray_head)
-    deadline = time.time() + 600
-    while (status := client.get_job_status(submission_id)) not in {JobStatus.SUCCEEDED, JobStatus.FAILED,
-                                                                    JobStatus.STOPPED}:
-        assert time.time() < deadline, "job did not finish in time"
-        time.sleep(3)
-    logs = client.get_job_logs(submission_id)
-    assert status == JobStatus.SUCCEEDED, logs[-4000:]
+    logs = wait_for_success(ray_head, submission_id, submit)
     assert "sweep: joined the Ray cluster" in logs
     assert "1 trial(s) at a time: the joined cluster has 2 CPU now and a trial needs 1.1 CPU" in logs
     assert "sweep submitted: 1 trials, 0 settings refused" in logs
