@@ -1,6 +1,6 @@
 """One training step of the model alone (no Ray, no data pipeline), NSA against dense, and where its time goes.
 
-    python bench/model_step.py --preset nsa-125m --seq-lens 2048,8192,32768 [--eager] [--no-profile]
+    python bench/model_step.py --preset nsa-125m --seq-lens 2048,8192,32768 [--eager] [--no-profile] [--memory]
 
 For each T and attention kind (the preset and its `-dense` twin): the decoder with bf16 autocast over fp32
 parameters, fused AdamW, `torch.compile` of the whole model unless --eager, the same tokens per optimizer step
@@ -99,8 +99,61 @@ def profile_step(step) -> dict:
             "top_cpu_self_ms": top_cpu}
 
 
+REPO_DIRS = ("/nsa_model/", "/pipeline/", "/bench/")
+
+
+def _site(frames: list[dict]) -> str:
+    """Where an allocation comes from: the innermost frame in the project's code, else the innermost frame."""
+    for f in frames:
+        if any(d in f["filename"] for d in REPO_DIRS):
+            return f"{f['filename'].rsplit('/', 2)[-2]}/{f['filename'].rsplit('/', 1)[-1]}:{f['line']} {f['name']}"
+    if frames:
+        f = frames[0]
+        return f"{f['filename'].rsplit('/', 1)[-1]}:{f['line']} {f['name']}"
+    return "(no python frame)"
+
+
+def memory_breakdown(step, top: int = 12) -> dict:
+    """One step with the CUDA caching allocator's history on: the tensors alive at the step's peak, by the source
+    line that allocated them (innermost project frame). Saved activations show up under the forward code that
+    made them, transient buffers under the kernel launcher that needed them."""
+    torch.cuda.synchronize()
+    torch.cuda.memory._record_memory_history(max_entries=2_000_000, context="alloc", stacks="python")
+    try:
+        step()
+        torch.cuda.synchronize()
+        snap = torch.cuda.memory._snapshot()
+    finally:
+        torch.cuda.memory._record_memory_history(enabled=None)
+    events = [e for trace in snap["device_traces"] for e in trace if e["action"] in ("alloc", "free_completed")]
+    live, total, peak, peak_at = {}, 0, -1, 0
+    for i, e in enumerate(events):  # first pass: when the peak happens
+        if e["action"] == "alloc":
+            live[e["addr"]] = e["size"]
+            total += e["size"]
+        else:
+            total -= live.pop(e["addr"], 0)
+        if total > peak:
+            peak, peak_at = total, i
+    live = {}
+    for e in events[:peak_at + 1]:  # second pass: what is alive at that moment
+        if e["action"] == "alloc":
+            live[e["addr"]] = e
+        else:
+            live.pop(e["addr"], None)
+    sites: dict[str, list] = {}
+    for e in live.values():
+        entry = sites.setdefault(_site(e.get("frames", [])), [0, 0])
+        entry[0] += e["size"]
+        entry[1] += 1
+    ranked = sorted(sites.items(), key=lambda kv: -kv[1][0])
+    return {"traced_peak_mib": peak / 2**20, "events": len(events),
+            "sites": [{"site": k, "mib": v[0] / 2**20, "tensors": v[1]} for k, v in ranked[:top]],
+            "rest_mib": sum(v[0] for _, v in ranked[top:]) / 2**20}
+
+
 def measure(preset, attention, seq_len, tokens_per_step, micro_tokens, warmup, measure_steps, compile_model,
-            profile) -> dict:
+            profile, memory=False) -> dict:
     cfg, model, fwd, opt = build(preset, attention, seq_len, compile_model)
     micro_b = max(1, micro_tokens // seq_len)
     accum = tokens_per_step // (micro_b * seq_len)
@@ -133,6 +186,8 @@ def measure(preset, attention, seq_len, tokens_per_step, micro_tokens, warmup, m
     row["mfu"] = row["tokens_per_s"] * row["flops_per_token"] / 989e12
     if profile:
         row["profile"] = profile_step(step)
+    if memory:
+        row["memory"] = memory_breakdown(step)
     del model, fwd, opt, batches
     torch.cuda.empty_cache()
     return row
@@ -170,6 +225,14 @@ def markdown(meta, rows) -> str:
             lines += ["- by category: " + ", ".join(f"{k} {v:.1f}" for k, v in p["categories_ms"].items())]
             lines += ["- largest: " + ", ".join(f"{k} {v:.2f}" for k, v in p["top_kernels_ms"].items())]
             lines += ["- host (self CPU ms): " + ", ".join(f"{k} {v:.1f}" for k, v in p["top_cpu_self_ms"].items())]
+    for r in rows:
+        if "memory" in r:
+            m = r["memory"]
+            lines += ["", f"## {r['attention']} T={r['seq_len']}: tensors alive at the step's peak "
+                      f"({m['traced_peak_mib']:,.0f} MiB traced), by allocating line", "",
+                      "| site | MiB | tensors |", "|---|---|---|"]
+            lines += [f"| `{x['site']}` | {x['mib']:,.0f} | {x['tensors']} |" for x in m["sites"]]
+            lines.append(f"| (all other sites) | {m['rest_mib']:,.0f} | |")
     return "\n".join(lines) + "\n"
 
 
@@ -184,6 +247,8 @@ def main() -> None:
     ap.add_argument("--measure", type=int, default=5)
     ap.add_argument("--eager", action="store_true", help="no torch.compile")
     ap.add_argument("--no-profile", action="store_true")
+    ap.add_argument("--memory", action="store_true", help="also one step with the allocator's history: what is "
+                    "alive at the peak, by allocating source line")
     ap.add_argument("--out", default="bench/results")
     ap.add_argument("--suffix", default="")
     ap.add_argument("--commit", default="")
@@ -208,7 +273,7 @@ def main() -> None:
         for attention in args.attention.split(","):
             try:
                 row = measure(args.preset, attention, t, args.tokens_per_step, args.micro_tokens, args.warmup,
-                              args.measure, not args.eager, not args.no_profile)
+                              args.measure, not args.eager, not args.no_profile, args.memory)
             except Exception as e:  # recorded, the other rows still run
                 import traceback
                 traceback.print_exc()

@@ -173,14 +173,25 @@ def flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 
 # --- worker side (rank 0) ---------------------------------------------------------------------------------------
 
+STEP_METRIC = "train_loss"  # logged at every logging step: its history says how far the run's log got
+
+
 class RunLogger:
-    """Rank 0's handle on the run: metrics with their step, system metrics, checkpoints, the final model."""
+    """Rank 0's handle on the run: metrics with their step, system metrics, checkpoints, the final model.
+
+    Each step is logged once. A resumed run (a restarted worker, a rerun of the same run name, a restored sweep
+    trial) replays the steps between its checkpoint and where the lost attempt got; those steps are already in
+    the run's history, so they are not logged again (MLflow's charts would otherwise draw the replayed stretch
+    twice). The resume itself is logged as `resumed_from_step`.
+    """
 
     def __init__(self, cfg: TrackingConfig, tracking_uri: str, run_id: str):
         from mlflow.tracking import MlflowClient
 
         self.cfg, self.tracking_uri, self.run_id = cfg, tracking_uri, run_id
         self.client = MlflowClient(tracking_uri)
+        history = self.client.get_metric_history(run_id, STEP_METRIC)
+        self.logged_through = max((m.step for m in history), default=0)
         self._monitor = None
         if cfg.system_metrics:
             from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
@@ -190,6 +201,18 @@ class RunLogger:
             self._monitor.start()
 
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        """Log one step's metrics; a step the run's history already holds (a replayed one) is skipped."""
+        if step <= self.logged_through:
+            return
+        self._log_batch(metrics, step)
+        if STEP_METRIC in metrics:
+            self.logged_through = step
+
+    def log_resume(self, step: int) -> None:
+        """The run went on from its checkpoint at `step` (one point per resume, so repeated resumes all show)."""
+        self._log_batch({"resumed_from_step": step}, step)
+
+    def _log_batch(self, metrics: dict[str, float], step: int) -> None:
         import time
 
         from mlflow.entities import Metric

@@ -101,7 +101,9 @@ def test_stop_resume_and_worker_death_continue_the_same_loss_curve(straight, pac
 
     client = MlflowClient(second.tracking_uri)
     history = client.get_metric_history(second.mlflow_run_id, "train_loss")
-    assert sorted({h.step for h in history}) == [1, 2, 3, 4, 5, 6]
+    assert sorted(h.step for h in history) == [1, 2, 3, 4, 5, 6]  # step 4, replayed after the fault, logged once
+    resumes = [(h.step, h.value) for h in client.get_metric_history(second.mlflow_run_id, "resumed_from_step")]
+    assert resumes == [(3, 3.0), (3, 3.0)]  # the rerun of the run name, then the restarted worker
     lr = {h.step: h.value for h in client.get_metric_history(second.mlflow_run_id, "lr")}
     assert lr[2] == pytest.approx(3e-3) and lr[6] == pytest.approx(3e-4)  # warmup peak, then min_lr at the end
     assert client.get_run(second.mlflow_run_id).info.status == "FINISHED"

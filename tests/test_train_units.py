@@ -418,6 +418,33 @@ def test_checkpoints_are_copied_to_the_mlflow_run_only_when_asked(tmp_path, log_
     assert logged == ({f"checkpoints/step_00000100/{ckpt.TRAIN_STATE}"} if log_checkpoints else set())
 
 
+def test_a_resumed_run_logs_each_step_once_and_marks_the_resume(tmp_path):
+    """A restarted worker replays the steps between its checkpoint and where the lost attempt's log got: those
+    are not logged twice; the resume is a point of `resumed_from_step`; new steps go on being logged."""
+    from mlflow.tracking import MlflowClient
+
+    from pipeline.tracking import RunLogger, TrackingConfig
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    client = MlflowClient(uri)
+    run_id = client.create_run(client.create_experiment("resume")).info.run_id
+    cfg = TrackingConfig(tracking_uri=uri, system_metrics=False)
+    lost = RunLogger(cfg, uri, run_id)
+    for step in (1, 2, 3):
+        lost.log_metrics({"train_loss": 10.0 - step, "lr": 0.1}, step=step)
+    lost.close()  # the attempt dies here; its last checkpoint was step 1
+    resumed = RunLogger(cfg, uri, run_id)
+    resumed.log_resume(1)
+    for step in (2, 3, 4):
+        resumed.log_metrics({"train_loss": 20.0 - step, "lr": 0.2}, step=step)
+    resumed.close()
+    history = {h.step: h.value for h in client.get_metric_history(run_id, "train_loss")}
+    assert len(client.get_metric_history(run_id, "train_loss")) == 4
+    assert history == {1: 9.0, 2: 8.0, 3: 7.0, 4: 16.0}
+    assert sorted(h.step for h in client.get_metric_history(run_id, "lr")) == [1, 2, 3, 4]
+    assert [(h.step, h.value) for h in client.get_metric_history(run_id, "resumed_from_step")] == [(1, 1.0)]
+
+
 def test_tracking_uri_from_config_then_environment_then_local_sqlite(tmp_path, monkeypatch):
     """Cluster jobs get the team server's URI from MLFLOW_TRACKING_URI (runtime env, KubeRay ConfigMap); an explicit
     tracking.tracking_uri wins; with neither, the local sqlite store under data.output_dir."""

@@ -166,6 +166,8 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     flops_per_token = bare.flops_per_token(seq_len)
     logger = (RunLogger(job.tracking, loop_config["tracking_uri"], loop_config["mlflow_run_id"])
               if rank == 0 and loop_config.get("mlflow_run_id") else None)
+    if logger is not None and start_step > 0:
+        logger.log_resume(start_step)
 
     def on_epoch(split: str):
         def report(epoch: int, blocks: int) -> None:
