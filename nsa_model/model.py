@@ -78,12 +78,22 @@ class Transformer(nn.Module):
             raise ValueError(f"tokens: sequence length {tokens.shape[1]} exceeds max_seq_len {self.cfg.max_seq_len}")
         if targets is not None and targets.shape != tokens.shape:
             raise ValueError(f"targets: expected shape {tuple(tokens.shape)}, got {tuple(targets.shape)}")
-        x = self.tok_emb(tokens)
+        x = self._run_blocks(self.tok_emb(tokens))
+        return self._head(x, targets)
+
+    # The decoder stack and the head are separate methods for torch.compile: the Triton NSA core is a graph break
+    # in every layer, and a graph break inside a loop makes dynamo run that whole frame eagerly. With the loop in
+    # its own frame, forward() breaks only at the _run_blocks call and the head (lm_head, the fp32 upcast and
+    # the cross-entropy, the largest tensors of a step) is still compiled; each layer compiles in its own frames.
+    def _run_blocks(self, x: torch.Tensor) -> torch.Tensor:
         for block in self.blocks:
             if self.activation_checkpointing and self.training and torch.is_grad_enabled():
                 x = checkpoint(block, x, use_reentrant=False)
             else:
                 x = block(x)
+        return x
+
+    def _head(self, x: torch.Tensor, targets: torch.Tensor | None):
         logits = self.lm_head(self.norm(x))
         if targets is None:
             return logits, None

@@ -347,3 +347,33 @@ def test_fused_gated_sum_matches_torch():
     assert rel_err(o, o_ref) <= FP32_TOL
     for name, a, r in zip(("gates", "o_cmp", "o_slc", "o_win"), tri_in, ref_in):
         assert rel_err(a.grad, r.grad) <= FP32_TOL, name
+
+
+def test_compiled_model_with_the_triton_core_compiles_the_head_and_matches_eager(monkeypatch):
+    """The Triton core is a graph break per layer under torch.compile. The decoder's head (lm_head, the fp32
+    logits and the cross-entropy: the largest tensors of a training step) must still be compiled: a graph break
+    inside the layer loop of forward() once made dynamo run that whole frame eagerly, which kept the eager head's
+    fp32 logits and log-softmax alive (+15 GB at 32k tokens per micro-batch on nsa-125m)."""
+    from nsa_model import ModelConfig, Transformer
+
+    if not ON_GPU:
+        monkeypatch.setenv("TRITON_INTERPRET", "1")  # lets backend="triton" take CPU tensors (kernels: interpreted)
+    cfg = ModelConfig(vocab_size=64, dim=32, n_layers=1, n_heads=4, n_kv_heads=2, head_dim=8, max_seq_len=32,
+                      attention="nsa", nsa=NSAConfig(cmp_block=4, cmp_stride=2, sel_block=4, n_selected=3, window=6))
+    torch.manual_seed(0)
+    model = Transformer(cfg, backend="triton").to(DEVICE)
+    x = torch.randint(0, 64, (2, 33), generator=torch.Generator().manual_seed(0)).to(DEVICE)
+    explained = torch._dynamo.explain(model)(x[:, :-1], x[:, 1:])
+    head_graphs = [g for g in explained.graphs
+                   if any(n.target is torch.nn.functional.cross_entropy for n in g.graph.nodes)]
+    assert len(head_graphs) == 1, [len(g.graph.nodes) for g in explained.graphs]
+    _, loss = model(x[:, :-1], x[:, 1:])
+    loss.backward()
+    eager = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    torch._dynamo.reset()
+    _, loss_c = torch.compile(model, backend="aot_eager")(x[:, :-1], x[:, 1:])
+    loss_c.backward()
+    assert torch.allclose(loss_c, loss, rtol=1e-5)
+    for n, p in model.named_parameters():
+        assert torch.allclose(p.grad, eager[n], rtol=1e-4, atol=1e-6), n
