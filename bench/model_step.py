@@ -125,8 +125,16 @@ def memory_breakdown(step, top: int = 12) -> dict:
         snap = torch.cuda.memory._snapshot()
     finally:
         torch.cuda.memory._record_memory_history(enabled=None)
-    events = [e for trace in snap["device_traces"] for e in trace if e["action"] in ("alloc", "free_completed")]
-    live, total, peak, peak_at = {}, 0, -1, 0
+    events = [e for trace in snap["device_traces"] for e in trace]
+    return peak_sites(events, top)
+
+
+def peak_sites(events: list[dict], top: int = 12) -> dict:
+    """From an allocator trace (alloc / free_completed events with addr, size, frames): the peak of the traced
+    allocations and what is alive at that moment, summed by allocating site. Frees of blocks allocated before
+    the trace started are ignored (they were never counted)."""
+    events = [e for e in events if e["action"] in ("alloc", "free_completed")]
+    live, total, peak, peak_at = {}, 0, 0, -1
     for i, e in enumerate(events):  # first pass: when the peak happens
         if e["action"] == "alloc":
             live[e["addr"]] = e["size"]
@@ -135,14 +143,14 @@ def memory_breakdown(step, top: int = 12) -> dict:
             total -= live.pop(e["addr"], 0)
         if total > peak:
             peak, peak_at = total, i
-    live = {}
+    alive = {}
     for e in events[:peak_at + 1]:  # second pass: what is alive at that moment
         if e["action"] == "alloc":
-            live[e["addr"]] = e
+            alive[e["addr"]] = e
         else:
-            live.pop(e["addr"], None)
+            alive.pop(e["addr"], None)
     sites: dict[str, list] = {}
-    for e in live.values():
+    for e in alive.values():
         entry = sites.setdefault(_site(e.get("frames", [])), [0, 0])
         entry[0] += e["size"]
         entry[1] += 1

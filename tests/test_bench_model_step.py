@@ -1,0 +1,49 @@
+"""bench/model_step.py's memory breakdown: the peak of an allocator trace and what is alive then, by site."""
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+_path = Path(__file__).resolve().parent.parent / "bench" / "model_step.py"
+_spec = importlib.util.spec_from_file_location("model_step", _path)
+model_step = importlib.util.module_from_spec(_spec)
+sys.path.insert(0, str(_path.parent.parent))
+_spec.loader.exec_module(model_step)
+
+MIB = 2**20
+
+
+def frame(path, line, name):
+    return {"filename": path, "line": line, "name": name}
+
+
+SAVED = [frame("/x/site-packages/torch/nn/functional.py", 10, "linear"), frame("/r/nsa_model/attention.py", 120, "forward")]
+TRANSIENT = [frame("/r/nsa_model/ops/triton_impl.py", 454, "_selected_by_block_fwd")]
+HEAD = [frame("/tmp/torchinductor_root/ab/cabc.py", 77, "call")]
+
+
+def alloc(addr, mib, frames):
+    return {"action": "alloc", "addr": addr, "size": mib * MIB, "frames": frames}
+
+
+def free(addr, mib):
+    return {"action": "free_completed", "addr": addr, "size": mib * MIB}
+
+
+def test_peak_sites_are_what_is_alive_at_the_peak_by_innermost_project_frame():
+    events = [
+        free(999, 50),  # allocated before the trace: not counted, and the running total never goes below zero
+        alloc(1, 100, SAVED), alloc(2, 300, TRANSIENT), free(2, 300),  # a transient peak of 400
+        alloc(3, 100, SAVED), alloc(4, 250, HEAD),  # the peak: 100 + 100 + 250 = 450
+        {"action": "free_requested", "addr": 4, "size": 250 * MIB},  # not yet free: ignored
+        free(4, 250), alloc(5, 10, []),
+    ]
+    out = model_step.peak_sites(events, top=1)
+    assert out["traced_peak_mib"] == pytest.approx(450)
+    assert out["sites"] == [{"site": "cabc.py:77 call", "mib": 250.0, "tensors": 1}]
+    assert out["rest_mib"] == pytest.approx(200)
+    both = model_step.peak_sites(events)["sites"]
+    assert both[1] == {"site": "nsa_model/attention.py:120 forward", "mib": 200.0, "tensors": 2}
+    assert len(both) == 2  # the transient kernel buffer was freed before the peak
