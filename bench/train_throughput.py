@@ -197,8 +197,8 @@ def write_results(args, base, runs: dict[tuple[str, int], dict[str, Any]]) -> st
             "torch": torch.__version__, "preset": preset, "config": args.config, "overrides": args.set,
             "tokens_per_step": args.tokens_per_step, "micro_tokens": args.micro_tokens, "warmup": args.warmup,
             "measure": args.measure,
-            "compile_note": ("torch.compile of the whole model; the Triton NSA core runs eagerly between graphs "
-                             "(torch.compiler.disable), SDPA inside dense's graph" if base.train.compile
+            "compile_note": ("torch.compile of the whole model, one graph: the Triton NSA core as the custom op "
+                             "nsa::core in NSA's, SDPA in dense's" if base.train.compile
                              else "eager (no torch.compile)")}
     rows = compare(runs)
     out = Path(args.out)

@@ -5,8 +5,6 @@ Both take x [B, T, dim] and return [B, T, dim], with the same constructor, so th
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -53,22 +51,6 @@ class Compressor(nn.Module):
         return self.fc2(F.gelu(self.fc1(blocks.flatten(-2))))
 
 
-def _triton_core(*args, **kwargs):
-    """The Triton NSA core, kept out of torch.compile graphs: its autograd.Functions launch our kernels with
-    host-side launch logic that dynamo need not trace. Under torch.compile a model graph-breaks here (once per
-    layer) and everything around the core (projections, RoPE, phi, gates, norms, FFN, loss) is compiled; the
-    dense baseline's SDPA call is likewise one opaque kernel inside its compiled graph."""
-    return _eager_nsa_attention()(*args, **kwargs)
-
-
-@functools.cache
-def _eager_nsa_attention():
-    # Built at the first call, not at import: torch.compiler.disable imports torch._dynamo, which imports
-    # triton.language; importing this module must leave that to the backend (Triton's interpreter on CPU hosts
-    # must be chosen before triton.language is first imported).
-    return torch.compiler.disable(ops.nsa_attention)
-
-
 class NSAAttention(nn.Module):
     """Native Sparse Attention: compressed, selected and sliding-window branches mixed by learned gates.
 
@@ -82,6 +64,7 @@ class NSAAttention(nn.Module):
     def __init__(self, cfg: ModelConfig, backend: str = "auto") -> None:
         super().__init__()
         self.cfg, self.nsa, self.backend = cfg, cfg.nsa, check_backend(backend)
+        ops.preload(self.backend)
         H, G, Dk, Dv = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.dv
         self.kv_sets = 1 if cfg.shared_kv else len(BRANCHES)
         self.wq = nn.Linear(cfg.dim, H * Dk, bias=False)
@@ -105,9 +88,9 @@ class NSAAttention(nn.Module):
         k_cmp, k_slc, k_win = k.unbind(2) if self.kv_sets > 1 else (k[:, :, 0],) * 3
         v_cmp, v_slc, v_win = v.unbind(2) if self.kv_sets > 1 else (v[:, :, 0],) * 3
         gates = torch.sigmoid(self.gate(x)).view(B, T, H, len(BRANCHES))
-        core = _triton_core if ops.resolve_backend(self.backend, q) == "triton" else ops.nsa_attention
-        o, blocks = core(q, k_slc, v_slc, k_win, v_win, self.phi_k(k_cmp), self.phi_v(v_cmp), gates,
-                         self.nsa, backend=self.backend, return_blocks=True)
+        # On the triton backend the core is one custom op (nsa::core): torch.compile traces through it.
+        o, blocks = ops.nsa_attention(q, k_slc, v_slc, k_win, v_win, self.phi_k(k_cmp), self.phi_v(v_cmp), gates,
+                                      self.nsa, backend=self.backend, return_blocks=True)
         self._record_stats(gates, blocks)
         return self.wo(o.reshape(B, T, H * Dv))
 

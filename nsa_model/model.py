@@ -81,10 +81,11 @@ class Transformer(nn.Module):
         x = self._run_blocks(self.tok_emb(tokens))
         return self._head(x, targets)
 
-    # The decoder stack and the head are separate methods for torch.compile: the Triton NSA core is a graph break
-    # in every layer, and a graph break inside a loop makes dynamo run that whole frame eagerly. With the loop in
-    # its own frame, forward() breaks only at the _run_blocks call and the head (lm_head, the fp32 upcast and
-    # the cross-entropy, the largest tensors of a step) is still compiled; each layer compiles in its own frames.
+    # The decoder stack and the head are separate methods for torch.compile. The whole model traces as one graph
+    # (the Triton core is the custom op nsa::core); should a layer ever graph-break, a break inside the layer loop
+    # would make dynamo run all of forward() eagerly, head included (lm_head, the fp32 logits and the
+    # cross-entropy: the largest tensors of a step, +15 GB at 32k tokens per micro-batch when this happened).
+    # With the loop in its own frame, the head stays compiled whatever the layers do.
     def _run_blocks(self, x: torch.Tensor) -> torch.Tensor:
         for block in self.blocks:
             if self.activation_checkpointing and self.training and torch.is_grad_enabled():

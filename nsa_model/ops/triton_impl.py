@@ -194,20 +194,66 @@ def _delta(do: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
 
 # --- compressed and window branches: attention over a range of keys ------------------------------------------
 
+def _range_fwd(q, k, v, key_stride: int, key_offset: int, window: int, scale: float):
+    """(o, lse) of attention over a range of keys: query t sees key j iff 0 <= t - (j*key_stride + key_offset)
+    < window (kernels/range_attention.py)."""
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    B, T, H, _ = q.shape
+    num_keys, G = k.shape[1], k.shape[2]
+    o = torch.empty(*q.shape[:3], v.shape[-1], dtype=q.dtype, device=q.device)
+    lse = torch.empty(B, T, H, dtype=torch.float32, device=q.device)
+    launch = _range_launch(q, v)
+    range_attn_fwd_kernel[(triton.cdiv(T, launch["BLOCK_M"]), B * H)](
+        q, k, v, o, lse, T, num_keys, scale, key_stride, key_offset, window, H=H, G=G, **_head_dims(q, v),
+        **launch)
+    return o, lse
+
+
+def _range_bwd(q, k, v, o, lse, do, key_stride: int, key_offset: int, window: int, scale: float):
+    """(dq, dk, dv) of _range_fwd."""
+    q, k, v, do = q.contiguous(), k.contiguous(), v.contiguous(), do.contiguous()
+    B, T, H, _ = q.shape
+    num_keys, G = k.shape[1], k.shape[2]
+    delta = _delta(do, o)
+    dq = torch.empty_like(q)
+    dk = torch.zeros(k.shape, dtype=torch.float32, device=k.device)  # the group's heads may add into these
+    dv = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
+    launch = _range_launch(q, v)
+    bm, bn = launch["BLOCK_M"], launch["BLOCK_N"]
+    common = dict(H=H, G=G, **_head_dims(q, v), **launch)
+    range_attn_bwd_dq_kernel[(triton.cdiv(T, bm), B * H)](
+        q, k, v, do, lse, delta, dq, T, num_keys, scale, key_stride, key_offset, window, **common)
+    if num_keys > 0:
+        # A key tile of the compressed branch is seen by up to T queries: one head per program and chunks of
+        # the query axis (atomic adds) spread that over the GPU. A window tile is seen by ~w queries: one
+        # program per group is enough (window_dkdv = "group"), or one per head (atomic adds).
+        key_tiles, query_tiles = triton.cdiv(num_keys, bn), triton.cdiv(T, bm)
+        if window >= T:
+            head_split = H // G
+            chunks = triton.cdiv(_config.range_dkdv_programs, key_tiles * B * G * head_split)
+            q_chunk = triton.cdiv(query_tiles, min(max(chunks, 1), query_tiles)) * bm
+        else:
+            head_split = H // G if _config.window_dkdv == "head" else 1
+            q_chunk = query_tiles * bm
+        atomic = head_split > 1 or q_chunk < T
+        range_attn_bwd_dkdv_kernel[(key_tiles, B * G * head_split, triton.cdiv(T, q_chunk))](
+            q, k, v, do, lse, delta, dk, dv, T, num_keys, scale, key_stride, key_offset, window, q_chunk,
+            HEAD_SPLIT=head_split, ATOMIC=atomic, **common)
+    return dq, dk.to(k.dtype), dv.to(v.dtype)
+
+
+def _cmp_range(cmp_block: int, cmp_stride: int, T: int) -> tuple[int, int, int]:
+    """(key_stride, key_offset, window) of the compressed branch: token j ends at j*d + l - 1, and no lower
+    bound (a window of T covers every earlier token)."""
+    return cmp_stride, cmp_block - 1, T
+
+
 class _RangeAttention(torch.autograd.Function):
-    """Query t sees key j iff 0 <= t - (j * key_stride + key_offset) < window (kernels/range_attention.py)."""
+    """The compressed and window branches on their own (the whole core is the nsa::core op below)."""
 
     @staticmethod
     def forward(ctx, q, k, v, key_stride: int, key_offset: int, window: int, scale: float):
-        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-        B, T, H, _ = q.shape
-        num_keys, G = k.shape[1], k.shape[2]
-        o = torch.empty(*q.shape[:3], v.shape[-1], dtype=q.dtype, device=q.device)
-        lse = torch.empty(B, T, H, dtype=torch.float32, device=q.device)
-        launch = _range_launch(q, v)
-        range_attn_fwd_kernel[(triton.cdiv(T, launch["BLOCK_M"]), B * H)](
-            q, k, v, o, lse, T, num_keys, scale, key_stride, key_offset, window, H=H, G=G, **_head_dims(q, v),
-            **launch)
+        o, lse = _range_fwd(q, k, v, key_stride, key_offset, window, scale)
         ctx.save_for_backward(q, k, v, o, lse)
         ctx.params = (key_stride, key_offset, window, scale)
         ctx.mark_non_differentiable(lse)
@@ -216,44 +262,14 @@ class _RangeAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, do, _dlse):
         q, k, v, o, lse = ctx.saved_tensors
-        key_stride, key_offset, window, scale = ctx.params
-        do = do.contiguous()
-        B, T, H, _ = q.shape
-        num_keys, G = k.shape[1], k.shape[2]
-        delta = _delta(do, o)
-        dq = torch.empty_like(q)
-        dk = torch.zeros(k.shape, dtype=torch.float32, device=k.device)  # the group's heads may add into these
-        dv = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
-        launch = _range_launch(q, v)
-        bm, bn = launch["BLOCK_M"], launch["BLOCK_N"]
-        common = dict(H=H, G=G, **_head_dims(q, v), **launch)
-        range_attn_bwd_dq_kernel[(triton.cdiv(T, bm), B * H)](
-            q, k, v, do, lse, delta, dq, T, num_keys, scale, key_stride, key_offset, window, **common)
-        if num_keys > 0:
-            # A key tile of the compressed branch is seen by up to T queries: one head per program and chunks of
-            # the query axis (atomic adds) spread that over the GPU. A window tile is seen by ~w queries: one
-            # program per group is enough (window_dkdv = "group"), or one per head (atomic adds).
-            key_tiles, query_tiles = triton.cdiv(num_keys, bn), triton.cdiv(T, bm)
-            if window >= T:
-                head_split = H // G
-                chunks = triton.cdiv(_config.range_dkdv_programs, key_tiles * B * G * head_split)
-                q_chunk = triton.cdiv(query_tiles, min(max(chunks, 1), query_tiles)) * bm
-            else:
-                head_split = H // G if _config.window_dkdv == "head" else 1
-                q_chunk = query_tiles * bm
-            atomic = head_split > 1 or q_chunk < T
-            range_attn_bwd_dkdv_kernel[(key_tiles, B * G * head_split, triton.cdiv(T, q_chunk))](
-                q, k, v, do, lse, delta, dk, dv, T, num_keys, scale, key_stride, key_offset, window, q_chunk,
-                HEAD_SPLIT=head_split, ATOMIC=atomic, **common)
-        return dq, dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
+        return (*_range_bwd(q, k, v, o, lse, do, *ctx.params), None, None, None, None)
 
 
 def compressed_attention(q, k_cmp, v_cmp, cfg: NSAConfig, scale: float):
     """o_cmp [B,T,H,Dv] and lse [B,T,H] float32 (-inf where no compressed token is visible)."""
     _check_inputs(q=q, k_cmp=k_cmp, v_cmp=v_cmp)
-    T = q.shape[1]
-    # Compressed token j ends at j*d + l - 1; no lower bound (window = T covers every earlier token).
-    return _RangeAttention.apply(q, k_cmp, v_cmp, cfg.cmp_stride, cfg.cmp_block - 1, T, scale)
+    return _RangeAttention.apply(q, k_cmp, v_cmp, *_cmp_range(cfg.cmp_block, cfg.cmp_stride, q.shape[1]),
+                                scale)
 
 
 def window_attention(q, k, v, window: int, scale: float):
@@ -381,31 +397,77 @@ def _partial_dtype(x: torch.Tensor, config: LaunchConfig) -> torch.dtype:
 _COMBINE_ROWS = 32  # (b, t, h) rows per program of the combine and dQ-sum kernels
 
 
+def _selected_fwd(q, k, v, blocks, sel_block: int, scale: float):
+    """(o, lse, kernel, index) of the selected branch: the variant that ran and the index its backward reuses."""
+    q, k, v, blocks = q.contiguous(), k.contiguous(), v.contiguous(), blocks.contiguous()
+    B, T, H, _ = q.shape
+    G, n = k.shape[2], blocks.shape[-1]
+    o = torch.empty(*q.shape[:3], v.shape[-1], dtype=q.dtype, device=q.device)
+    lse = torch.empty(B, T, H, dtype=torch.float32, device=q.device)
+    common = dict(H=H, G=G, SEL_BLOCK=sel_block, BLOCK_S=_pow2(sel_block), N_SELECT=n, **_head_dims(q, v))
+    kernel = selected_kernel(H // G, triton.cdiv(T, sel_block), n)
+    index = _selected_index(blocks, sel_block, kernel, H // G)
+    if kernel == "by_block":
+        _selected_by_block_fwd(q, k, v, blocks, o, lse, index, common, scale)
+    elif kernel == "tiled":
+        heads_pad, tile_q = _selected_tile(H // G)
+        union, count = index
+        selected_tiled_fwd_kernel[(union.shape[1], B * G)](
+            q, k, v, blocks, union, count, o, lse, T, union.shape[1], scale, N_PAD=triton.next_power_of_2(n),
+            HEADS_PAD=heads_pad, TILE_Q=tile_q, **common, num_warps=_config.slc_tile_warps,
+            num_stages=_config.slc_stages)
+    else:
+        selected_attn_fwd_kernel[(T, B * G)](
+            q, k, v, blocks, o, lse, T, scale, HEADS_PAD=_pow2(H // G), **common, **_slc_launch())
+    return o, lse, kernel, index
+
+
+def _selected_index(blocks, sel_block: int, kernel: str, hpg: int) -> tuple[torch.Tensor, ...]:
+    """What the selected variant's forward and backward read besides the selections, from torch ops on blocks
+    alone (so the same code gives the shapes of nsa::core's fake): by_block's work list, tiled's block unions."""
+    if kernel == "by_block":
+        return _by_block_index(blocks, sel_block, _config)
+    if kernel == "tiled":
+        return tile_block_union(blocks, _selected_tile(hpg)[1])
+    return ()
+
+
+def _selected_bwd(q, k, v, blocks, o, lse, index, do, sel_block: int, scale: float, kernel: str):
+    """(dq, dk, dv) of _selected_fwd, under the launch config its forward ran with (the caller pins it); index
+    is the forward's (_selected_index), possibly followed by unused empty slots."""
+    q, k, v, blocks, do = q.contiguous(), k.contiguous(), v.contiguous(), blocks.contiguous(), do.contiguous()
+    B, T, H, _ = q.shape
+    G, n = k.shape[2], blocks.shape[-1]
+    hpg, config = H // G, _config
+    delta = _delta(do, o)
+    common = dict(H=H, G=G, SEL_BLOCK=sel_block, BLOCK_S=_pow2(sel_block), N_SELECT=n, **_head_dims(q, v))
+    if kernel == "by_block":
+        return _selected_by_block_bwd(q, k, v, blocks, do, lse, delta, tuple(index[:4]), common, scale)
+    dq = torch.empty_like(q)
+    if kernel == "tiled":
+        union, count = index[:2]
+        heads_pad, tile_q = _selected_tile(hpg)
+        selected_tiled_bwd_dq_kernel[(union.shape[1], B * G)](
+            q, k, v, blocks, union, count, do, lse, delta, dq, T, union.shape[1], scale,
+            N_PAD=triton.next_power_of_2(n), HEADS_PAD=heads_pad, TILE_Q=tile_q, **common,
+            num_warps=config.slc_tile_warps, num_stages=config.slc_stages)
+    else:
+        selected_attn_bwd_dq_kernel[(T, B * G)](
+            q, k, v, blocks, do, lse, delta, dq, T, scale, HEADS_PAD=_pow2(hpg), **common, **_slc_launch())
+    if config.slc_dkdv == "by_block":
+        block_index = _by_block_index(blocks, sel_block, config)
+        _, dk, dv = _selected_by_block_bwd(q, k, v, blocks, do, lse, delta, block_index, common, scale, dq_mode=0)
+    else:
+        dk, dv = _selected_dkdv(q, k, v, do, lse, delta, blocks, sel_block, scale)
+    return dq, dk, dv
+
+
 class _SelectedAttention(torch.autograd.Function):
+    """The selected branch on its own (the whole core is the nsa::core op below)."""
 
     @staticmethod
     def forward(ctx, q, k, v, blocks, sel_block: int, scale: float):
-        q, k, v, blocks = q.contiguous(), k.contiguous(), v.contiguous(), blocks.contiguous()
-        B, T, H, _ = q.shape
-        G, n = k.shape[2], blocks.shape[-1]
-        o = torch.empty(*q.shape[:3], v.shape[-1], dtype=q.dtype, device=q.device)
-        lse = torch.empty(B, T, H, dtype=torch.float32, device=q.device)
-        common = dict(H=H, G=G, SEL_BLOCK=sel_block, BLOCK_S=_pow2(sel_block), N_SELECT=n, **_head_dims(q, v))
-        kernel = selected_kernel(H // G, triton.cdiv(T, sel_block), n)
-        index = ()
-        if kernel == "by_block":
-            index = _selected_by_block_fwd(q, k, v, blocks, o, lse, common, scale)
-        elif kernel == "tiled":
-            heads_pad, tile_q = _selected_tile(H // G)
-            union, count = tile_block_union(blocks, tile_q)
-            selected_tiled_fwd_kernel[(union.shape[1], B * G)](
-                q, k, v, blocks, union, count, o, lse, T, union.shape[1], scale, N_PAD=triton.next_power_of_2(n),
-                HEADS_PAD=heads_pad, TILE_Q=tile_q, **common, num_warps=_config.slc_tile_warps,
-                num_stages=_config.slc_stages)
-            index = (union, count)
-        else:
-            selected_attn_fwd_kernel[(T, B * G)](
-                q, k, v, blocks, o, lse, T, scale, HEADS_PAD=_pow2(H // G), **common, **_slc_launch())
+        o, lse, kernel, index = _selected_fwd(q, k, v, blocks, sel_block, scale)
         ctx.save_for_backward(q, k, v, blocks, o, lse, *index)
         ctx.params = (sel_block, scale, _config, kernel)  # backward uses the forward's variant and tile
         return o
@@ -414,42 +476,18 @@ class _SelectedAttention(torch.autograd.Function):
     def backward(ctx, do):
         q, k, v, blocks, o, lse, *index = ctx.saved_tensors
         sel_block, scale, config, kernel = ctx.params
-        do = do.contiguous()
-        B, T, H, _ = q.shape
-        G, n = k.shape[2], blocks.shape[-1]
-        hpg = H // G
-        delta = _delta(do, o)
-        common = dict(H=H, G=G, SEL_BLOCK=sel_block, BLOCK_S=_pow2(sel_block), N_SELECT=n, **_head_dims(q, v))
         with use_launch_config(config):
-            if kernel == "by_block":
-                dq, dk, dv = _selected_by_block_bwd(q, k, v, blocks, do, lse, delta, index, common, scale)
-                return dq, dk, dv, None, None, None
-            dq = torch.empty_like(q)
-            if kernel == "tiled":
-                union, count = index
-                heads_pad, tile_q = _selected_tile(hpg)
-                selected_tiled_bwd_dq_kernel[(union.shape[1], B * G)](
-                    q, k, v, blocks, union, count, do, lse, delta, dq, T, union.shape[1], scale,
-                    N_PAD=triton.next_power_of_2(n), HEADS_PAD=heads_pad, TILE_Q=tile_q, **common,
-                    num_warps=config.slc_tile_warps, num_stages=config.slc_stages)
-            else:
-                selected_attn_bwd_dq_kernel[(T, B * G)](
-                    q, k, v, blocks, do, lse, delta, dq, T, scale, HEADS_PAD=_pow2(hpg), **common, **_slc_launch())
-            if config.slc_dkdv == "by_block":
-                index = _by_block_index(blocks, sel_block, config)
-                _, dk, dv = _selected_by_block_bwd(q, k, v, blocks, do, lse, delta, index, common, scale, dq_mode=0)
-            else:
-                dk, dv = _selected_dkdv(q, k, v, do, lse, delta, blocks, sel_block, scale)
+            dq, dk, dv = _selected_bwd(q, k, v, blocks, o, lse, index, do, sel_block, scale, kernel)
         return dq, dk, dv, None, None, None
 
 
-def _selected_by_block_fwd(q, k, v, blocks, o, lse, common, scale):
-    """Forward of the by_block variant into o and lse; returns the index the backward reuses."""
+def _selected_by_block_fwd(q, k, v, blocks, o, lse, index, common, scale):
+    """Forward of the by_block variant into o and lse, over the work list `index` (_by_block_index)."""
     B, T, H, _ = q.shape
     G, n, dv = k.shape[2], blocks.shape[-1], v.shape[-1]
     hpg, c = H // G, _config
     num_blocks = triton.cdiv(T, common["SEL_BLOCK"])
-    order, starts, work_seg, work_chunk = _by_block_index(blocks, common["SEL_BLOCK"], c)
+    order, starts, work_seg, work_chunk = index
     slots = B * T * G * n * hpg
     o_part = torch.empty(slots, dv, dtype=_partial_dtype(q, c), device=q.device)
     lse2_part = torch.empty(slots, dtype=torch.float32, device=q.device)
@@ -461,7 +499,6 @@ def _selected_by_block_fwd(q, k, v, blocks, o, lse, common, scale):
     selected_combine_kernel[(triton.cdiv(rows, _COMBINE_ROWS),)](
         o_part, lse2_part, blocks, o, lse, rows, H=H, G=G, DV=dv, BLOCK_DV=common["BLOCK_DV"], N_SELECT=n,
         BLOCK_R=_COMBINE_ROWS)
-    return order, starts, work_seg, work_chunk
 
 
 def _by_block_index(blocks, sel_block, config):
@@ -537,34 +574,49 @@ def selected_attention(q, k, v, blocks, cfg: NSAConfig, scale: float):
 _GATE_ROWS = 32  # (b, t, h) rows per program of the gate kernels
 
 
-class _GatedSum(torch.autograd.Function):
+def _gated_fwd(gates, o_cmp, o_slc, o_win):
     """o = gates[..., 0:1] * o_cmp + gates[..., 1:2] * o_slc + gates[..., 2:3] * o_win (kernels/gates.py)."""
+    if _config.gate_kernel == "torch":
+        return gates[..., 0:1] * o_cmp + gates[..., 1:2] * o_slc + gates[..., 2:3] * o_win
+    gates, o_cmp, o_slc, o_win = (x.contiguous() for x in (gates, o_cmp, o_slc, o_win))
+    dv = o_cmp.shape[-1]
+    rows = o_cmp.numel() // dv if dv else 0
+    o = torch.empty_like(o_cmp)
+    if rows:
+        gated_sum_fwd_kernel[(triton.cdiv(rows, _GATE_ROWS),)](
+            gates, o_cmp, o_slc, o_win, o, rows, DV=dv, BLOCK_R=_GATE_ROWS, BLOCK_D=_pow2(dv))
+    return o
+
+
+def _gated_bwd(gates, o_cmp, o_slc, o_win, do):
+    """(dgates, d_cmp, d_slc, d_win) of _gated_fwd."""
+    if _config.gate_kernel == "torch":
+        outs = (o_cmp, o_slc, o_win)
+        dgates = torch.stack([(do.float() * x.float()).sum(-1) for x in outs], dim=-1).to(gates.dtype)
+        return (dgates, *(gates[..., i:i + 1] * do for i in range(3)))
+    gates, o_cmp, o_slc, o_win, do = (x.contiguous() for x in (gates, o_cmp, o_slc, o_win, do))
+    dv = o_cmp.shape[-1]
+    rows = o_cmp.numel() // dv if dv else 0
+    dgates = torch.empty_like(gates)
+    d_cmp, d_slc, d_win = (torch.empty_like(o_cmp) for _ in range(3))
+    if rows:
+        gated_sum_bwd_kernel[(triton.cdiv(rows, _GATE_ROWS),)](
+            gates, o_cmp, o_slc, o_win, do, dgates, d_cmp, d_slc, d_win, rows, DV=dv, BLOCK_R=_GATE_ROWS,
+            BLOCK_D=_pow2(dv))
+    return dgates, d_cmp, d_slc, d_win
+
+
+class _GatedSum(torch.autograd.Function):
+    """The fused gated combination on its own (the whole core is the nsa::core op below)."""
 
     @staticmethod
     def forward(ctx, gates, o_cmp, o_slc, o_win):
-        gates, o_cmp, o_slc, o_win = (x.contiguous() for x in (gates, o_cmp, o_slc, o_win))
-        dv = o_cmp.shape[-1]
-        rows = o_cmp.numel() // dv if dv else 0
-        o = torch.empty_like(o_cmp)
-        if rows:
-            gated_sum_fwd_kernel[(triton.cdiv(rows, _GATE_ROWS),)](
-                gates, o_cmp, o_slc, o_win, o, rows, DV=dv, BLOCK_R=_GATE_ROWS, BLOCK_D=_pow2(dv))
         ctx.save_for_backward(gates, o_cmp, o_slc, o_win)
-        return o
+        return _gated_fwd(gates, o_cmp, o_slc, o_win)
 
     @staticmethod
     def backward(ctx, do):
-        gates, o_cmp, o_slc, o_win = ctx.saved_tensors
-        do = do.contiguous()
-        dv = o_cmp.shape[-1]
-        rows = o_cmp.numel() // dv if dv else 0
-        dgates = torch.empty_like(gates)
-        d_cmp, d_slc, d_win = (torch.empty_like(o_cmp) for _ in range(3))
-        if rows:
-            gated_sum_bwd_kernel[(triton.cdiv(rows, _GATE_ROWS),)](
-                gates, o_cmp, o_slc, o_win, do, dgates, d_cmp, d_slc, d_win, rows, DV=dv, BLOCK_R=_GATE_ROWS,
-                BLOCK_D=_pow2(dv))
-        return dgates, d_cmp, d_slc, d_win
+        return _gated_bwd(*ctx.saved_tensors, do)
 
 
 def gated_sum(gates, o_cmp, o_slc, o_win):
@@ -578,14 +630,110 @@ def gated_sum(gates, o_cmp, o_slc, o_win):
     return gates[..., 0:1] * o_cmp + gates[..., 1:2] * o_slc + gates[..., 2:3] * o_win
 
 
-# --- the whole thing ------------------------------------------------------------------------------------------
+# --- the whole thing: one custom op, so torch.compile traces a model through it ------------------------------
+#
+# nsa::core runs the four pieces above and returns, besides o and the selections, what its backward reads
+# (branch outputs, log-sum-exps, the selected variant's index: always 4 slots, empty where unused). To
+# torch.compile it is one opaque op with a fake implementation for shapes, so a model compiles in one graph
+# per forward with no break at the core; nsa::core_bwd is its backward, opaque the same way.
+
+_INDEX_SLOTS = 4
+
+
+def _empty_index(device) -> torch.Tensor:
+    return torch.empty(0, dtype=torch.int32, device=device)
+
+
+def _padded_index(index: tuple, device) -> list[torch.Tensor]:
+    return [*index, *(_empty_index(device) for _ in range(_INDEX_SLOTS - len(index)))]
+
+
+def _core_nsa_config(cmp_block, cmp_stride, sel_block, n_selected, window, n_init_blocks, n_local_blocks):
+    return NSAConfig(cmp_block=cmp_block, cmp_stride=cmp_stride, sel_block=sel_block, n_selected=n_selected,
+                     window=window, n_init_blocks=n_init_blocks, n_local_blocks=n_local_blocks)
+
+
+@torch.library.custom_op("nsa::core", mutates_args=())
+def _core(q: torch.Tensor, k_slc: torch.Tensor, v_slc: torch.Tensor, k_win: torch.Tensor, v_win: torch.Tensor,
+          k_cmp: torch.Tensor, v_cmp: torch.Tensor, gates: torch.Tensor, cmp_block: int, cmp_stride: int,
+          sel_block: int, n_selected: int, window: int, n_init_blocks: int, n_local_blocks: int,
+          scale: float) -> list[torch.Tensor]:
+    """[o, blocks, o_cmp, lse_cmp, o_slc, lse_slc, o_win, lse_win, *index (4 slots)]."""
+    cfg = _core_nsa_config(cmp_block, cmp_stride, sel_block, n_selected, window, n_init_blocks, n_local_blocks)
+    T = q.shape[1]
+    o_cmp, lse_cmp = _range_fwd(q, k_cmp, v_cmp, *_cmp_range(cmp_block, cmp_stride, T), scale)
+    blocks = select_blocks(q, k_cmp, lse_cmp, cfg, scale)
+    o_slc, lse_slc, _, index = _selected_fwd(q, k_slc, v_slc, blocks, sel_block, scale)
+    o_win, lse_win = _range_fwd(q, k_win, v_win, 1, 0, min(window, T), scale)
+    o = _gated_fwd(gates, o_cmp, o_slc, o_win)
+    return [o, blocks, o_cmp, lse_cmp, o_slc, lse_slc, o_win, lse_win, *_padded_index(index, q.device)]
+
+
+@_core.register_fake
+def _core_fake(q, k_slc, v_slc, k_win, v_win, k_cmp, v_cmp, gates, cmp_block, cmp_stride, sel_block, n_selected,
+               window, n_init_blocks, n_local_blocks, scale):
+    B, T, H, _ = q.shape
+    G, dv = k_slc.shape[2], v_slc.shape[-1]
+    out = q.new_empty(B, T, H, dv)
+    lse = q.new_empty(B, T, H, dtype=torch.float32)
+    blocks = q.new_empty(B, T, G, n_selected, dtype=torch.int32)
+    kernel = selected_kernel(H // G, triton.cdiv(T, sel_block), n_selected)
+    index = _selected_index(blocks, sel_block, kernel, H // G)  # torch ops only: fake tensors of the real shapes
+    return [out, blocks, out.new_empty(out.shape), lse, out.new_empty(out.shape), lse.new_empty(lse.shape),
+            out.new_empty(out.shape), lse.new_empty(lse.shape), *_padded_index(index, q.device)]
+
+
+@torch.library.custom_op("nsa::core_bwd", mutates_args=())
+def _core_bwd(do: torch.Tensor, q: torch.Tensor, k_slc: torch.Tensor, v_slc: torch.Tensor, k_win: torch.Tensor,
+              v_win: torch.Tensor, k_cmp: torch.Tensor, v_cmp: torch.Tensor, gates: torch.Tensor,
+              saved: list[torch.Tensor], cmp_block: int, cmp_stride: int, sel_block: int, window: int,
+              scale: float, kernel: str) -> list[torch.Tensor]:
+    """[dq, dk_slc, dv_slc, dk_win, dv_win, dk_cmp, dv_cmp, dgates] of nsa::core; saved = its outputs 1..."""
+    blocks, o_cmp, lse_cmp, o_slc, lse_slc, o_win, lse_win, *index = saved
+    T = q.shape[1]
+    dgates, d_cmp, d_slc, d_win = _gated_bwd(gates, o_cmp, o_slc, o_win, do)
+    dq, dk_cmp, dv_cmp = _range_bwd(q, k_cmp, v_cmp, o_cmp, lse_cmp, d_cmp, *_cmp_range(cmp_block, cmp_stride, T),
+                                    scale)
+    dq_slc, dk_slc, dv_slc = _selected_bwd(q, k_slc, v_slc, blocks, o_slc, lse_slc, index, d_slc, sel_block,
+                                           scale, kernel)
+    dq_win, dk_win, dv_win = _range_bwd(q, k_win, v_win, o_win, lse_win, d_win, 1, 0, min(window, T), scale)
+    dq = dq.add_(dq_slc).add_(dq_win)  # dq is this op's own buffer
+    return [dq, dk_slc, dv_slc, dk_win, dv_win, dk_cmp, dv_cmp, dgates]
+
+
+@_core_bwd.register_fake
+def _core_bwd_fake(do, q, k_slc, v_slc, k_win, v_win, k_cmp, v_cmp, gates, saved, cmp_block, cmp_stride, sel_block,
+                   window, scale, kernel):
+    return [x.new_empty(x.shape) for x in (q, k_slc, v_slc, k_win, v_win, k_cmp, v_cmp, gates)]
+
+
+def _core_setup_context(ctx, inputs, output):
+    q, k_slc, v_slc, k_win, v_win, k_cmp, v_cmp, gates, cmp_block, cmp_stride, sel_block, n_selected, window, \
+        _n_init, _n_local, scale = inputs
+    ctx.save_for_backward(q, k_slc, v_slc, k_win, v_win, k_cmp, v_cmp, gates, *output[1:])
+    ctx.params = (cmp_block, cmp_stride, sel_block, window, scale)
+    H, G = q.shape[2], k_slc.shape[2]
+    # The backward runs the variant and launch config the forward ran with.
+    ctx.kernel = selected_kernel(H // G, triton.cdiv(q.shape[1], sel_block), n_selected)
+    ctx.config = _config
+
+
+def _core_backward(ctx, grads):
+    q, k_slc, v_slc, k_win, v_win, k_cmp, v_cmp, gates, *saved = ctx.saved_tensors
+    do = grads[0]  # the other outputs are selections and what the backward reads: no gradient flows through them
+    with use_launch_config(ctx.config):
+        dq, dk_slc, dv_slc, dk_win, dv_win, dk_cmp, dv_cmp, dgates = torch.ops.nsa.core_bwd(
+            do, q, k_slc, v_slc, k_win, v_win, k_cmp, v_cmp, gates, saved, *ctx.params, ctx.kernel)
+    return dq, dk_slc, dv_slc, dk_win, dv_win, dk_cmp, dv_cmp, dgates, *(None,) * 8
+
+
+_core.register_autograd(_core_backward, setup_context=_core_setup_context)
+
 
 def nsa_attention(q, k_slc, v_slc, k_win, v_win, k_cmp, v_cmp, gates, cfg: NSAConfig, *, scale: float,
                   return_blocks: bool = False):
     _check_inputs(q=q, k_slc=k_slc, v_slc=v_slc, k_win=k_win, v_win=v_win, k_cmp=k_cmp, v_cmp=v_cmp, gates=gates)
-    o_cmp, lse = compressed_attention(q, k_cmp, v_cmp, cfg, scale)
-    blocks = select_blocks(q.detach(), k_cmp.detach(), lse.detach(), cfg, scale)
-    o_slc = selected_attention(q, k_slc, v_slc, blocks, cfg, scale)
-    o_win = window_attention(q, k_win, v_win, cfg.window, scale)
-    o = gated_sum(gates, o_cmp, o_slc, o_win)
+    o, blocks, *_ = torch.ops.nsa.core(q, k_slc, v_slc, k_win, v_win, k_cmp, v_cmp, gates, cfg.cmp_block,
+                                       cfg.cmp_stride, cfg.sel_block, cfg.n_selected, cfg.window, cfg.n_init_blocks,
+                                       cfg.n_local_blocks, float(scale))
     return (o, blocks) if return_blocks else o
