@@ -209,12 +209,12 @@ def _range_fwd(q, k, v, key_stride: int, key_offset: int, window: int, scale: fl
     return o, lse
 
 
-def _range_bwd(q, k, v, o, lse, do, key_stride: int, key_offset: int, window: int, scale: float):
-    """(dq, dk, dv) of _range_fwd."""
+def _range_bwd(q, k, v, o, lse, do, key_stride: int, key_offset: int, window: int, scale: float, delta=None):
+    """(dq, dk, dv) of _range_fwd; delta = rowsum(do * o) [B,T,H] fp32 when the caller has it already."""
     q, k, v, do = q.contiguous(), k.contiguous(), v.contiguous(), do.contiguous()
     B, T, H, _ = q.shape
     num_keys, G = k.shape[1], k.shape[2]
-    delta = _delta(do, o)
+    delta = _delta(do, o) if delta is None else delta
     dq = torch.empty_like(q)
     dk = torch.zeros(k.shape, dtype=torch.float32, device=k.device)  # the group's heads may add into these
     dv = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
@@ -432,14 +432,14 @@ def _selected_index(blocks, sel_block: int, kernel: str, hpg: int) -> tuple[torc
     return ()
 
 
-def _selected_bwd(q, k, v, blocks, o, lse, index, do, sel_block: int, scale: float, kernel: str):
+def _selected_bwd(q, k, v, blocks, o, lse, index, do, sel_block: int, scale: float, kernel: str, delta=None):
     """(dq, dk, dv) of _selected_fwd, under the launch config its forward ran with (the caller pins it); index
-    is the forward's (_selected_index), possibly followed by unused empty slots."""
+    is the forward's (_selected_index), possibly followed by unused empty slots; delta as in _range_bwd."""
     q, k, v, blocks, do = q.contiguous(), k.contiguous(), v.contiguous(), blocks.contiguous(), do.contiguous()
     B, T, H, _ = q.shape
     G, n = k.shape[2], blocks.shape[-1]
     hpg, config = H // G, _config
-    delta = _delta(do, o)
+    delta = _delta(do, o) if delta is None else delta
     common = dict(H=H, G=G, SEL_BLOCK=sel_block, BLOCK_S=_pow2(sel_block), N_SELECT=n, **_head_dims(q, v))
     if kernel == "by_block":
         return _selected_by_block_bwd(q, k, v, blocks, do, lse, delta, tuple(index[:4]), common, scale)
@@ -588,16 +588,17 @@ def _gated_fwd(gates, o_cmp, o_slc, o_win):
     return o
 
 
-def _gated_bwd(gates, o_cmp, o_slc, o_win, do):
-    """(dgates, d_cmp, d_slc, d_win) of _gated_fwd."""
+def _gated_bwd(gates, o_cmp, o_slc, o_win, do, dgates_dtype=None):
+    """(dgates, d_cmp, d_slc, d_win) of _gated_fwd; dgates in dgates_dtype (default: the gates' dtype)."""
+    dgates_dtype = dgates_dtype or gates.dtype
     if _config.gate_kernel == "torch":
         outs = (o_cmp, o_slc, o_win)
-        dgates = torch.stack([(do.float() * x.float()).sum(-1) for x in outs], dim=-1).to(gates.dtype)
+        dgates = torch.stack([(do.float() * x.float()).sum(-1) for x in outs], dim=-1).to(dgates_dtype)
         return (dgates, *(gates[..., i:i + 1] * do for i in range(3)))
     gates, o_cmp, o_slc, o_win, do = (x.contiguous() for x in (gates, o_cmp, o_slc, o_win, do))
     dv = o_cmp.shape[-1]
     rows = o_cmp.numel() // dv if dv else 0
-    dgates = torch.empty_like(gates)
+    dgates = torch.empty(gates.shape, dtype=dgates_dtype, device=gates.device)  # the kernel sums in fp32
     d_cmp, d_slc, d_win = (torch.empty_like(o_cmp) for _ in range(3))
     if rows:
         gated_sum_bwd_kernel[(triton.cdiv(rows, _GATE_ROWS),)](
@@ -691,14 +692,18 @@ def _core_bwd(do: torch.Tensor, q: torch.Tensor, k_slc: torch.Tensor, v_slc: tor
     """[dq, dk_slc, dv_slc, dk_win, dv_win, dk_cmp, dv_cmp, dgates] of nsa::core; saved = its outputs 1..."""
     blocks, o_cmp, lse_cmp, o_slc, lse_slc, o_win, lse_win, *index = saved
     T = q.shape[1]
-    dgates, d_cmp, d_slc, d_win = _gated_bwd(gates, o_cmp, o_slc, o_win, do)
+    dgates, d_cmp, d_slc, d_win = _gated_bwd(gates, o_cmp, o_slc, o_win, do, dgates_dtype=torch.float32)
+    # Each branch's backward row term rowsum(d_i * o_i) = g_i * rowsum(do * o_i) = g_i * dgates_i: the gate
+    # backward has already summed it (in fp32), so no branch reads its d_i and o_i again for it.
+    delta_cmp, delta_slc, delta_win = (gates.float() * dgates).permute(3, 0, 1, 2).contiguous().unbind(0)
     dq, dk_cmp, dv_cmp = _range_bwd(q, k_cmp, v_cmp, o_cmp, lse_cmp, d_cmp, *_cmp_range(cmp_block, cmp_stride, T),
-                                    scale)
+                                    scale, delta=delta_cmp)
     dq_slc, dk_slc, dv_slc = _selected_bwd(q, k_slc, v_slc, blocks, o_slc, lse_slc, index, d_slc, sel_block,
-                                           scale, kernel)
-    dq_win, dk_win, dv_win = _range_bwd(q, k_win, v_win, o_win, lse_win, d_win, 1, 0, min(window, T), scale)
+                                           scale, kernel, delta=delta_slc)
+    dq_win, dk_win, dv_win = _range_bwd(q, k_win, v_win, o_win, lse_win, d_win, 1, 0, min(window, T), scale,
+                                        delta=delta_win)
     dq = dq.add_(dq_slc).add_(dq_win)  # dq is this op's own buffer
-    return [dq, dk_slc, dv_slc, dk_win, dv_win, dk_cmp, dv_cmp, dgates]
+    return [dq, dk_slc, dv_slc, dk_win, dv_win, dk_cmp, dv_cmp, dgates.to(gates.dtype)]
 
 
 @_core_bwd.register_fake
