@@ -432,9 +432,11 @@ def _selected_index(blocks, sel_block: int, kernel: str, hpg: int) -> tuple[torc
     return ()
 
 
-def _selected_bwd(q, k, v, blocks, o, lse, index, do, sel_block: int, scale: float, kernel: str, delta=None):
+def _selected_bwd(q, k, v, blocks, o, lse, index, do, sel_block: int, scale: float, kernel: str, delta=None,
+                  dq_add=None):
     """(dq, dk, dv) of _selected_fwd, under the launch config its forward ran with (the caller pins it); index
-    is the forward's (_selected_index), possibly followed by unused empty slots; delta as in _range_bwd."""
+    is the forward's (_selected_index), possibly followed by unused empty slots; delta as in _range_bwd; dq_add:
+    two [B,T,H,Dk] tensors added into dq (folded into by_block's dQ slot sum)."""
     q, k, v, blocks, do = q.contiguous(), k.contiguous(), v.contiguous(), blocks.contiguous(), do.contiguous()
     B, T, H, _ = q.shape
     G, n = k.shape[2], blocks.shape[-1]
@@ -442,7 +444,8 @@ def _selected_bwd(q, k, v, blocks, o, lse, index, do, sel_block: int, scale: flo
     delta = _delta(do, o) if delta is None else delta
     common = dict(H=H, G=G, SEL_BLOCK=sel_block, BLOCK_S=_pow2(sel_block), N_SELECT=n, **_head_dims(q, v))
     if kernel == "by_block":
-        return _selected_by_block_bwd(q, k, v, blocks, do, lse, delta, tuple(index[:4]), common, scale)
+        return _selected_by_block_bwd(q, k, v, blocks, do, lse, delta, tuple(index[:4]), common, scale,
+                                      dq_add=dq_add)
     dq = torch.empty_like(q)
     if kernel == "tiled":
         union, count = index[:2]
@@ -459,6 +462,8 @@ def _selected_bwd(q, k, v, blocks, o, lse, index, do, sel_block: int, scale: flo
         _, dk, dv = _selected_by_block_bwd(q, k, v, blocks, do, lse, delta, block_index, common, scale, dq_mode=0)
     else:
         dk, dv = _selected_dkdv(q, k, v, do, lse, delta, blocks, sel_block, scale)
+    if dq_add is not None:
+        dq = dq.add_(dq_add[0]).add_(dq_add[1])
     return dq, dk, dv
 
 
@@ -505,9 +510,10 @@ def _by_block_index(blocks, sel_block, config):
     return block_work(blocks, triton.cdiv(blocks.shape[1], sel_block), config.slc_block_chunk)
 
 
-def _selected_by_block_bwd(q, k, v, blocks, do, lse, delta, index, common, scale, dq_mode=None):
+def _selected_by_block_bwd(q, k, v, blocks, do, lse, delta, index, common, scale, dq_mode=None, dq_add=None):
     """(dq or None, dk, dv) of the selected branch by key blocks: one fused kernel over the blocks' choosers, then
-    the dQ slot sum. dq_mode 0 computes dK/dV only (for the query-driven variants); None follows slc_dq."""
+    the dQ slot sum. dq_mode 0 computes dK/dV only (for the query-driven variants); None follows slc_dq.
+    dq_add: two more [B,T,H,Dk] tensors added into dq (the other branches' dQ), by the slot sum where it runs."""
     order, starts, work_seg, work_chunk = index
     B, T, H, dk_dim = q.shape
     G, n = k.shape[2], blocks.shape[-1]
@@ -533,9 +539,13 @@ def _selected_by_block_bwd(q, k, v, blocks, do, lse, delta, index, common, scale
     elif dq_mode == 1:
         dq = torch.empty_like(q)
         rows = B * T * H
+        add_a, add_b = dq_add if dq_add is not None else (dq, dq)
         selected_dq_sum_kernel[(triton.cdiv(rows, _COMBINE_ROWS),)](
-            dq_out, blocks, dq, rows, H=H, G=G, DK=dk_dim, BLOCK_DK=common["BLOCK_DK"], N_SELECT=n,
-            BLOCK_R=_COMBINE_ROWS)
+            dq_out, blocks, dq, add_a.contiguous(), add_b.contiguous(), rows, H=H, G=G, DK=dk_dim,
+            BLOCK_DK=common["BLOCK_DK"], N_SELECT=n, BLOCK_R=_COMBINE_ROWS, HAS_ADD=dq_add is not None)
+        dq_add = None  # folded in
+    if dq_add is not None and dq is not None:
+        dq = dq.add_(dq_add[0]).add_(dq_add[1])
     return dq, dk_acc.to(k.dtype), dv_acc.to(v.dtype)
 
 
@@ -696,13 +706,13 @@ def _core_bwd(do: torch.Tensor, q: torch.Tensor, k_slc: torch.Tensor, v_slc: tor
     # Each branch's backward row term rowsum(d_i * o_i) = g_i * rowsum(do * o_i) = g_i * dgates_i: the gate
     # backward has already summed it (in fp32), so no branch reads its d_i and o_i again for it.
     delta_cmp, delta_slc, delta_win = (gates.float() * dgates).permute(3, 0, 1, 2).contiguous().unbind(0)
-    dq, dk_cmp, dv_cmp = _range_bwd(q, k_cmp, v_cmp, o_cmp, lse_cmp, d_cmp, *_cmp_range(cmp_block, cmp_stride, T),
-                                    scale, delta=delta_cmp)
-    dq_slc, dk_slc, dv_slc = _selected_bwd(q, k_slc, v_slc, blocks, o_slc, lse_slc, index, d_slc, sel_block,
-                                           scale, kernel, delta=delta_slc)
+    dq_cmp, dk_cmp, dv_cmp = _range_bwd(q, k_cmp, v_cmp, o_cmp, lse_cmp, d_cmp,
+                                        *_cmp_range(cmp_block, cmp_stride, T), scale, delta=delta_cmp)
     dq_win, dk_win, dv_win = _range_bwd(q, k_win, v_win, o_win, lse_win, d_win, 1, 0, min(window, T), scale,
                                         delta=delta_win)
-    dq = dq.add_(dq_slc).add_(dq_win)  # dq is this op's own buffer
+    # The selected branch's backward adds the other two branches' dQ into its own (by_block: in its slot sum).
+    dq, dk_slc, dv_slc = _selected_bwd(q, k_slc, v_slc, blocks, o_slc, lse_slc, index, d_slc, sel_block, scale,
+                                       kernel, delta=delta_slc, dq_add=(dq_cmp, dq_win))
     return [dq, dk_slc, dv_slc, dk_win, dv_win, dk_cmp, dv_cmp, dgates.to(gates.dtype)]
 
 
