@@ -216,26 +216,29 @@ def _range_bwd(q, k, v, o, lse, do, key_stride: int, key_offset: int, window: in
     num_keys, G = k.shape[1], k.shape[2]
     delta = _delta(do, o) if delta is None else delta
     dq = torch.empty_like(q)
-    dk = torch.zeros(k.shape, dtype=torch.float32, device=k.device)  # the group's heads may add into these
-    dv = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
     launch = _range_launch(q, v)
     bm, bn = launch["BLOCK_M"], launch["BLOCK_N"]
     common = dict(H=H, G=G, **_head_dims(q, v), **launch)
     range_attn_bwd_dq_kernel[(triton.cdiv(T, bm), B * H)](
         q, k, v, do, lse, delta, dq, T, num_keys, scale, key_stride, key_offset, window, **common)
+    # A key tile of the compressed branch is seen by up to T queries: one head per program and chunks of the query
+    # axis (atomic adds) spread that over the GPU. A window tile is seen by ~w queries: one program per group is
+    # enough (window_dkdv = "group"), or one per head (atomic adds).
+    key_tiles, query_tiles = triton.cdiv(num_keys, bn), triton.cdiv(T, bm)
+    if window >= T:
+        head_split = H // G
+        chunks = triton.cdiv(_config.range_dkdv_programs, max(key_tiles, 1) * B * G * head_split)
+        q_chunk = triton.cdiv(query_tiles, min(max(chunks, 1), query_tiles)) * bm
+    else:
+        head_split = H // G if _config.window_dkdv == "head" else 1
+        q_chunk = query_tiles * bm
+    atomic = head_split > 1 or q_chunk < T
+    if atomic:  # programs add into fp32 accumulators, cast once at the end
+        dk = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
+        dv = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
+    else:  # one program stores each key row once, in the input dtype: no zero fill, no cast
+        dk, dv = torch.empty_like(k), torch.empty_like(v)
     if num_keys > 0:
-        # A key tile of the compressed branch is seen by up to T queries: one head per program and chunks of
-        # the query axis (atomic adds) spread that over the GPU. A window tile is seen by ~w queries: one
-        # program per group is enough (window_dkdv = "group"), or one per head (atomic adds).
-        key_tiles, query_tiles = triton.cdiv(num_keys, bn), triton.cdiv(T, bm)
-        if window >= T:
-            head_split = H // G
-            chunks = triton.cdiv(_config.range_dkdv_programs, key_tiles * B * G * head_split)
-            q_chunk = triton.cdiv(query_tiles, min(max(chunks, 1), query_tiles)) * bm
-        else:
-            head_split = H // G if _config.window_dkdv == "head" else 1
-            q_chunk = query_tiles * bm
-        atomic = head_split > 1 or q_chunk < T
         range_attn_bwd_dkdv_kernel[(key_tiles, B * G * head_split, triton.cdiv(T, q_chunk))](
             q, k, v, do, lse, delta, dk, dv, T, num_keys, scale, key_stride, key_offset, window, q_chunk,
             HEAD_SPLIT=head_split, ATOMIC=atomic, **common)
