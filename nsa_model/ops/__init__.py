@@ -62,8 +62,8 @@ def preload(backend: str) -> None:
     """Import the backend modules `backend` may pick, now rather than inside a torch.compile'd forward (dynamo
     cannot trace importlib): triton on a CUDA host (asked for, or "auto") or under Triton's interpreter. Elsewhere
     nothing is imported: a triton forward on CPU tensors then fails with resolve_backend's message."""
-    can_run = torch.cuda.is_available() or _triton_interpreting()
-    if can_run and backend in ("triton", "auto") and (backend == "triton" or torch.cuda.is_available()):
+    cuda = torch.cuda.is_available()
+    if (backend == "auto" and cuda) or (backend == "triton" and (cuda or _triton_interpreting())):
         if "triton" not in _LOADED:
             _LOADED["triton"] = importlib.import_module(_MODULES["triton"])
 

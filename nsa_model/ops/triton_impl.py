@@ -251,6 +251,11 @@ def _cmp_range(cmp_block: int, cmp_stride: int, T: int) -> tuple[int, int, int]:
     return cmp_stride, cmp_block - 1, T
 
 
+def _win_range(window: int, T: int) -> tuple[int, int, int]:
+    """(key_stride, key_offset, window) of the window branch: keys are the raw positions t - w + 1 .. t."""
+    return 1, 0, min(window, T)
+
+
 class _RangeAttention(torch.autograd.Function):
     """The compressed and window branches on their own (the whole core is the nsa::core op below)."""
 
@@ -280,7 +285,7 @@ def window_attention(q, k, v, window: int, scale: float):
     _check_inputs(q=q, k=k, v=v)
     if window <= 0:
         raise ValueError(f"window: must be positive, got {window}")
-    o, _ = _RangeAttention.apply(q, k, v, 1, 0, min(window, q.shape[1]), scale)
+    o, _ = _RangeAttention.apply(q, k, v, *_win_range(window, q.shape[1]), scale)
     return o
 
 
@@ -678,7 +683,7 @@ def _core(q: torch.Tensor, k_slc: torch.Tensor, v_slc: torch.Tensor, k_win: torc
     o_cmp, lse_cmp = _range_fwd(q, k_cmp, v_cmp, *_cmp_range(cmp_block, cmp_stride, T), scale)
     blocks = select_blocks(q, k_cmp, lse_cmp, cfg, scale)
     o_slc, lse_slc, _, index = _selected_fwd(q, k_slc, v_slc, blocks, sel_block, scale)
-    o_win, lse_win = _range_fwd(q, k_win, v_win, 1, 0, min(window, T), scale)
+    o_win, lse_win = _range_fwd(q, k_win, v_win, *_win_range(window, T), scale)
     o = _gated_fwd(gates, o_cmp, o_slc, o_win)
     return [o, blocks, o_cmp, lse_cmp, o_slc, lse_slc, o_win, lse_win, *_padded_index(index, q.device)]
 
@@ -711,7 +716,7 @@ def _core_bwd(do: torch.Tensor, q: torch.Tensor, k_slc: torch.Tensor, v_slc: tor
     delta_cmp, delta_slc, delta_win = (gates.float() * dgates).permute(3, 0, 1, 2).contiguous().unbind(0)
     dq_cmp, dk_cmp, dv_cmp = _range_bwd(q, k_cmp, v_cmp, o_cmp, lse_cmp, d_cmp,
                                         *_cmp_range(cmp_block, cmp_stride, T), scale, delta=delta_cmp)
-    dq_win, dk_win, dv_win = _range_bwd(q, k_win, v_win, o_win, lse_win, d_win, 1, 0, min(window, T), scale,
+    dq_win, dk_win, dv_win = _range_bwd(q, k_win, v_win, o_win, lse_win, d_win, *_win_range(window, T), scale,
                                         delta=delta_win)
     # The selected branch's backward adds the other two branches' dQ into its own (by_block: in its slot sum).
     dq, dk_slc, dv_slc = _selected_bwd(q, k_slc, v_slc, blocks, o_slc, lse_slc, index, d_slc, sel_block, scale,
