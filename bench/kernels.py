@@ -314,10 +314,8 @@ BY_BLOCK_MAX_HPG = 8  # by_block variants are timed for groups up to this size (
 
 
 def range_tiles(block_m, block_n, warps, stages):
-    """The same range-kernel tiles for every head dim (LaunchConfig has a set for <= 64 and one for larger)."""
-    return dict(range_block_m=block_m, range_block_n=block_n, range_warps=warps, range_stages=stages,
-                range_block_m_d64=block_m, range_block_n_d64=block_n, range_warps_d64=warps,
-                range_stages_d64=stages)
+    """The same tiles for every range kernel (forward, dQ, dK/dV) and every head dim."""
+    return {name: (block_m, block_n, warps, stages) for name in ti.RANGE_TILE_FIELDS}
 
 
 # Compressed/window variants timed side by side in every run: v4 (every tile masked, eager delta, one compressed
@@ -437,43 +435,71 @@ def time_selected_variants(x, blocks, do, cfg, scale, nsa_fb, leaves):
     return out
 
 
-def sweep_launch_configs(have_fla):
-    """Time each piece under candidate launch parameters; return the best combination (one field group per
-    piece: range kernels -> cmp + win, selected fwd/dQ -> slc, selected dK/dV -> slc)."""
-    base = ti.LaunchConfig()
-    groups = {
-        "range": [dict(), range_tiles(128, 64, 8, 2), range_tiles(128, 64, 8, 3), range_tiles(64, 64, 4, 3)],
-        "slc": [dict(), dict(slc_warps=2), dict(slc_stages=3)],
-        "dkdv": [dict(), dict(dkdv_rows=128, dkdv_warps=8), dict(dkdv_rows=64, dkdv_warps=8)],
-    }
-    shapes = [("paper", 1, 8192), ("125m", 16, 2048)]
-    log, best = [], {}
-    for group, variants in groups.items():
+# Sweep candidates per group: LaunchConfig changes, timed on the group's shapes (geometric mean). The range kernels
+# are swept one at a time (each has its own tiles; v7 and before ran all three on 64 x 64, 4 warps, 2 stages):
+# larger query tiles for the forward and dQ, larger key tiles for dK/dV (FlashAttention-2's split on Hopper).
+_RANGE_CANDIDATES = {
+    "fwd": [(64, 64, 4, 2), (128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3), (128, 32, 4, 3)],
+    "dq": [(64, 64, 4, 2), (128, 64, 8, 2), (128, 32, 4, 3), (64, 32, 4, 3), (64, 64, 4, 3), (128, 64, 4, 3)],
+    "dkdv": [(64, 64, 4, 2), (32, 128, 4, 3), (64, 128, 8, 2), (32, 64, 4, 3), (64, 64, 4, 3), (128, 64, 8, 2)],
+}
+SWEEP_GROUPS = {
+    **{f"range_{k}_d64": ([{f"range_{k}_d64": t} for t in c], [("125m", 16, 2048), ("125m", 1, 32768)])
+       for k, c in _RANGE_CANDIDATES.items()},
+    **{f"range_{k}": ([{f"range_{k}": t} for t in c], [("paper", 1, 8192)]) for k, c in _RANGE_CANDIDATES.items()},
+    "slc": ([dict(), dict(slc_warps=2), dict(slc_stages=3)], [("paper", 1, 8192), ("125m", 16, 2048)]),
+    "dkdv": ([dict(), dict(dkdv_rows=128, dkdv_warps=8), dict(dkdv_rows=64, dkdv_warps=8)],
+             [("paper", 1, 8192), ("125m", 16, 2048)]),
+}
+
+
+def sweep_launch_configs(groups):
+    """Time each group's candidates on its shapes, one group after another, each on top of the best of the groups
+    before it; return that config and the log."""
+    best = ti.LaunchConfig()
+    log = []
+    for group in groups:
+        variants, shapes = SWEEP_GROUPS[group]
         scores = []
         for v in variants:
-            cfg_l = dataclasses.replace(base, **v)
             total = 0.0
+            try:
+                cfg_l = dataclasses.replace(best, **v)
+            except ValueError as e:
+                scores.append((float("inf"), v))
+                log.append({"group": group, "variant": v, "error": str(e)[:200]})
+                continue
             with ti.use_launch_config(cfg_l):
                 for family, B, T in shapes:
                     try:
                         ms = time_pieces(family, B, T, PAPER_NSA, group)
                     except Exception as e:  # e.g. out of shared memory: that variant is out
-                        ms, v = float("inf"), dict(v, error=repr(e)[:200])
+                        ms = float("inf")
+                        log.append({"group": group, "variant": v, "error": repr(e)[:200]})
                     total += math.log(ms)
                     log.append({"group": group, "variant": v, "family": family, "B": B, "T": T, "ms": ms})
                     print(json.dumps(log[-1]), flush=True)
+                    torch.cuda.empty_cache()
             scores.append((total, v))
-        best.update({k: val for k, val in min(scores, key=lambda x: x[0])[1].items() if k != "error"})
-    return dataclasses.replace(base, **best), log
+        best = dataclasses.replace(best, **min(scores, key=lambda x: x[0])[1])
+    return best, log
 
 
 def time_pieces(family, B, T, cfg, group):
+    """ms of the pieces a sweep group changes: range_fwd* the compressed + window forward, other range_* their
+    forward + backward, slc/dkdv the selected branch's."""
     s = SHAPES[family]
     H, G, Dk, Dv = s["H"], s["G"], s["Dk"], s["Dv"]
     scale = Dk ** -0.5
     x = {n: t.requires_grad_() for n, t in make_inputs(B, T, H, G, Dk, Dv, cfg, torch.bfloat16, seed=2).items()}
     do = torch.randn(B, T, H, Dv, device="cuda", dtype=torch.bfloat16)
-    if group == "range":
+    if group.startswith("range_fwd"):
+        def fn():
+            with torch.no_grad():
+                ti.compressed_attention(x["q"], x["k_cmp"], x["v_cmp"], cfg, scale)
+                ti.window_attention(x["q"], x["k_win"], x["v_win"], cfg.window, scale)
+        return bench(fn)
+    if group.startswith("range"):
         def fn():
             ti.compressed_attention(x["q"], x["k_cmp"], x["v_cmp"], cfg, scale)[0].backward(do)
             ti.window_attention(x["q"], x["k_win"], x["v_win"], cfg.window, scale).backward(do)
@@ -587,7 +613,8 @@ def main():
     ap.add_argument("--out", default="bench/results")
     ap.add_argument("--quick", action="store_true", help="only the first two checks and timings")
     ap.add_argument("--skip-checks", action="store_true")
-    ap.add_argument("--sweep", action="store_true", help="pick launch parameters by timing candidates first")
+    ap.add_argument("--sweep", default="", help="comma-separated sweep groups (SWEEP_GROUPS) to run first: pick "
+                    "launch parameters by timing candidates, then check and time with them")
     ap.add_argument("--checks", default="", help="comma-separated check names to run (default: all)")
     ap.add_argument("--timings", default="", help="comma-separated family:B:T to time, e.g. 125m:16:2048 "
                     "(default: all of TIMINGS, in that order)")
@@ -622,7 +649,10 @@ def main():
 
     sweep_log = []
     if args.sweep:
-        chosen, sweep_log = sweep_launch_configs(have_fla)
+        groups = args.sweep.split(",")
+        if any(g not in SWEEP_GROUPS for g in groups):
+            raise SystemExit(f"--sweep: not all of {groups} are in {list(SWEEP_GROUPS)}")
+        chosen, sweep_log = sweep_launch_configs(groups)
         ti.set_launch_config(chosen)  # for the rest of this run
         meta["launch_config"] = ti.launch_config().__dict__
         print("launch config:", meta["launch_config"], flush=True)

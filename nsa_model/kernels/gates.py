@@ -32,17 +32,23 @@ def gated_sum_fwd_kernel(GATES, O_CMP, O_SLC, O_WIN, O, num_rows, DV: tl.constex
 
 
 @triton.jit
-def _branch_grads(GATE, O_X, DO_X, DGATE, do, at, ok, rows64, r_ok):
-    """One branch: d o_x = g_x * do, d g_x = sum over the head dim of do * o_x."""
+def _branch_grads(GATE, O_X, DO_X, DGATE, DELTA_X, do, at, ok, rows64, r_ok, HAS_DELTA: tl.constexpr):
+    """One branch: d o_x = g_x * do, d g_x = sum over the head dim of do * o_x; with HAS_DELTA also the branch
+    backward's row term sum(d o_x * o_x), taken from d o_x as stored (rounded to its dtype), so that it cancels
+    exactly against the dP the attention backward computes from that same stored d o_x."""
     g = tl.load(GATE + rows64 * 3, mask=r_ok, other=0.0).to(tl.float32)
     o_x = tl.load(O_X + at, mask=ok, other=0.0).to(tl.float32)
-    tl.store(DO_X + at, (g[:, None] * do).to(DO_X.dtype.element_ty), mask=ok)
+    do_x = (g[:, None] * do).to(DO_X.dtype.element_ty)
+    tl.store(DO_X + at, do_x, mask=ok)
     tl.store(DGATE + rows64 * 3, tl.sum(do * o_x, axis=1).to(DGATE.dtype.element_ty), mask=r_ok)
+    if HAS_DELTA:
+        tl.store(DELTA_X + rows64, tl.sum(do_x.to(tl.float32) * o_x, axis=1), mask=r_ok)
 
 
 @triton.jit
-def gated_sum_bwd_kernel(GATES, O_CMP, O_SLC, O_WIN, DO, DGATES, DO_CMP, DO_SLC, DO_WIN, num_rows,
-                         DV: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+def gated_sum_bwd_kernel(GATES, O_CMP, O_SLC, O_WIN, DO, DGATES, DO_CMP, DO_SLC, DO_WIN, DELTA, num_rows,
+                         DV: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, HAS_DELTA: tl.constexpr):
+    """DELTA (with HAS_DELTA): [3, ROWS] fp32, each branch's row term, in the order cmp, slc, win."""
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     offs_d = tl.arange(0, BLOCK_D)
     r_ok = rows < num_rows
@@ -50,6 +56,6 @@ def gated_sum_bwd_kernel(GATES, O_CMP, O_SLC, O_WIN, DO, DGATES, DO_CMP, DO_SLC,
     ok = r_ok[:, None] & (offs_d < DV)[None, :]
     at = rows64[:, None] * DV + offs_d[None, :]
     do = tl.load(DO + at, mask=ok, other=0.0).to(tl.float32)
-    _branch_grads(GATES, O_CMP, DO_CMP, DGATES, do, at, ok, rows64, r_ok)
-    _branch_grads(GATES + 1, O_SLC, DO_SLC, DGATES + 1, do, at, ok, rows64, r_ok)
-    _branch_grads(GATES + 2, O_WIN, DO_WIN, DGATES + 2, do, at, ok, rows64, r_ok)
+    _branch_grads(GATES, O_CMP, DO_CMP, DGATES, DELTA, do, at, ok, rows64, r_ok, HAS_DELTA)
+    _branch_grads(GATES + 1, O_SLC, DO_SLC, DGATES + 1, DELTA + num_rows, do, at, ok, rows64, r_ok, HAS_DELTA)
+    _branch_grads(GATES + 2, O_WIN, DO_WIN, DGATES + 2, DELTA + 2 * num_rows, do, at, ok, rows64, r_ok, HAS_DELTA)

@@ -47,18 +47,21 @@ DELTA_KERNELS = ("torch", "fused")  # backward row term sum(do * o): eager fp32 
 WINDOW_DKDV = ("group", "head")  # window dK/dV: one program per key tile and group (stores) or per head (atomics)
 
 
+RANGE_TILE_FIELDS = ("range_fwd", "range_dq", "range_dkdv", "range_fwd_d64", "range_dq_d64", "range_dkdv_d64")
+
+
 @dataclass(frozen=True)
 class LaunchConfig:
-    range_block_m: int = 64  # query tile of the compressed/window kernels (head dims > 64)
-    range_block_n: int = 64  # key tile of the compressed/window kernels (head dims > 64)
+    # Compressed/window kernels, each its own (query tile, key tile, warps, stages): forward, dQ, dK/dV; for head
+    # dims > 64 and, leaving registers for larger tiles, for head dims <= 64.
+    range_fwd: tuple[int, int, int, int] = (64, 64, 4, 2)
+    range_dq: tuple[int, int, int, int] = (64, 64, 4, 2)
+    range_dkdv: tuple[int, int, int, int] = (64, 64, 4, 2)
+    range_fwd_d64: tuple[int, int, int, int] = (64, 64, 4, 2)
+    range_dq_d64: tuple[int, int, int, int] = (64, 64, 4, 2)
+    range_dkdv_d64: tuple[int, int, int, int] = (64, 64, 4, 2)
     select_block_m: int = 64  # query tile of the selection kernel
     select_chunk_splits: int = 0  # selection walks chunks of n_pad * 2**this blocks (see kernels/selection.py)
-    range_warps: int = 4
-    range_stages: int = 2
-    range_block_m_d64: int = 64  # the same four for head dims <= 64, which leave registers for larger tiles
-    range_block_n_d64: int = 64
-    range_warps_d64: int = 4
-    range_stages_d64: int = 2
     range_dkdv_programs: int = 2048  # compressed dK/dV: split the query axis until about this many programs
     select_warps: int = 4
     slc_warps: int = 2  # selected attention forward and dQ (2 beat 4 in the v2 sweep on H100)
@@ -90,22 +93,28 @@ class LaunchConfig:
             if getattr(self, name) not in allowed:
                 raise ValueError(f"LaunchConfig.{name}: must be one of {allowed}, got {getattr(self, name)!r}")
         for f in dataclasses.fields(self):
-            if f.name in choices:
+            if f.name in choices or f.name in RANGE_TILE_FIELDS:
                 continue
             value = getattr(self, f.name)
             low = 0 if f.name == "select_chunk_splits" else 1
             if not isinstance(value, int) or value < low:
                 raise ValueError(f"LaunchConfig.{f.name}: must be an int >= {low}, got {value!r}")
-        for name in ("range_block_m", "range_block_n", "range_block_m_d64", "range_block_n_d64", "select_block_m",
-                     "dkdv_rows", "slc_tile_rows", "slc_block_rows"):
+        for name in RANGE_TILE_FIELDS:
             value = getattr(self, name)
+            if (not isinstance(value, tuple) or len(value) != 4 or not all(isinstance(x, int) for x in value)
+                    or min(value) < 1):
+                raise ValueError(f"LaunchConfig.{name}: must be a tuple of 4 positive ints (query tile, key tile, "
+                                 f"warps, stages), got {value!r}")
+        tiles = [(name, getattr(self, name)) for name in ("select_block_m", "dkdv_rows", "slc_tile_rows",
+                                                            "slc_block_rows")]
+        tiles += [(f"{name} tiles", getattr(self, name)[i]) for name in RANGE_TILE_FIELDS for i in (0, 1)]
+        for name, value in tiles:
             if value < 16 or value & (value - 1):
                 raise ValueError(f"LaunchConfig.{name}: must be a power of two >= 16, got {value}")
 
 
 # Small tiles in the interpreter: it costs per program and per op, and CI shapes are small.
-_INTERPRETER_CONFIG = LaunchConfig(range_block_m=64, range_block_n=64, select_block_m=128, dkdv_rows=32,
-                                   dkdv_chunk=64, slc_block_chunk=64)
+_INTERPRETER_CONFIG = LaunchConfig(select_block_m=128, dkdv_rows=32, dkdv_chunk=64, slc_block_chunk=64)
 _config = _INTERPRETER_CONFIG if INTERPRETED else LaunchConfig()
 
 
@@ -163,16 +172,12 @@ def _head_dims(q: torch.Tensor, v: torch.Tensor) -> dict:
     return dict(DK=dk, DV=dv, BLOCK_DK=_pow2(dk), BLOCK_DV=_pow2(dv), DOT_PRECISION=_dot_precision(q.dtype))
 
 
-def _range_launch(q: torch.Tensor, v: torch.Tensor) -> dict:
-    """Tiles and launch parameters of the range kernels for these head dims."""
-    c = _config
-    if max(q.shape[-1], v.shape[-1]) <= 64:
-        tiles = dict(BLOCK_M=c.range_block_m_d64, BLOCK_N=c.range_block_n_d64, num_warps=c.range_warps_d64,
-                     num_stages=c.range_stages_d64)
-    else:
-        tiles = dict(BLOCK_M=c.range_block_m, BLOCK_N=c.range_block_n, num_warps=c.range_warps,
-                     num_stages=c.range_stages)
-    return dict(tiles, EDGE_SPLIT=c.range_kernel == "split")
+def _range_launch(q: torch.Tensor, v: torch.Tensor, kernel: str) -> dict:
+    """Tiles and launch parameters of one range kernel ("fwd", "dq" or "dkdv") for these head dims."""
+    d64 = "_d64" if max(q.shape[-1], v.shape[-1]) <= 64 else ""
+    block_m, block_n, warps, stages = getattr(_config, f"range_{kernel}{d64}")
+    return dict(BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages,
+                EDGE_SPLIT=_config.range_kernel == "split")
 
 
 _DELTA_ROWS = 32  # (b, t, h) rows per program of the delta kernel
@@ -202,7 +207,7 @@ def _range_fwd(q, k, v, key_stride: int, key_offset: int, window: int, scale: fl
     num_keys, G = k.shape[1], k.shape[2]
     o = torch.empty(*q.shape[:3], v.shape[-1], dtype=q.dtype, device=q.device)
     lse = torch.empty(B, T, H, dtype=torch.float32, device=q.device)
-    launch = _range_launch(q, v)
+    launch = _range_launch(q, v, "fwd")
     range_attn_fwd_kernel[(triton.cdiv(T, launch["BLOCK_M"]), B * H)](
         q, k, v, o, lse, T, num_keys, scale, key_stride, key_offset, window, H=H, G=G, **_head_dims(q, v),
         **launch)
@@ -216,11 +221,12 @@ def _range_bwd(q, k, v, o, lse, do, key_stride: int, key_offset: int, window: in
     num_keys, G = k.shape[1], k.shape[2]
     delta = _delta(do, o) if delta is None else delta
     dq = torch.empty_like(q)
-    launch = _range_launch(q, v)
+    dims = dict(H=H, G=G, **_head_dims(q, v))
+    launch_dq = _range_launch(q, v, "dq")
+    range_attn_bwd_dq_kernel[(triton.cdiv(T, launch_dq["BLOCK_M"]), B * H)](
+        q, k, v, do, lse, delta, dq, T, num_keys, scale, key_stride, key_offset, window, **dims, **launch_dq)
+    launch = _range_launch(q, v, "dkdv")
     bm, bn = launch["BLOCK_M"], launch["BLOCK_N"]
-    common = dict(H=H, G=G, **_head_dims(q, v), **launch)
-    range_attn_bwd_dq_kernel[(triton.cdiv(T, bm), B * H)](
-        q, k, v, do, lse, delta, dq, T, num_keys, scale, key_stride, key_offset, window, **common)
     # A key tile of the compressed branch is seen by up to T queries: one head per program and chunks of the query
     # axis (atomic adds) spread that over the GPU. A window tile is seen by ~w queries: one program per group is
     # enough (window_dkdv = "group"), or one per head (atomic adds).
@@ -241,7 +247,7 @@ def _range_bwd(q, k, v, o, lse, do, key_stride: int, key_offset: int, window: in
     if num_keys > 0:
         range_attn_bwd_dkdv_kernel[(key_tiles, B * G * head_split, triton.cdiv(T, q_chunk))](
             q, k, v, do, lse, delta, dk, dv, T, num_keys, scale, key_stride, key_offset, window, q_chunk,
-            HEAD_SPLIT=head_split, ATOMIC=atomic, **common)
+            HEAD_SPLIT=head_split, ATOMIC=atomic, **dims, **launch)
     return dq, dk.to(k.dtype), dv.to(v.dtype)
 
 
@@ -606,23 +612,32 @@ def _gated_fwd(gates, o_cmp, o_slc, o_win):
     return o
 
 
-def _gated_bwd(gates, o_cmp, o_slc, o_win, do, dgates_dtype=None):
-    """(dgates, d_cmp, d_slc, d_win) of _gated_fwd; dgates in dgates_dtype (default: the gates' dtype)."""
+def _gated_bwd(gates, o_cmp, o_slc, o_win, do, dgates_dtype=None, with_delta=False):
+    """(dgates, d_cmp, d_slc, d_win) of _gated_fwd; dgates in dgates_dtype (default: the gates' dtype). With
+    with_delta, a fifth item: each branch's backward row term rowsum(d_i * o_i), [3, B, T, H] fp32 (cmp, slc, win),
+    summed from d_i as returned (rounded to its dtype), since the attention backward computes dP from that d_i
+    and the two must cancel exactly where softmax has one key (there the true dQ and dK are zero)."""
     dgates_dtype = dgates_dtype or gates.dtype
     if _config.gate_kernel == "torch":
         outs = (o_cmp, o_slc, o_win)
         dgates = torch.stack([(do.float() * x.float()).sum(-1) for x in outs], dim=-1).to(dgates_dtype)
-        return (dgates, *(gates[..., i:i + 1] * do for i in range(3)))
+        grads = tuple(gates[..., i:i + 1] * do for i in range(3))
+        if not with_delta:
+            return (dgates, *grads)
+        return (dgates, *grads, torch.stack([(d.float() * x.float()).sum(-1) for d, x in zip(grads, outs)]))
     gates, o_cmp, o_slc, o_win, do = (x.contiguous() for x in (gates, o_cmp, o_slc, o_win, do))
     dv = o_cmp.shape[-1]
     rows = o_cmp.numel() // dv if dv else 0
     dgates = torch.empty(gates.shape, dtype=dgates_dtype, device=gates.device)  # the kernel sums in fp32
     d_cmp, d_slc, d_win = (torch.empty_like(o_cmp) for _ in range(3))
+    delta = torch.empty((3, *o_cmp.shape[:-1]), dtype=torch.float32, device=o_cmp.device) if with_delta else None
     if rows:
         gated_sum_bwd_kernel[(triton.cdiv(rows, _GATE_ROWS),)](
-            gates, o_cmp, o_slc, o_win, do, dgates, d_cmp, d_slc, d_win, rows, DV=dv, BLOCK_R=_GATE_ROWS,
-            BLOCK_D=_pow2(dv))
-    return dgates, d_cmp, d_slc, d_win
+            gates, o_cmp, o_slc, o_win, do, dgates, d_cmp, d_slc, d_win, dgates if delta is None else delta, rows,
+            DV=dv, BLOCK_R=_GATE_ROWS, BLOCK_D=_pow2(dv), HAS_DELTA=with_delta)
+    elif with_delta:
+        delta.zero_()  # Dv = 0: every row sum is empty
+    return (dgates, d_cmp, d_slc, d_win) if delta is None else (dgates, d_cmp, d_slc, d_win, delta)
 
 
 class _GatedSum(torch.autograd.Function):
@@ -710,10 +725,10 @@ def _core_bwd(do: torch.Tensor, q: torch.Tensor, k_slc: torch.Tensor, v_slc: tor
     """[dq, dk_slc, dv_slc, dk_win, dv_win, dk_cmp, dv_cmp, dgates] of nsa::core; saved = its outputs 1..."""
     blocks, o_cmp, lse_cmp, o_slc, lse_slc, o_win, lse_win, *index = saved
     T = q.shape[1]
-    dgates, d_cmp, d_slc, d_win = _gated_bwd(gates, o_cmp, o_slc, o_win, do, dgates_dtype=torch.float32)
-    # Each branch's backward row term rowsum(d_i * o_i) = g_i * rowsum(do * o_i) = g_i * dgates_i: the gate
-    # backward has already summed it (in fp32), so no branch reads its d_i and o_i again for it.
-    delta_cmp, delta_slc, delta_win = (gates.float() * dgates).permute(3, 0, 1, 2).contiguous().unbind(0)
+    # The gate backward also sums each branch's row term rowsum(d_i * o_i) while it has d_i and o_i in registers,
+    # so no branch reads them again for it.
+    dgates, d_cmp, d_slc, d_win, (delta_cmp, delta_slc, delta_win) = _gated_bwd(
+        gates, o_cmp, o_slc, o_win, do, dgates_dtype=torch.float32, with_delta=True)
     dq_cmp, dk_cmp, dv_cmp = _range_bwd(q, k_cmp, v_cmp, o_cmp, lse_cmp, d_cmp,
                                         *_cmp_range(cmp_block, cmp_stride, T), scale, delta=delta_cmp)
     dq_win, dk_win, dv_win = _range_bwd(q, k_win, v_win, o_win, lse_win, d_win, *_win_range(window, T), scale,
