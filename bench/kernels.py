@@ -447,6 +447,11 @@ SWEEP_GROUPS = {
     **{f"range_{k}_d64": ([{f"range_{k}_d64": t} for t in c], [("125m", 16, 2048), ("125m", 1, 32768)])
        for k, c in _RANGE_CANDIDATES.items()},
     **{f"range_{k}": ([{f"range_{k}": t} for t in c], [("paper", 1, 8192)]) for k, c in _RANGE_CANDIDATES.items()},
+    "select": ([dict(), dict(select_block_m=128), dict(select_block_m=32), dict(select_warps=8),
+                dict(select_block_m=128, select_warps=8)], [("125m", 16, 2048), ("125m", 1, 32768)]),
+    "by_block": ([dict(), dict(slc_block_chunk=128), dict(slc_block_chunk=512), dict(slc_block_warps=8),
+                  dict(slc_block_stages=4), dict(slc_block_rows=128, slc_block_warps=8)],
+                 [("125m", 16, 2048), ("125m", 1, 32768)]),
     "slc": ([dict(), dict(slc_warps=2), dict(slc_stages=3)], [("paper", 1, 8192), ("125m", 16, 2048)]),
     "dkdv": ([dict(), dict(dkdv_rows=128, dkdv_warps=8), dict(dkdv_rows=64, dkdv_warps=8)],
              [("paper", 1, 8192), ("125m", 16, 2048)]),
@@ -487,7 +492,7 @@ def sweep_launch_configs(groups):
 
 def time_pieces(family, B, T, cfg, group):
     """ms of the pieces a sweep group changes: range_fwd* the compressed + window forward, other range_* their
-    forward + backward, slc/dkdv the selected branch's."""
+    forward + backward, select the selection, slc/dkdv/by_block the selected branch's forward + backward."""
     s = SHAPES[family]
     H, G, Dk, Dv = s["H"], s["G"], s["Dk"], s["Dv"]
     scale = Dk ** -0.5
@@ -507,6 +512,8 @@ def time_pieces(family, B, T, cfg, group):
         with torch.no_grad():
             _, lse = ti.compressed_attention(x["q"], x["k_cmp"], x["v_cmp"], cfg, scale)
             blocks = ti.select_blocks(x["q"], x["k_cmp"], lse, cfg, scale)
+        if group == "select":
+            return bench(lambda: ti.select_blocks(x["q"], x["k_cmp"], lse, cfg, scale))
 
         def fn():
             ti.selected_attention(x["q"], x["k_slc"], x["v_slc"], blocks, cfg, scale).backward(do)
