@@ -5,7 +5,7 @@ kernel launches and batched tensor ops whose sizes depend only on shapes: no hos
 
 Launch parameters (tile sizes, warps) and the kernel variants (selected fwd/dQ per query or per query tile,
 gates eager or fused, range kernels masking every tile or only the edge tiles, delta eager or fused; the
-defaults were chosen by bench/results/kernels-h100-2026-11-22-v4.md and -v5*.md, see kernels-notes.md) live in
+defaults were chosen by the runs in bench/results/kernels-h100-*.md, v4 to v8, see kernels-notes.md) live in
 one LaunchConfig; `use_launch_config` pins another one (tests and the benchmark use it). Under TRITON_INTERPRET=1
 (set before import) the kernels run on CPU tensors.
 """
@@ -72,7 +72,7 @@ class LaunchConfig:
     slc_kernel: str = "auto"  # one of SELECTED_KERNELS
     slc_auto_max_hpg: int = 8  # auto: by_block for groups of at most this many heads, query-driven for larger ones
     slc_block_rows: int = 64  # by_block: matrix rows (choosers x heads, unpadded) per step
-    slc_block_chunk: int = 256  # by_block: choosers of one block handled by one program
+    slc_block_chunk: int = 512  # by_block: choosers per program (v8 sweep: 512 beat 256 by 3% at 32k, tie at 2k)
     slc_block_warps: int = 4
     slc_block_stages: int = 3  # v6c: 3 beat 2 at every 125M shape (4 ties 3)
     slc_partial: str = "input"  # one of PARTIAL_DTYPES
