@@ -447,3 +447,18 @@ def test_core_op_passes_torch_library_opcheck(monkeypatch):
     args += [cfg.cmp_block, cfg.cmp_stride, cfg.sel_block, cfg.n_selected, cfg.window, cfg.n_init_blocks,
              cfg.n_local_blocks, 0.3]
     torch.library.opcheck(torch.ops.nsa.core.default, args)
+
+
+def test_only_the_core_ops_output_carries_a_gradient():
+    """nsa::core returns o and, for its backward, the selections and branch outputs: only o may require grad, so
+    that no backward (eager or AOTAutograd's) fills zero gradients for the other eleven, three [B, T, H, Dv]
+    tensors among them."""
+    cfg = NSAConfig(cmp_block=4, cmp_stride=2, sel_block=4, n_selected=3, window=6)
+    x = make_inputs(1, 13, 4, 2, 8, 8, cfg, seed=3, dtype=torch.float32)
+    args = [t.to(DEVICE).requires_grad_(True) for t in x.values()]
+    outs = torch.ops.nsa.core(*args, cfg.cmp_block, cfg.cmp_stride, cfg.sel_block, cfg.n_selected, cfg.window,
+                              cfg.n_init_blocks, cfg.n_local_blocks, 0.3)
+    assert outs[0].requires_grad
+    assert [i for i, t in enumerate(outs) if t.requires_grad] == [0]
+    outs[0].sum().backward()
+    assert all(t.grad is not None and torch.isfinite(t.grad).all() for t in args)
