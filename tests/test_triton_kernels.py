@@ -285,7 +285,7 @@ def test_core_op_backward_matches_reference_under_every_variant(variant):
 
 
 @pytest.mark.parametrize("gate_kernel", ["fused", "torch"])
-def test_core_bwd_in_bf16_gives_zero_query_and_key_grads_where_each_softmax_has_one_key(gate_kernel):
+def test_core_bwd_in_half_precision_gives_zero_query_and_key_grads_where_each_softmax_has_one_key(gate_kernel):
     """At T = 1 every branch's softmax has one key (or none), so dQ and dK are exactly zero: dS = P (dP - delta)
     cancels only if delta is summed from the same rounded d o_i that the attention backward's dP reads. (Taking
     delta as g_i * rowsum(do * o_i) in fp32 left dQ at 1.9% of the reference's scale in bf16 on the H100.) fp16

@@ -58,7 +58,7 @@ class LaunchConfig:
     range_dq: tuple[int, int, int, int] = (64, 64, 4, 2)
     range_dkdv: tuple[int, int, int, int] = (64, 64, 4, 2)
     range_fwd_d64: tuple[int, int, int, int] = (64, 64, 4, 2)
-    range_dq_d64: tuple[int, int, int, int] = (64, 32, 4, 3)  # v8 sweep: -5% (32k) to -23% (16 x 2k) on dQ
+    range_dq_d64: tuple[int, int, int, int] = (64, 32, 4, 3)  # v8 sweep (cmp + win fwd+bwd): -23% at 16 x 2k
     range_dkdv_d64: tuple[int, int, int, int] = (64, 64, 4, 3)  # v8 sweep: -8% at 32k
     select_block_m: int = 64  # query tile of the selection kernel
     select_chunk_splits: int = 0  # selection walks chunks of n_pad * 2**this blocks (see kernels/selection.py)
