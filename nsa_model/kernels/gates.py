@@ -4,7 +4,9 @@
 
 In eager PyTorch this is five elementwise kernels forward and about ten backward, each re-reading [B, T, H, DV]
 tensors; here the forward reads the three branch outputs once and the backward reads do and them once, writing
-the three branch gradients and the gate gradients (a row sum) in the same pass. Arithmetic is fp32.
+the three branch gradients and the gate gradients (a row sum) in the same pass, and on request each branch's
+backward row term rowsum(d o_i * o_i) (HAS_DELTA), so no attention backward re-reads d o_i and o_i for it.
+Arithmetic is fp32.
 
 Layouts (contiguous): gates [ROWS, 3], o_* and do [ROWS, DV], ROWS = B * T * H.
 """
