@@ -256,8 +256,10 @@ def test_selected_variants_match_reference(variant, structured):
 CORE_VARIANTS = {
     "per_query": dict(slc_kernel="per_query", slc_dkdv="inverted"),
     "tiled_torch_gates": dict(slc_kernel="tiled", slc_tile_rows=64, gate_kernel="torch"),
+    # queries t < n * l' = 24 by the dense prefix (slc_prefix = "range", the default), the rest by key blocks
     "by_block_partial": dict(slc_kernel="by_block", slc_block_rows=16, slc_block_chunk=8),
     "by_block_atomic": dict(slc_kernel="by_block", slc_block_rows=16, slc_block_chunk=8, slc_dq="atomic"),
+    "by_block_no_prefix": dict(slc_kernel="by_block", slc_block_rows=16, slc_block_chunk=8, slc_prefix="by_block"),
 }
 
 
@@ -344,14 +346,17 @@ def test_range_variants_match_reference(range_kernel, delta_kernel, dkdv_program
             assert rel_err(a.grad, r.grad) <= FP32_TOL, (branch, name)
 
 
-def test_block_work_covers_every_choice_once():
-    """The by_block index: every valid slot appears once, in its (b, g, block) segment, in query order; the work
-    list hands each segment's entries to programs in chunks, each entry to exactly one program, spares marked -1."""
+@pytest.mark.parametrize("first_t", [0, 7])
+def test_block_work_covers_every_choice_once(first_t):
+    """The by_block index: every valid slot of a query t >= first_t (the dense prefix takes the others) appears
+    once, in its (b, g, block) segment, in query order; the work list hands each segment's entries to programs in
+    chunks, each entry to exactly one program, spares marked -1."""
     gen = torch.Generator().manual_seed(17)
     B, T, G, n, num_blocks, chunk = 2, 23, 3, 4, 6, 5
     blocks = torch.randint(-1, num_blocks, (B, T, G, n), generator=gen, dtype=torch.int32)
-    order, starts, work_seg, work_chunk = triton_impl.block_work(blocks, num_blocks, chunk)
-    valid = int((blocks >= 0).sum())
+    order, starts, work_seg, work_chunk = triton_impl.block_work(blocks, num_blocks, chunk, first_t)
+    in_index = (blocks >= 0) & (torch.arange(T).view(1, T, 1, 1) >= first_t)
+    valid = int(in_index.sum())
     assert int(starts[-1]) == valid and order.dtype == torch.int32
     flat = blocks.flatten().long()
     seen = torch.zeros(flat.numel(), dtype=torch.int64)
@@ -361,13 +366,31 @@ def test_block_work_covers_every_choice_once():
         assert (flat[entries] == j).all()
         t = (entries // (G * n)) % T
         assert ((entries // (T * G * n)) == b).all() and (((entries // n) % G) == g).all()
-        assert (t[1:] >= t[:-1]).all()
+        assert (t[1:] >= t[:-1]).all() and (t >= first_t).all()
         covered = sorted(int(c) for s, c in zip(work_seg.tolist(), work_chunk.tolist()) if s == seg)
         assert covered == list(range(-(-entries.numel() // chunk)))
         seen[entries] += 1
-    assert torch.equal(seen, (flat >= 0).long())
+    assert torch.equal(seen, in_index.flatten().long())
     assert (work_seg >= -1).all() and int((work_seg >= 0).sum()) == sum(
         -(-int(starts[s + 1] - starts[s]) // chunk) for s in range(B * G * num_blocks))
+
+
+@pytest.mark.parametrize("num_blocks, key_dtype", [(4, torch.int16), (5461, torch.int16), (5462, torch.int32)])
+def test_segment_sort_uses_the_narrowest_keys_that_hold_every_segment(num_blocks, key_dtype):
+    """B*G*num_blocks = 6 * num_blocks segments plus the empty-slot id: 32766 still fits int16, 32772 does not.
+    The narrow keys must give exactly the int64 stable sort's order and segment boundaries."""
+    gen = torch.Generator().manual_seed(5)
+    B, T, G, n = 2, 37, 3, 4
+    blocks = torch.randint(-1, num_blocks, (B, T, G, n), generator=gen, dtype=torch.int32)
+    blocks[0, 0, 0] = num_blocks - 1  # the largest segment id is present
+    sorted_segment, order, boundaries = triton_impl._sorted_segments(blocks, num_blocks)
+    group = torch.arange(B).view(B, 1, 1, 1) * G + torch.arange(G).view(1, 1, G, 1)
+    wide = torch.where(blocks >= 0, group * num_blocks + blocks.long(), B * G * num_blocks).flatten()
+    wide_sorted, wide_order = torch.sort(wide, stable=True)
+    assert sorted_segment.dtype == key_dtype and boundaries.dtype == key_dtype
+    assert torch.equal(order, wide_order) and torch.equal(sorted_segment.long(), wide_sorted)
+    assert torch.equal(torch.searchsorted(sorted_segment, boundaries),
+                       torch.searchsorted(wide_sorted, torch.arange(B * G * num_blocks + 1)))
 
 
 def test_tile_block_union():

@@ -12,7 +12,7 @@ larger key means more important, and among equal importance the lower block inde
 +inf (always chosen); non-candidates (block start after t) get key -1 (never chosen over a candidate, decoded to
 -1). A chunk's keys sorted ascending are halved CHUNK_SPLITS times, keeping the upper half, down to its top
 N_PAD. Merge of a running list sorted descending with a chunk's top sorted ascending: the elementwise maximum
-holds the top N_PAD of their union (a bitonic split), which one more sort orders again.
+holds the top N_PAD of their union (a bitonic split) as a bitonic sequence, which a bitonic merge orders again.
 
 A compressed token that starts before the chunk overlaps at most the chunk's first block (l <= l'); its share
 is carried from the previous chunk (`carry`).
@@ -97,7 +97,9 @@ def select_blocks_kernel(Q, KC, LSE, BLOCKS, T, num_cmp, scale,
         for i in tl.static_range(CHUNK_SPLITS):  # keep the upper (larger) half, still ascending
             halves = tl.permute(tl.reshape(chunk_top, [BLOCK_M, 2, CHUNK_BLOCKS >> (i + 1)]), (0, 2, 1))
             _, chunk_top = tl.split(halves)
-        top = tl.sort(tl.maximum(top, chunk_top), dim=1, descending=True)
+        # max(descending, ascending) is bitonic and holds the top N_PAD of both: a bitonic merge (log2 N_PAD
+        # compare-exchange rounds) sorts it, where a full sort takes log2 N_PAD * (log2 N_PAD + 1) / 2.
+        top = tl.bitonic_merge(tl.maximum(top, chunk_top), dim=1, descending=True)
 
     chosen = tl.where(top >= 0, (0 - (top & 0x7FFFFFFF)) + INDEX_MAX, -1).to(tl.int32)
     row_b = (b * T + offs_m).to(tl.int64) * G + g
