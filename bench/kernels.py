@@ -457,12 +457,18 @@ SWEEP_GROUPS = {
              [("paper", 1, 8192), ("125m", 16, 2048)]),
     # whole NSA: the dense prefix (queries t < n l') by the range kernels, or by key blocks like the rest
     "prefix": ([dict(slc_prefix="range"), dict(slc_prefix="by_block")], [("125m", 16, 2048), ("125m", 4, 8192)]),
+    "order": ([dict(slc_block_order="segment"), dict(slc_block_order="query")],
+              [("125m", 16, 2048), ("125m", 1, 32768)]),
+    "select_heads": ([dict(select_heads="loop"), dict(select_heads="unrolled")],
+                     [("125m", 4, 8192), ("125m", 1, 32768)]),
 }
 
 
 def sweep_launch_configs(groups):
     """Time each group's candidates on its shapes, one group after another, each on top of the best of the groups
-    before it; return that config and the log."""
+    before it; return that config and the log. A candidate scores by its GPU kernel time (torch.profiler, the
+    sum over a few calls): the wall-clock median of do_bench, also logged, moves by 5% between two timings of the
+    same config at 125M 16 x 2k (bubbles between the eager launches), more than some candidates differ."""
     best = ti.LaunchConfig()
     log = []
     for group in groups:
@@ -479,12 +485,13 @@ def sweep_launch_configs(groups):
             with ti.use_launch_config(cfg_l):
                 for family, B, T in shapes:
                     try:
-                        ms = time_pieces(family, B, T, PAPER_NSA, group)
+                        ms, gpu_ms = time_pieces(family, B, T, PAPER_NSA, group)
                     except Exception as e:  # e.g. out of shared memory: that variant is out
-                        ms = float("inf")
+                        ms = gpu_ms = float("inf")
                         log.append({"group": group, "variant": v, "error": repr(e)[:200]})
-                    total += math.log(ms)
-                    log.append({"group": group, "variant": v, "family": family, "B": B, "T": T, "ms": ms})
+                    total += math.log(gpu_ms)
+                    log.append({"group": group, "variant": v, "family": family, "B": B, "T": T, "ms": ms,
+                                "gpu_ms": gpu_ms})
                     print(json.dumps(log[-1]), flush=True)
                     torch.cuda.empty_cache()
             scores.append((total, v))
@@ -492,8 +499,24 @@ def sweep_launch_configs(groups):
     return best, log
 
 
+def gpu_kernel_ms(fn, calls=5):
+    """GPU kernel time of one call of fn (ms, mean of `calls`): the sum of every kernel's own device time."""
+    from torch.profiler import ProfilerActivity, profile
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    total_us = 0.0
+    for e in prof.key_averages():
+        us = getattr(e, "self_device_time_total", None)
+        total_us += us if us is not None else getattr(e, "self_cuda_time_total", 0)
+    return total_us / 1000.0 / calls
+
+
 def time_pieces(family, B, T, cfg, group):
-    """ms of the pieces a sweep group changes: range_fwd* the compressed + window forward, other range_* their
+    """(wall ms by do_bench, GPU kernel ms) of the pieces a sweep group changes: range_fwd* the compressed + window forward, other range_* their
     forward + backward, select the selection, slc/dkdv/by_block the selected branch's forward + backward, prefix
     the whole NSA forward + backward (only nsa::core runs the dense prefix)."""
     s = SHAPES[family]
@@ -506,7 +529,7 @@ def time_pieces(family, B, T, cfg, group):
             with torch.no_grad():
                 ti.compressed_attention(x["q"], x["k_cmp"], x["v_cmp"], cfg, scale)
                 ti.window_attention(x["q"], x["k_win"], x["v_win"], cfg.window, scale)
-        return bench(fn)
+        return bench(fn), gpu_kernel_ms(fn)
     if group == "prefix":
         def fn():
             ti.nsa_attention(*x.values(), cfg, scale=scale).backward(do)
@@ -519,11 +542,19 @@ def time_pieces(family, B, T, cfg, group):
             _, lse = ti.compressed_attention(x["q"], x["k_cmp"], x["v_cmp"], cfg, scale)
             blocks = ti.select_blocks(x["q"], x["k_cmp"], lse, cfg, scale)
         if group == "select":
-            return bench(lambda: ti.select_blocks(x["q"], x["k_cmp"], lse, cfg, scale))
+            def select():
+                ti.select_blocks(x["q"], x["k_cmp"], lse, cfg, scale)
+            return bench(select), gpu_kernel_ms(select)
 
         def fn():
             ti.selected_attention(x["q"], x["k_slc"], x["v_slc"], blocks, cfg, scale).backward(do)
-    return bench(fn, list(x.values()))
+    leaves = list(x.values())
+
+    def fn_fresh():  # gradients from nothing each call, as do_bench's grad_to_none gives
+        for t in leaves:
+            t.grad = None
+        fn()
+    return bench(fn, leaves), gpu_kernel_ms(fn_fresh)
 
 
 TIMINGS = [("paper", 1, 8192), ("paper", 1, 16384), ("paper", 1, 32768), ("paper", 1, 65536),

@@ -12,7 +12,7 @@ larger key means more important, and among equal importance the lower block inde
 +inf (always chosen); non-candidates (block start after t) get key -1 (never chosen over a candidate, decoded to
 -1). A chunk's keys sorted ascending are halved CHUNK_SPLITS times, keeping the upper half, down to its top
 N_PAD. Merge of a running list sorted descending with a chunk's top sorted ascending: the elementwise maximum
-holds the top N_PAD of their union (a bitonic split) as a bitonic sequence, which a bitonic merge orders again.
+holds the top N_PAD of their union (a bitonic split), which one more sort orders again.
 
 A compressed token that starts before the chunk overlaps at most the chunk's first block (l <= l'); its share
 is carried from the previous chunk (`carry`).
@@ -34,12 +34,23 @@ def _overlap(piece, block, PIECES_PER_TOKEN: tl.constexpr, PIECES_PER_BLOCK: tl.
 
 
 @triton.jit
+def _head_probs(p_sum, Q, LSE, kc, vis, b, T, offs_m, m_ok, offs_dk, scale, head, H: tl.constexpr, DK: tl.constexpr,
+                DOT_PRECISION: tl.constexpr):
+    """p_sum + p_cmp of one head of the group (its row_q = (b*T + t)*H + head)."""
+    row_q = (b * T + offs_m).to(tl.int64) * H + head
+    q = tl.load(Q + row_q[:, None] * DK + offs_dk[None, :], mask=m_ok[:, None] & (offs_dk < DK)[None, :], other=0.0)
+    lse = tl.load(LSE + row_q, mask=m_ok, other=0.0)
+    s = tl.dot(q, tl.trans(kc), input_precision=DOT_PRECISION) * scale
+    return p_sum + tl.where(vis, tl.exp(s - lse[:, None]), 0.0)
+
+
+@triton.jit
 def select_blocks_kernel(Q, KC, LSE, BLOCKS, T, num_cmp, scale,
                          H: tl.constexpr, G: tl.constexpr, DK: tl.constexpr, BLOCK_DK: tl.constexpr,
                          CMP_BLOCK: tl.constexpr, CMP_STRIDE: tl.constexpr, SEL_BLOCK: tl.constexpr,
                          N_SELECT: tl.constexpr, N_INIT: tl.constexpr, N_LOCAL: tl.constexpr,
                          BLOCK_M: tl.constexpr, N_PAD: tl.constexpr, CHUNK_SPLITS: tl.constexpr,
-                         TOK_PAD: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                         TOK_PAD: tl.constexpr, UNROLL_HEADS: tl.constexpr, DOT_PRECISION: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_bg = tl.program_id(1)
     b = pid_bg // G
@@ -76,13 +87,14 @@ def select_blocks_kernel(Q, KC, LSE, BLOCKS, T, num_cmp, scale,
                      other=0.0)
         vis = (tok[None, :] < n_visible[:, None]) & tok_ok[None, :] & m_ok[:, None]
         p_sum = tl.zeros([BLOCK_M, TOK_PAD], tl.float32)
-        for head in range(HPG):
-            row_q = (b * T + offs_m).to(tl.int64) * H + g * HPG + head
-            q = tl.load(Q + row_q[:, None] * DK + offs_dk[None, :], mask=m_ok[:, None] & (offs_dk < DK)[None, :],
-                        other=0.0)
-            lse = tl.load(LSE + row_q, mask=m_ok, other=0.0)
-            s = tl.dot(q, tl.trans(kc), input_precision=DOT_PRECISION) * scale
-            p_sum += tl.where(vis, tl.exp(s - lse[:, None]), 0.0)
+        if UNROLL_HEADS:  # the group's heads unrolled: the next head's loads can overlap this one's exp
+            for head in tl.static_range(HPG):
+                p_sum = _head_probs(p_sum, Q, LSE, kc, vis, b, T, offs_m, m_ok, offs_dk, scale, g * HPG + head, H, DK,
+                                    DOT_PRECISION)
+        else:
+            for head in range(HPG):
+                p_sum = _head_probs(p_sum, Q, LSE, kc, vis, b, T, offs_m, m_ok, offs_dk, scale, g * HPG + head, H, DK,
+                                    DOT_PRECISION)
         imp = tl.dot(p_sum, weights, input_precision="ieee")  # exact: weights are small integers
         imp += tl.where(offs_j[None, :] == 0, carry[:, None], 0.0)
         carry = tl.sum(p_sum * carry_weights[None, :], axis=1)
@@ -97,9 +109,7 @@ def select_blocks_kernel(Q, KC, LSE, BLOCKS, T, num_cmp, scale,
         for i in tl.static_range(CHUNK_SPLITS):  # keep the upper (larger) half, still ascending
             halves = tl.permute(tl.reshape(chunk_top, [BLOCK_M, 2, CHUNK_BLOCKS >> (i + 1)]), (0, 2, 1))
             _, chunk_top = tl.split(halves)
-        # max(descending, ascending) is bitonic and holds the top N_PAD of both: a bitonic merge (log2 N_PAD
-        # compare-exchange rounds) sorts it, where a full sort takes log2 N_PAD * (log2 N_PAD + 1) / 2.
-        top = tl.bitonic_merge(tl.maximum(top, chunk_top), dim=1, descending=True)
+        top = tl.sort(tl.maximum(top, chunk_top), dim=1, descending=True)
 
     chosen = tl.where(top >= 0, (0 - (top & 0x7FFFFFFF)) + INDEX_MAX, -1).to(tl.int32)
     row_b = (b * T + offs_m).to(tl.int64) * G + g

@@ -48,6 +48,10 @@ WINDOW_DKDV = ("group", "head")  # window dK/dV: one program per key tile and gr
 # by_block, queries t < n * l' (all their candidate blocks are selected, so their selected attention is causal
 # attention over 0..t): by the range kernels with no partials, combine or slot sum ("range"), or like the rest
 SELECTED_PREFIX = ("range", "by_block")
+# by_block work list: programs in segment order (block by block), or in the order of the first query each one
+# handles, so that the programs running at once gather q/do rows of nearby queries (L2 reuse across blocks)
+BLOCK_ORDERS = ("segment", "query")
+SELECT_HEADS = ("loop", "unrolled")  # selection kernel: the group's heads in a loop, or unrolled
 
 
 RANGE_TILE_FIELDS = ("range_fwd", "range_dq", "range_dkdv", "range_fwd_d64", "range_dq_d64", "range_dkdv_d64")
@@ -88,11 +92,14 @@ class LaunchConfig:
     delta_kernel: str = "fused"  # one of DELTA_KERNELS
     window_dkdv: str = "group"  # one of WINDOW_DKDV
     slc_prefix: str = "range"  # one of SELECTED_PREFIX
+    slc_block_order: str = "segment"  # one of BLOCK_ORDERS
+    select_heads: str = "loop"  # one of SELECT_HEADS
 
     def __post_init__(self) -> None:
         choices = {"slc_kernel": SELECTED_KERNELS, "gate_kernel": GATE_KERNELS, "range_kernel": RANGE_KERNELS,
                    "delta_kernel": DELTA_KERNELS, "window_dkdv": WINDOW_DKDV, "slc_partial": PARTIAL_DTYPES,
-                   "slc_dq": SELECTED_DQ, "slc_dkdv": SELECTED_DKDV, "slc_prefix": SELECTED_PREFIX}
+                   "slc_dq": SELECTED_DQ, "slc_dkdv": SELECTED_DKDV, "slc_prefix": SELECTED_PREFIX,
+                   "slc_block_order": BLOCK_ORDERS, "select_heads": SELECT_HEADS}
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise ValueError(f"LaunchConfig.{name}: must be one of {allowed}, got {getattr(self, name)!r}")
@@ -318,7 +325,8 @@ def select_blocks(q, k_cmp, lse, cfg: NSAConfig, scale: float):
         q, k_cmp, lse, blocks, T, num_cmp, scale, H=H, G=G, DK=q.shape[-1], BLOCK_DK=_pow2(q.shape[-1]),
         CMP_BLOCK=cfg.cmp_block, CMP_STRIDE=cfg.cmp_stride, SEL_BLOCK=cfg.sel_block, N_SELECT=n,
         N_INIT=cfg.n_init_blocks, N_LOCAL=cfg.n_local_blocks, BLOCK_M=bm, N_PAD=n_pad, CHUNK_SPLITS=splits,
-        TOK_PAD=_pow2((n_pad << splits) * (cfg.sel_block // cfg.cmp_stride)), DOT_PRECISION=_dot_precision(q.dtype),
+        TOK_PAD=_pow2((n_pad << splits) * (cfg.sel_block // cfg.cmp_stride)),
+        UNROLL_HEADS=_config.select_heads == "unrolled", DOT_PRECISION=_dot_precision(q.dtype),
         num_warps=_config.select_warps)
     return blocks
 
@@ -394,9 +402,10 @@ def selected_kernel(hpg: int, num_blocks: int, n: int, config: LaunchConfig | No
     return "tiled" if num_blocks <= 8 * n else "per_query"
 
 
-def block_work(blocks: torch.Tensor, num_blocks: int, chunk: int, first_t: int = 0):
+def block_work(blocks: torch.Tensor, num_blocks: int, chunk: int, first_t: int = 0, by_query: bool = False):
     """The inverted index of the by_block kernels and their work list, from one sort, sizes fixed by shapes;
-    queries t < first_t are left out (their selected attention runs as a dense prefix).
+    queries t < first_t are left out (their selected attention runs as a dense prefix). by_query: the work list
+    in the order of each program's first (b, t), spare programs last (slc_block_order = "query").
 
     order [B*T*G*n] int32: flat slot ((b*T + t)*G + g)*n + i of each entry, sorted by segment s = (b*G + g) *
     num_blocks + block (query order inside a segment; -1 slots last); starts [S + 1] int64: segment s is
@@ -414,6 +423,11 @@ def block_work(blocks: torch.Tensor, num_blocks: int, chunk: int, first_t: int =
     seg_c = work_seg.clamp(max=num_segments - 1)
     work_chunk = work - (ends - chunks)[seg_c]
     work_seg = torch.where(work_seg < num_segments, work_seg, -1)
+    if by_query:
+        first = order[(starts[seg_c] + work_chunk * chunk).clamp(max=order.numel() - 1)] // (G * n)  # b*T + t
+        first = torch.where(work_seg >= 0, first, B * T)
+        rank = torch.sort(first, stable=True).indices
+        work_seg, work_chunk = work_seg[rank], work_chunk[rank]
     if order.numel() >= 2 ** 31:  # the kernels' int32 index arithmetic (kernels/selected_by_block.py)
         raise ValueError(f"blocks: B*T*G*n = {order.numel()} slots exceed the by_block kernels' int32 index; use "
                          "LaunchConfig(slc_kernel='tiled') or a smaller batch")
@@ -581,7 +595,8 @@ def _selected_by_block_fwd(q, k, v, blocks, o, lse, index, common, scale, first_
 
 
 def _by_block_index(blocks, sel_block, config, first_t: int):
-    return block_work(blocks, triton.cdiv(blocks.shape[1], sel_block), config.slc_block_chunk, first_t)
+    return block_work(blocks, triton.cdiv(blocks.shape[1], sel_block), config.slc_block_chunk, first_t,
+                      by_query=config.slc_block_order == "query")
 
 
 def _selected_by_block_bwd(q, k, v, blocks, do, lse, delta, index, common, scale, dq_mode=None, dq_add=None,
