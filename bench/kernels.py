@@ -455,12 +455,6 @@ SWEEP_GROUPS = {
     "slc": ([dict(), dict(slc_warps=2), dict(slc_stages=3)], [("paper", 1, 8192), ("125m", 16, 2048)]),
     "dkdv": ([dict(), dict(dkdv_rows=128, dkdv_warps=8), dict(dkdv_rows=64, dkdv_warps=8)],
              [("paper", 1, 8192), ("125m", 16, 2048)]),
-    # whole NSA: the dense prefix (queries t < n l') by the range kernels, or by key blocks like the rest
-    "prefix": ([dict(slc_prefix="range"), dict(slc_prefix="by_block")], [("125m", 16, 2048), ("125m", 4, 8192)]),
-    "order": ([dict(slc_block_order="segment"), dict(slc_block_order="query")],
-              [("125m", 16, 2048), ("125m", 1, 32768)]),
-    "select_heads": ([dict(select_heads="loop"), dict(select_heads="unrolled")],
-                     [("125m", 4, 8192), ("125m", 1, 32768)]),
 }
 
 
@@ -517,8 +511,7 @@ def gpu_kernel_ms(fn, calls=5):
 
 def time_pieces(family, B, T, cfg, group):
     """(wall ms by do_bench, GPU kernel ms) of the pieces a sweep group changes: range_fwd* the compressed + window forward, other range_* their
-    forward + backward, select the selection, slc/dkdv/by_block the selected branch's forward + backward, prefix
-    the whole NSA forward + backward (only nsa::core runs the dense prefix)."""
+    forward + backward, select the selection, slc/dkdv/by_block the selected branch's forward + backward."""
     s = SHAPES[family]
     H, G, Dk, Dv = s["H"], s["G"], s["Dk"], s["Dv"]
     scale = Dk ** -0.5
@@ -530,10 +523,7 @@ def time_pieces(family, B, T, cfg, group):
                 ti.compressed_attention(x["q"], x["k_cmp"], x["v_cmp"], cfg, scale)
                 ti.window_attention(x["q"], x["k_win"], x["v_win"], cfg.window, scale)
         return bench(fn), gpu_kernel_ms(fn)
-    if group == "prefix":
-        def fn():
-            ti.nsa_attention(*x.values(), cfg, scale=scale).backward(do)
-    elif group.startswith("range"):
+    if group.startswith("range"):
         def fn():
             ti.compressed_attention(x["q"], x["k_cmp"], x["v_cmp"], cfg, scale)[0].backward(do)
             ti.window_attention(x["q"], x["k_win"], x["v_win"], cfg.window, scale).backward(do)

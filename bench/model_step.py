@@ -1,6 +1,7 @@
 """One training step of the model alone (no Ray, no data pipeline), NSA against dense, and where its time goes.
 
-    python bench/model_step.py --preset nsa-125m --seq-lens 2048,8192,32768 [--eager] [--no-profile] [--memory]
+    python bench/model_step.py --preset nsa-125m --seq-lens 2048,8192,32768 [--eager] [--no-profile] [--memory] \
+        [--compile-mode reduce-overhead]
 
 For each T and attention kind (the preset and its `-dense` twin): the decoder with bf16 autocast over fp32
 parameters, fused AdamW, `torch.compile` of the whole model unless --eager, the same tokens per optimizer step
@@ -49,7 +50,10 @@ def category(name: str) -> str:
     return "other (torch eager)"
 
 
-def build(preset: str, attention: str, seq_len: int, compile_model: bool):
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune-no-cudagraphs")
+
+
+def build(preset: str, attention: str, seq_len: int, compile_model: bool, compile_mode: str = "default"):
     cfg = get_preset(preset if attention == "nsa" else f"{preset}-dense").replace(max_seq_len=seq_len)
     torch.manual_seed(0)
     model = Transformer(cfg).cuda()
@@ -57,16 +61,19 @@ def build(preset: str, attention: str, seq_len: int, compile_model: bool):
     no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
                             lr=3e-4, fused=True)
-    fwd = torch.compile(model) if compile_model else model
+    fwd = torch.compile(model, mode=compile_mode) if compile_model else model
     return cfg, model, fwd, opt
 
 
-def make_step(fwd, opt, batches):
+def make_step(fwd, opt, batches, cudagraphs: bool = False):
     def step():
         for x, y in batches:
+            if cudagraphs:  # each micro-batch replays the graphs: the previous one's outputs are dead by now
+                torch.compiler.cudagraph_mark_step_begin()
             with torch.autocast("cuda", dtype=torch.bfloat16):
                 _, loss = fwd(x, y)
             (loss / len(batches)).backward()
+            loss = loss.detach().clone()  # a graph output would be overwritten by the next replay
         opt.step()
         opt.zero_grad(set_to_none=True)
         return loss
@@ -161,8 +168,8 @@ def peak_sites(events: list[dict], top: int = 12) -> dict:
 
 
 def measure(preset, attention, seq_len, tokens_per_step, micro_tokens, warmup, measure_steps, compile_model,
-            profile, memory=False) -> dict:
-    cfg, model, fwd, opt = build(preset, attention, seq_len, compile_model)
+            profile, memory=False, compile_mode="default") -> dict:
+    cfg, model, fwd, opt = build(preset, attention, seq_len, compile_model, compile_mode)
     micro_b = max(1, micro_tokens // seq_len)
     accum = tokens_per_step // (micro_b * seq_len)
     gen = torch.Generator(device="cuda").manual_seed(1)
@@ -170,7 +177,7 @@ def measure(preset, attention, seq_len, tokens_per_step, micro_tokens, warmup, m
     for _ in range(accum):
         tok = torch.randint(0, cfg.vocab_size, (micro_b, seq_len + 1), device="cuda", generator=gen)
         batches.append((tok[:, :-1], tok[:, 1:]))
-    step = make_step(fwd, opt, batches)
+    step = make_step(fwd, opt, batches, cudagraphs=compile_model and compile_mode == "reduce-overhead")
     t0 = time.perf_counter()
     for _ in range(warmup):
         step()
@@ -202,9 +209,10 @@ def measure(preset, attention, seq_len, tokens_per_step, micro_tokens, warmup, m
 
 
 def markdown(meta, rows) -> str:
+    compiled = "eager" if meta["eager"] else f"torch.compile (mode {meta.get('compile_mode', 'default')})"
     lines = [f"# Model step, NSA vs dense: {meta['device']}, {meta['date']}", "",
              f"commit {meta['commit']}, torch {meta['torch']}, preset {meta['preset']}, {meta['tokens_per_step']} "
-             f"tokens per step (micro-batches of {meta['micro_tokens']}), {'eager' if meta['eager'] else 'torch.compile'}"
+             f"tokens per step (micro-batches of {meta['micro_tokens']}), {compiled}"
              f", bf16 autocast, fused AdamW, median of {meta['measure']} steps after {meta['warmup']}; "
              f"MFU of 989 TFLOP/s.", "",
              "| attention | T | tokens/s | step ms | MFU | peak MiB | profiled step: wall ms / GPU busy ms | "
@@ -254,6 +262,8 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--measure", type=int, default=5)
     ap.add_argument("--eager", action="store_true", help="no torch.compile")
+    ap.add_argument("--compile-mode", default="default", choices=COMPILE_MODES,
+                    help="torch.compile mode; reduce-overhead replays each compiled graph as a CUDA graph")
     ap.add_argument("--no-profile", action="store_true")
     ap.add_argument("--memory", action="store_true", help="also one step with the allocator's history: what is "
                     "alive at the peak, by allocating source line")
@@ -272,7 +282,8 @@ def main() -> None:
     now = dt.datetime.now(dt.timezone.utc)
     meta = {"device": device, "date": now.strftime("%Y-%m-%d %H:%M UTC"), "commit": args.commit or git_commit(),
             "torch": torch.__version__, "preset": args.preset, "tokens_per_step": args.tokens_per_step,
-            "micro_tokens": args.micro_tokens, "eager": args.eager, "warmup": args.warmup, "measure": args.measure}
+            "micro_tokens": args.micro_tokens, "eager": args.eager, "warmup": args.warmup, "measure": args.measure,
+            "compile_mode": args.compile_mode}
     slug = "h200" if "H200" in device else "h100" if "H100" in device else device.split()[-1].lower()
     stem = Path(args.out) / f"model-step-{slug}-{now.strftime('%Y-%m-%d')}{args.suffix}"
     stem.parent.mkdir(parents=True, exist_ok=True)
@@ -281,7 +292,7 @@ def main() -> None:
         for attention in args.attention.split(","):
             try:
                 row = measure(args.preset, attention, t, args.tokens_per_step, args.micro_tokens, args.warmup,
-                              args.measure, not args.eager, not args.no_profile, args.memory)
+                              args.measure, not args.eager, not args.no_profile, args.memory, args.compile_mode)
             except Exception as e:  # recorded, the other rows still run
                 import traceback
                 traceback.print_exc()

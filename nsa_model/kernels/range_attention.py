@@ -7,9 +7,6 @@ Key j stands at position j * key_stride + key_offset and query t sees it iff
   compressed branch: key_stride = d, key_offset = l - 1 (compressed token j ends there), window = T (no lower bound)
   window branch:     key_stride = 1, key_offset = 0, window = w
 
-Each kernel also takes q_end <= T: only queries t < q_end are computed (T for the two branches; the selected
-branch runs its dense prefix, queries whose candidates are all selected, through them with a smaller q_end).
-
 Layouts (contiguous): q [B, T, H, DK], k [B, NK, G, DK], v [B, NK, G, DV], o [B, T, H, DV], lse/delta [B, T, H] fp32.
 Head h reads kv head h // (H // G). FlashAttention-2 style: forward keeps an online softmax in registers; backward
 runs one kernel for dQ (per query tile and head) and one for dK/dV (per key tile and a slice of the group's
@@ -101,7 +98,7 @@ def _fwd_tiles(acc, m_i, l_i, q, K, V, b, g, offs_m, start, stop, hi, num_keys, 
 
 
 @triton.jit
-def range_attn_fwd_kernel(Q, K, V, O, LSE, T, q_end, num_keys, scale, key_stride, key_offset, window,
+def range_attn_fwd_kernel(Q, K, V, O, LSE, T, num_keys, scale, key_stride, key_offset, window,
                           H: tl.constexpr, G: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
                           BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr,
                           BLOCK_N: tl.constexpr, EDGE_SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr):
@@ -113,12 +110,12 @@ def range_attn_fwd_kernel(Q, K, V, O, LSE, T, q_end, num_keys, scale, key_stride
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_dk = tl.arange(0, BLOCK_DK)
     offs_dv = tl.arange(0, BLOCK_DV)
-    m_ok = offs_m < q_end
+    m_ok = offs_m < T
     row_q = (b * T + offs_m).to(tl.int64) * H + h
     q = tl.load(Q + row_q[:, None] * DK + offs_dk[None, :], mask=m_ok[:, None] & (offs_dk < DK)[None, :], other=0.0)
 
     t_first = pid_m * BLOCK_M
-    t_last = tl.minimum(t_first + BLOCK_M, q_end) - 1
+    t_last = tl.minimum(t_first + BLOCK_M, T) - 1
     lo, mid_lo, mid_hi, hi = _key_tiles(t_first, t_last, key_stride, key_offset, window, num_keys, BLOCK_N,
                                         EDGE_SPLIT)
     qk_scale = scale * LOG2E
@@ -168,12 +165,10 @@ def _dq_tiles(dq, q, do, lse2, delta, K, V, b, g, offs_m, start, stop, hi, num_k
 
 
 @triton.jit
-def range_attn_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, T, q_end, num_keys, scale, key_stride, key_offset,
-                             window, H: tl.constexpr, G: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+def range_attn_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, T, num_keys, scale, key_stride, key_offset, window,
+                             H: tl.constexpr, G: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
                              BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr,
-                             BLOCK_N: tl.constexpr, EDGE_SPLIT: tl.constexpr, ACCUMULATE: tl.constexpr,
-                             DOT_PRECISION: tl.constexpr):
-    """dQ of the queries below q_end (T for a whole branch); ACCUMULATE adds it to what DQ holds."""
+                             BLOCK_N: tl.constexpr, EDGE_SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = pid_bh // H
@@ -182,7 +177,7 @@ def range_attn_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, T, q_end, num_keys, sc
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_dk = tl.arange(0, BLOCK_DK)
     offs_dv = tl.arange(0, BLOCK_DV)
-    m_ok = offs_m < q_end
+    m_ok = offs_m < T
     row_q = (b * T + offs_m).to(tl.int64) * H + h
     q = tl.load(Q + row_q[:, None] * DK + offs_dk[None, :], mask=m_ok[:, None] & (offs_dk < DK)[None, :], other=0.0)
     do = tl.load(DO + row_q[:, None] * DV + offs_dv[None, :], mask=m_ok[:, None] & (offs_dv < DV)[None, :],
@@ -193,7 +188,7 @@ def range_attn_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, T, q_end, num_keys, sc
     delta = tl.load(DELTA + row_q, mask=m_ok, other=0.0)
 
     t_first = pid_m * BLOCK_M
-    t_last = tl.minimum(t_first + BLOCK_M, q_end) - 1
+    t_last = tl.minimum(t_first + BLOCK_M, T) - 1
     lo, mid_lo, mid_hi, hi = _key_tiles(t_first, t_last, key_stride, key_offset, window, num_keys, BLOCK_N,
                                         EDGE_SPLIT)
     qk_scale = scale * LOG2E
@@ -205,29 +200,26 @@ def range_attn_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, T, q_end, num_keys, sc
     dq = _dq_tiles(dq, q, do, lse2, delta, K, V, b, g, offs_m, mid_hi, hi, hi, num_keys, qk_scale, key_stride,
                    key_offset, window, G, DK, DV, BLOCK_DK, BLOCK_DV, BLOCK_N, True, DOT_PRECISION)
     dq = dq * scale
-    dq_ptrs = DQ + row_q[:, None] * DK + offs_dk[None, :]
-    dq_ok = m_ok[:, None] & (offs_dk < DK)[None, :]
-    if ACCUMULATE:  # one program owns these rows: a plain read-add-write
-        dq += tl.load(dq_ptrs, mask=dq_ok, other=0.0).to(tl.float32)
-    tl.store(dq_ptrs, dq.to(DQ.dtype.element_ty), mask=dq_ok)
+    tl.store(DQ + row_q[:, None] * DK + offs_dk[None, :], dq.to(DQ.dtype.element_ty),
+             mask=m_ok[:, None] & (offs_dk < DK)[None, :])
 
 
 @triton.jit
-def _dkdv_tiles(dk, dv, k, v, Q, DO, LSE, DELTA, b, h, offs_n, n_ok, start, stop, T, q_end, qk_scale, key_stride,
+def _dkdv_tiles(dk, dv, k, v, Q, DO, LSE, DELTA, b, h, offs_n, n_ok, start, stop, T, qk_scale, key_stride,
                 key_offset, window, H: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BLOCK_DK: tl.constexpr,
                 BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr):
     offs_dk = tl.arange(0, BLOCK_DK)
     offs_dv = tl.arange(0, BLOCK_DV)
     for start_m in range(start, stop, BLOCK_M):
         offs_m = start_m + tl.arange(0, BLOCK_M)
-        m_ok = offs_m < q_end
+        m_ok = offs_m < T
         row_q = (b * T + offs_m).to(tl.int64) * H + h
         q = _load_rows(Q + row_q[:, None] * DK + offs_dk[None, :], m_ok, offs_dk, DK, BLOCK_DK, MASKED)
         do = _load_rows(DO + row_q[:, None] * DV + offs_dv[None, :], m_ok, offs_dv, DV, BLOCK_DV, MASKED)
         if MASKED:
             lse2 = tl.load(LSE + row_q, mask=m_ok, other=0.0) * LOG2E
             delta = tl.load(DELTA + row_q, mask=m_ok, other=0.0)
-        else:  # a full query tile lies inside [0, q_end)
+        else:  # a full query tile lies inside [0, T)
             lse2 = tl.load(LSE + row_q) * LOG2E
             delta = tl.load(DELTA + row_q)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
@@ -245,8 +237,8 @@ def _dkdv_tiles(dk, dv, k, v, Q, DO, LSE, DELTA, b, h, offs_n, n_ok, start, stop
 
 
 @triton.jit
-def range_attn_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK_ACC, DV_ACC, T, q_end, num_keys, scale, key_stride,
-                               key_offset, window, q_chunk, H: tl.constexpr, G: tl.constexpr, DK: tl.constexpr,
+def range_attn_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK_ACC, DV_ACC, T, num_keys, scale, key_stride, key_offset,
+                               window, q_chunk, H: tl.constexpr, G: tl.constexpr, DK: tl.constexpr,
                                DV: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr,
                                BLOCK_N: tl.constexpr, HEAD_SPLIT: tl.constexpr, EDGE_SPLIT: tl.constexpr,
                                ATOMIC: tl.constexpr, DOT_PRECISION: tl.constexpr):
@@ -254,8 +246,7 @@ def range_attn_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK_ACC, DV_ACC, T, q_end
     that see the tile). HEAD_SPLIT = 1 and one chunk: the program loops over the whole group and stores (exact,
     deterministic; right for the window branch, whose tiles see few queries). Otherwise (ATOMIC) the programs of
     a key tile meet by float32 atomic adds: one head per program and the query axis in chunks keep the
-    compressed branch's tiles, the first of which is seen by every query, spread over the whole GPU. Only the
-    queries below q_end (T for a whole branch) contribute."""
+    compressed branch's tiles, the first of which is seen by every query, spread over the whole GPU."""
     HPG: tl.constexpr = H // G
     HEADS: tl.constexpr = HPG // HEAD_SPLIT
     pid_n = tl.program_id(0)
@@ -275,7 +266,7 @@ def range_attn_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK_ACC, DV_ACC, T, q_end
     first_pos = pid_n * BLOCK_N * key_stride + key_offset
     last_pos = (pid_n * BLOCK_N + BLOCK_N - 1) * key_stride + key_offset
     t_lo = (first_pos // BLOCK_M) * BLOCK_M
-    t_hi = tl.minimum(q_end, last_pos + window)
+    t_hi = tl.minimum(T, last_pos + window)
     # this program's chunk of them (q_chunk is a multiple of BLOCK_M, so tiles stay aligned)
     t_lo = t_lo + tl.program_id(2) * q_chunk
     t_hi = tl.minimum(t_hi, t_lo + q_chunk)
@@ -295,13 +286,13 @@ def range_attn_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK_ACC, DV_ACC, T, q_end
     dv = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
     for head in range(HEADS):
         h = first_head + head
-        dk, dv = _dkdv_tiles(dk, dv, k, v, Q, DO, LSE, DELTA, b, h, offs_n, n_ok, t_lo, full_lo, T, q_end, qk_scale,
+        dk, dv = _dkdv_tiles(dk, dv, k, v, Q, DO, LSE, DELTA, b, h, offs_n, n_ok, t_lo, full_lo, T, qk_scale,
                              key_stride, key_offset, window, H, DK, DV, BLOCK_DK, BLOCK_DV, BLOCK_M, True,
                              DOT_PRECISION)
-        dk, dv = _dkdv_tiles(dk, dv, k, v, Q, DO, LSE, DELTA, b, h, offs_n, n_ok, full_lo, full_hi, T, q_end, qk_scale,
+        dk, dv = _dkdv_tiles(dk, dv, k, v, Q, DO, LSE, DELTA, b, h, offs_n, n_ok, full_lo, full_hi, T, qk_scale,
                              key_stride, key_offset, window, H, DK, DV, BLOCK_DK, BLOCK_DV, BLOCK_M, False,
                              DOT_PRECISION)
-        dk, dv = _dkdv_tiles(dk, dv, k, v, Q, DO, LSE, DELTA, b, h, offs_n, n_ok, full_hi, t_hi, T, q_end, qk_scale,
+        dk, dv = _dkdv_tiles(dk, dv, k, v, Q, DO, LSE, DELTA, b, h, offs_n, n_ok, full_hi, t_hi, T, qk_scale,
                              key_stride, key_offset, window, H, DK, DV, BLOCK_DK, BLOCK_DV, BLOCK_M, True,
                              DOT_PRECISION)
     dk = dk * scale

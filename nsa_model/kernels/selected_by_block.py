@@ -118,16 +118,14 @@ def selected_block_fwd_kernel(Q, K, V, ORDER, STARTS, WORK_SEG, WORK_CHUNK, O_PA
 
 
 @triton.jit
-def selected_combine_kernel(O_PART, LSE2_PART, BLOCKS, O, LSE, num_rows, T, first_t, H: tl.constexpr,
-                            G: tl.constexpr, DV: tl.constexpr, BLOCK_DV: tl.constexpr, N_SELECT: tl.constexpr,
-                            BLOCK_R: tl.constexpr):
-    """o[b, t, h] and lse from the n partials of (b, t, h); slots with block -1 hold nothing and are skipped.
-    Rows t < first_t are left alone (the dense prefix writes them)."""
+def selected_combine_kernel(O_PART, LSE2_PART, BLOCKS, O, LSE, num_rows, H: tl.constexpr, G: tl.constexpr,
+                            DV: tl.constexpr, BLOCK_DV: tl.constexpr, N_SELECT: tl.constexpr, BLOCK_R: tl.constexpr):
+    """o[b, t, h] and lse from the n partials of (b, t, h); slots with block -1 hold nothing and are skipped."""
     HPG: tl.constexpr = H // G
     rows = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)  # (b * T + t) * H + hh
     offs_dv = tl.arange(0, BLOCK_DV)
+    r_ok = rows < num_rows
     bt = rows // H
-    r_ok = (rows < num_rows) & (bt % T >= first_t)
     hh = rows % H
     slot0 = (bt * G + hh // HPG) * N_SELECT
     head = hh % HPG
@@ -200,12 +198,11 @@ def selected_block_bwd_kernel(Q, K, V, DO, LSE, DELTA, ORDER, STARTS, WORK_SEG, 
 
 
 @triton.jit
-def selected_dq_sum_kernel(DQ_PART, BLOCKS, DQ, ADD_A, ADD_B, num_rows, T, first_t, H: tl.constexpr,
-                           G: tl.constexpr, DK: tl.constexpr, BLOCK_DK: tl.constexpr, N_SELECT: tl.constexpr,
-                           BLOCK_R: tl.constexpr, HAS_ADD: tl.constexpr):
-    """dq[b, t, h] = the sum of its n slots' contributions (slots with block -1 hold nothing; rows t < first_t
-    have none here: the dense prefix adds theirs), plus, with HAS_ADD, add_a + add_b ([B, T, H, DK] like dq: the
-    other branches' dQ, summed here in fp32 instead of in two passes)."""
+def selected_dq_sum_kernel(DQ_PART, BLOCKS, DQ, ADD_A, ADD_B, num_rows, H: tl.constexpr, G: tl.constexpr,
+                           DK: tl.constexpr, BLOCK_DK: tl.constexpr, N_SELECT: tl.constexpr, BLOCK_R: tl.constexpr,
+                           HAS_ADD: tl.constexpr):
+    """dq[b, t, h] = the sum of its n slots' contributions (slots with block -1 hold nothing), plus, with HAS_ADD,
+    add_a + add_b ([B, T, H, DK] like dq: the other branches' dQ, summed here in fp32 instead of in two passes)."""
     HPG: tl.constexpr = H // G
     rows = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
     offs_dk = tl.arange(0, BLOCK_DK)
@@ -214,10 +211,9 @@ def selected_dq_sum_kernel(DQ_PART, BLOCKS, DQ, ADD_A, ADD_B, num_rows, T, first
     hh = rows % H
     slot0 = (bt * G + hh // HPG) * N_SELECT
     head = hh % HPG
-    from_slots = r_ok & (bt % T >= first_t)
     acc = tl.zeros([BLOCK_R, BLOCK_DK], tl.float32)
     for i in range(N_SELECT):
-        used = from_slots & (tl.load(BLOCKS + slot0 + i, mask=from_slots, other=-1) >= 0)
+        used = r_ok & (tl.load(BLOCKS + slot0 + i, mask=r_ok, other=-1) >= 0)
         row_p = (slot0 + i) * HPG + head
         acc += tl.load(DQ_PART + row_p[:, None] * DK + offs_dk[None, :], mask=used[:, None] & (offs_dk < DK)[None, :],
                        other=0.0).to(tl.float32)

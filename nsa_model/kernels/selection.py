@@ -34,23 +34,12 @@ def _overlap(piece, block, PIECES_PER_TOKEN: tl.constexpr, PIECES_PER_BLOCK: tl.
 
 
 @triton.jit
-def _head_probs(p_sum, Q, LSE, kc, vis, b, T, offs_m, m_ok, offs_dk, scale, head, H: tl.constexpr, DK: tl.constexpr,
-                DOT_PRECISION: tl.constexpr):
-    """p_sum + p_cmp of one head of the group (its row_q = (b*T + t)*H + head)."""
-    row_q = (b * T + offs_m).to(tl.int64) * H + head
-    q = tl.load(Q + row_q[:, None] * DK + offs_dk[None, :], mask=m_ok[:, None] & (offs_dk < DK)[None, :], other=0.0)
-    lse = tl.load(LSE + row_q, mask=m_ok, other=0.0)
-    s = tl.dot(q, tl.trans(kc), input_precision=DOT_PRECISION) * scale
-    return p_sum + tl.where(vis, tl.exp(s - lse[:, None]), 0.0)
-
-
-@triton.jit
 def select_blocks_kernel(Q, KC, LSE, BLOCKS, T, num_cmp, scale,
                          H: tl.constexpr, G: tl.constexpr, DK: tl.constexpr, BLOCK_DK: tl.constexpr,
                          CMP_BLOCK: tl.constexpr, CMP_STRIDE: tl.constexpr, SEL_BLOCK: tl.constexpr,
                          N_SELECT: tl.constexpr, N_INIT: tl.constexpr, N_LOCAL: tl.constexpr,
                          BLOCK_M: tl.constexpr, N_PAD: tl.constexpr, CHUNK_SPLITS: tl.constexpr,
-                         TOK_PAD: tl.constexpr, UNROLL_HEADS: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                         TOK_PAD: tl.constexpr, DOT_PRECISION: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_bg = tl.program_id(1)
     b = pid_bg // G
@@ -87,14 +76,13 @@ def select_blocks_kernel(Q, KC, LSE, BLOCKS, T, num_cmp, scale,
                      other=0.0)
         vis = (tok[None, :] < n_visible[:, None]) & tok_ok[None, :] & m_ok[:, None]
         p_sum = tl.zeros([BLOCK_M, TOK_PAD], tl.float32)
-        if UNROLL_HEADS:  # the group's heads unrolled: the next head's loads can overlap this one's exp
-            for head in tl.static_range(HPG):
-                p_sum = _head_probs(p_sum, Q, LSE, kc, vis, b, T, offs_m, m_ok, offs_dk, scale, g * HPG + head, H, DK,
-                                    DOT_PRECISION)
-        else:
-            for head in range(HPG):
-                p_sum = _head_probs(p_sum, Q, LSE, kc, vis, b, T, offs_m, m_ok, offs_dk, scale, g * HPG + head, H, DK,
-                                    DOT_PRECISION)
+        for head in range(HPG):
+            row_q = (b * T + offs_m).to(tl.int64) * H + g * HPG + head
+            q = tl.load(Q + row_q[:, None] * DK + offs_dk[None, :], mask=m_ok[:, None] & (offs_dk < DK)[None, :],
+                        other=0.0)
+            lse = tl.load(LSE + row_q, mask=m_ok, other=0.0)
+            s = tl.dot(q, tl.trans(kc), input_precision=DOT_PRECISION) * scale
+            p_sum += tl.where(vis, tl.exp(s - lse[:, None]), 0.0)
         imp = tl.dot(p_sum, weights, input_precision="ieee")  # exact: weights are small integers
         imp += tl.where(offs_j[None, :] == 0, carry[:, None], 0.0)
         carry = tl.sum(p_sum * carry_weights[None, :], axis=1)

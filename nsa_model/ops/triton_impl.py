@@ -45,13 +45,6 @@ GATE_KERNELS = ("torch", "fused")  # gated combination: eager PyTorch ops, or on
 RANGE_KERNELS = ("masked", "split")  # compressed/window: every tile masked (v4), or only the edge tiles (v5)
 DELTA_KERNELS = ("torch", "fused")  # backward row term sum(do * o): eager fp32 ops, or one Triton kernel
 WINDOW_DKDV = ("group", "head")  # window dK/dV: one program per key tile and group (stores) or per head (atomics)
-# by_block, queries t < n * l' (all their candidate blocks are selected, so their selected attention is causal
-# attention over 0..t): by the range kernels with no partials, combine or slot sum ("range"), or like the rest
-SELECTED_PREFIX = ("range", "by_block")
-# by_block work list: programs in segment order (block by block), or in the order of the first query each one
-# handles, so that the programs running at once gather q/do rows of nearby queries (L2 reuse across blocks)
-BLOCK_ORDERS = ("segment", "query")
-SELECT_HEADS = ("loop", "unrolled")  # selection kernel: the group's heads in a loop, or unrolled
 
 
 RANGE_TILE_FIELDS = ("range_fwd", "range_dq", "range_dkdv", "range_fwd_d64", "range_dq_d64", "range_dkdv_d64")
@@ -91,15 +84,11 @@ class LaunchConfig:
     range_kernel: str = "split"  # one of RANGE_KERNELS
     delta_kernel: str = "fused"  # one of DELTA_KERNELS
     window_dkdv: str = "group"  # one of WINDOW_DKDV
-    slc_prefix: str = "range"  # one of SELECTED_PREFIX
-    slc_block_order: str = "segment"  # one of BLOCK_ORDERS
-    select_heads: str = "loop"  # one of SELECT_HEADS
 
     def __post_init__(self) -> None:
         choices = {"slc_kernel": SELECTED_KERNELS, "gate_kernel": GATE_KERNELS, "range_kernel": RANGE_KERNELS,
                    "delta_kernel": DELTA_KERNELS, "window_dkdv": WINDOW_DKDV, "slc_partial": PARTIAL_DTYPES,
-                   "slc_dq": SELECTED_DQ, "slc_dkdv": SELECTED_DKDV, "slc_prefix": SELECTED_PREFIX,
-                   "slc_block_order": BLOCK_ORDERS, "select_heads": SELECT_HEADS}
+                   "slc_dq": SELECTED_DQ, "slc_dkdv": SELECTED_DKDV}
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise ValueError(f"LaunchConfig.{name}: must be one of {allowed}, got {getattr(self, name)!r}")
@@ -220,7 +209,7 @@ def _range_fwd(q, k, v, key_stride: int, key_offset: int, window: int, scale: fl
     lse = torch.empty(B, T, H, dtype=torch.float32, device=q.device)
     launch = _range_launch(q, v, "fwd")
     range_attn_fwd_kernel[(triton.cdiv(T, launch["BLOCK_M"]), B * H)](
-        q, k, v, o, lse, T, T, num_keys, scale, key_stride, key_offset, window, H=H, G=G, **_head_dims(q, v),
+        q, k, v, o, lse, T, num_keys, scale, key_stride, key_offset, window, H=H, G=G, **_head_dims(q, v),
         **launch)
     return o, lse
 
@@ -235,8 +224,7 @@ def _range_bwd(q, k, v, o, lse, do, key_stride: int, key_offset: int, window: in
     dims = dict(H=H, G=G, **_head_dims(q, v))
     launch_dq = _range_launch(q, v, "dq")
     range_attn_bwd_dq_kernel[(triton.cdiv(T, launch_dq["BLOCK_M"]), B * H)](
-        q, k, v, do, lse, delta, dq, T, T, num_keys, scale, key_stride, key_offset, window, ACCUMULATE=False,
-        **dims, **launch_dq)
+        q, k, v, do, lse, delta, dq, T, num_keys, scale, key_stride, key_offset, window, **dims, **launch_dq)
     launch = _range_launch(q, v, "dkdv")
     bm, bn = launch["BLOCK_M"], launch["BLOCK_N"]
     # A key tile of the compressed branch is seen by up to T queries: one head per program and chunks of the query
@@ -258,7 +246,7 @@ def _range_bwd(q, k, v, o, lse, do, key_stride: int, key_offset: int, window: in
         dk, dv = torch.empty_like(k), torch.empty_like(v)
     if num_keys > 0:
         range_attn_bwd_dkdv_kernel[(key_tiles, B * G * head_split, triton.cdiv(T, q_chunk))](
-            q, k, v, do, lse, delta, dk, dv, T, T, num_keys, scale, key_stride, key_offset, window, q_chunk,
+            q, k, v, do, lse, delta, dk, dv, T, num_keys, scale, key_stride, key_offset, window, q_chunk,
             HEAD_SPLIT=head_split, ATOMIC=atomic, **dims, **launch)
     return dq, dk.to(k.dtype), dv.to(v.dtype)
 
@@ -325,8 +313,7 @@ def select_blocks(q, k_cmp, lse, cfg: NSAConfig, scale: float):
         q, k_cmp, lse, blocks, T, num_cmp, scale, H=H, G=G, DK=q.shape[-1], BLOCK_DK=_pow2(q.shape[-1]),
         CMP_BLOCK=cfg.cmp_block, CMP_STRIDE=cfg.cmp_stride, SEL_BLOCK=cfg.sel_block, N_SELECT=n,
         N_INIT=cfg.n_init_blocks, N_LOCAL=cfg.n_local_blocks, BLOCK_M=bm, N_PAD=n_pad, CHUNK_SPLITS=splits,
-        TOK_PAD=_pow2((n_pad << splits) * (cfg.sel_block // cfg.cmp_stride)),
-        UNROLL_HEADS=_config.select_heads == "unrolled", DOT_PRECISION=_dot_precision(q.dtype),
+        TOK_PAD=_pow2((n_pad << splits) * (cfg.sel_block // cfg.cmp_stride)), DOT_PRECISION=_dot_precision(q.dtype),
         num_warps=_config.select_warps)
     return blocks
 
@@ -343,21 +330,19 @@ def inverted_index(blocks: torch.Tensor, num_blocks: int):
     return query_of_entry, starts
 
 
-def _sorted_segments(blocks: torch.Tensor, num_blocks: int, first_t: int = 0):
+def _sorted_segments(blocks: torch.Tensor, num_blocks: int):
     """(sorted segment ids, order, boundaries 0..S): segment s = (b*G + g)*num_blocks + block of each (b, t, g, slot)
-    entry, S for an empty slot or a query t < first_t, sorted stably (a block's choosers stay in query order).
-    The keys take the narrowest integer type that holds S: a radix sort makes one pass per key byte, so int16 keys
-    (S < 2^15, e.g. 1024 segments at 125M 1 x 32k) take two passes where int64 took eight."""
+    entry, S for an empty slot, sorted stably (a block's choosers stay in query order). The keys take the
+    narrowest integer type that holds S: a radix sort makes one pass per key byte, so int16 keys (S < 2^15, e.g.
+    1024 segments at 125M 1 x 32k) take two passes where int64 took eight (the sort went from 0.13 to 0.04 ms at
+    every 125M shape on the H100, kernels-h100-2026-11-23-v9.md)."""
     B, T, G, n = blocks.shape
     dev = blocks.device
     num_segments = B * G * num_blocks
     dtype = next(d for d in (torch.int16, torch.int32, torch.int64) if num_segments <= torch.iinfo(d).max)
     group = (torch.arange(B, device=dev, dtype=dtype).view(B, 1, 1, 1) * G
              + torch.arange(G, device=dev, dtype=dtype).view(1, 1, G, 1))
-    valid = blocks >= 0
-    if first_t > 0:
-        valid = valid & (torch.arange(T, device=dev).view(1, T, 1, 1) >= first_t)
-    segment = torch.where(valid, group * num_blocks + blocks.to(dtype), num_segments).flatten()
+    segment = torch.where(blocks >= 0, group * num_blocks + blocks.to(dtype), num_segments).flatten()
     sorted_segment, order = torch.sort(segment, stable=True)
     return sorted_segment, order, torch.arange(num_segments + 1, device=dev, dtype=dtype)
 
@@ -402,10 +387,8 @@ def selected_kernel(hpg: int, num_blocks: int, n: int, config: LaunchConfig | No
     return "tiled" if num_blocks <= 8 * n else "per_query"
 
 
-def block_work(blocks: torch.Tensor, num_blocks: int, chunk: int, first_t: int = 0, by_query: bool = False):
-    """The inverted index of the by_block kernels and their work list, from one sort, sizes fixed by shapes;
-    queries t < first_t are left out (their selected attention runs as a dense prefix). by_query: the work list
-    in the order of each program's first (b, t), spare programs last (slc_block_order = "query").
+def block_work(blocks: torch.Tensor, num_blocks: int, chunk: int):
+    """The inverted index of the by_block kernels and their work list, from one sort, sizes fixed by shapes.
 
     order [B*T*G*n] int32: flat slot ((b*T + t)*G + g)*n + i of each entry, sorted by segment s = (b*G + g) *
     num_blocks + block (query order inside a segment; -1 slots last); starts [S + 1] int64: segment s is
@@ -414,7 +397,7 @@ def block_work(blocks: torch.Tensor, num_blocks: int, chunk: int, first_t: int =
     B, T, G, n = blocks.shape
     dev = blocks.device
     num_segments = B * G * num_blocks
-    sorted_segment, order, boundaries = _sorted_segments(blocks, num_blocks, first_t)
+    sorted_segment, order, boundaries = _sorted_segments(blocks, num_blocks)
     starts = torch.searchsorted(sorted_segment, boundaries)
     chunks = (starts[1:] - starts[:-1] + chunk - 1) // chunk
     ends = torch.cumsum(chunks, 0)
@@ -423,11 +406,6 @@ def block_work(blocks: torch.Tensor, num_blocks: int, chunk: int, first_t: int =
     seg_c = work_seg.clamp(max=num_segments - 1)
     work_chunk = work - (ends - chunks)[seg_c]
     work_seg = torch.where(work_seg < num_segments, work_seg, -1)
-    if by_query:
-        first = order[(starts[seg_c] + work_chunk * chunk).clamp(max=order.numel() - 1)] // (G * n)  # b*T + t
-        first = torch.where(work_seg >= 0, first, B * T)
-        rank = torch.sort(first, stable=True).indices
-        work_seg, work_chunk = work_seg[rank], work_chunk[rank]
     if order.numel() >= 2 ** 31:  # the kernels' int32 index arithmetic (kernels/selected_by_block.py)
         raise ValueError(f"blocks: B*T*G*n = {order.numel()} slots exceed the by_block kernels' int32 index; use "
                          "LaunchConfig(slc_kernel='tiled') or a smaller batch")
@@ -445,9 +423,8 @@ def _partial_dtype(x: torch.Tensor, config: LaunchConfig) -> torch.dtype:
 _COMBINE_ROWS = 32  # (b, t, h) rows per program of the combine and dQ-sum kernels
 
 
-def _selected_fwd(q, k, v, blocks, sel_block: int, scale: float, dense_prefix: bool = False):
-    """(o, lse, kernel, index) of the selected branch: the variant that ran and the index its backward reuses.
-    dense_prefix: the blocks are NSA's selections, so prefix_end's queries may run as causal attention."""
+def _selected_fwd(q, k, v, blocks, sel_block: int, scale: float):
+    """(o, lse, kernel, index) of the selected branch: the variant that ran and the index its backward reuses."""
     q, k, v, blocks = q.contiguous(), k.contiguous(), v.contiguous(), blocks.contiguous()
     B, T, H, _ = q.shape
     G, n = k.shape[2], blocks.shape[-1]
@@ -455,10 +432,9 @@ def _selected_fwd(q, k, v, blocks, sel_block: int, scale: float, dense_prefix: b
     lse = torch.empty(B, T, H, dtype=torch.float32, device=q.device)
     common = dict(H=H, G=G, SEL_BLOCK=sel_block, BLOCK_S=_pow2(sel_block), N_SELECT=n, **_head_dims(q, v))
     kernel = selected_kernel(H // G, triton.cdiv(T, sel_block), n)
-    first_t = prefix_end(T, n, sel_block, kernel, _config) if dense_prefix else 0
-    index = _selected_index(blocks, sel_block, kernel, H // G, first_t)
+    index = _selected_index(blocks, sel_block, kernel, H // G)
     if kernel == "by_block":
-        _selected_by_block_fwd(q, k, v, blocks, o, lse, index, common, scale, first_t)
+        _selected_by_block_fwd(q, k, v, blocks, o, lse, index, common, scale)
     elif kernel == "tiled":
         heads_pad, tile_q = _selected_tile(H // G)
         union, count = index
@@ -472,22 +448,21 @@ def _selected_fwd(q, k, v, blocks, sel_block: int, scale: float, dense_prefix: b
     return o, lse, kernel, index
 
 
-def _selected_index(blocks, sel_block: int, kernel: str, hpg: int, first_t: int = 0) -> tuple[torch.Tensor, ...]:
+def _selected_index(blocks, sel_block: int, kernel: str, hpg: int) -> tuple[torch.Tensor, ...]:
     """What the selected variant's forward and backward read besides the selections, from torch ops on blocks
-    alone (so the same code gives the shapes of nsa::core's fake): by_block's work list (without queries
-    t < first_t, see prefix_end), tiled's block unions."""
+    alone (so the same code gives the shapes of nsa::core's fake): by_block's work list, tiled's block unions."""
     if kernel == "by_block":
-        return _by_block_index(blocks, sel_block, _config, first_t)
+        return _by_block_index(blocks, sel_block, _config)
     if kernel == "tiled":
         return tile_block_union(blocks, _selected_tile(hpg)[1])
     return ()
 
 
 def _selected_bwd(q, k, v, blocks, o, lse, index, do, sel_block: int, scale: float, kernel: str, delta=None,
-                  dq_add=None, dense_prefix: bool = False):
+                  dq_add=None):
     """(dq, dk, dv) of _selected_fwd, under the launch config its forward ran with (the caller pins it); index
     is the forward's (_selected_index), possibly followed by unused empty slots; delta as in _range_bwd; dq_add:
-    two [B,T,H,Dk] tensors added into dq (folded into by_block's dQ slot sum); dense_prefix as the forward's."""
+    two [B,T,H,Dk] tensors added into dq (folded into by_block's dQ slot sum)."""
     q, k, v, blocks, do = q.contiguous(), k.contiguous(), v.contiguous(), blocks.contiguous(), do.contiguous()
     B, T, H, _ = q.shape
     G, n = k.shape[2], blocks.shape[-1]
@@ -495,9 +470,8 @@ def _selected_bwd(q, k, v, blocks, o, lse, index, do, sel_block: int, scale: flo
     delta = _delta(do, o) if delta is None else delta
     common = dict(H=H, G=G, SEL_BLOCK=sel_block, BLOCK_S=_pow2(sel_block), N_SELECT=n, **_head_dims(q, v))
     if kernel == "by_block":
-        first_t = prefix_end(T, n, sel_block, kernel, config) if dense_prefix else 0
         return _selected_by_block_bwd(q, k, v, blocks, do, lse, delta, tuple(index[:4]), common, scale,
-                                      dq_add=dq_add, first_t=first_t)
+                                      dq_add=dq_add)
     dq = torch.empty_like(q)
     if kernel == "tiled":
         union, count = index[:2]
@@ -510,7 +484,7 @@ def _selected_bwd(q, k, v, blocks, o, lse, index, do, sel_block: int, scale: flo
         selected_attn_bwd_dq_kernel[(T, B * G)](
             q, k, v, blocks, do, lse, delta, dq, T, scale, HEADS_PAD=_pow2(hpg), **common, **_slc_launch())
     if config.slc_dkdv == "by_block":
-        block_index = _by_block_index(blocks, sel_block, config, 0)  # dK/dV of every query
+        block_index = _by_block_index(blocks, sel_block, config)
         _, dk, dv = _selected_by_block_bwd(q, k, v, blocks, do, lse, delta, block_index, common, scale, dq_mode=0)
     else:
         dk, dv = _selected_dkdv(q, k, v, do, lse, delta, blocks, sel_block, scale)
@@ -538,42 +512,8 @@ class _SelectedAttention(torch.autograd.Function):
         return dq, dk, dv, None, None, None
 
 
-def prefix_end(T: int, n: int, sel_block: int, kernel: str, config: LaunchConfig) -> int:
-    """Under NSA's selection, queries t < n * l' have at most n candidate blocks (t // l' + 1), so all are
-    selected and their selected attention is causal attention over positions 0..t. With slc_prefix = "range" the
-    by_block variant runs them through the range kernels (no partials, combine or dQ slot sum) and leaves them out
-    of its index. Only nsa::core, whose selections come from select_blocks, uses this; selected_attention takes
-    any caller's blocks and runs them all."""
-    return min(T, n * sel_block) if kernel == "by_block" and config.slc_prefix == "range" else 0
-
-
-def _prefix_fwd(q, k, v, o, lse, end: int, scale: float):
-    """o, lse of queries t < end: causal attention over k, v (key j at position j, no lower bound)."""
-    B, T, H, _ = q.shape
-    launch = _range_launch(q, v, "fwd")
-    range_attn_fwd_kernel[(triton.cdiv(end, launch["BLOCK_M"]), B * H)](
-        q, k, v, o, lse, T, end, T, scale, 1, 0, T, H=H, G=k.shape[2], **_head_dims(q, v), **launch)
-
-
-def _prefix_bwd(q, k, v, do, lse, delta, dq, dk_acc, dv_acc, end: int, scale: float):
-    """The backward of _prefix_fwd: dQ of queries t < end added into dq, dK/dV (keys < end) atomically into the
-    float32 accumulators the by_block backward fills."""
-    B, T, H, _ = q.shape
-    G = k.shape[2]
-    dims = dict(H=H, G=G, **_head_dims(q, v))
-    launch_dq = _range_launch(q, v, "dq")
-    range_attn_bwd_dq_kernel[(triton.cdiv(end, launch_dq["BLOCK_M"]), B * H)](
-        q, k, v, do, lse, delta, dq, T, end, T, scale, 1, 0, T, ACCUMULATE=True, **dims, **launch_dq)
-    launch = _range_launch(q, v, "dkdv")
-    q_chunk = triton.cdiv(end, launch["BLOCK_M"]) * launch["BLOCK_M"]  # one chunk: the prefix is short
-    range_attn_bwd_dkdv_kernel[(triton.cdiv(end, launch["BLOCK_N"]), B * H, 1)](
-        q, k, v, do, lse, delta, dk_acc, dv_acc, T, end, T, scale, 1, 0, T, q_chunk, HEAD_SPLIT=H // G, ATOMIC=True,
-        **dims, **launch)
-
-
-def _selected_by_block_fwd(q, k, v, blocks, o, lse, index, common, scale, first_t: int):
-    """Forward of the by_block variant into o and lse, over the work list `index` (_by_block_index, without the
-    queries t < first_t), and of those queries as a dense prefix (prefix_end)."""
+def _selected_by_block_fwd(q, k, v, blocks, o, lse, index, common, scale):
+    """Forward of the by_block variant into o and lse, over the work list `index` (_by_block_index)."""
     B, T, H, _ = q.shape
     G, n, dv = k.shape[2], blocks.shape[-1], v.shape[-1]
     hpg, c = H // G, _config
@@ -588,23 +528,18 @@ def _selected_by_block_fwd(q, k, v, blocks, o, lse, index, common, scale, first_
         num_stages=c.slc_block_stages)
     rows = B * T * H
     selected_combine_kernel[(triton.cdiv(rows, _COMBINE_ROWS),)](
-        o_part, lse2_part, blocks, o, lse, rows, T, first_t, H=H, G=G, DV=dv, BLOCK_DV=common["BLOCK_DV"],
-        N_SELECT=n, BLOCK_R=_COMBINE_ROWS)
-    if first_t > 0:
-        _prefix_fwd(q, k, v, o, lse, first_t, scale)
+        o_part, lse2_part, blocks, o, lse, rows, H=H, G=G, DV=dv, BLOCK_DV=common["BLOCK_DV"], N_SELECT=n,
+        BLOCK_R=_COMBINE_ROWS)
 
 
-def _by_block_index(blocks, sel_block, config, first_t: int):
-    return block_work(blocks, triton.cdiv(blocks.shape[1], sel_block), config.slc_block_chunk, first_t,
-                      by_query=config.slc_block_order == "query")
+def _by_block_index(blocks, sel_block, config):
+    return block_work(blocks, triton.cdiv(blocks.shape[1], sel_block), config.slc_block_chunk)
 
 
-def _selected_by_block_bwd(q, k, v, blocks, do, lse, delta, index, common, scale, dq_mode=None, dq_add=None,
-                           first_t: int = 0):
+def _selected_by_block_bwd(q, k, v, blocks, do, lse, delta, index, common, scale, dq_mode=None, dq_add=None):
     """(dq or None, dk, dv) of the selected branch by key blocks: one fused kernel over the blocks' choosers, then
     the dQ slot sum. dq_mode 0 computes dK/dV only (for the query-driven variants); None follows slc_dq.
-    dq_add: two more [B,T,H,Dk] tensors added into dq (the other branches' dQ), by the slot sum where it runs.
-    first_t: the forward's dense prefix (its index left those queries out), whose backward runs here too."""
+    dq_add: two more [B,T,H,Dk] tensors added into dq (the other branches' dQ), by the slot sum where it runs."""
     order, starts, work_seg, work_chunk = index
     B, T, H, dk_dim = q.shape
     G, n = k.shape[2], blocks.shape[-1]
@@ -632,13 +567,11 @@ def _selected_by_block_bwd(q, k, v, blocks, do, lse, delta, index, common, scale
         rows = B * T * H
         add_a, add_b = dq_add if dq_add is not None else (dq, dq)
         selected_dq_sum_kernel[(triton.cdiv(rows, _COMBINE_ROWS),)](
-            dq_out, blocks, dq, add_a.contiguous(), add_b.contiguous(), rows, T, first_t, H=H, G=G, DK=dk_dim,
+            dq_out, blocks, dq, add_a.contiguous(), add_b.contiguous(), rows, H=H, G=G, DK=dk_dim,
             BLOCK_DK=common["BLOCK_DK"], N_SELECT=n, BLOCK_R=_COMBINE_ROWS, HAS_ADD=dq_add is not None)
         dq_add = None  # folded in
     if dq_add is not None and dq is not None:
         dq = dq.add_(dq_add[0]).add_(dq_add[1])
-    if first_t > 0:
-        _prefix_bwd(q, k, v, do, lse, delta, dq, dk_acc, dv_acc, first_t, scale)
     return dq, dk_acc.to(k.dtype), dv_acc.to(v.dtype)
 
 
@@ -776,7 +709,7 @@ def _core(q: torch.Tensor, k_slc: torch.Tensor, v_slc: torch.Tensor, k_win: torc
     T = q.shape[1]
     o_cmp, lse_cmp = _range_fwd(q, k_cmp, v_cmp, *_cmp_range(cmp_block, cmp_stride, T), scale)
     blocks = select_blocks(q, k_cmp, lse_cmp, cfg, scale)
-    o_slc, lse_slc, _, index = _selected_fwd(q, k_slc, v_slc, blocks, sel_block, scale, dense_prefix=True)
+    o_slc, lse_slc, _, index = _selected_fwd(q, k_slc, v_slc, blocks, sel_block, scale)
     o_win, lse_win = _range_fwd(q, k_win, v_win, *_win_range(window, T), scale)
     o = _gated_fwd(gates, o_cmp, o_slc, o_win)
     return [o, blocks, o_cmp, lse_cmp, o_slc, lse_slc, o_win, lse_win, *_padded_index(index, q.device)]
@@ -791,8 +724,7 @@ def _core_fake(q, k_slc, v_slc, k_win, v_win, k_cmp, v_cmp, gates, cmp_block, cm
     lse = q.new_empty(B, T, H, dtype=torch.float32)
     blocks = q.new_empty(B, T, G, n_selected, dtype=torch.int32)
     kernel = selected_kernel(H // G, triton.cdiv(T, sel_block), n_selected)
-    index = _selected_index(blocks, sel_block, kernel, H // G,  # torch ops only: fake tensors of the real shapes
-                            prefix_end(T, n_selected, sel_block, kernel, _config))
+    index = _selected_index(blocks, sel_block, kernel, H // G)  # torch ops only: fake tensors of the real shapes
     return [out, blocks, out.new_empty(out.shape), lse, out.new_empty(out.shape), lse.new_empty(lse.shape),
             out.new_empty(out.shape), lse.new_empty(lse.shape), *_padded_index(index, q.device)]
 
@@ -815,7 +747,7 @@ def _core_bwd(do: torch.Tensor, q: torch.Tensor, k_slc: torch.Tensor, v_slc: tor
                                         delta=delta_win)
     # The selected branch's backward adds the other two branches' dQ into its own (by_block: in its slot sum).
     dq, dk_slc, dv_slc = _selected_bwd(q, k_slc, v_slc, blocks, o_slc, lse_slc, index, d_slc, sel_block, scale,
-                                       kernel, delta=delta_slc, dq_add=(dq_cmp, dq_win), dense_prefix=True)
+                                       kernel, delta=delta_slc, dq_add=(dq_cmp, dq_win))
     return [dq, dk_slc, dv_slc, dk_win, dv_win, dk_cmp, dv_cmp, dgates.to(gates.dtype)]
 
 
