@@ -66,6 +66,14 @@ def build(preset: str, attention: str, seq_len: int, compile_model: bool, compil
 
 
 def make_step(fwd, opt, batches, cudagraphs: bool = False):
+    if cudagraphs:
+        # A replayed backward writes its gradients into the graph's memory: accumulating the next micro-batch
+        # into them would read what the replay overwrote. Gradients that live outside the graph and are zeroed in
+        # place (never set to None) receive each replay's output by an in-place add instead.
+        for group in opt.param_groups:
+            for p in group["params"]:
+                p.grad = torch.zeros_like(p)
+
     def step():
         for x, y in batches:
             if cudagraphs:  # each micro-batch replays the graphs: the previous one's outputs are dead by now
@@ -75,7 +83,7 @@ def make_step(fwd, opt, batches, cudagraphs: bool = False):
             (loss / len(batches)).backward()
             loss = loss.detach().clone()  # a graph output would be overwritten by the next replay
         opt.step()
-        opt.zero_grad(set_to_none=True)
+        opt.zero_grad(set_to_none=not cudagraphs)
         return loss
     return step
 
