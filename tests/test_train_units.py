@@ -20,6 +20,7 @@ from pipeline.config import JobConfig, apply_overrides, load_job_config, preflig
 from pipeline.train import checkpoint as ckpt
 from pipeline.train.config import TrainConfig
 from pipeline.train.guards import NonFiniteGuard, NonFiniteStepError, Watchdog, WatchdogTimeout
+from pipeline.train import loop
 from pipeline.train.loop import _train_step, _validate, _validation_set, expected_blocks
 from pipeline.train.schedule import build_optimizer, build_scheduler, lr_at, param_groups
 
@@ -117,6 +118,32 @@ def test_accumulation_equals_one_big_batch():
     assert norm_a > 0 and len(grads_accum) == len(grads_big) > 0
     for ga, gb in zip(grads_accum, grads_big):
         torch.testing.assert_close(ga, gb, rtol=1e-4, atol=1e-7)
+
+
+def test_under_cuda_graphs_gradients_accumulate_in_place_in_tensors_of_their_own(monkeypatch):
+    """compile_mode = reduce-overhead: every parameter keeps one gradient tensor for the whole run (allocated up
+    front, zeroed in place), so a replayed backward's output is added into it, never adopted as .grad; the step's
+    gradient is the same as in default mode. (The CUDA graphs themselves need a GPU; this is the loop's side.)"""
+    tokens = torch.randint(0, 64, (4, 33), generator=torch.Generator().manual_seed(2))
+    base = dict(num_workers=1, global_batch=4, micro_batch=2, max_steps=10, warmup_steps=0, lr=1e-2, grad_clip=0.0)
+    plain = []
+    run_one_step(TrainConfig(**base), small_model(), tokens, grads=plain)
+    monkeypatch.setattr(loop, "uses_cuda_graphs", lambda t: True)
+    model, graphed = small_model(), []
+    opt = build_optimizer(model, TrainConfig(**base), torch.device("cpu"))
+    loop.keep_grads_outside_graphs(opt)
+    own = [p.grad for p in model.parameters()]
+    opt.register_step_pre_hook(
+        lambda o, args, kwargs: graphed.extend(p.grad.clone() for g in o.param_groups for p in g["params"]))
+    batches = iter([(tokens[i:i + 2], [i, i + 1]) for i in (0, 2)])
+    cfg = TrainConfig(**base)
+    _train_step(cfg, 0, 0, 1, model, model, contextlib.nullcontext(), opt, build_scheduler(opt, cfg),
+                NonFiniteGuard(3), batches, torch.device("cpu"), NoWatchdog())
+    assert all(p.grad is g for p, g in zip(model.parameters(), own))  # the same tensors, not replaced or dropped
+    assert all(float(g.abs().sum()) == 0.0 for g in own)  # zeroed in place after the step
+    assert len(graphed) == len(plain) > 0
+    for a, b in zip(graphed, plain):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
 
 
 def test_train_step_refuses_wrong_blocks():
@@ -295,6 +322,10 @@ def test_overrides_parse_yaml_values_and_nested_model_fields():
     (["train.lr=0"], "train.lr: must be positive"),
     (["data.seq_len=0"], "seq_len"),
     (["train.max_steps"], "expected section.key=value"),
+    (["train.compile_mode=max-autotune"], "train.compile_mode: must be 'default' or 'reduce-overhead'"),
+    (["train.compile_mode=reduce-overhead"], r"train.compile_mode: 'reduce-overhead' \(CUDA graphs\) needs train.compile"),
+    (["train.compile_mode=reduce-overhead", "train.compile=true", "train.use_gpu=true"],
+     r"train.compile_mode: 'reduce-overhead' \(CUDA graphs\) runs on one worker"),
 ])
 def test_config_errors_name_the_field(overrides, message):
     with pytest.raises(ValueError, match=message):

@@ -69,6 +69,9 @@ class TrainConfig:
     parallelism: Literal["ddp", "fsdp"] = "ddp"  # fsdp = FSDP2 (torch.distributed.fsdp.fully_shard)
     precision: Literal["fp32", "bf16"] = "fp32"  # compute dtype under autocast; parameters are always fp32
     compile: bool = False
+    # torch.compile mode: "reduce-overhead" replays the compiled forward and backward as CUDA graphs (no host
+    # launch cost per kernel; one GPU worker only, see __post_init__)
+    compile_mode: Literal["default", "reduce-overhead"] = "default"
     activation_checkpointing: bool = False
     # --- batch and length, in blocks and optimizer steps
     global_batch: int = 8  # blocks per optimizer step, over all ranks and accumulation micro-steps
@@ -121,6 +124,14 @@ class TrainConfig:
             v = getattr(self, name)
             _require(isinstance(v, bool), f"train.{name}", f"must be a bool, got {v!r}")
         _require(self.parallelism in ("ddp", "fsdp"), "train.parallelism", f"must be 'ddp' or 'fsdp', got {self.parallelism!r}")
+        _require(self.compile_mode in ("default", "reduce-overhead"), "train.compile_mode",
+                 f"must be 'default' or 'reduce-overhead', got {self.compile_mode!r}")
+        if self.compile_mode == "reduce-overhead":
+            _require(self.compile and self.use_gpu, "train.compile_mode",
+                     "'reduce-overhead' (CUDA graphs) needs train.compile=true and train.use_gpu=true")
+            _require(self.num_workers == 1, "train.compile_mode",
+                     f"'reduce-overhead' (CUDA graphs) runs on one worker: DDP's and FSDP's gradient hooks run outside "
+                     f"the graphs; got train.num_workers={self.num_workers}")
         _require(self.precision in ("fp32", "bf16"), "train.precision", f"must be 'fp32' or 'bf16', got {self.precision!r}")
         _require(self.schedule in ("cosine", "wsd", "constant"), "train.schedule",
                  f"must be 'cosine', 'wsd' or 'constant', got {self.schedule!r}")

@@ -121,6 +121,24 @@ def peak_memory_mb(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB -> MiB (process peak RSS)
 
 
+def peak_reserved_mb(device: torch.device) -> float:
+    """What the CUDA caching allocator held at most. Under CUDA graphs this is the measure that counts: the graphs'
+    private pools hold the activations, and a replay allocates nothing that max_memory_allocated would see."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_reserved(device) / 2**20
+    return peak_memory_mb(device)
+
+
+def keep_grads_outside_graphs(optimizer: torch.optim.Optimizer) -> None:
+    """Under CUDA graphs: give every parameter a gradient of its own, zeroed in place from now on (never set to
+    None). A replayed backward writes its gradients into the graph's memory; had autograd adopted that output
+    as .grad, the next micro-batch's replay would overwrite it before the accumulation read it."""
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+
+
 # --- the loop ------------------------------------------------------------------------------------------------------
 
 def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
@@ -158,7 +176,9 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
         if rank == 0:
             print(f"resumed from checkpoint at step {start_step} (every rank continues its share at block "
                   f"{position.rank_blocks})", flush=True)
-    forward = torch.compile(model) if t.compile else model
+    forward = torch.compile(model, mode=t.compile_mode) if t.compile else model
+    if uses_cuda_graphs(t):
+        keep_grads_outside_graphs(optimizer)
     autocast = (torch.autocast(device.type, dtype=torch.bfloat16) if t.precision == "bf16"
                 else contextlib.nullcontext())
     seq_len = job.data.seq_len
@@ -233,6 +253,10 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
         logger.close()
 
 
+def uses_cuda_graphs(t: TrainConfig) -> bool:
+    return t.compile and t.compile_mode == "reduce-overhead"
+
+
 def _train_step(t, step, rank, world, model, forward, autocast, optimizer, scheduler, guard, train_batches, device,
                 watchdog, block_sums: list[int] | None = None):
     """One optimizer step (grad_accum micro-batches). Returns host values for the metrics.
@@ -265,6 +289,8 @@ def _train_step(t, step, rank, world, model, forward, autocast, optimizer, sched
         # DDP all-reduces gradients only on the last micro-batch of the step.
         sync = model.no_sync() if (micro < t.grad_accum - 1 and hasattr(model, "no_sync")) else contextlib.nullcontext()
         with sync:
+            if uses_cuda_graphs(t):  # the previous micro-batch's graph outputs are consumed: replay over them
+                torch.compiler.cudagraph_mark_step_begin()
             with autocast:
                 _, loss = forward(x, y)
             if rank == 0 and step in t.debug.nan_at_steps:
@@ -289,7 +315,7 @@ def _train_step(t, step, rank, world, model, forward, autocast, optimizer, sched
     applied = guard.observe(step, finite)
     if applied:
         optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
+    optimizer.zero_grad(set_to_none=not uses_cuda_graphs(t))  # see keep_grads_outside_graphs
     with warnings.catch_warnings():
         if not applied:  # a skipped step still advances the schedule (it is tied to the step index)
             warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step\\(\\)` before")
@@ -308,6 +334,7 @@ def _interval_metrics(iv: Interval, t: TrainConfig, done: int, tokens_per_step: 
         "lr": lr, "grad_norm": grad_norm, "tokens_per_s": tokens_per_s,
         "step_time_s": elapsed / iv.steps, "data_wait_s": iv.data_wait_s / iv.steps,
         "compute_s": iv.compute_s / iv.steps, "peak_mem_mb": peak_memory_mb(device),
+        "peak_reserved_mb": peak_reserved_mb(device),
         "skipped_steps": guard.skipped_total,
     }
     if t.peak_tflops_per_device is not None:
