@@ -24,7 +24,7 @@ Work list: programs are (segment, chunk) pairs, a segment being the choosers of 
 CHUNK consecutive of them; WORK_SEG = -1 marks the spare programs of a static upper bound (no host sync).
 
 Layouts (contiguous): q [B, T, H, DK], k [B, T, G, DK], v [B, T, G, DV], blocks [B, T, G, N_SELECT] int32
-(-1 = none), ORDER [B*T*G*N_SELECT] int32 (flat slot of each sorted entry), STARTS [B*G*num_blocks + 1] int64,
+(-1 = none), ORDER [B*T*G*N_SELECT] int32 (flat slot of each sorted entry), STARTS [B*G*num_blocks + 1] int32,
 partial rows [B*T*G*N_SELECT*HPG, D] (row = flat slot * HPG + head), lse/delta [B, T, H] fp32.
 """
 

@@ -180,6 +180,16 @@ def _range_launch(q: torch.Tensor, v: torch.Tensor, kernel: str) -> dict:
                 EDGE_SPLIT=_config.range_kernel == "split")
 
 
+def _fp32_accumulators(k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Zeroed float32 dK and dV accumulators. For 16-bit k, v they are carved from one buffer (one fill launch
+    instead of two) and the casts at the end give each gradient its own memory; for float32 ones the accumulators
+    are the gradients themselves, so each gets its own (a custom op's outputs may not alias one another)."""
+    if k.dtype == torch.float32:
+        return torch.zeros_like(k), torch.zeros_like(v)
+    flat = torch.zeros(k.numel() + v.numel(), dtype=torch.float32, device=k.device)
+    return flat[:k.numel()].view(k.shape), flat[k.numel():].view(v.shape)
+
+
 _DELTA_ROWS = 32  # (b, t, h) rows per program of the delta kernel
 
 
@@ -240,8 +250,7 @@ def _range_bwd(q, k, v, o, lse, do, key_stride: int, key_offset: int, window: in
         q_chunk = query_tiles * bm
     atomic = head_split > 1 or q_chunk < T
     if atomic:  # programs add into fp32 accumulators, cast once at the end
-        dk = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
-        dv = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
+        dk, dv = _fp32_accumulators(k, v)
     else:  # one program stores each key row once, in the input dtype: no zero fill, no cast
         dk, dv = torch.empty_like(k), torch.empty_like(v)
     if num_keys > 0:
@@ -340,9 +349,8 @@ def _sorted_segments(blocks: torch.Tensor, num_blocks: int):
     dev = blocks.device
     num_segments = B * G * num_blocks
     dtype = next(d for d in (torch.int16, torch.int32, torch.int64) if num_segments <= torch.iinfo(d).max)
-    group = (torch.arange(B, device=dev, dtype=dtype).view(B, 1, 1, 1) * G
-             + torch.arange(G, device=dev, dtype=dtype).view(1, 1, G, 1))
-    segment = torch.where(blocks >= 0, group * num_blocks + blocks.to(dtype), num_segments).flatten()
+    first = torch.arange(0, num_segments, num_blocks, device=dev, dtype=dtype).view(B, 1, G, 1)  # (b*G + g)*nb
+    segment = torch.where(blocks >= 0, blocks.to(dtype) + first, num_segments).flatten()
     sorted_segment, order = torch.sort(segment, stable=True)
     return sorted_segment, order, torch.arange(num_segments + 1, device=dev, dtype=dtype)
 
@@ -391,25 +399,26 @@ def block_work(blocks: torch.Tensor, num_blocks: int, chunk: int):
     """The inverted index of the by_block kernels and their work list, from one sort, sizes fixed by shapes.
 
     order [B*T*G*n] int32: flat slot ((b*T + t)*G + g)*n + i of each entry, sorted by segment s = (b*G + g) *
-    num_blocks + block (query order inside a segment; -1 slots last); starts [S + 1] int64: segment s is
+    num_blocks + block (query order inside a segment; -1 slots last); starts [S + 1] int32: segment s is
     order[starts[s]:starts[s+1]]; work_seg, work_chunk [W] int32: program p handles chunk work_chunk[p] (chunk
-    entries) of segment work_seg[p], or nothing where work_seg[p] = -1 (W is an upper bound: no host sync)."""
+    entries) of segment work_seg[p], or nothing where work_seg[p] = -1 (W is an upper bound: no host sync).
+    All int32 from the start (the index stays below 2^31 entries, checked here): no cast launches at the end."""
     B, T, G, n = blocks.shape
     dev = blocks.device
     num_segments = B * G * num_blocks
+    if blocks.numel() >= 2 ** 31:  # the kernels' int32 index arithmetic (kernels/selected_by_block.py)
+        raise ValueError(f"blocks: B*T*G*n = {blocks.numel()} slots exceed the by_block kernels' int32 index; use "
+                         "LaunchConfig(slc_kernel='tiled') or a smaller batch")
     sorted_segment, order, boundaries = _sorted_segments(blocks, num_blocks)
-    starts = torch.searchsorted(sorted_segment, boundaries)
+    starts = torch.searchsorted(sorted_segment, boundaries, out_int32=True)
     chunks = (starts[1:] - starts[:-1] + chunk - 1) // chunk
-    ends = torch.cumsum(chunks, 0)
-    work = torch.arange(triton.cdiv(order.numel(), chunk) + num_segments, device=dev)
-    work_seg = torch.searchsorted(ends, work, right=True)
+    ends = torch.cumsum(chunks, 0, dtype=torch.int32)
+    work = torch.arange(triton.cdiv(order.numel(), chunk) + num_segments, device=dev, dtype=torch.int32)
+    work_seg = torch.searchsorted(ends, work, right=True, out_int32=True)
     seg_c = work_seg.clamp(max=num_segments - 1)
     work_chunk = work - (ends - chunks)[seg_c]
     work_seg = torch.where(work_seg < num_segments, work_seg, -1)
-    if order.numel() >= 2 ** 31:  # the kernels' int32 index arithmetic (kernels/selected_by_block.py)
-        raise ValueError(f"blocks: B*T*G*n = {order.numel()} slots exceed the by_block kernels' int32 index; use "
-                         "LaunchConfig(slc_kernel='tiled') or a smaller batch")
-    return order.to(torch.int32), starts, work_seg.to(torch.int32), work_chunk.to(torch.int32)
+    return order.to(torch.int32), starts, work_seg, work_chunk
 
 
 def _block_rows(hpg: int, config: LaunchConfig) -> int:
@@ -547,8 +556,7 @@ def _selected_by_block_bwd(q, k, v, blocks, do, lse, delta, index, common, scale
     num_blocks = triton.cdiv(T, common["SEL_BLOCK"])
     if dq_mode is None:
         dq_mode = 2 if c.slc_dq == "atomic" else 1
-    dk_acc = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
-    dv_acc = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
+    dk_acc, dv_acc = _fp32_accumulators(k, v)
     if dq_mode == 2:
         dq_out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     elif dq_mode == 1:
@@ -740,7 +748,7 @@ def _core_bwd(do: torch.Tensor, q: torch.Tensor, k_slc: torch.Tensor, v_slc: tor
     # The gate backward also sums each branch's row term rowsum(d_i * o_i) while it has d_i and o_i in registers,
     # so no branch reads them again for it.
     dgates, d_cmp, d_slc, d_win, (delta_cmp, delta_slc, delta_win) = _gated_bwd(
-        gates, o_cmp, o_slc, o_win, do, dgates_dtype=torch.float32, with_delta=True)
+        gates, o_cmp, o_slc, o_win, do, with_delta=True)
     dq_cmp, dk_cmp, dv_cmp = _range_bwd(q, k_cmp, v_cmp, o_cmp, lse_cmp, d_cmp,
                                         *_cmp_range(cmp_block, cmp_stride, T), scale, delta=delta_cmp)
     dq_win, dk_win, dv_win = _range_bwd(q, k_win, v_win, o_win, lse_win, d_win, *_win_range(window, T), scale,
@@ -748,7 +756,7 @@ def _core_bwd(do: torch.Tensor, q: torch.Tensor, k_slc: torch.Tensor, v_slc: tor
     # The selected branch's backward adds the other two branches' dQ into its own (by_block: in its slot sum).
     dq, dk_slc, dv_slc = _selected_bwd(q, k_slc, v_slc, blocks, o_slc, lse_slc, index, d_slc, sel_block, scale,
                                        kernel, delta=delta_slc, dq_add=(dq_cmp, dq_win))
-    return [dq, dk_slc, dv_slc, dk_win, dv_win, dk_cmp, dv_cmp, dgates.to(gates.dtype)]
+    return [dq, dk_slc, dv_slc, dk_win, dv_win, dk_cmp, dv_cmp, dgates]
 
 
 @_core_bwd.register_fake
