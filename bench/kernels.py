@@ -510,8 +510,9 @@ def gpu_kernel_ms(fn, calls=5):
 
 
 def time_pieces(family, B, T, cfg, group):
-    """(wall ms by do_bench, GPU kernel ms) of the pieces a sweep group changes: range_fwd* the compressed + window forward, other range_* their
-    forward + backward, select the selection, slc/dkdv/by_block the selected branch's forward + backward."""
+    """(wall ms by do_bench, GPU kernel ms) of the pieces a sweep group changes: range_fwd* the compressed +
+    window forward, other range_* their forward + backward, select the selection, slc/dkdv/by_block the selected
+    branch's forward + backward."""
     s = SHAPES[family]
     H, G, Dk, Dv = s["H"], s["G"], s["Dk"], s["Dv"]
     scale = Dk ** -0.5

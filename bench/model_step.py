@@ -30,6 +30,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.provenance import git_commit  # noqa: E402
 from nsa_model import Transformer, get_preset  # noqa: E402
+from pipeline.train.loop import keep_grads_outside_graphs  # noqa: E402
 
 # Kernel names of the NSA core (nsa_model/kernels), for the breakdown.
 NSA_KERNELS = ("range_attn", "selected_", "select_blocks", "gated_sum", "row_dot")
@@ -66,13 +67,8 @@ def build(preset: str, attention: str, seq_len: int, compile_model: bool, compil
 
 
 def make_step(fwd, opt, batches, cudagraphs: bool = False):
-    if cudagraphs:
-        # A replayed backward writes its gradients into the graph's memory: accumulating the next micro-batch
-        # into them would read what the replay overwrote. Gradients that live outside the graph and are zeroed in
-        # place (never set to None) receive each replay's output by an in-place add instead.
-        for group in opt.param_groups:
-            for p in group["params"]:
-                p.grad = torch.zeros_like(p)
+    if cudagraphs:  # as the training loop does: gradients outside the graphs, zeroed in place
+        keep_grads_outside_graphs(opt)
 
     def step():
         for x, y in batches:
