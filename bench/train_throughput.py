@@ -197,7 +197,9 @@ def write_results(args, base, runs: dict[tuple[str, int], dict[str, Any]]) -> st
 
     name = device_name()
     now = dt.datetime.now(dt.timezone.utc)
-    cuda_graphs = base.train.compile and base.train.compile_mode == "reduce-overhead"
+    from pipeline.train.loop import uses_cuda_graphs
+
+    cuda_graphs = uses_cuda_graphs(base.train)
     preset = (base.raw.get("model") or {}).get("preset", "tiny")
     meta = {"device": name, "date": now.strftime("%Y-%m-%d %H:%M UTC"), "commit": args.commit or git_commit(),
             "torch": torch.__version__, "preset": preset, "config": args.config, "overrides": args.set,

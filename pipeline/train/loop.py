@@ -129,6 +129,10 @@ def peak_reserved_mb(device: torch.device) -> float:
     return peak_memory_mb(device)
 
 
+def uses_cuda_graphs(t: TrainConfig) -> bool:
+    return t.compile and t.compile_mode == "reduce-overhead"
+
+
 def keep_grads_outside_graphs(optimizer: torch.optim.Optimizer) -> None:
     """Under CUDA graphs: give every parameter a gradient of its own, zeroed in place from now on (never set to
     None). A replayed backward writes its gradients into the graph's memory; had autograd adopted that output
@@ -251,10 +255,6 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     if logger is not None:
         _log_final_model(logger, bare, job)
         logger.close()
-
-
-def uses_cuda_graphs(t: TrainConfig) -> bool:
-    return t.compile and t.compile_mode == "reduce-overhead"
 
 
 def _train_step(t, step, rank, world, model, forward, autocast, optimizer, scheduler, guard, train_batches, device,
