@@ -443,10 +443,17 @@ _RANGE_CANDIDATES = {
     "dq": [(64, 64, 4, 2), (128, 64, 8, 2), (128, 32, 4, 3), (64, 32, 4, 3), (64, 64, 4, 3), (128, 64, 4, 3)],
     "dkdv": [(64, 64, 4, 2), (32, 128, 4, 3), (64, 128, 8, 2), (32, 64, 4, 3), (64, 64, 4, 3), (128, 64, 8, 2)],
 }
+# Head dim 128 (the paper shape): a 128 x 128 tile of q or k is 32 KB, so wider tiles need 8 warps and fewer stages.
+_RANGE_CANDIDATES_D128 = {
+    "fwd": [(64, 64, 4, 2), (128, 64, 8, 2), (128, 64, 8, 3), (128, 128, 8, 2), (64, 128, 4, 2), (64, 64, 4, 3)],
+    "dq": [(64, 64, 4, 2), (64, 32, 4, 3), (128, 64, 8, 2), (128, 32, 8, 3), (64, 64, 4, 3), (128, 128, 8, 2)],
+    "dkdv": [(64, 64, 4, 2), (64, 128, 8, 2), (32, 128, 4, 2), (64, 64, 4, 3), (128, 128, 8, 2), (32, 64, 4, 3)],
+}
 SWEEP_GROUPS = {
     **{f"range_{k}_d64": ([{f"range_{k}_d64": t} for t in c], [("125m", 16, 2048), ("125m", 1, 32768)])
        for k, c in _RANGE_CANDIDATES.items()},
-    **{f"range_{k}": ([{f"range_{k}": t} for t in c], [("paper", 1, 8192)]) for k, c in _RANGE_CANDIDATES.items()},
+    **{f"range_{k}": ([{f"range_{k}": t} for t in c], [("paper", 1, 8192), ("paper", 1, 65536)])
+       for k, c in _RANGE_CANDIDATES_D128.items()},
     "select": ([dict(), dict(select_block_m=128), dict(select_block_m=32), dict(select_warps=8),
                 dict(select_block_m=128, select_warps=8)], [("125m", 16, 2048), ("125m", 1, 32768)]),
     "by_block": ([dict(), dict(slc_block_chunk=128), dict(slc_block_chunk=512), dict(slc_block_warps=8),

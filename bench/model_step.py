@@ -30,7 +30,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.provenance import git_commit  # noqa: E402
 from nsa_model import Transformer, get_preset  # noqa: E402
-from pipeline.train.loop import keep_grads_outside_graphs  # noqa: E402
+from pipeline.train.loop import FlatGradients  # noqa: E402
 
 # Kernel names of the NSA core (nsa_model/kernels), for the breakdown.
 NSA_KERNELS = ("range_attn", "selected_", "select_blocks", "gated_sum", "row_dot")
@@ -67,8 +67,8 @@ def build(preset: str, attention: str, seq_len: int, compile_model: bool, compil
 
 
 def make_step(fwd, opt, batches, cudagraphs: bool = False):
-    if cudagraphs:  # as the training loop does: gradients outside the graphs, zeroed in place
-        keep_grads_outside_graphs(opt)
+    # as the training loop does: under CUDA graphs the gradients live outside the graphs, zeroed in place
+    grads = FlatGradients(opt) if cudagraphs else None
 
     def step():
         for x, y in batches:
@@ -79,7 +79,10 @@ def make_step(fwd, opt, batches, cudagraphs: bool = False):
             (loss / len(batches)).backward()
             loss = loss.detach().clone()  # a graph output would be overwritten by the next replay
         opt.step()
-        opt.zero_grad(set_to_none=not cudagraphs)
+        if grads is not None:
+            grads.zero_()
+        else:
+            opt.zero_grad(set_to_none=True)
         return loss
     return step
 

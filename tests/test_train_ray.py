@@ -1,5 +1,5 @@
-"""The training loop under Ray Train on CPU (2 gloo workers, DDP): resume exactness, worker-failure recovery,
-the non-finite guard, the watchdog, and what the run leaves in MLflow."""
+"""The training loop under Ray Train on CPU (2 gloo workers, DDP; one run with parallelism=allreduce): resume
+exactness, worker-failure recovery, the non-finite guard, the watchdog, and what the run leaves in MLflow."""
 
 from __future__ import annotations
 
@@ -110,14 +110,17 @@ def test_stop_resume_and_worker_death_continue_the_same_loss_curve(straight, pac
 
 
 def test_nan_steps_are_skipped_then_k_in_a_row_stop_the_run(packed, tmp_path):
+    """Run with parallelism=allreduce (the other runs use DDP): rank 0's NaN reaches rank 1 through the one
+    all-reduce of the gradient buffer, and both ranks skip the same steps."""
     with pytest.raises(Exception, match="2 consecutive steps with a non-finite loss"):
         run_pretraining(load_job_config(None, run_overrides(
             tmp_path, "nan", packed, "train.debug.nan_at_steps=[1, 4, 5]", "train.max_consecutive_nonfinite=2",
-            "train.max_failures=0")))
+            "train.max_failures=0", "train.parallelism=allreduce")))
     run_dir = tmp_path / "ray_results" / "nan"
     assert (run_dir / "checkpoint_step_00000003" / "train_state.pt").exists()  # the last good checkpoint is kept
     recs = trace(str(run_dir), 0)
     assert [r["finite"] for r in recs] == [True, False, True, True, False]  # the run died in step 5
+    assert [r["finite"] for r in trace(str(run_dir), 1)] == [True, False, True, True, False]  # rank 1 alike
     from mlflow.tracking import MlflowClient
 
     client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")

@@ -121,9 +121,10 @@ def test_accumulation_equals_one_big_batch():
 
 
 def test_under_cuda_graphs_gradients_accumulate_in_place_in_tensors_of_their_own(monkeypatch):
-    """compile_mode = reduce-overhead: every parameter keeps one gradient tensor for the whole run (allocated up
-    front, zeroed in place), so a replayed backward's output is added into it, never adopted as .grad; the step's
-    gradient is the same as in default mode. (The CUDA graphs themselves need a GPU; this is the loop's side.)"""
+    """compile_mode = reduce-overhead: every parameter keeps one gradient tensor for the whole run (a view of one
+    flat buffer, allocated up front, zeroed in place), so a replayed backward's output is added into it, never
+    adopted as .grad; the step's gradient is the same as in default mode. (The CUDA graphs themselves need a GPU;
+    this is the loop's side.)"""
     tokens = torch.randint(0, 64, (4, 33), generator=torch.Generator().manual_seed(2))
     base = dict(num_workers=1, global_batch=4, micro_batch=2, max_steps=10, warmup_steps=0, lr=1e-2, grad_clip=0.0)
     plain = []
@@ -131,14 +132,18 @@ def test_under_cuda_graphs_gradients_accumulate_in_place_in_tensors_of_their_own
     monkeypatch.setattr(loop, "uses_cuda_graphs", lambda t: True)
     model, graphed = small_model(), []
     opt = build_optimizer(model, TrainConfig(**base), torch.device("cpu"))
-    loop.keep_grads_outside_graphs(opt)
+    grads = loop.FlatGradients(opt)
     own = [p.grad for p in model.parameters()]
+    assert all(g._base is grads.buffer for g in own)  # views of the one buffer
     opt.register_step_pre_hook(
         lambda o, args, kwargs: graphed.extend(p.grad.clone() for g in o.param_groups for p in g["params"]))
     batches = iter([(tokens[i:i + 2], [i, i + 1]) for i in (0, 2)])
     cfg = TrainConfig(**base)
+    with pytest.raises(ValueError, match="FlatGradients"):  # the loop always passes them under CUDA graphs
+        _train_step(cfg, 0, 0, 1, model, model, contextlib.nullcontext(), opt, build_scheduler(opt, cfg),
+                    NonFiniteGuard(3), iter([]), torch.device("cpu"), NoWatchdog())
     _train_step(cfg, 0, 0, 1, model, model, contextlib.nullcontext(), opt, build_scheduler(opt, cfg),
-                NonFiniteGuard(3), batches, torch.device("cpu"), NoWatchdog())
+                NonFiniteGuard(3), batches, torch.device("cpu"), NoWatchdog(), grads=grads)
     assert all(p.grad is g for p, g in zip(model.parameters(), own))  # the same tensors, not replaced or dropped
     assert all(float(g.abs().sum()) == 0.0 for g in own)  # zeroed in place after the step
     assert len(graphed) == len(plain) > 0
@@ -325,11 +330,18 @@ def test_overrides_parse_yaml_values_and_nested_model_fields():
     (["train.compile_mode=max-autotune"], "train.compile_mode: must be 'default' or 'reduce-overhead'"),
     (["train.compile_mode=reduce-overhead"], r"train.compile_mode: 'reduce-overhead' \(CUDA graphs\) needs train.compile"),
     (["train.compile_mode=reduce-overhead", "train.compile=true", "train.use_gpu=true"],
-     r"train.compile_mode: 'reduce-overhead' \(CUDA graphs\) runs on one worker"),
+     r"train.compile_mode: 'reduce-overhead' \(CUDA graphs\) on 2 workers needs train.parallelism=allreduce"),
+    (["train.parallelism=zero"], "train.parallelism: must be 'ddp', 'fsdp' or 'allreduce'"),
 ])
 def test_config_errors_name_the_field(overrides, message):
     with pytest.raises(ValueError, match=message):
         load_job_config(None, overrides)
+
+
+def test_cuda_graphs_on_several_workers_run_with_allreduce():
+    job = load_job_config(None, ["train.compile_mode=reduce-overhead", "train.compile=true", "train.use_gpu=true",
+                                 "train.precision=bf16", "train.parallelism=allreduce"])
+    assert job.train.num_workers == 2 and job.train.compile_mode == "reduce-overhead"
 
 
 @pytest.mark.parametrize("overrides, kwargs, message", [
@@ -506,3 +518,12 @@ def test_prepared_data_shares_are_checked_before_the_run(capsys):
         check_data_shares(job, {"train": shares("train", 40, 40), "val": shares("val", 9, 7)})
     check_data_shares(job, {"train": shares("train", 40, 39), "val": shares("val", 8, 8)})
     assert "the run needs 40 train blocks per worker, the workers' shares hold [40, 39]" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("path", sorted((Path(__file__).parent.parent / "configs").glob("*.yaml")), ids=lambda p: p.name)
+def test_every_shipped_config_loads_and_passes_preflight(path):
+    """The configs the README and the GPU scripts run (e.g. CUDA graphs on 2 workers in nsa-125m-2gpu.yaml) are
+    valid as shipped: a refused one would fail only on the GPU host."""
+    job = load_job_config(str(path), [])
+    preflight(job)
+    assert job.train.max_steps > 0

@@ -66,7 +66,11 @@ class TrainConfig:
     num_workers: int = 2
     use_gpu: bool = False
     cpus_per_worker: float = 0.5  # fractional on small CPU hosts so Ray Data tasks still get scheduled
-    parallelism: Literal["ddp", "fsdp"] = "ddp"  # fsdp = FSDP2 (torch.distributed.fsdp.fully_shard)
+    # ddp: torch DistributedDataParallel (bucketed all-reduces overlapped with the backward); fsdp: FSDP2
+    # (torch.distributed.fsdp.fully_shard); allreduce: replicas whose gradients live in one flat buffer, all-reduced
+    # once after the step's last backward (one collective, no overlap): the data parallelism that runs under CUDA
+    # graphs, where DDP's per-bucket hooks would fire outside the replayed graph
+    parallelism: Literal["ddp", "fsdp", "allreduce"] = "ddp"
     precision: Literal["fp32", "bf16"] = "fp32"  # compute dtype under autocast; parameters are always fp32
     compile: bool = False
     # torch.compile mode: "reduce-overhead" replays the compiled forward and backward as CUDA graphs (no host
@@ -123,15 +127,17 @@ class TrainConfig:
         for name in ("use_gpu", "compile", "activation_checkpointing"):
             v = getattr(self, name)
             _require(isinstance(v, bool), f"train.{name}", f"must be a bool, got {v!r}")
-        _require(self.parallelism in ("ddp", "fsdp"), "train.parallelism", f"must be 'ddp' or 'fsdp', got {self.parallelism!r}")
+        _require(self.parallelism in ("ddp", "fsdp", "allreduce"), "train.parallelism",
+                 f"must be 'ddp', 'fsdp' or 'allreduce', got {self.parallelism!r}")
         _require(self.compile_mode in ("default", "reduce-overhead"), "train.compile_mode",
                  f"must be 'default' or 'reduce-overhead', got {self.compile_mode!r}")
         if self.compile_mode == "reduce-overhead":
             _require(self.compile and self.use_gpu, "train.compile_mode",
                      "'reduce-overhead' (CUDA graphs) needs train.compile=true and train.use_gpu=true")
-            _require(self.num_workers == 1, "train.compile_mode",
-                     f"'reduce-overhead' (CUDA graphs) runs on one worker: DDP's and FSDP's gradient hooks run outside "
-                     f"the graphs; got train.num_workers={self.num_workers}")
+            _require(self.num_workers == 1 or self.parallelism == "allreduce", "train.compile_mode",
+                     f"'reduce-overhead' (CUDA graphs) on {self.num_workers} workers needs train.parallelism="
+                     f"allreduce (one all-reduce after the backward): DDP's and FSDP's gradient hooks run outside "
+                     f"the graphs; got train.parallelism={self.parallelism!r}")
         _require(self.precision in ("fp32", "bf16"), "train.precision", f"must be 'fp32' or 'bf16', got {self.precision!r}")
         _require(self.schedule in ("cosine", "wsd", "constant"), "train.schedule",
                  f"must be 'cosine', 'wsd' or 'constant', got {self.schedule!r}")

@@ -7,7 +7,9 @@ next epoch, so every rank runs the same train.max_steps steps. A block is named 
 run block id, position * W + rank: step s's blocks are the ids [s*GB, (s+1)*GB) over all ranks. The loop checks
 that every micro-batch holds exactly the blocks it should, so a data-position bug fails loudly.
 Per step there is one small all-reduce ([loss, finite]) and one host sync (the skip decision of the guard);
-everything else (metrics, NSA statistics) is synced only on the steps that report.
+everything else (metrics, NSA statistics) is synced only on the steps that report. The gradients are summed by
+DDP's hooks during the last micro-batch's backward (ddp), by FSDP2 (fsdp), or by one all-reduce of the
+FlatGradients buffer after it (allreduce).
 """
 
 from __future__ import annotations
@@ -80,6 +82,10 @@ def build_model(job, device: torch.device) -> tuple[torch.nn.Module, torch.nn.Mo
             fully_shard(block, mp_policy=mp)
         fully_shard(bare, mp_policy=mp)
         return bare, bare
+    if t.parallelism == "allreduce":  # replicas; the loop all-reduces their FlatGradients after each step's backward
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            broadcast_from_rank0(bare)
+        return bare, bare
     # DDP; the model's buffers (RoPE tables, NSA statistics) need no broadcast at every forward.
     wrapped = ray.train.torch.prepare_model(bare, move_to_device=False,
                                             parallel_strategy_kwargs=ddp_no_buffer_sync_kwargs())
@@ -133,14 +139,41 @@ def uses_cuda_graphs(t: TrainConfig) -> bool:
     return t.compile and t.compile_mode == "reduce-overhead"
 
 
-def keep_grads_outside_graphs(optimizer: torch.optim.Optimizer) -> None:
-    """Under CUDA graphs: give every parameter a gradient of its own, zeroed in place from now on (never set to
-    None). A replayed backward writes its gradients into the graph's memory; had autograd adopted that output
-    as .grad, the next micro-batch's replay would overwrite it before the accumulation read it."""
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
+class FlatGradients:
+    """Every parameter's gradient as a view of one flat buffer, kept for the whole run: zeroed in place and never
+    set to None, so autograd adds each backward into it.
+
+    Two users. Under CUDA graphs a replayed backward writes its gradients into the graph's memory; had autograd
+    adopted that output as .grad, the next micro-batch's replay would overwrite it before the accumulation read
+    it. With train.parallelism=allreduce the ranks' gradients are summed by one all-reduce of the whole buffer."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer):
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        kinds = {(p.dtype, p.device) for p in params}
+        if len(kinds) != 1:
+            raise ValueError(f"one gradient buffer needs parameters of one dtype on one device, got {sorted(map(str, kinds))}")
+        (dtype, device), = kinds
+        self.buffer = torch.zeros(sum(p.numel() for p in params), dtype=dtype, device=device)
+        offset = 0
+        for p in params:
+            p.grad = self.buffer[offset:offset + p.numel()].view_as(p)
+            offset += p.numel()
+
+    def zero_(self) -> None:
+        self.buffer.zero_()
+
+    def all_reduce(self) -> None:
+        """Sum over the ranks. Each rank's backward already divided its loss by the world size, so the sum is the
+        mean gradient of the global batch."""
+        dist.all_reduce(self.buffer)
+
+
+def broadcast_from_rank0(model: torch.nn.Module) -> None:
+    """Rank 0's parameters and buffers on every rank (what DDP does when it wraps a model): the same start even
+    where an initialization is not seeded alike."""
+    with torch.no_grad():
+        for tensor in itertools.chain(model.parameters(), model.buffers()):
+            dist.broadcast(tensor, src=0)
 
 
 # --- the loop ------------------------------------------------------------------------------------------------------
@@ -181,8 +214,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
             print(f"resumed from checkpoint at step {start_step} (every rank continues its share at block "
                   f"{position.rank_blocks})", flush=True)
     forward = torch.compile(model, mode=t.compile_mode) if t.compile else model
-    if uses_cuda_graphs(t):
-        keep_grads_outside_graphs(optimizer)
+    grads = FlatGradients(optimizer) if uses_cuda_graphs(t) or t.parallelism == "allreduce" else None
     autocast = (torch.autocast(device.type, dtype=torch.bfloat16) if t.precision == "bf16"
                 else contextlib.nullcontext())
     seq_len = job.data.seq_len
@@ -219,7 +251,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
                 sums = [] if t.debug.trace else None
                 loss_value, finite, blocks, wait_s, compute_s, grad_norm, lr = _train_step(
                     t, step, rank, world, model, forward, autocast, optimizer, scheduler, guard, train_batches,
-                    device, watchdog, block_sums=sums)
+                    device, watchdog, block_sums=sums, grads=grads)
                 interval.add(loss_value, finite, wait_s, compute_s)
                 if t.debug.trace and local_run_dir is not None:
                     _trace(local_run_dir, rank, {"step": step, "loss": loss_value, "finite": finite, "blocks": blocks,
@@ -235,7 +267,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
                                             guard, device, bare, world)
                 if val_now:
                     watchdog.beat(step, "validation")
-                    metrics["val_loss"] = _validate(bare if t.parallelism == "ddp" else model, autocast, val_set,
+                    metrics["val_loss"] = _validate(model if t.parallelism == "fsdp" else bare, autocast, val_set,
                                                     device)
                 if rank == 0:
                     _print_progress(metrics, t)
@@ -258,9 +290,15 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
 
 
 def _train_step(t, step, rank, world, model, forward, autocast, optimizer, scheduler, guard, train_batches, device,
-                watchdog, block_sums: list[int] | None = None):
+                watchdog, block_sums: list[int] | None = None, grads: FlatGradients | None = None):
     """One optimizer step (grad_accum micro-batches). Returns host values for the metrics.
-    block_sums (train.debug.trace): receives each block's token sum, taken from the host batch (no device sync)."""
+    block_sums (train.debug.trace): receives each block's token sum, taken from the host batch (no device sync).
+    grads: the parameters' FlatGradients, required under CUDA graphs and with parallelism=allreduce."""
+    reduce_after_backward = t.parallelism == "allreduce" and world > 1
+    if grads is None and (uses_cuda_graphs(t) or reduce_after_backward):
+        raise ValueError("_train_step: CUDA graphs and parallelism=allreduce need the parameters' FlatGradients")
+    # Each backward adds loss / (grad_accum * ranks summed by the all-reduce); DDP divides by the world itself.
+    loss_divisor = t.grad_accum * (world if reduce_after_backward else 1)
     wait_s = compute_s = 0.0
     loss_sum = torch.zeros((), device=device)
     blocks: list[int] = []
@@ -295,11 +333,14 @@ def _train_step(t, step, rank, world, model, forward, autocast, optimizer, sched
                 _, loss = forward(x, y)
             if rank == 0 and step in t.debug.nan_at_steps:
                 loss = loss * float("nan")
-            (loss / t.grad_accum).backward()
+            (loss / loss_divisor).backward()
         loss_sum += loss.detach().float()
         wait_s += t1 - t0
         compute_s += time.perf_counter() - t1
     t2 = time.perf_counter()
+    if reduce_after_backward:
+        watchdog.beat(step, "all_reduce")
+        grads.all_reduce()
     watchdog.beat(step, "optimizer")
     # The norm is measured here, after backward and before any zero_grad (clip returns the pre-clip norm).
     max_norm = t.grad_clip if t.grad_clip > 0 else float("inf")
@@ -315,7 +356,10 @@ def _train_step(t, step, rank, world, model, forward, autocast, optimizer, sched
     applied = guard.observe(step, finite)
     if applied:
         optimizer.step()
-    optimizer.zero_grad(set_to_none=not uses_cuda_graphs(t))  # see keep_grads_outside_graphs
+    if grads is not None:
+        grads.zero_()  # in place: the views stay the parameters' gradients (FlatGradients)
+    else:
+        optimizer.zero_grad(set_to_none=True)
     with warnings.catch_warnings():
         if not applied:  # a skipped step still advances the schedule (it is tied to the step index)
             warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step\\(\\)` before")
