@@ -5,7 +5,7 @@
 #   0  build the installed-packages embedded corpus once; create the MLflow experiment (the two runs of phase A
 #      would race to create it)
 #   A  the scaling and quality baselines at once, one GPU each: nsa-125m and nsa-125m-dense on 1 GPU
-#   B  nsa-125m on 2 GPUs (DDP, NCCL), stopped after the step-120 (STOP_STEP) checkpoint, then rerun: it resumes there
+#   B  nsa-125m on 2 GPUs (NCCL; the config's parallelism), stopped after the step-120 (STOP_STEP) checkpoint, then rerun: it resumes there
 # bench/train_pipeline_report.py reads the MLflow store back into the numbers and the plot.
 set -u
 # MLflow 3.x keeps its file store behind this opt-in; the GPU host has no sqlalchemy for a sqlite store.

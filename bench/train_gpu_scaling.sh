@@ -10,6 +10,9 @@
 #   A   nsa-1gpu: the same config on 1 GPU, the scaling baseline, timed in the same call
 #   B2  nsa-2gpu rerun under the same run name: must resume at step 20 and finish
 # The MLflow store is packed into $OUT after every phase, so a call cut short still returns what ran.
+# The carried wheels need ray[default]'s dashboard packages: jobs/pretrain.py starts its local cluster with the State
+# API (pipeline/ray_cluster.py). Made with ../shared/tools/gpu_wheels.py .whl_ray "ray[default,train,data,tune]==2.60.0"
+# mlflow-skinny, then py_spy, virtualenv, distlib, platformdirs and python_discovery left out to fit a call's 64 MiB.
 # Read back with bench/train_pipeline_report.py --resume-step 20.
 set -u
 export MLFLOW_ALLOW_FILE_STORE=true  # MLflow 3.x file store opt-in; the GPU host has no sqlalchemy for sqlite
