@@ -19,7 +19,10 @@ positions keep counting), so no rank ever waits on another's uneven share; the w
 Trade-offs. A resumed streaming run re-tokenizes its rank's share up to the resume position (the packer is
 sequential; only the blocks are skipped), as the whole-stream scheme did for the whole stream; prepared data
 skips by row group. Shares are balanced by size (text bytes, blocks), not exactly equal; the shortest share
-bounds how far a run goes before its rank wraps. Ray Data's streaming_split would also give disjoint reads,
+bounds how far a run goes before its rank wraps. A wrap starts the rank's stream again, and the next batch waits
+for its pipeline to produce a first block: 5-7 s for a streamed share of the stdlib corpus on a 2-GPU host
+(bench/results/train-summary.md), the other ranks waiting in the next all-reduce; a corpus larger than the run
+never pays it. Ray Data's streaming_split would also give disjoint reads,
 but hands blocks to whichever rank asks first, so which block lands in which step would depend on timing and
 resume could not be exact.
 """
