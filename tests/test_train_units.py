@@ -151,6 +151,12 @@ def test_under_cuda_graphs_gradients_accumulate_in_place_in_tensors_of_their_own
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
 
 
+def test_flat_gradients_refuse_parameters_of_two_dtypes():
+    params = [torch.nn.Parameter(torch.zeros(3)), torch.nn.Parameter(torch.zeros(2, dtype=torch.float64))]
+    with pytest.raises(ValueError, match="FlatGradients: one buffer needs parameters of one dtype on one device"):
+        loop.FlatGradients(torch.optim.SGD(params, lr=0.1))
+
+
 def test_train_step_refuses_wrong_blocks():
     cfg = TrainConfig(num_workers=1, global_batch=4, micro_batch=4, max_steps=10, warmup_steps=2)
     tokens = torch.randint(0, 64, (4, 33))

@@ -22,9 +22,8 @@ skips by row group. Shares are balanced by size (text bytes, blocks), not exactl
 bounds how far a run goes before its rank wraps. A wrap starts the rank's stream again, and the next batch waits
 for its pipeline to produce a first block: 5-7 s for a streamed share of the stdlib corpus on a 2-GPU host
 (bench/results/train-summary.md), the other ranks waiting in the next all-reduce; a corpus larger than the run
-never pays it. Ray Data's streaming_split would also give disjoint reads,
-but hands blocks to whichever rank asks first, so which block lands in which step would depend on timing and
-resume could not be exact.
+never pays it. Ray Data's streaming_split would also give disjoint reads, but hands blocks to whichever rank
+asks first, so which block lands in which step would depend on timing and resume could not be exact.
 """
 
 from __future__ import annotations

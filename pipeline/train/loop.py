@@ -151,7 +151,8 @@ class FlatGradients:
         params = [p for group in optimizer.param_groups for p in group["params"]]
         kinds = {(p.dtype, p.device) for p in params}
         if len(kinds) != 1:
-            raise ValueError(f"one gradient buffer needs parameters of one dtype on one device, got {sorted(map(str, kinds))}")
+            raise ValueError(f"FlatGradients: one buffer needs parameters of one dtype on one device, got "
+                             f"{sorted(map(str, kinds))}")
         (dtype, device), = kinds
         self.buffer = torch.zeros(sum(p.numel() for p in params), dtype=dtype, device=device)
         offset = 0
