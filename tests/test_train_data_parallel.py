@@ -1,9 +1,11 @@
-"""train.parallelism=fsdp (FSDP2, torch.distributed.fsdp.fully_shard) on CPU: 2 gloo processes, no Ray.
+"""Data parallelism on CPU without Ray: 2 gloo processes run the loop's own pieces (build_model, build_optimizer,
+FlatGradients, _train_step, checkpoint.save) with 2 micro-batches per rank per step. The same model trained in one
+process on the same blocks (one micro-batch of the whole global batch) must give the same losses.
 
-The loop's own pieces (build_model, build_optimizer, _train_step, checkpoint.save) run sharded on 2 ranks, with
-2 micro-batches per rank per step; the same model trained unsharded in one process on the same blocks (one
-micro-batch of the whole global batch) must give the same losses, and the FSDP checkpoint (full state dicts,
-written by rank 0) must load into that unsharded model and hold the same weights.
+- train.parallelism=fsdp (FSDP2, torch.distributed.fsdp.fully_shard): the FSDP checkpoint (full state dicts,
+  written by rank 0) must load into that unsharded model and hold the same weights.
+- train.parallelism=allreduce (replicas, one all-reduce of a flat gradient buffer per step): rank 1 starts from
+  other weights (another seed) and build_model must hand it rank 0's; both ranks end with the same weights.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import torch
 from pipeline.config import load_job_config
 from pipeline.train import checkpoint as ckpt
 from pipeline.train.guards import NonFiniteGuard
-from pipeline.train.loop import _train_step, build_model, expected_blocks
+from pipeline.train.loop import FlatGradients, _train_step, build_model, expected_blocks
 from pipeline.train.schedule import build_optimizer, build_scheduler
 
 pytestmark = pytest.mark.timeout(300)
@@ -31,10 +33,11 @@ MODEL = ["model.dim=32", "model.n_layers=2", "model.n_heads=2", "model.n_kv_head
          "model.nsa.sel_block=8", "model.nsa.n_selected=3", "model.nsa.window=8", f"data.seq_len={SEQ_LEN}"]
 
 
-def job(parallelism: str, num_workers: int, micro_batch: int):
+def job(parallelism: str, num_workers: int, micro_batch: int, seed: int = 1337):
     return load_job_config(None, [*MODEL, f"train.parallelism={parallelism}", f"train.num_workers={num_workers}",
                                   f"train.global_batch={GLOBAL_BATCH}", f"train.micro_batch={micro_batch}",
-                                  f"train.max_steps={STEPS}", "train.warmup_steps=1", "train.lr=1e-2"])
+                                  f"train.max_steps={STEPS}", "train.warmup_steps=1", "train.lr=1e-2",
+                                  f"train.seed={seed}"])
 
 
 def all_blocks() -> torch.Tensor:
@@ -55,12 +58,17 @@ def unsharded_model(job, seed: int | None = None) -> torch.nn.Module:
     return Transformer(job.model)
 
 
-def train(job, rank: int, world: int) -> tuple[list[float], torch.nn.Module, torch.optim.Optimizer, object]:
+def train(job, rank: int, world: int, start: dict | None = None
+          ) -> tuple[list[float], torch.nn.Module, torch.optim.Optimizer, object]:
+    """STEPS optimizer steps; `start` receives the weights the model starts from (after build_model)."""
     t = job.train
     device = torch.device("cpu")
-    model, bare = build_model(job, device) if t.parallelism == "fsdp" else (unsharded_model(job),) * 2
+    model, bare = build_model(job, device) if world > 1 else (unsharded_model(job),) * 2
+    if start is not None:
+        start.update({k: v.clone() for k, v in bare.state_dict().items()})
     optimizer = build_optimizer(bare, t, device)
     scheduler = build_scheduler(optimizer, t)
+    grads = FlatGradients(optimizer) if t.parallelism == "allreduce" and world > 1 else None
     data = all_blocks()
     batches = []
     for step in range(STEPS):
@@ -72,17 +80,33 @@ def train(job, rank: int, world: int) -> tuple[list[float], torch.nn.Module, tor
     losses = []
     for step in range(STEPS):
         loss, finite, *_ = _train_step(t, step, rank, world, model, model, contextlib.nullcontext(), optimizer,
-                                       scheduler, NonFiniteGuard(3), batches, device, NoWatchdog())
+                                       scheduler, NonFiniteGuard(3), batches, device, NoWatchdog(), grads=grads)
         assert finite
         losses.append(loss)
     return losses, model, optimizer, scheduler
 
 
-def fsdp_worker(rank: int, world: int, port: int, out: str) -> None:
+def spawn_two(worker, out: Path) -> None:
+    """worker(rank, world, port, out) in 2 processes of one gloo group on a free port."""
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(worker, args=(2, port, str(out)), nprocs=2, join=True)
+
+
+def join_group(rank: int, world: int, port: int) -> None:
     import torch.distributed as dist
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+
+
+def fsdp_worker(rank: int, world: int, port: int, out: str) -> None:
+    import torch.distributed as dist
+
+    join_group(rank, world, port)
     try:
         fsdp_job = job("fsdp", world, 1)
         assert fsdp_job.train.grad_accum == 2  # accumulation over micro-batches, sharded
@@ -100,12 +124,7 @@ def fsdp_worker(rank: int, world: int, port: int, out: str) -> None:
 
 
 def test_fsdp2_trains_like_one_unsharded_process_and_checkpoints_full_state(tmp_path):
-    import torch.multiprocessing as mp
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(fsdp_worker, args=(2, port, str(tmp_path)), nprocs=2, join=True)
+    spawn_two(fsdp_worker, tmp_path)
     sharded = [json.loads((tmp_path / f"losses{r}.json").read_text()) for r in (0, 1)]
     assert sharded[0] == sharded[1]  # the all-reduced loss of each step
 
@@ -132,3 +151,34 @@ def test_fsdp2_trains_like_one_unsharded_process_and_checkpoints_full_state(tmp_
         # a wrong or missing update moves a weight by about lr = 1e-2.
         torch.testing.assert_close(value, want[name], rtol=0, atol=1e-4, msg=name)
     assert sched2.get_last_lr() == scheduler.get_last_lr()
+
+
+def allreduce_worker(rank: int, world: int, port: int, out: str) -> None:
+    import torch.distributed as dist
+
+    join_group(rank, world, port)
+    try:
+        replica_job = job("allreduce", world, 1, seed=1337 + rank)  # rank 1 would start elsewhere on its own
+        assert replica_job.train.grad_accum == 2
+        start = {}
+        losses, model, *_ = train(replica_job, rank, world, start=start)
+        torch.save({"losses": losses, "state": model.state_dict(), "start": start}, Path(out) / f"rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_allreduce_replicas_train_like_one_process_and_stay_identical(tmp_path):
+    spawn_two(allreduce_worker, tmp_path)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in (0, 1)]
+
+    torch.set_num_threads(1)
+    reference, model, *_ = train(job("ddp", 1, GLOBAL_BATCH), 0, 1)
+    assert reference[0] != reference[-1]  # it trained
+    # Rank 1 started from rank 0's weights, which are the single process's (same seed), not its own seed's.
+    for name, value in ranks[1]["start"].items():
+        torch.testing.assert_close(value, ranks[0]["start"][name], rtol=0, atol=0)
+    assert ranks[0]["losses"] == ranks[1]["losses"]  # the all-reduced loss of each step
+    assert ranks[0]["losses"] == pytest.approx(reference, rel=1e-5)
+    for name, value in model.state_dict().items():
+        torch.testing.assert_close(ranks[0]["state"][name], ranks[1]["state"][name], rtol=0, atol=0)  # replicas
+        torch.testing.assert_close(ranks[0]["state"][name], value, rtol=0, atol=1e-4, msg=name)  # as for FSDP
