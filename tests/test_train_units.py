@@ -7,7 +7,6 @@ import contextlib
 import copy
 import dataclasses
 import math
-import threading
 import time
 from pathlib import Path
 
