@@ -195,3 +195,36 @@ def test_bad_inputs_are_refused(monkeypatch):
         Transformer(cfg, backend="cuda")
     with pytest.raises(ValueError, match="triton"):
         Transformer(cfg, backend="triton")(torch.zeros(1, 8, dtype=torch.long))
+
+
+def test_phi_keeps_no_unfolded_blocks_for_the_backward_and_its_gradients_stand(monkeypatch):
+    """phi = mlp recomputes its unfolded blocks in the backward (attention.Compressor): no tensor saved for the
+    backward is fc1's input [B, Tc, G, l*D], and every gradient equals the one computed keeping it."""
+    from nsa_model import attention
+
+    cfg = small_cfg(phi="mlp")
+    torch.manual_seed(0)
+    layer = NSAAttention(cfg, backend="torch")
+    B, T, l, d = 2, 32, cfg.nsa.cmp_block, cfg.nsa.cmp_stride
+    x = torch.randn(B, T, cfg.dim, requires_grad=True)
+    Tc = (T - l) // d + 1
+    fc1_input = (B * Tc * cfg.n_kv_heads * l * cfg.head_dim, l * cfg.head_dim)  # (numel, width), in any view
+
+    def saved_shapes_and_grads():
+        shapes = []
+
+        def pack(t):
+            shapes.append((t.numel(), t.shape[-1] if t.dim() else 0))
+            return t
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = layer(x)
+        grads = torch.autograd.grad(out.square().sum(), [x, *layer.parameters()])
+        return shapes, grads
+
+    shapes, grads = saved_shapes_and_grads()
+    assert fc1_input not in shapes
+    monkeypatch.setattr(attention, "checkpoint", lambda fn, *args, **kwargs: fn(*args))  # keep everything
+    kept_shapes, kept_grads = saved_shapes_and_grads()
+    assert fc1_input in kept_shapes  # what the recompute leaves out
+    for a, b in zip(grads, kept_grads):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
