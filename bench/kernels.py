@@ -304,7 +304,8 @@ SELECTED_VARIANTS = {"per_query": dict(slc_kernel="per_query"),
                      "tiled64": dict(slc_kernel="tiled", slc_tile_rows=64, slc_tile_warps=4),
                      "tiled64_inv": dict(slc_kernel="tiled", slc_tile_rows=64, slc_dkdv="inverted"),
                      "by_block": dict(slc_kernel="by_block"),
-                     "by_block_s2": dict(slc_kernel="by_block", slc_block_stages=2)}
+                     "by_block_s2": dict(slc_kernel="by_block", slc_block_stages=2),
+                     "tiled_by_block": dict(slc_kernel="tiled_by_block", slc_tile_rows=64, slc_tile_warps=4)}
 # (v6b/v6c also timed by_block with fp32 partials (+1 ms at 125M, 2x the partials' memory), 4 stages (= 3) and
 # 128-chooser chunks (slower): see kernels-h100-2026-11-22-v6c.md.)
 # Selection (block importance + top-n): chunks of 16 * 2^splits blocks per pass over the query tiles. (v6d also
@@ -394,7 +395,7 @@ def time_selected_variants(x, blocks, do, cfg, scale, nsa_fb, leaves):
         selections = {"random": blocks, "structured": structured_blocks(x, cfg, scale)}
     hpg = x["q"].shape[2] // x["k_slc"].shape[2]
     for label, variant in SELECTED_VARIANTS.items():
-        if variant["slc_kernel"] == "by_block" and hpg > BY_BLOCK_MAX_HPG:
+        if variant["slc_kernel"] in ti.BY_BLOCK_BACKWARD and hpg > BY_BLOCK_MAX_HPG:
             continue
         launch = dataclasses.replace(ti.launch_config(), **variant)
         try:  # a variant that fails (e.g. partial buffers out of memory at the largest shapes) is recorded
@@ -403,7 +404,7 @@ def time_selected_variants(x, blocks, do, cfg, scale, nsa_fb, leaves):
                     def fn(sel=sel):
                         ti.selected_attention(x["q"], x["k_slc"], x["v_slc"], sel, cfg, scale).backward(do)
                     out[f"slc_{kind}_{label}_ms"] = bench(fn, leaves)
-                    if variant["slc_kernel"] == "tiled":
+                    if variant["slc_kernel"] in ("tiled", "tiled_by_block"):
                         _, tile_q = ti._selected_tile(hpg)
                         _, count = ti.tile_block_union(sel, tile_q)
                         out[f"union_{kind}_{label}"] = float(count.float().mean())
@@ -459,6 +460,11 @@ SWEEP_GROUPS = {
     "by_block": ([dict(), dict(slc_block_chunk=128), dict(slc_block_chunk=512), dict(slc_block_warps=8),
                   dict(slc_block_stages=4), dict(slc_block_rows=128, slc_block_warps=8)],
                  [("125m", 16, 2048), ("125m", 1, 32768)]),
+    # the selected variant at small groups: by_block (partials + combine) against tiled's forward on chip
+    "slc_variant": ([dict(), dict(slc_kernel="tiled_by_block"),
+                     dict(slc_kernel="tiled_by_block", slc_tile_rows=128, slc_tile_warps=8),
+                     dict(slc_kernel="tiled_by_block", slc_tile_rows=32, slc_tile_warps=2)],
+                    [("125m", 16, 2048), ("125m", 4, 8192)]),
     "slc": ([dict(), dict(slc_warps=2), dict(slc_stages=3)], [("paper", 1, 8192), ("125m", 16, 2048)]),
     "dkdv": ([dict(), dict(dkdv_rows=128, dkdv_warps=8), dict(dkdv_rows=64, dkdv_warps=8)],
              [("paper", 1, 8192), ("125m", 16, 2048)]),

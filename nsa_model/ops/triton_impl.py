@@ -36,8 +36,11 @@ INTERPRETED = not isinstance(range_attn_fwd_kernel, triton.runtime.JITFunction)
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # selected branch: query-driven (one program per query, or per tile of queries walking the union of their blocks;
 # dK/dV by inverted index), key-block-driven (by_block: fwd partials + combine, one fused backward), or auto
-# (by_block up to slc_auto_max_hpg heads per group, tiled above: bench/results/kernels-notes.md, v6)
-SELECTED_KERNELS = ("per_query", "tiled", "by_block", "auto")
+# (by_block up to slc_auto_max_hpg heads per group, tiled above: bench/results/kernels-notes.md, v6), or
+# tiled_by_block: tiled's forward (a tile's partial outputs stay on chip: no partials, no combine pass) with
+# by_block's fused backward
+SELECTED_KERNELS = ("per_query", "tiled", "by_block", "tiled_by_block", "auto")
+BY_BLOCK_BACKWARD = ("by_block", "tiled_by_block")  # the variants whose backward is by_block's
 PARTIAL_DTYPES = ("fp32", "input")  # by_block: partial outputs and dQ contributions in float32 or the input dtype
 SELECTED_DQ = ("partial", "atomic")  # by_block dQ: per-slot contributions summed by a kernel, or fp32 atomics
 SELECTED_DKDV = ("inverted", "by_block")  # dK/dV of per_query/tiled: padded-heads kernel, or the by_block one
@@ -444,9 +447,10 @@ def _selected_fwd(q, k, v, blocks, sel_block: int, scale: float):
     index = _selected_index(blocks, sel_block, kernel, H // G)
     if kernel == "by_block":
         _selected_by_block_fwd(q, k, v, blocks, o, lse, index, common, scale)
-    elif kernel == "tiled":
+    elif kernel in ("tiled", "tiled_by_block"):
         heads_pad, tile_q = _selected_tile(H // G)
-        union, count = index
+        # tiled_by_block saves by_block's work list for its backward; the unions serve the forward alone
+        union, count = index if kernel == "tiled" else tile_block_union(blocks, tile_q)
         selected_tiled_fwd_kernel[(union.shape[1], B * G)](
             q, k, v, blocks, union, count, o, lse, T, union.shape[1], scale, N_PAD=triton.next_power_of_2(n),
             HEADS_PAD=heads_pad, TILE_Q=tile_q, **common, num_warps=_config.slc_tile_warps,
@@ -460,7 +464,7 @@ def _selected_fwd(q, k, v, blocks, sel_block: int, scale: float):
 def _selected_index(blocks, sel_block: int, kernel: str, hpg: int) -> tuple[torch.Tensor, ...]:
     """What the selected variant's forward and backward read besides the selections, from torch ops on blocks
     alone (so the same code gives the shapes of nsa::core's fake): by_block's work list, tiled's block unions."""
-    if kernel == "by_block":
+    if kernel in BY_BLOCK_BACKWARD:
         return _by_block_index(blocks, sel_block, _config)
     if kernel == "tiled":
         return tile_block_union(blocks, _selected_tile(hpg)[1])
@@ -478,7 +482,7 @@ def _selected_bwd(q, k, v, blocks, o, lse, index, do, sel_block: int, scale: flo
     hpg, config = H // G, _config
     delta = _delta(do, o) if delta is None else delta
     common = dict(H=H, G=G, SEL_BLOCK=sel_block, BLOCK_S=_pow2(sel_block), N_SELECT=n, **_head_dims(q, v))
-    if kernel == "by_block":
+    if kernel in BY_BLOCK_BACKWARD:
         return _selected_by_block_bwd(q, k, v, blocks, do, lse, delta, tuple(index[:4]), common, scale,
                                       dq_add=dq_add)
     dq = torch.empty_like(q)
