@@ -187,6 +187,7 @@ def check_bf16(name, B, T, H, G, Dk, Dv, cfg, grads=True, seed=0):
 
 CHECKS = [
     dict(name="125m_T64k", B=1, T=65536, H=12, G=2, Dk=64, Dv=64),
+    dict(name="125m_b4_T2k", B=4, T=2048, H=12, G=2, Dk=64, Dv=64),  # the training shape: tiled_by_block
     dict(name="paper_T8k", B=1, T=8192, H=64, G=4, Dk=128, Dv=128),
     dict(name="paper_T32k_fwd", B=1, T=32768, H=64, G=4, Dk=128, Dv=128, grads=False),
     dict(name="h1_dk192_dv128", B=1, T=4133, H=4, G=4, Dk=192, Dv=128),

@@ -74,6 +74,7 @@ class LaunchConfig:
     dkdv_warps: int = 4
     slc_kernel: str = "auto"  # one of SELECTED_KERNELS
     slc_auto_max_hpg: int = 8  # auto: by_block for groups of at most this many heads, query-driven for larger ones
+    slc_auto_tiled_fwd_blocks: int = 2  # auto, small groups: tiled_by_block up to this many times n blocks (v11)
     slc_block_rows: int = 64  # by_block: matrix rows (choosers x heads, unpadded) per step
     slc_block_chunk: int = 512  # by_block: choosers per program (v8 sweep: 512 beat 256 by 3% at 32k, tie at 2k)
     slc_block_warps: int = 4
@@ -99,7 +100,7 @@ class LaunchConfig:
             if f.name in choices or f.name in RANGE_TILE_FIELDS:
                 continue
             value = getattr(self, f.name)
-            low = 0 if f.name == "select_chunk_splits" else 1
+            low = 0 if f.name in ("select_chunk_splits", "slc_auto_tiled_fwd_blocks") else 1
             if not isinstance(value, int) or value < low:
                 raise ValueError(f"LaunchConfig.{f.name}: must be an int >= {low}, got {value!r}")
         for name in RANGE_TILE_FIELDS:
@@ -394,7 +395,9 @@ def selected_kernel(hpg: int, num_blocks: int, n: int, config: LaunchConfig | No
     if config.slc_kernel != "auto":
         return config.slc_kernel
     if hpg <= config.slc_auto_max_hpg:
-        return "by_block"
+        # Where a sequence has few blocks, a tile of neighbouring queries shares most of them and tiled's forward
+        # keeps each query's partial outputs on chip (no partials written, no combine pass).
+        return "tiled_by_block" if num_blocks <= config.slc_auto_tiled_fwd_blocks * n else "by_block"
     return "tiled" if num_blocks <= 8 * n else "per_query"
 
 
