@@ -481,7 +481,7 @@ SWEEP_GROUPS = {
     "slc_variant": ([dict(), dict(slc_kernel="tiled_by_block"),
                      dict(slc_kernel="tiled_by_block", slc_tile_rows=128, slc_tile_warps=8),
                      dict(slc_kernel="tiled_by_block", slc_tile_rows=32, slc_tile_warps=2)],
-                    [("125m", 16, 2048)]),  # the shape where auto picks tiled_by_block
+                    [("125m", 16, 2048), ("125m", 4, 8192)]),
     "slc": ([dict(), dict(slc_warps=2), dict(slc_stages=3)], [("paper", 1, 8192), ("125m", 16, 2048)]),
     "dkdv": ([dict(), dict(dkdv_rows=128, dkdv_warps=8), dict(dkdv_rows=64, dkdv_warps=8)],
              [("paper", 1, 8192), ("125m", 16, 2048)]),

@@ -4,7 +4,6 @@ The per-query kernels (selected_attention.py) reload every selected block once p
 their time goes to L2 traffic, not to the matrix units. Here one program owns TILE_Q consecutive queries of one
 (batch, kv group); its matrix rows are (query, head) pairs, row r = query r // HEADS_PAD, head r % HEADS_PAD.
 It walks the sorted union of the tile's selected blocks (built outside by tile_block_union in triton_impl.py),
-or, for short sequences (SCAN), every block up to its last query, skipping those none of its rows chose,
 loading each block's keys and values once for the whole tile; a per-row membership mask (is this block among
 the row's query's choices?) and the causal mask decide which rows see it. Neighbouring queries of trained
 models choose mostly the same blocks, so the union stays near n; random inputs make it up to TILE_Q * n long.
@@ -51,11 +50,7 @@ def selected_tiled_fwd_kernel(Q, K, V, BLOCKS, UNION, COUNT, O, LSE, T, num_tile
                               H: tl.constexpr, G: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
                               BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, SEL_BLOCK: tl.constexpr,
                               BLOCK_S: tl.constexpr, N_SELECT: tl.constexpr, N_PAD: tl.constexpr,
-                              HEADS_PAD: tl.constexpr, TILE_Q: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                              SCAN: tl.constexpr = False):
-    """SCAN: no union; walk every block up to the tile's last query and skip those none of its rows chose. For
-    short sequences (a few times n blocks), where the union is most of those blocks anyway: no sorts to build it.
-    UNION and COUNT are then not read."""
+                              HEADS_PAD: tl.constexpr, TILE_Q: tl.constexpr, DOT_PRECISION: tl.constexpr):
     HPG: tl.constexpr = H // G
     b, g, t, r_ok, row_q = _tile_rows(T, H, G, HPG, HEADS_PAD, TILE_Q)
     offs_s = tl.arange(0, BLOCK_S)
@@ -64,28 +59,32 @@ def selected_tiled_fwd_kernel(Q, K, V, BLOCKS, UNION, COUNT, O, LSE, T, num_tile
     q = tl.load(Q + row_q[:, None] * DK + offs_dk[None, :], mask=r_ok[:, None] & (offs_dk < DK)[None, :], other=0.0)
     chosen = _tile_choices(BLOCKS, b, g, t, T, G, N_SELECT, N_PAD)
     tile_row = (b * num_tiles + tl.program_id(0)).to(tl.int64) * G + g
-    if SCAN:
-        steps = (tl.minimum(tl.program_id(0) * TILE_Q + TILE_Q, T) - 1) // SEL_BLOCK + 1  # up to the last query's
-    else:
-        steps = tl.load(COUNT + tile_row)
+    count = tl.load(COUNT + tile_row)
 
     qk_scale = scale * LOG2E
     m_i = tl.full([TILE_Q * HEADS_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([TILE_Q * HEADS_PAD], tl.float32)
     acc = tl.zeros([TILE_Q * HEADS_PAD, BLOCK_DV], tl.float32)
-    for i in range(0, steps):
-        if SCAN:
-            blk = i
-        else:
-            blk = tl.load(UNION + tile_row * (TILE_Q * N_SELECT) + i)
+    for i in range(0, count):
+        blk = tl.load(UNION + tile_row * (TILE_Q * N_SELECT) + i)
         member = tl.max((chosen == blk).to(tl.int32), axis=1) > 0
-        if SCAN:
-            # a block no row of the tile chose (or past T) adds nothing: skip its loads and dots
-            m_i, l_i, acc = _tile_fwd_step_if(member, K, V, b, g, t, r_ok, q, blk, T, G, m_i, l_i, acc, qk_scale,
-                                              offs_s, offs_dk, offs_dv, DK, DV, SEL_BLOCK, DOT_PRECISION)
-        else:
-            m_i, l_i, acc = _tile_fwd_step(member, K, V, b, g, t, r_ok, q, blk, T, G, m_i, l_i, acc, qk_scale,
-                                           offs_s, offs_dk, offs_dv, DK, DV, SEL_BLOCK, DOT_PRECISION)
+        pos = blk * SEL_BLOCK + offs_s
+        s_ok = (offs_s < SEL_BLOCK) & (pos < T)
+        row_k = (b * T + pos).to(tl.int64) * G + g
+        k = tl.load(K + row_k[:, None] * DK + offs_dk[None, :], mask=s_ok[:, None] & (offs_dk < DK)[None, :],
+                    other=0.0)
+        v = tl.load(V + row_k[:, None] * DV + offs_dv[None, :], mask=s_ok[:, None] & (offs_dv < DV)[None, :],
+                    other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+        vis = (member & r_ok)[:, None] & s_ok[None, :] & (pos[None, :] <= t[:, None])
+        s = tl.where(vis, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that saw nothing yet adds 0
+        p = tl.exp2(s - m_safe[:, None])
+        alpha = tl.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
 
     has_key = l_i > 0
     l_safe = tl.where(has_key, l_i, 1.0)
@@ -94,40 +93,6 @@ def selected_tiled_fwd_kernel(Q, K, V, BLOCKS, UNION, COUNT, O, LSE, T, num_tile
     tl.store(O + row_q[:, None] * DV + offs_dv[None, :], o.to(O.dtype.element_ty),
              mask=r_ok[:, None] & (offs_dv < DV)[None, :])
     tl.store(LSE + row_q, lse, mask=r_ok)
-
-
-@triton.jit
-def _tile_fwd_step_if(member, K, V, b, g, t, r_ok, q, blk, T, G, m_i, l_i, acc, qk_scale, offs_s, offs_dk,
-                      offs_dv, DK: tl.constexpr, DV: tl.constexpr, SEL_BLOCK: tl.constexpr,
-                      DOT_PRECISION: tl.constexpr):
-    if tl.max(member.to(tl.int32), axis=0) > 0:
-        m_i, l_i, acc = _tile_fwd_step(member, K, V, b, g, t, r_ok, q, blk, T, G, m_i, l_i, acc, qk_scale,
-                                       offs_s, offs_dk, offs_dv, DK, DV, SEL_BLOCK, DOT_PRECISION)
-    return m_i, l_i, acc
-
-
-@triton.jit
-def _tile_fwd_step(member, K, V, b, g, t, r_ok, q, blk, T, G, m_i, l_i, acc, qk_scale, offs_s, offs_dk, offs_dv,
-                   DK: tl.constexpr, DV: tl.constexpr, SEL_BLOCK: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """One selected block for the whole tile: online-softmax update of (m_i, l_i, acc) for the rows that see it."""
-    pos = blk * SEL_BLOCK + offs_s
-    s_ok = (offs_s < SEL_BLOCK) & (pos < T)
-    row_k = (b * T + pos).to(tl.int64) * G + g
-    k = tl.load(K + row_k[:, None] * DK + offs_dk[None, :], mask=s_ok[:, None] & (offs_dk < DK)[None, :],
-                other=0.0)
-    v = tl.load(V + row_k[:, None] * DV + offs_dv[None, :], mask=s_ok[:, None] & (offs_dv < DV)[None, :],
-                other=0.0)
-    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
-    vis = (member & r_ok)[:, None] & s_ok[None, :] & (pos[None, :] <= t[:, None])
-    s = tl.where(vis, s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, axis=1))
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that saw nothing yet adds 0
-    p = tl.exp2(s - m_safe[:, None])
-    alpha = tl.exp2(m_i - m_safe)
-    l_i = l_i * alpha + tl.sum(p, axis=1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-    m_i = m_new
-    return m_i, l_i, acc
 
 
 @triton.jit

@@ -452,14 +452,11 @@ def _selected_fwd(q, k, v, blocks, sel_block: int, scale: float):
         _selected_by_block_fwd(q, k, v, blocks, o, lse, index, common, scale)
     elif kernel in ("tiled", "tiled_by_block"):
         heads_pad, tile_q = _selected_tile(H // G)
-        # tiled_by_block (short sequences) scans each tile's causal blocks instead of building unions; its index
-        # is by_block's work list, for the backward
-        scan = kernel == "tiled_by_block"
-        union, count = (blocks, blocks) if scan else index  # not read when scanning
-        num_tiles = triton.cdiv(T, tile_q)
-        selected_tiled_fwd_kernel[(num_tiles, B * G)](
-            q, k, v, blocks, union, count, o, lse, T, num_tiles, scale, N_PAD=triton.next_power_of_2(n),
-            HEADS_PAD=heads_pad, TILE_Q=tile_q, SCAN=scan, **common, num_warps=_config.slc_tile_warps,
+        # tiled_by_block saves by_block's work list for its backward; the unions serve the forward alone
+        union, count = index if kernel == "tiled" else tile_block_union(blocks, tile_q)
+        selected_tiled_fwd_kernel[(union.shape[1], B * G)](
+            q, k, v, blocks, union, count, o, lse, T, union.shape[1], scale, N_PAD=triton.next_power_of_2(n),
+            HEADS_PAD=heads_pad, TILE_Q=tile_q, **common, num_warps=_config.slc_tile_warps,
             num_stages=_config.slc_stages)
     else:
         selected_attn_fwd_kernel[(T, B * G)](
