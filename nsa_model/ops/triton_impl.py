@@ -388,9 +388,10 @@ def selected_kernel(hpg: int, num_blocks: int, n: int, config: LaunchConfig | No
 
     auto (bench/results/kernels-notes.md, v6): small groups (<= slc_auto_max_hpg heads) go `by_block`, which
     fills the matrix rows with several choosers and loads each block once per slice of its choosers, whatever
-    the selections look like. Large groups fill the rows per query already: `tiled` while a sequence has at most
-    8n blocks (a tile of neighbouring queries then shares most of its blocks), `per_query` beyond (random
-    selections make a tile's union 3-6x n there)."""
+    the selections look like; where a sequence has at most slc_auto_tiled_fwd_blocks * n blocks, `tiled_by_block`
+    (v11: tiled's forward keeps the partial outputs on chip, by_block's backward). Large groups fill the rows per
+    query already: `tiled` while a sequence has at most 8n blocks (a tile of neighbouring queries then shares
+    most of its blocks), `per_query` beyond (random selections make a tile's union 3-6x n there)."""
     config = config or _config
     if config.slc_kernel != "auto":
         return config.slc_kernel
