@@ -201,6 +201,23 @@ def test_bad_inputs_are_refused():
                                        torch.zeros(1, 16, 1, 3, dtype=torch.int64, device=DEVICE), cfg, 0.25)
 
 
+def test_auto_picks_the_selected_variant_from_static_shapes():
+    """auto (kernels-notes.md v6, v11): small groups run tiled's forward with by_block's backward while a sequence
+    has at most 2n blocks (125M at T = 2048: 32 blocks of 64, n = 16), by_block beyond; larger groups run tiled up
+    to 8n blocks, per_query beyond. 0 turns tiled_by_block off; a named variant is taken as it is."""
+    auto = triton_impl.LaunchConfig()
+    assert triton_impl.selected_kernel(6, 32, 16, auto) == "tiled_by_block"
+    assert triton_impl.selected_kernel(6, 33, 16, auto) == "by_block"
+    assert triton_impl.selected_kernel(8, 512, 16, auto) == "by_block"
+    assert triton_impl.selected_kernel(16, 128, 16, auto) == "tiled"
+    assert triton_impl.selected_kernel(16, 129, 16, auto) == "per_query"
+    off = triton_impl.LaunchConfig(slc_auto_tiled_fwd_blocks=0)
+    assert triton_impl.selected_kernel(6, 1, 16, off) == "by_block"
+    assert triton_impl.selected_kernel(6, 32, 16, triton_impl.LaunchConfig(slc_kernel="per_query")) == "per_query"
+    with pytest.raises(ValueError, match="LaunchConfig.slc_auto_tiled_fwd_blocks: must be an int >= 0"):
+        triton_impl.LaunchConfig(slc_auto_tiled_fwd_blocks=-1)
+
+
 SELECTED_VARIANTS = {
     "per_query": dict(slc_kernel="per_query", slc_dkdv="inverted"),
     "tiled16": dict(slc_kernel="tiled", slc_tile_rows=16, slc_dkdv="inverted"),
