@@ -95,13 +95,14 @@ def profile_step(step) -> dict:
         step()
         torch.cuda.synchronize()
         wall_ms = (time.perf_counter() - start) * 1e3
-    kernels, categories, cpu_ops = {}, {}, {}
+    kernels, counts, categories, cpu_ops = {}, {}, {}, {}
     for e in prof.key_averages():
         gpu_us = getattr(e, "self_device_time_total", None)
         if gpu_us is None:
             gpu_us = getattr(e, "self_cuda_time_total", 0)
         if gpu_us > 0 and e.device_type == torch.autograd.DeviceType.CUDA:
             kernels[e.key[:80]] = kernels.get(e.key[:80], 0.0) + gpu_us / 1e3
+            counts[e.key[:80]] = counts.get(e.key[:80], 0) + e.count
             cat = category(e.key)
             categories[cat] = categories.get(cat, 0.0) + gpu_us / 1e3
         elif e.device_type == torch.autograd.DeviceType.CPU and e.self_cpu_time_total > 0:
@@ -110,7 +111,17 @@ def profile_step(step) -> dict:
     top_cpu = dict(sorted(cpu_ops.items(), key=lambda kv: -kv[1])[:10])
     return {"wall_ms": wall_ms, "gpu_busy_ms": sum(kernels.values()), "kernel_count": len(kernels),
             "categories_ms": dict(sorted(categories.items(), key=lambda kv: -kv[1])), "top_kernels_ms": top,
-            "top_cpu_self_ms": top_cpu}
+            "top_cpu_self_ms": top_cpu,
+            "kernels": {k: {"ms": v, "calls": counts[k]} for k, v in sorted(kernels.items(), key=lambda kv: -kv[1])}}
+
+
+def kernel_difference(nsa: dict, dense: dict, top: int = 25) -> list[tuple[str, float, float, int, int]]:
+    """The kernels outside the NSA core whose time differs most between the NSA and the dense step (name, NSA ms,
+    dense ms, NSA calls, dense calls): where NSA's extra glue and projections go."""
+    names = {k for k in (*nsa, *dense) if category(k) != "nsa core (triton)"}
+    rows = [(k, nsa.get(k, {}).get("ms", 0.0), dense.get(k, {}).get("ms", 0.0), nsa.get(k, {}).get("calls", 0),
+             dense.get(k, {}).get("calls", 0)) for k in names]
+    return sorted(rows, key=lambda r: -abs(r[1] - r[2]))[:top]
 
 
 REPO_DIRS = ("/nsa_model/", "/pipeline/", "/bench/")
@@ -248,6 +259,13 @@ def markdown(meta, rows) -> str:
             lines += ["- by category: " + ", ".join(f"{k} {v:.1f}" for k, v in p["categories_ms"].items())]
             lines += ["- largest: " + ", ".join(f"{k} {v:.2f}" for k, v in p["top_kernels_ms"].items())]
             lines += ["- host (self CPU ms): " + ", ".join(f"{k} {v:.1f}" for k, v in p["top_cpu_self_ms"].items())]
+    for t, pair in by_t.items():
+        if "kernels" in pair.get("nsa", {}).get("profile", {}) and "kernels" in pair.get("dense", {}).get("profile", {}):
+            diff = kernel_difference(pair["nsa"]["profile"]["kernels"], pair["dense"]["profile"]["kernels"])
+            lines += ["", f"## T={t}: kernels outside the NSA core, NSA step against dense step (GPU ms)", "",
+                      "| kernel | category | NSA ms (calls) | dense ms (calls) | NSA - dense |", "|---|---|---|---|---|"]
+            lines += [f"| `{k}` | {category(k)} | {a:.2f} ({ca}) | {b:.2f} ({cb}) | {a - b:+.2f} |"
+                      for k, a, b, ca, cb in diff]
     for r in rows:
         if "memory" in r:
             m = r["memory"]

@@ -1,4 +1,5 @@
-"""bench/model_step.py's memory breakdown: the peak of an allocator trace and what is alive then, by site."""
+"""bench/model_step.py: the memory breakdown (an allocator trace's peak and what is alive then, by site) and the kernel
+difference between the NSA and the dense step."""
 
 import importlib.util
 import sys
@@ -47,3 +48,19 @@ def test_peak_sites_are_what_is_alive_at_the_peak_by_innermost_project_frame():
     both = model_step.peak_sites(events)["sites"]
     assert both[1] == {"site": "nsa_model/attention.py:120 forward", "mib": 200.0, "tensors": 2}
     assert len(both) == 2  # the transient kernel buffer was freed before the peak
+
+
+def test_kernel_difference_ranks_non_core_kernels_by_the_gap_between_nsa_and_dense():
+    nsa = {"selected_block_bwd_kernel": {"ms": 30.0, "calls": 24},  # the NSA core: left out
+           "nvjet_sm90_gemm": {"ms": 66.0, "calls": 300},
+           "triton_poi_fused_rope_3": {"ms": 5.0, "calls": 48},
+           "void at::native::FillFunctor<float>": {"ms": 1.0, "calls": 96}}
+    dense = {"nvjet_sm90_gemm": {"ms": 62.0, "calls": 250},
+             "cudnn_generated_fort_native_sdpa_sm90_flash_bprop": {"ms": 18.0, "calls": 24},
+             "void at::native::FillFunctor<float>": {"ms": 1.5, "calls": 24}}
+    rows = model_step.kernel_difference(nsa, dense)
+    assert [r[0] for r in rows] == ["cudnn_generated_fort_native_sdpa_sm90_flash_bprop", "triton_poi_fused_rope_3",
+                                    "nvjet_sm90_gemm", "void at::native::FillFunctor<float>"]
+    assert rows[1] == ("triton_poi_fused_rope_3", 5.0, 0.0, 48, 0)
+    assert rows[2] == ("nvjet_sm90_gemm", 66.0, 62.0, 300, 250)
+    assert len(model_step.kernel_difference(nsa, dense, top=2)) == 2
