@@ -91,12 +91,12 @@ class NSAAttention(nn.Module):
         ops.preload(self.backend)
         H, G, Dk, Dv = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.dv
         self.kv_sets = 1 if cfg.shared_kv else len(BRANCHES)
-        # q, the K and V sets and the gate logits from one matmul: x is read once, and its gradient is one
-        # matmul's output rather than the sum of four (the gate's 3H columns alone would run a thin, memory-bound
-        # GEMM each way).
-        self.splits = (H * Dk, self.kv_sets * G * Dk, self.kv_sets * G * Dv, len(BRANCHES) * H)
+        # q and the K and V sets from one matmul: x is read once, and its gradient is one matmul's output rather
+        # than a sum of three. The gate stays apart: its 3H columns would make the width 1572 at 125M, off the
+        # GEMMs' tile multiples (1536 is 12 x 128): cuBLAS ran sm80 kernels on it (kernels-notes.md, v12).
+        self.splits = (H * Dk, self.kv_sets * G * Dk, self.kv_sets * G * Dv)
         self.in_proj = nn.Linear(cfg.dim, sum(self.splits), bias=False)
-        self.gate_bias = nn.Parameter(torch.zeros(len(BRANCHES) * H))
+        self.gate = nn.Linear(cfg.dim, len(BRANCHES) * H)
         self.wo = nn.Linear(H * Dv, cfg.dim, bias=False)
         hidden = cfg.phi_hidden or 2 * Dk
         self.phi_k = Compressor(cfg.phi, Dk, cfg.nsa, hidden)
@@ -107,7 +107,7 @@ class NSAAttention(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, _ = x.shape
         H, G, Dk, Dv = self.cfg.n_heads, self.cfg.n_kv_heads, self.cfg.head_dim, self.cfg.dv
-        q, k, v, gate_logits = self.in_proj(x).split(self.splits, dim=-1)
+        q, k, v = self.in_proj(x).split(self.splits, dim=-1)
         q = self.rope(q.view(B, T, H, Dk))
         # RoPE on the raw keys first: compression and selection work on rotated keys (spec). Each set is made
         # contiguous, [S, B, T, G, D]: the core's kernels read contiguous tensors, and a set sliced out of
@@ -117,8 +117,7 @@ class NSAAttention(nn.Module):
         v = v.view(B, T, self.kv_sets, G, Dv).permute(2, 0, 1, 3, 4).contiguous()
         k_cmp, k_slc, k_win = k.unbind(0) if self.kv_sets > 1 else (k[0],) * 3
         v_cmp, v_slc, v_win = v.unbind(0) if self.kv_sets > 1 else (v[0],) * 3
-        # fp32 bias under autocast: the sum and sigmoid run in fp32, the gates go to the core in q's dtype
-        gates = torch.sigmoid(gate_logits + self.gate_bias).to(q.dtype).view(B, T, H, len(BRANCHES))
+        gates = torch.sigmoid(self.gate(x)).view(B, T, H, len(BRANCHES))
         # On the triton backend the core is one custom op (nsa::core): torch.compile traces through it.
         o, blocks = ops.nsa_attention(q, k_slc, v_slc, k_win, v_win, self.phi_k(k_cmp), self.phi_v(v_cmp), gates,
                                       self.nsa, backend=self.backend, return_blocks=True)
