@@ -45,34 +45,20 @@ class Compressor(nn.Module):
         B, T, G, D = x.shape
         if T < self.block:  # static shape: no compressed token exists yet
             return x.new_zeros(B, 0, G, D)
+        blocks = x.unfold(1, self.block, self.stride)  # [B, Tc, G, D, l]: a view of x, no copy
         if self.kind == "avg":
-            return x.unfold(1, self.block, self.stride).mean(dim=-1)
+            return blocks.mean(dim=-1)
         if torch.is_grad_enabled():
-            # Recomputed in the backward from x (kept anyway), phi keeps none of its own activations. Measured on
-            # nsa-125m at 64k tokens per step (with the unfolded form below, whose fc1 input was 2 copies of x):
-            # 273 MiB less peak memory in default compile mode, 3.3 GB less in the training loop under CUDA
-            # graphs, which put NSA's peak below dense's (bench/results/train-summary.md, stop 17).
-            return checkpoint(self._mlp, x, use_reentrant=False)
-        return self._mlp(x)
+            # Kept for the backward, fc1's input would be l*D values per compressed token (l/d = 2 copies of x).
+            # Recomputed from x (kept anyway) it costs one small MLP. Measured on nsa-125m at 64k tokens per
+            # step: 273 MiB less peak memory in default compile mode, 3.3 GB less in the training loop under CUDA
+            # graphs, which puts NSA's peak below dense's (bench/results/train-summary.md, stop 17).
+            return checkpoint(self._mlp, blocks, use_reentrant=False)
+        return self._mlp(blocks)
 
-    def _mlp(self, x: torch.Tensor) -> torch.Tensor:
-        """fc1 over strided blocks as a sum of shifted matmuls over stride-sized chunks (l = m*d, checked by
-        NSAConfig): fc1(block i) = sum_j W_j @ chunk(i + j) + b. The plain form (unfold, add the position
-        embedding, flatten, Linear) copies each K/V set l/d times and its backward scatters back through the
-        unfold; here each token is read once. The position embedding is linear inside fc1, so it folds into the
-        bias: W (x + p) + b = W x + (W p + b)."""
-        B, T, G, D = x.shape
-        l, d = self.block, self.stride
-        m, chunks = l // d, T // d
-        tc = (T - l) // d + 1  # = chunks - m + 1
-        hidden = self.fc1.out_features
-        x_chunks = x[:, :chunks * d].reshape(B, chunks, d, G, D).transpose(2, 3).reshape(B, chunks, G, d * D)
-        w_stack = self.fc1.weight.view(hidden, m, d * D).transpose(0, 1).reshape(m * hidden, d * D)
-        z = (x_chunks @ w_stack.t()).view(B, chunks, G, m, hidden)
-        bias = self.fc1.bias + self.fc1.weight @ self.pos_emb.flatten()
-        acc = torch.promote_types(z.dtype, torch.float32)  # the m partial products summed as a GEMM would: fp32
-        h = bias.to(acc) + sum(z[:, j:j + tc, :, j].to(acc) for j in range(m))
-        return self.fc2(F.gelu(h))
+    def _mlp(self, blocks: torch.Tensor) -> torch.Tensor:
+        blocks = blocks.transpose(-1, -2) + self.pos_emb  # [B, Tc, G, l, D]
+        return self.fc2(F.gelu(self.fc1(blocks.flatten(-2))))
 
 
 class NSAAttention(nn.Module):
@@ -91,13 +77,11 @@ class NSAAttention(nn.Module):
         ops.preload(self.backend)
         H, G, Dk, Dv = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.dv
         self.kv_sets = 1 if cfg.shared_kv else len(BRANCHES)
-        # q and the K and V sets from one matmul: x is read once, and its gradient is one matmul's output rather
-        # than a sum of three. The gate stays apart: its 3H columns would make the width 1572 at 125M, off the
-        # GEMMs' tile multiples (1536 is 12 x 128): cuBLAS ran sm80 kernels on it (kernels-notes.md, v12).
-        self.splits = (H * Dk, self.kv_sets * G * Dk, self.kv_sets * G * Dv)
-        self.in_proj = nn.Linear(cfg.dim, sum(self.splits), bias=False)
-        self.gate = nn.Linear(cfg.dim, len(BRANCHES) * H)
+        self.wq = nn.Linear(cfg.dim, H * Dk, bias=False)
+        self.wk = nn.Linear(cfg.dim, self.kv_sets * G * Dk, bias=False)
+        self.wv = nn.Linear(cfg.dim, self.kv_sets * G * Dv, bias=False)
         self.wo = nn.Linear(H * Dv, cfg.dim, bias=False)
+        self.gate = nn.Linear(cfg.dim, len(BRANCHES) * H)
         hidden = cfg.phi_hidden or 2 * Dk
         self.phi_k = Compressor(cfg.phi, Dk, cfg.nsa, hidden)
         self.phi_v = Compressor(cfg.phi, Dv, cfg.nsa, hidden)
@@ -107,16 +91,12 @@ class NSAAttention(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, _ = x.shape
         H, G, Dk, Dv = self.cfg.n_heads, self.cfg.n_kv_heads, self.cfg.head_dim, self.cfg.dv
-        q, k, v = self.in_proj(x).split(self.splits, dim=-1)
-        q = self.rope(q.view(B, T, H, Dk))
-        # RoPE on the raw keys first: compression and selection work on rotated keys (spec). Each set is made
-        # contiguous, [S, B, T, G, D]: the core's kernels read contiguous tensors, and a set sliced out of
-        # [B, T, S, G, D] is strided, which the core would copy with eager strided kernels, forward and backward.
-        k = self.rope(k.view(B, T, self.kv_sets * G, Dk)).view(B, T, self.kv_sets, G, Dk)
-        k = k.permute(2, 0, 1, 3, 4).contiguous()
-        v = v.view(B, T, self.kv_sets, G, Dv).permute(2, 0, 1, 3, 4).contiguous()
-        k_cmp, k_slc, k_win = k.unbind(0) if self.kv_sets > 1 else (k[0],) * 3
-        v_cmp, v_slc, v_win = v.unbind(0) if self.kv_sets > 1 else (v[0],) * 3
+        q = self.rope(self.wq(x).view(B, T, H, Dk))
+        # RoPE on the raw keys first: compression and selection work on rotated keys (spec).
+        k = self.rope(self.wk(x).view(B, T, self.kv_sets * G, Dk)).view(B, T, self.kv_sets, G, Dk)
+        v = self.wv(x).view(B, T, self.kv_sets, G, Dv)
+        k_cmp, k_slc, k_win = k.unbind(2) if self.kv_sets > 1 else (k[:, :, 0],) * 3
+        v_cmp, v_slc, v_win = v.unbind(2) if self.kv_sets > 1 else (v[:, :, 0],) * 3
         gates = torch.sigmoid(self.gate(x)).view(B, T, H, len(BRANCHES))
         # On the triton backend the core is one custom op (nsa::core): torch.compile traces through it.
         o, blocks = ops.nsa_attention(q, k_slc, v_slc, k_win, v_win, self.phi_k(k_cmp), self.phi_v(v_cmp), gates,
@@ -143,18 +123,18 @@ class DenseAttention(nn.Module):
         check_backend(backend)  # accepted for a uniform interface; SDPA picks its own kernel
         self.cfg = cfg
         H, G, Dk, Dv = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.dv
-        self.splits = (H * Dk, G * Dk, G * Dv)
-        self.in_proj = nn.Linear(cfg.dim, sum(self.splits), bias=False)  # q, k, v from one matmul, as NSA's
+        self.wq = nn.Linear(cfg.dim, H * Dk, bias=False)
+        self.wk = nn.Linear(cfg.dim, G * Dk, bias=False)
+        self.wv = nn.Linear(cfg.dim, G * Dv, bias=False)
         self.wo = nn.Linear(H * Dv, cfg.dim, bias=False)
         self.rope = RotaryEmbedding(Dk, cfg.max_seq_len, cfg.rope_theta)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, _ = x.shape
         H, G, Dk, Dv = self.cfg.n_heads, self.cfg.n_kv_heads, self.cfg.head_dim, self.cfg.dv
-        q, k, v = self.in_proj(x).split(self.splits, dim=-1)
-        q = self.rope(q.view(B, T, H, Dk)).transpose(1, 2)
-        k = self.rope(k.view(B, T, G, Dk)).transpose(1, 2)
-        v = v.view(B, T, G, Dv).transpose(1, 2)
+        q = self.rope(self.wq(x).view(B, T, H, Dk)).transpose(1, 2)
+        k = self.rope(self.wk(x).view(B, T, G, Dk)).transpose(1, 2)
+        v = self.wv(x).view(B, T, G, Dv).transpose(1, 2)
         o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=G != H)
         return self.wo(o.transpose(1, 2).reshape(B, T, H * Dv))
 
