@@ -430,11 +430,12 @@ def test_segment_sort_uses_the_narrowest_keys_that_hold_every_segment(num_blocks
                        torch.searchsorted(wide_sorted, torch.arange(B * G * num_blocks + 1)))
 
 
-def test_tile_block_union():
+@pytest.mark.parametrize("num_blocks", [9, 40])  # <= a tile's 32 slots: by rank; more: by sort
+def test_tile_block_union(num_blocks):
     """Each tile's union is its queries' distinct valid blocks, ascending, counted, padded after the count."""
     gen = torch.Generator().manual_seed(13)
     blocks = torch.randint(-1, 9, (2, 21, 3, 4), generator=gen, dtype=torch.int32)
-    union, count = triton_impl.tile_block_union(blocks, 8, 9)
+    union, count = triton_impl.tile_block_union(blocks, 8, num_blocks)
     assert union.shape == (2, 3, 3, 32) and count.shape == (2, 3, 3)
     for b in range(2):
         for tile in range(3):
@@ -444,12 +445,17 @@ def test_tile_block_union():
                 c = int(count[b, tile, g])
                 assert c == expected.numel()
                 assert torch.equal(union[b, tile, g, :c].long(), expected.long())
-    # Full unions (as many distinct blocks as slots) among more blocks than slots: the unchosen ones must not
-    # land in a slot.
-    blocks = torch.tensor([[[[5, 9]], [[14, 2]]], [[[0, 1]], [[1, -1]]]], dtype=torch.int32)  # [2, 2, 1, 2]
-    union, count = triton_impl.tile_block_union(blocks, 2, 16)
-    assert count.flatten().tolist() == [4, 2]
-    assert union[0, 0, 0].tolist() == [2, 5, 9, 14] and union[1, 0, 0, :2].tolist() == [0, 1]
+
+
+@pytest.mark.parametrize("form", ["_union_by_rank", "_union_by_sort"])
+def test_tile_union_forms_on_full_unions(form):
+    """Full unions (as many distinct blocks as slots) among more blocks than slots: no unchosen block lands in a
+    slot, in either form."""
+    per_tile = torch.tensor([[5, 9, 14, 2], [0, 1, 1, -1]], dtype=torch.int32)  # [tiles, slots]
+    args = (per_tile, 16) if form == "_union_by_rank" else (per_tile,)
+    union, count = getattr(triton_impl, form)(*args)
+    assert count.tolist() == [4, 2]
+    assert union[0].tolist() == [2, 5, 9, 14] and union[1, :2].tolist() == [0, 1]
 
 
 def test_fused_gated_sum_matches_torch():

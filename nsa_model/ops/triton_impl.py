@@ -362,29 +362,45 @@ def _sorted_segments(blocks: torch.Tensor, num_blocks: int):
 def tile_block_union(blocks: torch.Tensor, tile_q: int, num_blocks: int):
     """(union [B, num_tiles, G, tile_q * n] int32, count [B, num_tiles, G] int32): for each tile of tile_q
     consecutive queries, the distinct blocks (ids < num_blocks) its queries chose, ascending in
-    union[..., :count], padding after.
-
-    Built from each tile's block membership (a scatter) and a prefix sum over the blocks, which places every
-    chosen block at its rank: no sort. Two segmented sorts of the tiles' choices did it before, 0.10 ms per layer
-    at 125M 16 x 2k on the H100 (kernels-notes.md, v12)."""
+    union[..., :count], padding after."""
     B, T, G, n = blocks.shape
     num_tiles, width = triton.cdiv(T, tile_q), tile_q * n
     pad = num_tiles * tile_q - T
     if pad:
         blocks = torch.cat([blocks, blocks.new_full((B, pad, G, n), -1)], dim=1)
     per_tile = blocks.view(B, num_tiles, tile_q, G, n).permute(0, 1, 3, 2, 4).reshape(B, num_tiles, G, width)
+    # The rank form needs a tile x block membership table: no larger than the tiles' choices while num_blocks <=
+    # width (memory stays O(T)); beyond, the sorts.
+    return _union_by_rank(per_tile, num_blocks) if num_blocks <= width else _union_by_sort(per_tile)
+
+
+_ABSENT = torch.iinfo(torch.int32).max  # the union's padding: after every block id
+
+
+def _union_by_rank(per_tile: torch.Tensor, num_blocks: int):
+    """tile_block_union from each tile's block membership (a scatter) and a prefix sum over the blocks, which
+    places every chosen block at its rank: no sort. The sorts took 0.10 ms per layer at 125M 16 x 2k on the H100
+    (kernels-notes.md, v12)."""
+    *lead, width = per_tile.shape
     # A spare last column takes the empty slots (-1), so every scatter index is in range.
-    member = torch.zeros(B, num_tiles, G, num_blocks + 1, dtype=torch.int32, device=blocks.device)
+    member = per_tile.new_zeros(*lead, num_blocks + 1)
     member.scatter_(-1, torch.where(per_tile >= 0, per_tile, num_blocks).long(), 1)
     member = member[..., :num_blocks]
     rank = torch.cumsum(member, -1, dtype=torch.int32) - 1
-    count = member.sum(-1, dtype=torch.int32)
     # Blocks no query of the tile chose go to a spare column again, cut off after.
-    union = torch.full((B, num_tiles, G, width + 1), torch.iinfo(torch.int32).max, dtype=torch.int32,
-                       device=blocks.device)
-    ids = torch.arange(num_blocks, dtype=torch.int32, device=blocks.device).expand_as(member)
+    union = per_tile.new_full((*lead, width + 1), _ABSENT)
+    ids = torch.arange(num_blocks, dtype=torch.int32, device=per_tile.device).expand_as(member)
     union.scatter_(-1, torch.where(member > 0, rank, width).long(), ids)
-    return union[..., :width].contiguous(), count
+    return union[..., :width].contiguous(), member.sum(-1, dtype=torch.int32)
+
+
+def _union_by_sort(per_tile: torch.Tensor):
+    """tile_block_union from two sorts of each tile's choices: the second moves the repeats behind the union."""
+    ids = torch.where(per_tile >= 0, per_tile, _ABSENT).sort(-1).values
+    repeat = torch.zeros_like(ids, dtype=torch.bool)
+    repeat[..., 1:] = ids[..., 1:] == ids[..., :-1]
+    union = torch.where(repeat, _ABSENT, ids).sort(-1).values
+    return union.contiguous(), (union != _ABSENT).sum(-1, dtype=torch.int32)
 
 
 def _selected_tile(hpg: int) -> tuple[int, int]:
