@@ -52,8 +52,8 @@ class Compressor(nn.Module):
             # Kept for the backward, fc1's input would be l*D values per compressed token (l/d = 2 copies of x).
             # Recomputed from x (kept anyway) it costs one small MLP: 273 MiB less peak memory on nsa-125m at 64k
             # tokens per step in default compile mode. Under CUDA graphs the training loop's peak falls by 3.3 GB
-            # with it, by another path: with it and the strided K/V sets below, part of the step runs outside the
-            # graphs, whose pools then do not hold those activations (bench/results/kernels-notes.md, v12).
+            # with it, by another path: with it and NSAAttention's strided K/V sets, part of the step runs outside
+            # the graphs, whose pools then do not hold those activations (bench/results/kernels-notes.md, v12).
             return checkpoint(self._mlp, blocks, use_reentrant=False)
         return self._mlp(blocks)
 
