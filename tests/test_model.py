@@ -262,4 +262,3 @@ def test_phi_keeps_no_unfolded_blocks_for_the_backward_and_its_gradients_stand(m
     assert fc1_input in kept_shapes  # what the recompute leaves out
     for a, b in zip(grads, kept_grads):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
-
