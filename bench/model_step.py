@@ -30,7 +30,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.provenance import git_commit  # noqa: E402
 from nsa_model import Transformer, get_preset  # noqa: E402
-from pipeline.train.loop import FlatGradients  # noqa: E402
+from pipeline.train.loop import FlatGradients, cudagraph_skips  # noqa: E402
 
 # Kernel names of the NSA core (nsa_model/kernels), for the breakdown.
 NSA_KERNELS = ("range_attn", "selected_", "select_blocks", "gated_sum", "row_dot")
@@ -187,6 +187,7 @@ def peak_sites(events: list[dict], top: int = 12) -> dict:
 
 def measure(preset, attention, seq_len, tokens_per_step, micro_tokens, warmup, measure_steps, compile_model,
             profile, memory=False, compile_mode="default") -> dict:
+    skips_before = cudagraph_skips()
     cfg, model, fwd, opt = build(preset, attention, seq_len, compile_model, compile_mode)
     micro_b = max(1, micro_tokens // seq_len)
     accum = tokens_per_step // (micro_b * seq_len)
@@ -218,6 +219,8 @@ def measure(preset, attention, seq_len, tokens_per_step, micro_tokens, warmup, m
            "peak_reserved_mib": torch.cuda.max_memory_reserved() / 2**20,
            "warmup_s": warmup_s, "loss": float(loss), "params": model.num_params(),
            "flops_per_token": model.flops_per_token(seq_len)}
+    if compile_model and compile_mode == "reduce-overhead":  # graphs inductor runs with plain launches instead
+        row["cudagraph_skips"] = cudagraph_skips() - skips_before
     row["mfu"] = row["tokens_per_s"] * row["flops_per_token"] / 989e12
     if profile:
         row["profile"] = profile_step(step)
@@ -249,6 +252,10 @@ def markdown(meta, rows) -> str:
     by_t = {}
     for r in rows:
         by_t.setdefault(r["seq_len"], {})[r["attention"]] = r
+    skipped = [f"{r['attention']} T={r['seq_len']}: {r['cudagraph_skips']}" for r in rows if "cudagraph_skips" in r]
+    if skipped:
+        lines += ["", "Compiled graphs run without CUDA graphs (inductor's cudagraph_skips): " + ", ".join(skipped)
+                  + "."]
     lines += ["", "| T | NSA / dense tokens/s | NSA / dense peak memory |", "|---|---|---|"]
     for t, pair in by_t.items():
         if "nsa" in pair and "dense" in pair:

@@ -111,6 +111,8 @@ def steady_state(reports: list[dict[str, Any]], warmup: int) -> dict[str, float]
            "peak_reserved_mb": max(r.get("peak_reserved_mb", float("nan")) for r in reports),
            "train_loss_last": steady[-1]["train_loss"], "skipped_steps": steady[-1]["skipped_steps"]}
     last = steady[-1]
+    if "cudagraph_skips" in last:  # under CUDA graphs: compiled graphs inductor runs with plain launches instead
+        out["cudagraph_skips"] = int(last["cudagraph_skips"])
     if "mfu" in last:  # MFU is proportional to tokens/s: rescale the last interval's to the steady rate
         out["mfu"] = last["mfu"] * tokens_per_s / last["tokens_per_s"]
     return out
@@ -157,6 +159,11 @@ def markdown(meta: dict[str, Any], runs: dict[tuple[str, int], dict[str, Any]], 
         lines.append(f"| {attn} | {T} | {r['tokens_per_s']:.0f} | {num(r.get('mfu'), '.3f')} | {r['step_time_s']:.3f} | "
                      f"{100 * r['data_wait_share']:.2f}% | {r['peak_mem_mb']:.0f} / "
                      f"{num(r.get('peak_reserved_mb'), '.0f')} | {r['train_loss_last']:.3f} |")
+    skipped = [f"{attn} T={T}: {r['cudagraph_skips']}" for (attn, T), r in sorted(runs.items())
+               if "cudagraph_skips" in r]
+    if skipped:
+        lines += ["", "Compiled graphs run without CUDA graphs (inductor's cudagraph_skips, per worker process): "
+                  + ", ".join(skipped) + "."]
     lines += ["", f"| T | NSA/dense tokens/s | target | NSA/dense peak memory ({meta.get('memory_measure', 'allocated')}) "
               "| target | status |", "|---|---|---|---|---|---|"]
     for row in rows:

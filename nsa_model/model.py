@@ -2,7 +2,8 @@
 
     from nsa_model.model import Transformer
     model = Transformer(cfg)                  # cfg: nsa_model.config.ModelConfig
-    logits, loss = model(tokens, targets)     # loss = mean cross-entropy over targets (the caller shifts)
+    logits, loss = model(tokens, targets)     # loss = mean cross-entropy over targets (the caller shifts);
+                                              # with targets the logits come back detached
 """
 
 from __future__ import annotations
@@ -99,7 +100,12 @@ class Transformer(nn.Module):
         if targets is None:
             return logits, None
         loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(0, 1))
-        return logits, loss
+        # Training differentiates the loss only. Logits returned with their graph would be a second differentiable
+        # output of the compiled forward: each backward would then take a zero gradient for them, [B, T, vocab]
+        # (3.3 GB at 32k tokens with nsa-125m's vocabulary), filled, read by the cross-entropy backward and, under
+        # CUDA graphs, copied into the graph's input buffer (model-step-h100-2026-11-23-v12e-graphs-*.json:
+        # FillFunctor 2.0 ms and Memcpy DtoD 4.4 ms per step at T=2048).
+        return logits.detach(), loss
 
     # --- accounting --------------------------------------------------------------------------------------------
 

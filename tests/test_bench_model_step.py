@@ -64,3 +64,14 @@ def test_kernel_difference_ranks_non_core_kernels_by_the_gap_between_nsa_and_den
     assert rows[1] == ("triton_poi_fused_rope_3", 5.0, 0.0, 48, 0)
     assert rows[2] == ("nvjet_sm90_gemm", 66.0, 62.0, 300, 250)
     assert len(model_step.kernel_difference(nsa, dense, top=2)) == 2
+
+
+def test_the_report_names_the_graphs_run_without_cuda_graphs():
+    meta = {"device": "H100", "date": "2026-11-23", "commit": "abc", "torch": "2.11", "preset": "nsa-125m",
+            "tokens_per_step": 65536, "micro_tokens": 32768, "eager": False, "warmup": 3, "measure": 5,
+            "compile_mode": "reduce-overhead"}
+    row = {"seq_len": 2048, "tokens_per_s": 3e5, "step_s": 0.2, "mfu": 0.25, "peak_mib": 5e3, "peak_reserved_mib": 2.6e4}
+    rows = [{**row, "attention": "nsa", "cudagraph_skips": 1}, {**row, "attention": "dense", "cudagraph_skips": 0}]
+    text = model_step.markdown(meta, rows)
+    assert "without CUDA graphs (inductor's cudagraph_skips): nsa T=2048: 1, dense T=2048: 0." in text
+    assert "cudagraph_skips" not in model_step.markdown({**meta, "compile_mode": "default"}, [{**row, "attention": "nsa"}])

@@ -66,6 +66,19 @@ def test_compare_under_cuda_graphs_takes_the_reserved_peak():
     assert row["memory_ratio"] == pytest.approx(24 / 21) and row["status"] == "speed met, memory NOT met"
 
 
+def test_under_cuda_graphs_the_report_counts_graphs_run_without_them():
+    reports = [report(2, 5.0), report(4, 1.0)]
+    assert "cudagraph_skips" not in tt.steady_state(reports, warmup=2)  # default mode: nothing to count
+    reports[-1]["cudagraph_skips"] = 1.0
+    nsa = tt.steady_state(reports, warmup=2)
+    assert nsa["cudagraph_skips"] == 1
+    runs = {("nsa", 2048): {**run(80.0, 10.0), **nsa}, ("dense", 2048): run(100.0, 10.0)}
+    meta = {"device": "d", "date": "x", "commit": "c", "torch": "t", "preset": "p", "tokens_per_step": 1,
+            "micro_tokens": 1, "warmup": 1, "measure": 1, "config": "f", "compile_note": "n"}
+    assert "(inductor's cudagraph_skips, per worker process): nsa T=2048: 1." in tt.markdown(meta, runs,
+                                                                                             tt.compare(runs))
+
+
 def test_run_overrides_keep_tokens_per_step_equal():
     o = tt.run_overrides(preset="nsa-125m", attention="dense", seq_len=8192, tokens_per_step=65536,
                          micro_tokens=32768, warmup=3, measure=6, storage="/tmp/x")

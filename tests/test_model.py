@@ -113,6 +113,31 @@ def test_compiled_model_matches_eager():
 
 
 @pytest.mark.parametrize("attention", ["nsa", "dense"])
+def test_compiled_training_backward_takes_only_the_loss_gradient(attention):
+    # With targets the logits come back detached, so the compiled forward has one differentiable output: its
+    # backward takes the scalar loss gradient, not also a zero-filled [B, T, vocab] one for the logits.
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    tangents = []
+
+    def backward_compiler(gm, example_inputs):
+        names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
+        tangents.extend(tuple(x.shape) for name, x in zip(names, example_inputs) if name.startswith("tangents"))
+        return make_boxed_func(gm.forward)
+
+    cfg = small_cfg(attention)
+    torch.manual_seed(0)
+    model = Transformer(cfg)
+    backend = aot_autograd(fw_compiler=lambda gm, _: make_boxed_func(gm.forward), bw_compiler=backward_compiler)
+    x = tokens(cfg, 2, 16)
+    logits, loss = torch.compile(model, backend=backend, fullgraph=True)(x[:, :-1], x[:, 1:])
+    loss.backward()
+    assert tangents == [()]
+    assert logits.shape == (2, 16, cfg.vocab_size) and not logits.requires_grad
+
+
+@pytest.mark.parametrize("attention", ["nsa", "dense"])
 def test_forward_backward_never_reads_tensor_values_on_the_host(attention):
     # Meta tensors carry shapes but no data: any .item(), .tolist(), nonzero or unique (a host sync on a
     # GPU) raises here, in the forward or the backward.

@@ -441,7 +441,23 @@ def test_mfu_is_model_flops_per_token_times_tokens_per_s_over_the_configured_pea
     assert {"nsa/gate_cmp", "nsa/gate_slc", "nsa/gate_win", "nsa/sel_blocks", "nsa/sel_distance"} <= set(m)
     no_peak = _interval_metrics(iv, dataclasses.replace(t, peak_tflops_per_device=None), 4, 8 * 32,
                                 model.flops_per_token(32), 1e-3, 0.5, guard, torch.device("cpu"), model, 2)
-    assert "mfu" not in no_peak
+    assert "mfu" not in no_peak and "cudagraph_skips" not in m  # default compile mode: no CUDA graphs to skip
+
+
+def test_under_cuda_graphs_the_metrics_count_graphs_inductor_ran_without_them(monkeypatch):
+    from torch._dynamo.utils import counters
+
+    from pipeline.train.loop import Interval, _interval_metrics
+
+    model = Transformer(get_preset("tiny").replace(vocab_size=64, n_layers=1, max_seq_len=32))
+    iv = Interval(start=time.perf_counter() - 1.0)
+    iv.add(3.0, True, 0.1, 0.4)
+    t = TrainConfig(num_workers=1, global_batch=4, micro_batch=4, max_steps=10, warmup_steps=2)
+    monkeypatch.setattr(loop, "uses_cuda_graphs", lambda t: True)
+    monkeypatch.setitem(counters["inductor"], "cudagraph_skips", 2)
+    m = _interval_metrics(iv, t, 1, 4 * 32, model.flops_per_token(32), 1e-3, 0.5, NonFiniteGuard(3),
+                          torch.device("cpu"), model, 1)
+    assert m["cudagraph_skips"] == 2
 
 
 @pytest.mark.parametrize("log_checkpoints", [True, False])

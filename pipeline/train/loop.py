@@ -139,6 +139,16 @@ def uses_cuda_graphs(t: TrainConfig) -> bool:
     return t.compile and t.compile_mode == "reduce-overhead"
 
 
+def cudagraph_skips() -> int:
+    """How many compiled graphs of this process inductor runs without CUDA graphs under reduce-overhead.
+
+    Inductor falls back to plain launches for such a graph and says so only through a log artifact, so the loop
+    reports the count. One cause seen here: torch <= 2.12 skips any graph one of whose inputs overlaps itself in
+    memory, such as the unfold view phi's checkpoint saves for the backward (bench/results/kernels-notes.md, v13)."""
+    from torch._dynamo.utils import counters
+    return int(counters["inductor"]["cudagraph_skips"])
+
+
 class FlatGradients:
     """Every parameter's gradient as a view of one flat buffer, kept for the whole run: zeroed in place and never
     set to None, so autograd adds each backward into it.
@@ -384,6 +394,8 @@ def _interval_metrics(iv: Interval, t: TrainConfig, done: int, tokens_per_step: 
     }
     if t.peak_tflops_per_device is not None:
         metrics["mfu"] = flops_per_token * tokens_per_s / (t.peak_tflops_per_device * 1e12 * world)
+    if uses_cuda_graphs(t):
+        metrics["cudagraph_skips"] = float(cudagraph_skips())
     for name, value in bare.attention_stats().items():  # the only sync of the NSA statistics
         metrics[name] = float(value)
     return metrics
@@ -473,6 +485,8 @@ def _print_progress(m: dict[str, float], t: TrainConfig) -> None:
             f"{m['tokens_per_s']:.0f} tok/s | ETA {int(eta // 60)}m{int(eta % 60):02d}s")
     if "val_loss" in m:
         line += f" | val {m['val_loss']:.4f}"
+    if m.get("cudagraph_skips"):
+        line += f" | {int(m['cudagraph_skips'])} compiled graph(s) without CUDA graphs"
     print(line, flush=True)
 
 
