@@ -304,6 +304,52 @@ def test_core_op_backward_matches_reference_under_every_variant(variant):
         assert rel_err(tri_in[name].grad, ref_in[name].grad) <= FP32_TOL, name
 
 
+@pytest.mark.parametrize("variant", list(CORE_VARIANTS))
+def test_core_reads_key_sets_sliced_from_a_stacked_projection_in_place(variant, monkeypatch):
+    """NSAAttention hands the core its selected and window K/V as slices of one [B, T, sets, G, D] projection:
+    tokens 3 * G * D elements apart. Every kernel that reads them takes that row pitch (no copy of any K/V set
+    is made), and output and gradients are those of contiguous inputs."""
+    cfg = NSAConfig(cmp_block=8, cmp_stride=4, sel_block=8, n_selected=3, window=8)
+    B, T, H, G, Dk, Dv = 2, 29, 6, 2, 16, 32
+    inputs = make_inputs(B, T, H, G, Dk, Dv, cfg, seed=23)
+    scale = Dk ** -0.5
+    ref_in = {n: x.clone().requires_grad_() for n, x in inputs.items()}
+    o_ref = reference.nsa_attention(*ref_in.values(), cfg, scale=scale)
+    grad_out = torch.randn_like(o_ref)
+    o_ref.backward(grad_out)
+
+    # sets in the model's order (cmp, slc, win); the compressed set stays a separate tensor, as phi's output is
+    stacked_k = torch.stack([torch.zeros_like(inputs["k_slc"]), inputs["k_slc"], inputs["k_win"]], dim=2)
+    stacked_v = torch.stack([torch.zeros_like(inputs["v_slc"]), inputs["v_slc"], inputs["v_win"]], dim=2)
+    stacked_k = stacked_k.float().to(DEVICE).requires_grad_()
+    stacked_v = stacked_v.float().to(DEVICE).requires_grad_()
+    _, k_slc, k_win = stacked_k.unbind(2)
+    _, v_slc, v_win = stacked_v.unbind(2)
+    rest = {n: inputs[n].float().to(DEVICE).requires_grad_() for n in ("q", "k_cmp", "v_cmp", "gates")}
+    copied = []
+    contiguous = torch.Tensor.contiguous
+
+    def recording_contiguous(self, *args, **kwargs):
+        if not self.is_contiguous() and self.dim() == 4 and self.shape[1] == T and self.shape[2] == G:
+            copied.append(tuple(self.shape))
+        return contiguous(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "contiguous", recording_contiguous)
+    with triton_impl.use_launch_config(triton_impl.LaunchConfig(dkdv_rows=32, dkdv_chunk=64,
+                                                                **CORE_VARIANTS[variant])):
+        o = triton_impl.nsa_attention(rest["q"], k_slc, v_slc, k_win, v_win, rest["k_cmp"], rest["v_cmp"],
+                                      rest["gates"], cfg, scale=scale)
+        o.backward(grad_out.float().to(DEVICE))
+    monkeypatch.undo()
+    assert not k_slc.is_contiguous() and copied == []
+    assert rel_err(o, o_ref) <= FP32_TOL
+    grads = {"k_slc": stacked_k.grad[:, :, 1], "k_win": stacked_k.grad[:, :, 2], "v_slc": stacked_v.grad[:, :, 1],
+             "v_win": stacked_v.grad[:, :, 2], **{n: x.grad for n, x in rest.items()}}
+    for name in NAMES:
+        assert rel_err(grads[name], ref_in[name].grad) <= FP32_TOL, name
+    assert stacked_k.grad[:, :, 0].abs().max() == 0 and stacked_v.grad[:, :, 0].abs().max() == 0
+
+
 def test_core_backward_in_half_precision_matches_reference():
     """fp16 (the interpreter has no bf16): every gradient of nsa::core against float64 on the same rounded inputs.
     In 16 bits the dK/dV accumulators of the selected and compressed branches share one float32 buffer and are

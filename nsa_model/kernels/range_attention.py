@@ -7,7 +7,9 @@ Key j stands at position j * key_stride + key_offset and query t sees it iff
   compressed branch: key_stride = d, key_offset = l - 1 (compressed token j ends there), window = T (no lower bound)
   window branch:     key_stride = 1, key_offset = 0, window = w
 
-Layouts (contiguous): q [B, T, H, DK], k [B, NK, G, DK], v [B, NK, G, DV], o [B, T, H, DV], lse/delta [B, T, H] fp32.
+Layouts: q [B, T, H, DK], o [B, T, H, DV], lse/delta [B, T, H] fp32, contiguous; k [B, NK, G, DK] and v [B, NK, G, DV]
+with each token's G x D values contiguous and tokens K_ROW / V_ROW elements apart (G * D when contiguous; more
+for one key set sliced out of the model's stacked projection, which the kernels read in place).
 Head h reads kv head h // (H // G). FlashAttention-2 style: forward keeps an online softmax in registers; backward
 runs one kernel for dQ (per query tile and head) and one for dK/dV (per key tile and a slice of the group's
 heads; see range_attn_bwd_dkdv_kernel). Row offsets are computed in int64 (B*T*H*D can exceed 2^31).
@@ -69,17 +71,17 @@ def _visible(offs_m, offs_n, key_stride, key_offset, window):
 
 
 @triton.jit
-def _fwd_tiles(acc, m_i, l_i, q, K, V, b, g, offs_m, start, stop, hi, num_keys, qk_scale, key_stride, key_offset,
-               window, G: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BLOCK_DK: tl.constexpr,
+def _fwd_tiles(acc, m_i, l_i, q, K, V, K_ROW, V_ROW, b, g, offs_m, start, stop, hi, num_keys, qk_scale, key_stride,
+               key_offset, window, G: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BLOCK_DK: tl.constexpr,
                BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr):
     offs_dk = tl.arange(0, BLOCK_DK)
     offs_dv = tl.arange(0, BLOCK_DV)
     for start_n in range(start, stop, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
-        row_k = (b * num_keys + offs_n).to(tl.int64) * G + g
+        tok = (b * num_keys + offs_n).to(tl.int64)
         n_ok = offs_n < hi
-        k = _load_rows(K + row_k[:, None] * DK + offs_dk[None, :], n_ok, offs_dk, DK, BLOCK_DK, MASKED)
-        v = _load_rows(V + row_k[:, None] * DV + offs_dv[None, :], n_ok, offs_dv, DV, BLOCK_DV, MASKED)
+        k = _load_rows(K + tok[:, None] * K_ROW + g * DK + offs_dk[None, :], n_ok, offs_dk, DK, BLOCK_DK, MASKED)
+        v = _load_rows(V + tok[:, None] * V_ROW + g * DV + offs_dv[None, :], n_ok, offs_dv, DV, BLOCK_DV, MASKED)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
         if MASKED:
             vis = _visible(offs_m, offs_n, key_stride, key_offset, window) & n_ok[None, :]
@@ -98,7 +100,7 @@ def _fwd_tiles(acc, m_i, l_i, q, K, V, b, g, offs_m, start, stop, hi, num_keys, 
 
 
 @triton.jit
-def range_attn_fwd_kernel(Q, K, V, O, LSE, T, num_keys, scale, key_stride, key_offset, window,
+def range_attn_fwd_kernel(Q, K, V, O, LSE, T, num_keys, scale, key_stride, key_offset, window, K_ROW, V_ROW,
                           H: tl.constexpr, G: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
                           BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr,
                           BLOCK_N: tl.constexpr, EDGE_SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr):
@@ -122,15 +124,15 @@ def range_attn_fwd_kernel(Q, K, V, O, LSE, T, num_keys, scale, key_stride, key_o
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
-    acc, m_i, l_i = _fwd_tiles(acc, m_i, l_i, q, K, V, b, g, offs_m, lo, mid_lo, hi, num_keys, qk_scale,
-                               key_stride, key_offset, window, G, DK, DV, BLOCK_DK, BLOCK_DV, BLOCK_N, True,
-                               DOT_PRECISION)
-    acc, m_i, l_i = _fwd_tiles(acc, m_i, l_i, q, K, V, b, g, offs_m, mid_lo, mid_hi, hi, num_keys, qk_scale,
-                               key_stride, key_offset, window, G, DK, DV, BLOCK_DK, BLOCK_DV, BLOCK_N, False,
-                               DOT_PRECISION)
-    acc, m_i, l_i = _fwd_tiles(acc, m_i, l_i, q, K, V, b, g, offs_m, mid_hi, hi, hi, num_keys, qk_scale,
-                               key_stride, key_offset, window, G, DK, DV, BLOCK_DK, BLOCK_DV, BLOCK_N, True,
-                               DOT_PRECISION)
+    acc, m_i, l_i = _fwd_tiles(acc, m_i, l_i, q, K, V, K_ROW, V_ROW, b, g, offs_m, lo, mid_lo, hi, num_keys,
+                               qk_scale, key_stride, key_offset, window, G, DK, DV, BLOCK_DK, BLOCK_DV, BLOCK_N,
+                               True, DOT_PRECISION)
+    acc, m_i, l_i = _fwd_tiles(acc, m_i, l_i, q, K, V, K_ROW, V_ROW, b, g, offs_m, mid_lo, mid_hi, hi, num_keys,
+                               qk_scale, key_stride, key_offset, window, G, DK, DV, BLOCK_DK, BLOCK_DV, BLOCK_N,
+                               False, DOT_PRECISION)
+    acc, m_i, l_i = _fwd_tiles(acc, m_i, l_i, q, K, V, K_ROW, V_ROW, b, g, offs_m, mid_hi, hi, hi, num_keys,
+                               qk_scale, key_stride, key_offset, window, G, DK, DV, BLOCK_DK, BLOCK_DV, BLOCK_N,
+                               True, DOT_PRECISION)
 
     has_key = l_i > 0
     l_safe = tl.where(has_key, l_i, 1.0)
@@ -142,17 +144,18 @@ def range_attn_fwd_kernel(Q, K, V, O, LSE, T, num_keys, scale, key_stride, key_o
 
 
 @triton.jit
-def _dq_tiles(dq, q, do, lse2, delta, K, V, b, g, offs_m, start, stop, hi, num_keys, qk_scale, key_stride,
-              key_offset, window, G: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BLOCK_DK: tl.constexpr,
-              BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr):
+def _dq_tiles(dq, q, do, lse2, delta, K, V, K_ROW, V_ROW, b, g, offs_m, start, stop, hi, num_keys, qk_scale,
+              key_stride, key_offset, window, G: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+              BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
+              DOT_PRECISION: tl.constexpr):
     offs_dk = tl.arange(0, BLOCK_DK)
     offs_dv = tl.arange(0, BLOCK_DV)
     for start_n in range(start, stop, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
-        row_k = (b * num_keys + offs_n).to(tl.int64) * G + g
+        tok = (b * num_keys + offs_n).to(tl.int64)
         n_ok = offs_n < hi
-        k = _load_rows(K + row_k[:, None] * DK + offs_dk[None, :], n_ok, offs_dk, DK, BLOCK_DK, MASKED)
-        v = _load_rows(V + row_k[:, None] * DV + offs_dv[None, :], n_ok, offs_dv, DV, BLOCK_DV, MASKED)
+        k = _load_rows(K + tok[:, None] * K_ROW + g * DK + offs_dk[None, :], n_ok, offs_dk, DK, BLOCK_DK, MASKED)
+        v = _load_rows(V + tok[:, None] * V_ROW + g * DV + offs_dv[None, :], n_ok, offs_dv, DV, BLOCK_DV, MASKED)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
         p = tl.exp2(s - lse2[:, None])
         if MASKED:
@@ -166,6 +169,7 @@ def _dq_tiles(dq, q, do, lse2, delta, K, V, b, g, offs_m, start, stop, hi, num_k
 
 @triton.jit
 def range_attn_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, T, num_keys, scale, key_stride, key_offset, window,
+                             K_ROW, V_ROW,
                              H: tl.constexpr, G: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
                              BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr,
                              BLOCK_N: tl.constexpr, EDGE_SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr):
@@ -193,12 +197,12 @@ def range_attn_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, T, num_keys, scale, ke
                                         EDGE_SPLIT)
     qk_scale = scale * LOG2E
     dq = tl.zeros([BLOCK_M, BLOCK_DK], tl.float32)
-    dq = _dq_tiles(dq, q, do, lse2, delta, K, V, b, g, offs_m, lo, mid_lo, hi, num_keys, qk_scale, key_stride,
-                   key_offset, window, G, DK, DV, BLOCK_DK, BLOCK_DV, BLOCK_N, True, DOT_PRECISION)
-    dq = _dq_tiles(dq, q, do, lse2, delta, K, V, b, g, offs_m, mid_lo, mid_hi, hi, num_keys, qk_scale, key_stride,
-                   key_offset, window, G, DK, DV, BLOCK_DK, BLOCK_DV, BLOCK_N, False, DOT_PRECISION)
-    dq = _dq_tiles(dq, q, do, lse2, delta, K, V, b, g, offs_m, mid_hi, hi, hi, num_keys, qk_scale, key_stride,
-                   key_offset, window, G, DK, DV, BLOCK_DK, BLOCK_DV, BLOCK_N, True, DOT_PRECISION)
+    dq = _dq_tiles(dq, q, do, lse2, delta, K, V, K_ROW, V_ROW, b, g, offs_m, lo, mid_lo, hi, num_keys, qk_scale,
+                   key_stride, key_offset, window, G, DK, DV, BLOCK_DK, BLOCK_DV, BLOCK_N, True, DOT_PRECISION)
+    dq = _dq_tiles(dq, q, do, lse2, delta, K, V, K_ROW, V_ROW, b, g, offs_m, mid_lo, mid_hi, hi, num_keys, qk_scale,
+                   key_stride, key_offset, window, G, DK, DV, BLOCK_DK, BLOCK_DV, BLOCK_N, False, DOT_PRECISION)
+    dq = _dq_tiles(dq, q, do, lse2, delta, K, V, K_ROW, V_ROW, b, g, offs_m, mid_hi, hi, hi, num_keys, qk_scale,
+                   key_stride, key_offset, window, G, DK, DV, BLOCK_DK, BLOCK_DV, BLOCK_N, True, DOT_PRECISION)
     dq = dq * scale
     tl.store(DQ + row_q[:, None] * DK + offs_dk[None, :], dq.to(DQ.dtype.element_ty),
              mask=m_ok[:, None] & (offs_dk < DK)[None, :])
@@ -238,7 +242,7 @@ def _dkdv_tiles(dk, dv, k, v, Q, DO, LSE, DELTA, b, h, offs_n, n_ok, start, stop
 
 @triton.jit
 def range_attn_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK_ACC, DV_ACC, T, num_keys, scale, key_stride, key_offset,
-                               window, q_chunk, H: tl.constexpr, G: tl.constexpr, DK: tl.constexpr,
+                               window, q_chunk, K_ROW, V_ROW, H: tl.constexpr, G: tl.constexpr, DK: tl.constexpr,
                                DV: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr,
                                BLOCK_N: tl.constexpr, HEAD_SPLIT: tl.constexpr, EDGE_SPLIT: tl.constexpr,
                                ATOMIC: tl.constexpr, DOT_PRECISION: tl.constexpr):
@@ -258,9 +262,12 @@ def range_attn_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK_ACC, DV_ACC, T, num_k
     offs_dk = tl.arange(0, BLOCK_DK)
     offs_dv = tl.arange(0, BLOCK_DV)
     n_ok = offs_n < num_keys
-    row_k = (b * num_keys + offs_n).to(tl.int64) * G + g
-    k = tl.load(K + row_k[:, None] * DK + offs_dk[None, :], mask=n_ok[:, None] & (offs_dk < DK)[None, :], other=0.0)
-    v = tl.load(V + row_k[:, None] * DV + offs_dv[None, :], mask=n_ok[:, None] & (offs_dv < DV)[None, :], other=0.0)
+    tok = (b * num_keys + offs_n).to(tl.int64)
+    row_k = tok * G + g  # the gradients' rows: dK and dV are contiguous
+    k = tl.load(K + tok[:, None] * K_ROW + g * DK + offs_dk[None, :], mask=n_ok[:, None] & (offs_dk < DK)[None, :],
+                other=0.0)
+    v = tl.load(V + tok[:, None] * V_ROW + g * DV + offs_dv[None, :], mask=n_ok[:, None] & (offs_dv < DV)[None, :],
+                other=0.0)
 
     # Queries that may see this tile: from its first key's position to its last key's position + window - 1.
     first_pos = pid_n * BLOCK_N * key_stride + key_offset

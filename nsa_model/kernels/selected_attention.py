@@ -10,8 +10,8 @@ queries (the forced first block is chosen by all) is split into CHUNK-sized piec
 whose partial sums meet by atomic adds into float32 buffers (a block with one piece gets a single add onto zeros,
 which is exact).
 
-Layouts (contiguous): q [B, T, H, DK], k [B, T, G, DK], v [B, T, G, DV], blocks [B, T, G, N_SELECT] int32 (-1 =
-none), o [B, T, H, DV], lse/delta [B, T, H] fp32.
+Layouts: q [B, T, H, DK], blocks [B, T, G, N_SELECT] int32 (-1 = none), o [B, T, H, DV], lse/delta [B, T, H] fp32,
+contiguous; k [B, T, G, DK] and v [B, T, G, DV] with tokens K_ROW / V_ROW elements apart (range_attention.py).
 """
 
 import triton
@@ -21,7 +21,7 @@ LOG2E = tl.constexpr(1.4426950408889634)
 
 
 @triton.jit
-def selected_attn_fwd_kernel(Q, K, V, BLOCKS, O, LSE, T, scale,
+def selected_attn_fwd_kernel(Q, K, V, BLOCKS, O, LSE, T, scale, K_ROW, V_ROW,
                              H: tl.constexpr, G: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
                              BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, SEL_BLOCK: tl.constexpr,
                              BLOCK_S: tl.constexpr, N_SELECT: tl.constexpr, HEADS_PAD: tl.constexpr,
@@ -45,16 +45,16 @@ def selected_attn_fwd_kernel(Q, K, V, BLOCKS, O, LSE, T, scale,
     l_i = tl.zeros([HEADS_PAD], tl.float32)
     acc = tl.zeros([HEADS_PAD, BLOCK_DV], tl.float32)
     # Key rows of a block relative to its first key; the block's own offset is added per step (int64).
-    k_ptrs = K + (offs_s * G + g)[:, None] * DK + offs_dk[None, :]
-    v_ptrs = V + (offs_s * G + g)[:, None] * DV + offs_dv[None, :]
+    k_ptrs = K + offs_s[:, None] * K_ROW + g * DK + offs_dk[None, :]
+    v_ptrs = V + offs_s[:, None] * V_ROW + g * DV + offs_dv[None, :]
     for i in range(N_SELECT):
         # No branch on the block id (-1: fewer than n blocks exist) so the loop stays software-pipelined.
         blk = tl.load(BLOCKS + block_row + i)
         first = blk * SEL_BLOCK
         s_ok = (offs_s < tl.minimum(SEL_BLOCK, t - first + 1)) & (blk >= 0)  # in the block, at or before t
-        row0 = (b * T + first).to(tl.int64) * G
-        k = tl.load(k_ptrs + row0 * DK, mask=s_ok[:, None] & (offs_dk < DK)[None, :], other=0.0)
-        v = tl.load(v_ptrs + row0 * DV, mask=s_ok[:, None] & (offs_dv < DV)[None, :], other=0.0)
+        row0 = (b * T + first).to(tl.int64)
+        k = tl.load(k_ptrs + row0 * K_ROW, mask=s_ok[:, None] & (offs_dk < DK)[None, :], other=0.0)
+        v = tl.load(v_ptrs + row0 * V_ROW, mask=s_ok[:, None] & (offs_dv < DV)[None, :], other=0.0)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
         s = tl.where(s_ok[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -75,7 +75,7 @@ def selected_attn_fwd_kernel(Q, K, V, BLOCKS, O, LSE, T, scale,
 
 
 @triton.jit
-def selected_attn_bwd_dq_kernel(Q, K, V, BLOCKS, DO, LSE, DELTA, DQ, T, scale,
+def selected_attn_bwd_dq_kernel(Q, K, V, BLOCKS, DO, LSE, DELTA, DQ, T, scale, K_ROW, V_ROW,
                                 H: tl.constexpr, G: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
                                 BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, SEL_BLOCK: tl.constexpr,
                                 BLOCK_S: tl.constexpr, N_SELECT: tl.constexpr, HEADS_PAD: tl.constexpr,
@@ -100,15 +100,15 @@ def selected_attn_bwd_dq_kernel(Q, K, V, BLOCKS, DO, LSE, DELTA, DQ, T, scale,
 
     qk_scale = scale * LOG2E
     dq = tl.zeros([HEADS_PAD, BLOCK_DK], tl.float32)
-    k_ptrs = K + (offs_s * G + g)[:, None] * DK + offs_dk[None, :]
-    v_ptrs = V + (offs_s * G + g)[:, None] * DV + offs_dv[None, :]
+    k_ptrs = K + offs_s[:, None] * K_ROW + g * DK + offs_dk[None, :]
+    v_ptrs = V + offs_s[:, None] * V_ROW + g * DV + offs_dv[None, :]
     for i in range(N_SELECT):
         blk = tl.load(BLOCKS + block_row + i)
         first = blk * SEL_BLOCK
         s_ok = (offs_s < tl.minimum(SEL_BLOCK, t - first + 1)) & (blk >= 0)
-        row0 = (b * T + first).to(tl.int64) * G
-        k = tl.load(k_ptrs + row0 * DK, mask=s_ok[:, None] & (offs_dk < DK)[None, :], other=0.0)
-        v = tl.load(v_ptrs + row0 * DV, mask=s_ok[:, None] & (offs_dv < DV)[None, :], other=0.0)
+        row0 = (b * T + first).to(tl.int64)
+        k = tl.load(k_ptrs + row0 * K_ROW, mask=s_ok[:, None] & (offs_dk < DK)[None, :], other=0.0)
+        v = tl.load(v_ptrs + row0 * V_ROW, mask=s_ok[:, None] & (offs_dv < DV)[None, :], other=0.0)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
         p = tl.where(s_ok[None, :] & h_ok[:, None], tl.exp2(s - lse2[:, None]), 0.0)
         dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
@@ -121,7 +121,7 @@ def selected_attn_bwd_dq_kernel(Q, K, V, BLOCKS, DO, LSE, DELTA, DQ, T, scale,
 
 @triton.jit
 def selected_attn_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, QUERY_OF_ENTRY, STARTS, DK_ACC, DV_ACC,
-                                  T, num_blocks, scale,
+                                  T, num_blocks, scale, K_ROW, V_ROW,
                                   H: tl.constexpr, G: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
                                   BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, SEL_BLOCK: tl.constexpr,
                                   BLOCK_S: tl.constexpr, HEADS_PAD: tl.constexpr, ENTRIES: tl.constexpr,
@@ -143,10 +143,11 @@ def selected_attn_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, QUERY_OF_ENTRY, START
         offs_dv = tl.arange(0, BLOCK_DV)
         pos = pid_j * SEL_BLOCK + offs_s
         s_ok = (offs_s < SEL_BLOCK) & (pos < T)
-        row_k = (b * T + pos).to(tl.int64) * G + g
-        k = tl.load(K + row_k[:, None] * DK + offs_dk[None, :], mask=s_ok[:, None] & (offs_dk < DK)[None, :],
+        tok = (b * T + pos).to(tl.int64)
+        row_k = tok * G + g  # the gradients' rows: dK and dV are contiguous
+        k = tl.load(K + tok[:, None] * K_ROW + g * DK + offs_dk[None, :], mask=s_ok[:, None] & (offs_dk < DK)[None, :],
                     other=0.0)
-        v = tl.load(V + row_k[:, None] * DV + offs_dv[None, :], mask=s_ok[:, None] & (offs_dv < DV)[None, :],
+        v = tl.load(V + tok[:, None] * V_ROW + g * DV + offs_dv[None, :], mask=s_ok[:, None] & (offs_dv < DV)[None, :],
                     other=0.0)
         # Row r of a step is (entry r // HEADS_PAD, head r % HEADS_PAD).
         offs_r = tl.arange(0, ROWS)

@@ -23,9 +23,10 @@ kernel). With DQ_MODE 0 it is the dK/dV kernel of the query-driven variants (slc
 Work list: programs are (segment, chunk) pairs, a segment being the choosers of one (b, g, block) and a chunk
 CHUNK consecutive of them; WORK_SEG = -1 marks the spare programs of a static upper bound (no host sync).
 
-Layouts (contiguous): q [B, T, H, DK], k [B, T, G, DK], v [B, T, G, DV], blocks [B, T, G, N_SELECT] int32
-(-1 = none), ORDER [B*T*G*N_SELECT] int32 (flat slot of each sorted entry), STARTS [B*G*num_blocks + 1] int32,
-partial rows [B*T*G*N_SELECT*HPG, D] (row = flat slot * HPG + head), lse/delta [B, T, H] fp32.
+Layouts (contiguous unless said): q [B, T, H, DK], k [B, T, G, DK] and v [B, T, G, DV] with tokens K_ROW / V_ROW
+elements apart (range_attention.py), blocks [B, T, G, N_SELECT] int32 (-1 = none), ORDER [B*T*G*N_SELECT] int32
+(flat slot of each sorted entry), STARTS [B*G*num_blocks + 1] int32, partial rows [B*T*G*N_SELECT*HPG, D] (row =
+flat slot * HPG + head), lse/delta [B, T, H] fp32.
 """
 
 import triton
@@ -49,16 +50,19 @@ def _work_item(WORK_SEG, WORK_CHUNK, STARTS, num_blocks, G: tl.constexpr, CHUNK:
 
 
 @triton.jit
-def _block_kv(K, V, b, g, j, T, G: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BLOCK_DK: tl.constexpr,
-              BLOCK_DV: tl.constexpr, SEL_BLOCK: tl.constexpr, BLOCK_S: tl.constexpr):
+def _block_kv(K, V, K_ROW, V_ROW, b, g, j, T, G: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+              BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, SEL_BLOCK: tl.constexpr, BLOCK_S: tl.constexpr):
     offs_s = tl.arange(0, BLOCK_S)
     offs_dk = tl.arange(0, BLOCK_DK)
     offs_dv = tl.arange(0, BLOCK_DV)
     pos = j * SEL_BLOCK + offs_s
     s_ok = (offs_s < SEL_BLOCK) & (pos < T)
-    row_k = (b * T + pos).to(tl.int64) * G + g
-    k = tl.load(K + row_k[:, None] * DK + offs_dk[None, :], mask=s_ok[:, None] & (offs_dk < DK)[None, :], other=0.0)
-    v = tl.load(V + row_k[:, None] * DV + offs_dv[None, :], mask=s_ok[:, None] & (offs_dv < DV)[None, :], other=0.0)
+    tok = (b * T + pos).to(tl.int64)
+    row_k = tok * G + g  # the gradients' rows: dK and dV are contiguous
+    k = tl.load(K + tok[:, None] * K_ROW + g * DK + offs_dk[None, :], mask=s_ok[:, None] & (offs_dk < DK)[None, :],
+                other=0.0)
+    v = tl.load(V + tok[:, None] * V_ROW + g * DV + offs_dv[None, :], mask=s_ok[:, None] & (offs_dv < DV)[None, :],
+                other=0.0)
     return k, v, pos, s_ok, row_k
 
 
@@ -86,6 +90,7 @@ def _chooser_rows(ORDER, e0, end, b, g, T, H: tl.constexpr, G: tl.constexpr, N_S
 
 @triton.jit
 def selected_block_fwd_kernel(Q, K, V, ORDER, STARTS, WORK_SEG, WORK_CHUNK, O_PART, LSE2_PART, T, num_blocks, scale,
+                              K_ROW, V_ROW,
                               H: tl.constexpr, G: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
                               BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, SEL_BLOCK: tl.constexpr,
                               BLOCK_S: tl.constexpr, N_SELECT: tl.constexpr, ROWS: tl.constexpr,
@@ -94,7 +99,8 @@ def selected_block_fwd_kernel(Q, K, V, ORDER, STARTS, WORK_SEG, WORK_CHUNK, O_PA
     ENTRIES: tl.constexpr = ROWS // HPG
     seg, b, g, j, start, end = _work_item(WORK_SEG, WORK_CHUNK, STARTS, num_blocks, G, CHUNK)
     if seg >= 0:
-        k, v, pos, s_ok, _ = _block_kv(K, V, b, g, j, T, G, DK, DV, BLOCK_DK, BLOCK_DV, SEL_BLOCK, BLOCK_S)
+        k, v, pos, s_ok, _ = _block_kv(K, V, K_ROW, V_ROW, b, g, j, T, G, DK, DV, BLOCK_DK, BLOCK_DV, SEL_BLOCK,
+                                       BLOCK_S)
         offs_dk = tl.arange(0, BLOCK_DK)
         offs_dv = tl.arange(0, BLOCK_DV)
         qk_scale = scale * LOG2E
@@ -153,7 +159,7 @@ def selected_combine_kernel(O_PART, LSE2_PART, BLOCKS, O, LSE, num_rows, H: tl.c
 
 @triton.jit
 def selected_block_bwd_kernel(Q, K, V, DO, LSE, DELTA, ORDER, STARTS, WORK_SEG, WORK_CHUNK, DK_ACC, DV_ACC, DQ_OUT,
-                              T, num_blocks, scale,
+                              T, num_blocks, scale, K_ROW, V_ROW,
                               H: tl.constexpr, G: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
                               BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, SEL_BLOCK: tl.constexpr,
                               BLOCK_S: tl.constexpr, N_SELECT: tl.constexpr, ROWS: tl.constexpr,
@@ -164,7 +170,8 @@ def selected_block_bwd_kernel(Q, K, V, DO, LSE, DELTA, ORDER, STARTS, WORK_SEG, 
     ENTRIES: tl.constexpr = ROWS // HPG
     seg, b, g, j, start, end = _work_item(WORK_SEG, WORK_CHUNK, STARTS, num_blocks, G, CHUNK)
     if seg >= 0:
-        k, v, pos, s_ok, row_k = _block_kv(K, V, b, g, j, T, G, DK, DV, BLOCK_DK, BLOCK_DV, SEL_BLOCK, BLOCK_S)
+        k, v, pos, s_ok, row_k = _block_kv(K, V, K_ROW, V_ROW, b, g, j, T, G, DK, DV, BLOCK_DK, BLOCK_DV, SEL_BLOCK,
+                                           BLOCK_S)
         offs_dk = tl.arange(0, BLOCK_DK)
         offs_dv = tl.arange(0, BLOCK_DV)
         qk_scale = scale * LOG2E

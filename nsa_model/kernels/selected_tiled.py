@@ -10,9 +10,10 @@ models choose mostly the same blocks, so the union stays near n; random inputs m
 
 dK/dV keep the inverted-index kernel of selected_attention.py (it already loads each key block once).
 
-Layouts (contiguous): q [B, T, H, DK], k [B, T, G, DK], v [B, T, G, DV], blocks [B, T, G, N_SELECT] int32 (-1 =
-none), union [B, num_tiles, G, TILE_Q * N_SELECT] int32 (ascending, padding after `count` entries),
-count [B, num_tiles, G] int32, o [B, T, H, DV], lse/delta [B, T, H] fp32.
+Layouts (contiguous unless said): q [B, T, H, DK], k [B, T, G, DK] and v [B, T, G, DV] with tokens K_ROW / V_ROW
+elements apart (range_attention.py), blocks [B, T, G, N_SELECT] int32 (-1 = none), union [B, num_tiles, G,
+TILE_Q * N_SELECT] int32 (ascending, padding after `count` entries), count [B, num_tiles, G] int32,
+o [B, T, H, DV], lse/delta [B, T, H] fp32.
 """
 
 import triton
@@ -46,7 +47,7 @@ def _tile_choices(BLOCKS, b, g, t, T, G, N_SELECT: tl.constexpr, N_PAD: tl.const
 
 
 @triton.jit
-def selected_tiled_fwd_kernel(Q, K, V, BLOCKS, UNION, COUNT, O, LSE, T, num_tiles, scale,
+def selected_tiled_fwd_kernel(Q, K, V, BLOCKS, UNION, COUNT, O, LSE, T, num_tiles, scale, K_ROW, V_ROW,
                               H: tl.constexpr, G: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
                               BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, SEL_BLOCK: tl.constexpr,
                               BLOCK_S: tl.constexpr, N_SELECT: tl.constexpr, N_PAD: tl.constexpr,
@@ -70,10 +71,10 @@ def selected_tiled_fwd_kernel(Q, K, V, BLOCKS, UNION, COUNT, O, LSE, T, num_tile
         member = tl.max((chosen == blk).to(tl.int32), axis=1) > 0
         pos = blk * SEL_BLOCK + offs_s
         s_ok = (offs_s < SEL_BLOCK) & (pos < T)
-        row_k = (b * T + pos).to(tl.int64) * G + g
-        k = tl.load(K + row_k[:, None] * DK + offs_dk[None, :], mask=s_ok[:, None] & (offs_dk < DK)[None, :],
+        tok = (b * T + pos).to(tl.int64)
+        k = tl.load(K + tok[:, None] * K_ROW + g * DK + offs_dk[None, :], mask=s_ok[:, None] & (offs_dk < DK)[None, :],
                     other=0.0)
-        v = tl.load(V + row_k[:, None] * DV + offs_dv[None, :], mask=s_ok[:, None] & (offs_dv < DV)[None, :],
+        v = tl.load(V + tok[:, None] * V_ROW + g * DV + offs_dv[None, :], mask=s_ok[:, None] & (offs_dv < DV)[None, :],
                     other=0.0)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
         vis = (member & r_ok)[:, None] & s_ok[None, :] & (pos[None, :] <= t[:, None])
@@ -96,7 +97,8 @@ def selected_tiled_fwd_kernel(Q, K, V, BLOCKS, UNION, COUNT, O, LSE, T, num_tile
 
 
 @triton.jit
-def selected_tiled_bwd_dq_kernel(Q, K, V, BLOCKS, UNION, COUNT, DO, LSE, DELTA, DQ, T, num_tiles, scale,
+def selected_tiled_bwd_dq_kernel(Q, K, V, BLOCKS, UNION, COUNT, DO, LSE, DELTA, DQ, T, num_tiles, scale, K_ROW,
+                                 V_ROW,
                                  H: tl.constexpr, G: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
                                  BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, SEL_BLOCK: tl.constexpr,
                                  BLOCK_S: tl.constexpr, N_SELECT: tl.constexpr, N_PAD: tl.constexpr,
@@ -122,10 +124,10 @@ def selected_tiled_bwd_dq_kernel(Q, K, V, BLOCKS, UNION, COUNT, DO, LSE, DELTA, 
         member = tl.max((chosen == blk).to(tl.int32), axis=1) > 0
         pos = blk * SEL_BLOCK + offs_s
         s_ok = (offs_s < SEL_BLOCK) & (pos < T)
-        row_k = (b * T + pos).to(tl.int64) * G + g
-        k = tl.load(K + row_k[:, None] * DK + offs_dk[None, :], mask=s_ok[:, None] & (offs_dk < DK)[None, :],
+        tok = (b * T + pos).to(tl.int64)
+        k = tl.load(K + tok[:, None] * K_ROW + g * DK + offs_dk[None, :], mask=s_ok[:, None] & (offs_dk < DK)[None, :],
                     other=0.0)
-        v = tl.load(V + row_k[:, None] * DV + offs_dv[None, :], mask=s_ok[:, None] & (offs_dv < DV)[None, :],
+        v = tl.load(V + tok[:, None] * V_ROW + g * DV + offs_dv[None, :], mask=s_ok[:, None] & (offs_dv < DV)[None, :],
                     other=0.0)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
         vis = (member & r_ok)[:, None] & s_ok[None, :] & (pos[None, :] <= t[:, None])

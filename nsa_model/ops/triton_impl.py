@@ -184,12 +184,30 @@ def _range_launch(q: torch.Tensor, v: torch.Tensor, kernel: str) -> dict:
                 EDGE_SPLIT=_config.range_kernel == "split")
 
 
+def _kv_rows(x: torch.Tensor) -> torch.Tensor:
+    """K or V [B, N, G, D] in a layout the kernels read in place: each token's G x D values contiguous and the
+    tokens evenly spaced over the whole batch, x.stride(1) elements apart (the kernels' K_ROW / V_ROW). One key
+    set sliced out of NSAAttention's stacked projection [B, T, sets, G, D] is such a tensor, so the core reads
+    it where it lies instead of copying it (the slc and win sets: 8 copies per layer, forward and backward);
+    other layouts are copied."""
+    B, N, G, D = x.shape
+    if x.stride(3) == 1 and (G == 1 or x.stride(2) == D) and (B == 1 or x.stride(0) == N * x.stride(1)):
+        return x
+    return x.contiguous()
+
+
+def _kv_strides(k: torch.Tensor, v: torch.Tensor) -> dict:
+    return dict(K_ROW=k.stride(1), V_ROW=v.stride(1))
+
+
 def _fp32_accumulators(k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Zeroed float32 dK and dV accumulators. For 16-bit k, v they are carved from one buffer (one fill launch
-    instead of two) and the casts at the end give each gradient its own memory; for float32 ones the accumulators
-    are the gradients themselves, so each gets its own (a custom op's outputs may not alias one another)."""
+    """Zeroed float32 dK and dV accumulators, contiguous whatever the layout of k and v. For 16-bit k, v they are
+    carved from one buffer (one fill launch instead of two) and the casts at the end give each gradient its own
+    memory; for float32 ones the accumulators are the gradients themselves, so each gets its own (a custom op's
+    outputs may not alias one another)."""
     if k.dtype == torch.float32:
-        return torch.zeros_like(k), torch.zeros_like(v)
+        return (torch.zeros(k.shape, dtype=k.dtype, device=k.device),
+                torch.zeros(v.shape, dtype=v.dtype, device=v.device))
     flat = torch.zeros(k.numel() + v.numel(), dtype=torch.float32, device=k.device)
     return flat[:k.numel()].view(k.shape), flat[k.numel():].view(v.shape)
 
@@ -216,29 +234,31 @@ def _delta(do: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
 def _range_fwd(q, k, v, key_stride: int, key_offset: int, window: int, scale: float):
     """(o, lse) of attention over a range of keys: query t sees key j iff 0 <= t - (j*key_stride + key_offset)
     < window (kernels/range_attention.py)."""
-    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    q, k, v = q.contiguous(), _kv_rows(k), _kv_rows(v)
     B, T, H, _ = q.shape
     num_keys, G = k.shape[1], k.shape[2]
     o = torch.empty(*q.shape[:3], v.shape[-1], dtype=q.dtype, device=q.device)
     lse = torch.empty(B, T, H, dtype=torch.float32, device=q.device)
     launch = _range_launch(q, v, "fwd")
     range_attn_fwd_kernel[(triton.cdiv(T, launch["BLOCK_M"]), B * H)](
-        q, k, v, o, lse, T, num_keys, scale, key_stride, key_offset, window, H=H, G=G, **_head_dims(q, v),
-        **launch)
+        q, k, v, o, lse, T, num_keys, scale, key_stride, key_offset, window, **_kv_strides(k, v), H=H, G=G,
+        **_head_dims(q, v), **launch)
     return o, lse
 
 
 def _range_bwd(q, k, v, o, lse, do, key_stride: int, key_offset: int, window: int, scale: float, delta=None):
     """(dq, dk, dv) of _range_fwd; delta = rowsum(do * o) [B,T,H] fp32 when the caller has it already."""
-    q, k, v, do = q.contiguous(), k.contiguous(), v.contiguous(), do.contiguous()
+    q, k, v, do = q.contiguous(), _kv_rows(k), _kv_rows(v), do.contiguous()
     B, T, H, _ = q.shape
     num_keys, G = k.shape[1], k.shape[2]
     delta = _delta(do, o) if delta is None else delta
     dq = torch.empty_like(q)
     dims = dict(H=H, G=G, **_head_dims(q, v))
+    rows = _kv_strides(k, v)
     launch_dq = _range_launch(q, v, "dq")
     range_attn_bwd_dq_kernel[(triton.cdiv(T, launch_dq["BLOCK_M"]), B * H)](
-        q, k, v, do, lse, delta, dq, T, num_keys, scale, key_stride, key_offset, window, **dims, **launch_dq)
+        q, k, v, do, lse, delta, dq, T, num_keys, scale, key_stride, key_offset, window, **rows, **dims,
+        **launch_dq)
     launch = _range_launch(q, v, "dkdv")
     bm, bn = launch["BLOCK_M"], launch["BLOCK_N"]
     # A key tile of the compressed branch is seen by up to T queries: one head per program and chunks of the query
@@ -256,10 +276,11 @@ def _range_bwd(q, k, v, o, lse, do, key_stride: int, key_offset: int, window: in
     if atomic:  # programs add into fp32 accumulators, cast once at the end
         dk, dv = _fp32_accumulators(k, v)
     else:  # one program stores each key row once, in the input dtype: no zero fill, no cast
-        dk, dv = torch.empty_like(k), torch.empty_like(v)
+        dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+        dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
     if num_keys > 0:
         range_attn_bwd_dkdv_kernel[(key_tiles, B * G * head_split, triton.cdiv(T, q_chunk))](
-            q, k, v, do, lse, delta, dk, dv, T, num_keys, scale, key_stride, key_offset, window, q_chunk,
+            q, k, v, do, lse, delta, dk, dv, T, num_keys, scale, key_stride, key_offset, window, q_chunk, **rows,
             HEAD_SPLIT=head_split, ATOMIC=atomic, **dims, **launch)
     return dq, dk.to(k.dtype), dv.to(v.dtype)
 
@@ -467,12 +488,13 @@ _COMBINE_ROWS = 32  # (b, t, h) rows per program of the combine and dQ-sum kerne
 
 def _selected_fwd(q, k, v, blocks, sel_block: int, scale: float):
     """(o, lse, kernel, index) of the selected branch: the variant that ran and the index its backward reuses."""
-    q, k, v, blocks = q.contiguous(), k.contiguous(), v.contiguous(), blocks.contiguous()
+    q, k, v, blocks = q.contiguous(), _kv_rows(k), _kv_rows(v), blocks.contiguous()
     B, T, H, _ = q.shape
     G, n = k.shape[2], blocks.shape[-1]
     o = torch.empty(*q.shape[:3], v.shape[-1], dtype=q.dtype, device=q.device)
     lse = torch.empty(B, T, H, dtype=torch.float32, device=q.device)
-    common = dict(H=H, G=G, SEL_BLOCK=sel_block, BLOCK_S=_pow2(sel_block), N_SELECT=n, **_head_dims(q, v))
+    common = dict(H=H, G=G, SEL_BLOCK=sel_block, BLOCK_S=_pow2(sel_block), N_SELECT=n, **_head_dims(q, v),
+                  **_kv_strides(k, v))
     kernel = selected_kernel(H // G, triton.cdiv(T, sel_block), n)
     index = _selected_index(blocks, sel_block, kernel, H // G)
     if kernel == "by_block":
@@ -506,12 +528,13 @@ def _selected_bwd(q, k, v, blocks, o, lse, index, do, sel_block: int, scale: flo
     """(dq, dk, dv) of _selected_fwd, under the launch config its forward ran with (the caller pins it); index
     is the forward's (_selected_index), possibly followed by unused empty slots; delta as in _range_bwd; dq_add:
     two [B,T,H,Dk] tensors added into dq (folded into by_block's dQ slot sum)."""
-    q, k, v, blocks, do = q.contiguous(), k.contiguous(), v.contiguous(), blocks.contiguous(), do.contiguous()
+    q, k, v, blocks, do = q.contiguous(), _kv_rows(k), _kv_rows(v), blocks.contiguous(), do.contiguous()
     B, T, H, _ = q.shape
     G, n = k.shape[2], blocks.shape[-1]
     hpg, config = H // G, _config
     delta = _delta(do, o) if delta is None else delta
-    common = dict(H=H, G=G, SEL_BLOCK=sel_block, BLOCK_S=_pow2(sel_block), N_SELECT=n, **_head_dims(q, v))
+    common = dict(H=H, G=G, SEL_BLOCK=sel_block, BLOCK_S=_pow2(sel_block), N_SELECT=n, **_head_dims(q, v),
+                  **_kv_strides(k, v))
     if kernel in BY_BLOCK_BACKWARD:
         return _selected_by_block_bwd(q, k, v, blocks, do, lse, delta, tuple(index[:4]), common, scale,
                                       dq_add=dq_add)
@@ -634,7 +657,7 @@ def _selected_dkdv(q, k, v, do, lse, delta, blocks, sel_block, scale):
     selected_attn_bwd_dkdv_kernel[(num_blocks, B * G, triton.cdiv(T, chunk))](
         q, k, v, do, lse, delta, query_of_entry, starts, dk_acc, dv_acc, T, num_blocks, scale, H=H, G=G,
         SEL_BLOCK=sel_block, BLOCK_S=_pow2(sel_block), HEADS_PAD=heads_pad, ENTRIES=entries, CHUNK=chunk,
-        **dims, num_warps=_config.dkdv_warps)
+        **dims, **_kv_strides(k, v), num_warps=_config.dkdv_warps)
     return dk_acc.to(k.dtype), dv_acc.to(v.dtype)
 
 
