@@ -45,20 +45,22 @@ class Compressor(nn.Module):
         B, T, G, D = x.shape
         if T < self.block:  # static shape: no compressed token exists yet
             return x.new_zeros(B, 0, G, D)
-        blocks = x.unfold(1, self.block, self.stride)  # [B, Tc, G, D, l]: a view of x, no copy
         if self.kind == "avg":
-            return blocks.mean(dim=-1)
+            return self._blocks(x).mean(dim=-1)
         if torch.is_grad_enabled():
             # Kept for the backward, fc1's input would be l*D values per compressed token (l/d = 2 copies of x).
             # Recomputed from x (kept anyway) it costs one small MLP: 273 MiB less peak memory on nsa-125m at 64k
-            # tokens per step in default compile mode. Under CUDA graphs the training loop's peak falls by 3.3 GB
-            # with it, by another path: with it and NSAAttention's strided K/V sets, part of the step runs outside
-            # the graphs, whose pools then do not hold those activations (bench/results/kernels-notes.md, v12).
-            return checkpoint(self._mlp, blocks, use_reentrant=False)
-        return self._mlp(blocks)
+            # tokens per step in default compile mode. The checkpoint starts at x, not at its unfold view: a saved
+            # view whose windows overlap would make torch <= 2.12 run the whole compiled backward without CUDA
+            # graphs ("complex memory overlap"; bench/results/kernels-notes.md, v13).
+            return checkpoint(self._mlp, x, use_reentrant=False)
+        return self._mlp(x)
 
-    def _mlp(self, blocks: torch.Tensor) -> torch.Tensor:
-        blocks = blocks.transpose(-1, -2) + self.pos_emb  # [B, Tc, G, l, D]
+    def _blocks(self, x: torch.Tensor) -> torch.Tensor:
+        return x.unfold(1, self.block, self.stride)  # [B, Tc, G, D, l]: a view of x, no copy
+
+    def _mlp(self, x: torch.Tensor) -> torch.Tensor:
+        blocks = self._blocks(x).transpose(-1, -2) + self.pos_emb  # [B, Tc, G, l, D]
         return self.fc2(F.gelu(self.fc1(blocks.flatten(-2))))
 
 

@@ -554,6 +554,54 @@ def test_compiled_model_with_the_triton_core_is_one_graph_and_matches_eager(monk
         assert p.grad is not None and torch.allclose(p.grad, eager[n], rtol=1e-4, atol=1e-6), n
 
 
+def _may_overlap_itself(x: torch.Tensor) -> bool:
+    """The layout test torch <= 2.12 applies to a compiled graph's inputs before it CUDA-graphs the graph: sorted
+    by stride (size-1 and broadcast dims aside), each dim's stride must reach past the extent of the dims before
+    it. A graph with an input that fails it runs without CUDA graphs ("complex memory overlap")."""
+    dims = sorted((x.stride(i), x.size(i)) for i in range(x.dim()) if x.size(i) > 1 and x.stride(i) > 0)
+    extent = 1
+    for stride, size in dims:
+        if stride < extent:
+            return True
+        extent = stride * size
+    return False
+
+
+def test_compiled_nsa_step_gives_cuda_graphs_no_self_overlapping_input(monkeypatch):
+    """compile_mode reduce-overhead replays each compiled graph as a CUDA graph, and torch <= 2.12 (the GPU hosts
+    run 2.11) skips a graph one of whose inputs overlaps itself. phi's unfold view (compressed tokens l = 2d wide,
+    d apart) is such a tensor: saved for the backward by phi's checkpoint, it once sent NSA's whole backward
+    outside the graphs. No input of the forward or the backward graph may be one."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    from nsa_model import ModelConfig, Transformer
+
+    if not ON_GPU:
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    cfg = ModelConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, max_seq_len=32,
+                      attention="nsa", nsa=NSAConfig(cmp_block=4, cmp_stride=2, sel_block=4, n_selected=3, window=6))
+    overlapping = {}
+
+    def recorder(kind):
+        def compile_graph(gm, example_inputs):
+            names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
+            overlapping[kind] = [name for name, x in zip(names, example_inputs)
+                                 if isinstance(x, torch.Tensor) and _may_overlap_itself(x)]
+            return make_boxed_func(gm.forward)
+        return compile_graph
+
+    torch.manual_seed(0)
+    model = Transformer(cfg, backend="triton").to(DEVICE)
+    x = torch.randint(0, 64, (2, 33), generator=torch.Generator().manual_seed(0)).to(DEVICE)
+    torch._dynamo.reset()
+    backend = aot_autograd(fw_compiler=recorder("forward"), bw_compiler=recorder("backward"))
+    _, loss = torch.compile(model, backend=backend, fullgraph=True)(x[:, :-1], x[:, 1:])
+    loss.backward()
+    assert overlapping == {"forward": [], "backward": []}
+    assert _may_overlap_itself(torch.zeros(2, 9, 3).unfold(1, 4, 2))  # the check itself sees an unfold's windows
+
+
 def test_core_op_passes_torch_library_opcheck(monkeypatch):
     """torch.library.opcheck: nsa::core's schema, fake (shape) implementation, autograd registration and
     aot_dispatch agree with what the op really does."""
