@@ -1,7 +1,7 @@
 """One training step of the model alone (no Ray, no data pipeline), NSA against dense, and where its time goes.
 
     python bench/model_step.py --preset nsa-125m --seq-lens 2048,8192,32768 [--eager] [--no-profile] [--memory] \
-        [--compile-mode reduce-overhead]
+        [--compile-mode reduce-overhead] [--launch slc_auto_tiled_fwd_blocks=8 ...]
 
 For each T and attention kind (the preset and its `-dense` twin): the decoder with bf16 autocast over fp32
 parameters, fused AdamW, `torch.compile` of the whole model unless --eager, the same tokens per optimizer step
@@ -18,6 +18,7 @@ training loop (issue 9's numbers). Writes bench/results/model-step-<device>-<dat
 from __future__ import annotations
 
 import argparse
+import ast
 import datetime as dt
 import json
 import statistics
@@ -52,6 +53,21 @@ def category(name: str) -> str:
 
 
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune-no-cudagraphs")
+
+
+def launch_overrides(items: list[str]) -> dict:
+    """--launch NAME=VALUE items as LaunchConfig field changes; VALUE a Python literal (8, (64, 64, 4, 3)) or a
+    bare word (by_block). Field names and values are checked by LaunchConfig itself when it is built."""
+    out = {}
+    for item in items:
+        name, sep, value = item.partition("=")
+        if not sep or not name.strip():
+            raise ValueError(f"--launch: expected NAME=VALUE, got {item!r}")
+        try:
+            out[name.strip()] = ast.literal_eval(value.strip())
+        except (ValueError, SyntaxError):
+            out[name.strip()] = value.strip()
+    return out
 
 
 def build(preset: str, attention: str, seq_len: int, compile_model: bool, compile_mode: str = "default"):
@@ -237,7 +253,9 @@ def markdown(meta, rows) -> str:
              f"commit {meta['commit']}, torch {meta['torch']}, preset {meta['preset']}, {meta['tokens_per_step']} "
              f"tokens per step (micro-batches of {meta['micro_tokens']}), {compiled}"
              f", bf16 autocast, fused AdamW, median of {meta['measure']} steps after {meta['warmup']}; "
-             f"MFU of 989 TFLOP/s.", "",
+             f"MFU of 989 TFLOP/s."
+             + (f" Triton core launch config changed: {meta['launch_overrides']}." if meta.get("launch_overrides")
+                else ""), "",
              "| attention | T | tokens/s | step ms | MFU | peak MiB allocated / reserved | profiled step: wall ms / GPU busy ms | "
              "NSA core kernels ms | matmul ms | compiled glue ms | other ms |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -301,6 +319,8 @@ def main() -> None:
     ap.add_argument("--no-profile", action="store_true")
     ap.add_argument("--memory", action="store_true", help="also one step with the allocator's history: what is "
                     "alive at the peak, by allocating source line")
+    ap.add_argument("--launch", action="append", default=[], metavar="NAME=VALUE",
+                    help="a LaunchConfig change for the Triton core (repeatable), e.g. slc_kernel=by_block")
     ap.add_argument("--out", default="bench/results")
     ap.add_argument("--suffix", default="")
     ap.add_argument("--commit", default="")
@@ -312,12 +332,18 @@ def main() -> None:
         if args.tokens_per_step % t or args.micro_tokens % t and t < args.micro_tokens:
             raise SystemExit(f"--tokens-per-step {args.tokens_per_step} and --micro-tokens {args.micro_tokens} "
                              f"must be multiples of T={t}")
+    overrides = launch_overrides(args.launch)
+    if overrides:  # the Triton backend imports only here, on the GPU host (CI imports this module without it)
+        import dataclasses
+
+        from nsa_model.ops import triton_impl
+        triton_impl.set_launch_config(dataclasses.replace(triton_impl.launch_config(), **overrides))
     device = torch.cuda.get_device_name()
     now = dt.datetime.now(dt.timezone.utc)
     meta = {"device": device, "date": now.strftime("%Y-%m-%d %H:%M UTC"), "commit": args.commit or git_commit(),
             "torch": torch.__version__, "preset": args.preset, "tokens_per_step": args.tokens_per_step,
             "micro_tokens": args.micro_tokens, "eager": args.eager, "warmup": args.warmup, "measure": args.measure,
-            "compile_mode": args.compile_mode}
+            "compile_mode": args.compile_mode, "launch_overrides": overrides}
     slug = "h200" if "H200" in device else "h100" if "H100" in device else device.split()[-1].lower()
     stem = Path(args.out) / f"model-step-{slug}-{now.strftime('%Y-%m-%d')}{args.suffix}"
     stem.parent.mkdir(parents=True, exist_ok=True)

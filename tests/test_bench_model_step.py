@@ -75,3 +75,13 @@ def test_the_report_names_the_graphs_run_without_cuda_graphs():
     text = model_step.markdown(meta, rows)
     assert "without CUDA graphs (inductor's cudagraph_skips): nsa T=2048: 1, dense T=2048: 0." in text
     assert "cudagraph_skips" not in model_step.markdown({**meta, "compile_mode": "default"}, [{**row, "attention": "nsa"}])
+    assert "launch config changed: {'slc_kernel': 'by_block'}." in model_step.markdown(
+        {**meta, "launch_overrides": {"slc_kernel": "by_block"}}, rows)
+
+
+def test_launch_overrides_parse_literals_and_words_and_refuse_a_bare_name():
+    got = model_step.launch_overrides(["slc_auto_tiled_fwd_blocks=8", "slc_kernel=by_block",
+                                       "range_fwd=(64, 64, 4, 3)"])
+    assert got == {"slc_auto_tiled_fwd_blocks": 8, "slc_kernel": "by_block", "range_fwd": (64, 64, 4, 3)}
+    with pytest.raises(ValueError, match="NAME=VALUE"):
+        model_step.launch_overrides(["slc_kernel"])
