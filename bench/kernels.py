@@ -144,15 +144,26 @@ def selection_agreement(keys, blocks):
     return int(differs.sum()), int(near.sum()), float(gap.max()) if gap.numel() else 0.0
 
 
-def check_bf16(name, B, T, H, G, Dk, Dv, cfg, grads=True, seed=0):
-    """One bf16 case against the float64 chunked reference; returns a dict of errors."""
+def check_bf16(name, B, T, H, G, Dk, Dv, cfg, grads=True, seed=0, stacked_kv=False):
+    """One bf16 case against the float64 chunked reference; returns a dict of errors. stacked_kv: the slc and win
+    K/V sets are slices of one [B, T, 3, G, D] tensor, as NSAAttention passes them (the kernels read them in
+    place, tokens 3 * G * D apart)."""
     x = make_inputs(B, T, H, G, Dk, Dv, cfg, torch.bfloat16, seed)
     scale = Dk ** -0.5
     xin = {n: t.clone().requires_grad_(grads) for n, t in x.items()}
+    if stacked_kv:
+        stacked = {kv: torch.stack([torch.zeros_like(x[f"{kv}_slc"]), x[f"{kv}_slc"], x[f"{kv}_win"]], dim=2)
+                   .requires_grad_(grads) for kv in ("k", "v")}
+        for kv in ("k", "v"):
+            _, xin[f"{kv}_slc"], xin[f"{kv}_win"] = stacked[kv].unbind(2)
     o, blocks = ti.nsa_attention(*xin.values(), cfg, scale=scale, return_blocks=True)
     do = torch.randn_like(o)
     if grads:
         o.backward(do)
+        got = {n: xin[n].grad for n in NAMES if xin[n].is_leaf}
+        if stacked_kv:
+            got.update({f"{kv}_{branch}": stacked[kv].grad[:, :, i] for kv in ("k", "v")
+                        for i, branch in ((1, "slc"), (2, "win"))})
     x64 = {n: t.double().requires_grad_(grads) for n, t in x.items()}
     o_ref = torch.empty(o.shape, dtype=torch.float64, device=o.device)
     per_query = G * cfg.n_selected * cfg.sel_block * (Dk + Dv) * 8 * 4 + H * max(1, x["k_cmp"].shape[1]) * 8 * 4
@@ -178,8 +189,8 @@ def check_bf16(name, B, T, H, G, Dk, Dv, cfg, grads=True, seed=0):
               "finite": bool(torch.isfinite(o).all())}
     if grads:
         for n in NAMES:
-            result["d" + n] = rel(xin[n].grad, x64[n].grad)
-            result["finite"] &= bool(torch.isfinite(xin[n].grad).all())
+            result["d" + n] = rel(got[n], x64[n].grad)
+            result["finite"] &= bool(torch.isfinite(got[n]).all())
     errors = [v for k, v in result.items() if k in ("o",) or (k.startswith("d") and k[1:] in NAMES)]
     result["ok"] = (result["finite"] and max(errors) <= BF16_TOL and diff == near)
     return result
@@ -188,6 +199,9 @@ def check_bf16(name, B, T, H, G, Dk, Dv, cfg, grads=True, seed=0):
 CHECKS = [
     dict(name="125m_T64k", B=1, T=65536, H=12, G=2, Dk=64, Dv=64),
     dict(name="125m_b4_T2k", B=4, T=2048, H=12, G=2, Dk=64, Dv=64),  # the training shape: tiled_by_block
+    # the same, and by_block with a batch, with the K/V sets laid out as the model passes them
+    dict(name="125m_b4_T2k_stacked_kv", B=4, T=2048, H=12, G=2, Dk=64, Dv=64, stacked_kv=True),
+    dict(name="h8_b2_stacked_kv", B=2, T=3001, H=16, G=2, Dk=64, Dv=64, stacked_kv=True),
     dict(name="paper_T8k", B=1, T=8192, H=64, G=4, Dk=128, Dv=128),
     dict(name="paper_T32k_fwd", B=1, T=32768, H=64, G=4, Dk=128, Dv=128, grads=False),
     dict(name="h1_dk192_dv128", B=1, T=4133, H=4, G=4, Dk=192, Dv=128),
