@@ -6,13 +6,25 @@ In eager PyTorch this is five elementwise kernels forward and about ten backward
 tensors; here the forward reads the three branch outputs once and the backward reads do and them once, writing
 the three branch gradients and the gate gradients (a row sum) in the same pass, and on request each branch's
 backward row term rowsum(d o_i * o_i) (HAS_DELTA), so no attention backward re-reads d o_i and o_i for it.
-Arithmetic is fp32.
+With STORE_GRADS = False the branch gradients d o_i = g_i * do are not stored at all: each branch's backward
+kernels form them from do as they load it (`gated_rows`), rounded the same way. Arithmetic is fp32.
 
 Layouts (contiguous): gates [ROWS, 3], o_* and do [ROWS, DV], ROWS = B * T * H.
 """
 
 import triton
 import triton.language as tl
+
+
+@triton.jit
+def gated_rows(x, GATES, rows, rows_ok, GATE_IDX, HAS_GATE: tl.constexpr):
+    """x [R, D] (rows of do, row r at flat (b, t, h) index rows[r]) times each row's gate of branch GATE_IDX,
+    rounded to x's dtype as gated_sum_bwd_kernel rounds the d o_i it stores (so each branch's row term, summed
+    from those values, cancels exactly against the dP computed here); x itself without HAS_GATE."""
+    if HAS_GATE:
+        g = tl.load(GATES + rows * 3 + GATE_IDX, mask=rows_ok, other=0.0).to(tl.float32)
+        x = (g[:, None] * x.to(tl.float32)).to(x.dtype)
+    return x
 
 
 @triton.jit
@@ -34,14 +46,16 @@ def gated_sum_fwd_kernel(GATES, O_CMP, O_SLC, O_WIN, O, num_rows, DV: tl.constex
 
 
 @triton.jit
-def _branch_grads(GATE, O_X, DO_X, DGATE, DELTA_X, do, at, ok, rows64, r_ok, HAS_DELTA: tl.constexpr):
+def _branch_grads(GATE, O_X, DO_X, DGATE, DELTA_X, do, at, ok, rows64, r_ok, HAS_DELTA: tl.constexpr,
+                  STORE_GRADS: tl.constexpr):
     """One branch: d o_x = g_x * do, d g_x = sum over the head dim of do * o_x; with HAS_DELTA also the branch
     backward's row term sum(d o_x * o_x), taken from d o_x as stored (rounded to its dtype), so that it cancels
     exactly against the dP the attention backward computes from that same stored d o_x."""
     g = tl.load(GATE + rows64 * 3, mask=r_ok, other=0.0).to(tl.float32)
     o_x = tl.load(O_X + at, mask=ok, other=0.0).to(tl.float32)
     do_x = (g[:, None] * do).to(DO_X.dtype.element_ty)
-    tl.store(DO_X + at, do_x, mask=ok)
+    if STORE_GRADS:
+        tl.store(DO_X + at, do_x, mask=ok)
     tl.store(DGATE + rows64 * 3, tl.sum(do * o_x, axis=1).to(DGATE.dtype.element_ty), mask=r_ok)
     if HAS_DELTA:
         tl.store(DELTA_X + rows64, tl.sum(do_x.to(tl.float32) * o_x, axis=1), mask=r_ok)
@@ -49,8 +63,10 @@ def _branch_grads(GATE, O_X, DO_X, DGATE, DELTA_X, do, at, ok, rows64, r_ok, HAS
 
 @triton.jit
 def gated_sum_bwd_kernel(GATES, O_CMP, O_SLC, O_WIN, DO, DGATES, DO_CMP, DO_SLC, DO_WIN, DELTA, num_rows,
-                         DV: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, HAS_DELTA: tl.constexpr):
-    """DELTA (with HAS_DELTA): [3, ROWS] fp32, each branch's row term, in the order cmp, slc, win."""
+                         DV: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, HAS_DELTA: tl.constexpr,
+                         STORE_GRADS: tl.constexpr):
+    """DELTA (with HAS_DELTA): [3, ROWS] fp32, each branch's row term, in the order cmp, slc, win. DO_X are
+    stored only with STORE_GRADS (they only give the dtype otherwise)."""
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     offs_d = tl.arange(0, BLOCK_D)
     r_ok = rows < num_rows
@@ -58,6 +74,8 @@ def gated_sum_bwd_kernel(GATES, O_CMP, O_SLC, O_WIN, DO, DGATES, DO_CMP, DO_SLC,
     ok = r_ok[:, None] & (offs_d < DV)[None, :]
     at = rows64[:, None] * DV + offs_d[None, :]
     do = tl.load(DO + at, mask=ok, other=0.0).to(tl.float32)
-    _branch_grads(GATES, O_CMP, DO_CMP, DGATES, DELTA, do, at, ok, rows64, r_ok, HAS_DELTA)
-    _branch_grads(GATES + 1, O_SLC, DO_SLC, DGATES + 1, DELTA + num_rows, do, at, ok, rows64, r_ok, HAS_DELTA)
-    _branch_grads(GATES + 2, O_WIN, DO_WIN, DGATES + 2, DELTA + 2 * num_rows, do, at, ok, rows64, r_ok, HAS_DELTA)
+    _branch_grads(GATES, O_CMP, DO_CMP, DGATES, DELTA, do, at, ok, rows64, r_ok, HAS_DELTA, STORE_GRADS)
+    _branch_grads(GATES + 1, O_SLC, DO_SLC, DGATES + 1, DELTA + num_rows, do, at, ok, rows64, r_ok, HAS_DELTA,
+                  STORE_GRADS)
+    _branch_grads(GATES + 2, O_WIN, DO_WIN, DGATES + 2, DELTA + 2 * num_rows, do, at, ok, rows64, r_ok, HAS_DELTA,
+                  STORE_GRADS)

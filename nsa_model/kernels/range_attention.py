@@ -24,6 +24,8 @@ tile (the v4 kernels, kept selectable for the benchmark).
 import triton
 import triton.language as tl
 
+from nsa_model.kernels.gates import gated_rows
+
 LOG2E = tl.constexpr(1.4426950408889634)
 
 
@@ -169,10 +171,11 @@ def _dq_tiles(dq, q, do, lse2, delta, K, V, K_ROW, V_ROW, b, g, offs_m, start, s
 
 @triton.jit
 def range_attn_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, T, num_keys, scale, key_stride, key_offset, window,
-                             K_ROW, V_ROW,
+                             K_ROW, V_ROW, GATES, GATE_IDX,
                              H: tl.constexpr, G: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
                              BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr,
-                             BLOCK_N: tl.constexpr, EDGE_SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                             BLOCK_N: tl.constexpr, EDGE_SPLIT: tl.constexpr, HAS_GATE: tl.constexpr,
+                             DOT_PRECISION: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = pid_bh // H
@@ -186,6 +189,7 @@ def range_attn_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, T, num_keys, scale, ke
     q = tl.load(Q + row_q[:, None] * DK + offs_dk[None, :], mask=m_ok[:, None] & (offs_dk < DK)[None, :], other=0.0)
     do = tl.load(DO + row_q[:, None] * DV + offs_dv[None, :], mask=m_ok[:, None] & (offs_dv < DV)[None, :],
                  other=0.0)
+    do = gated_rows(do, GATES, row_q, m_ok, GATE_IDX, HAS_GATE)
     # Rows with no visible key have lse = -inf; 0 instead keeps exp2(s - lse) finite (they are masked or padding).
     lse2 = tl.load(LSE + row_q, mask=m_ok, other=0.0) * LOG2E
     lse2 = tl.where(lse2 == float("-inf"), 0.0, lse2)
@@ -209,9 +213,10 @@ def range_attn_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, T, num_keys, scale, ke
 
 
 @triton.jit
-def _dkdv_tiles(dk, dv, k, v, Q, DO, LSE, DELTA, b, h, offs_n, n_ok, start, stop, T, qk_scale, key_stride,
-                key_offset, window, H: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BLOCK_DK: tl.constexpr,
-                BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr):
+def _dkdv_tiles(dk, dv, k, v, Q, DO, LSE, DELTA, GATES, GATE_IDX, b, h, offs_n, n_ok, start, stop, T, qk_scale,
+                key_stride, key_offset, window, H: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+                BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, MASKED: tl.constexpr,
+                HAS_GATE: tl.constexpr, DOT_PRECISION: tl.constexpr):
     offs_dk = tl.arange(0, BLOCK_DK)
     offs_dv = tl.arange(0, BLOCK_DV)
     for start_m in range(start, stop, BLOCK_M):
@@ -220,6 +225,7 @@ def _dkdv_tiles(dk, dv, k, v, Q, DO, LSE, DELTA, b, h, offs_n, n_ok, start, stop
         row_q = (b * T + offs_m).to(tl.int64) * H + h
         q = _load_rows(Q + row_q[:, None] * DK + offs_dk[None, :], m_ok, offs_dk, DK, BLOCK_DK, MASKED)
         do = _load_rows(DO + row_q[:, None] * DV + offs_dv[None, :], m_ok, offs_dv, DV, BLOCK_DV, MASKED)
+        do = gated_rows(do, GATES, row_q, m_ok, GATE_IDX, HAS_GATE)
         if MASKED:
             lse2 = tl.load(LSE + row_q, mask=m_ok, other=0.0) * LOG2E
             delta = tl.load(DELTA + row_q, mask=m_ok, other=0.0)
@@ -242,10 +248,11 @@ def _dkdv_tiles(dk, dv, k, v, Q, DO, LSE, DELTA, b, h, offs_n, n_ok, start, stop
 
 @triton.jit
 def range_attn_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK_ACC, DV_ACC, T, num_keys, scale, key_stride, key_offset,
-                               window, q_chunk, K_ROW, V_ROW, H: tl.constexpr, G: tl.constexpr, DK: tl.constexpr,
-                               DV: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr,
-                               BLOCK_N: tl.constexpr, HEAD_SPLIT: tl.constexpr, EDGE_SPLIT: tl.constexpr,
-                               ATOMIC: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                               window, q_chunk, K_ROW, V_ROW, GATES, GATE_IDX, H: tl.constexpr, G: tl.constexpr,
+                               DK: tl.constexpr, DV: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
+                               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_SPLIT: tl.constexpr,
+                               EDGE_SPLIT: tl.constexpr, ATOMIC: tl.constexpr, HAS_GATE: tl.constexpr,
+                               DOT_PRECISION: tl.constexpr):
     """One program per (key tile, slice of HPG / HEAD_SPLIT heads of a group, chunk of q_chunk of the queries
     that see the tile). HEAD_SPLIT = 1 and one chunk: the program loops over the whole group and stores (exact,
     deterministic; right for the window branch, whose tiles see few queries). Otherwise (ATOMIC) the programs of
@@ -293,15 +300,15 @@ def range_attn_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK_ACC, DV_ACC, T, num_k
     dv = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
     for head in range(HEADS):
         h = first_head + head
-        dk, dv = _dkdv_tiles(dk, dv, k, v, Q, DO, LSE, DELTA, b, h, offs_n, n_ok, t_lo, full_lo, T, qk_scale,
-                             key_stride, key_offset, window, H, DK, DV, BLOCK_DK, BLOCK_DV, BLOCK_M, True,
-                             DOT_PRECISION)
-        dk, dv = _dkdv_tiles(dk, dv, k, v, Q, DO, LSE, DELTA, b, h, offs_n, n_ok, full_lo, full_hi, T, qk_scale,
-                             key_stride, key_offset, window, H, DK, DV, BLOCK_DK, BLOCK_DV, BLOCK_M, False,
-                             DOT_PRECISION)
-        dk, dv = _dkdv_tiles(dk, dv, k, v, Q, DO, LSE, DELTA, b, h, offs_n, n_ok, full_hi, t_hi, T, qk_scale,
-                             key_stride, key_offset, window, H, DK, DV, BLOCK_DK, BLOCK_DV, BLOCK_M, True,
-                             DOT_PRECISION)
+        dk, dv = _dkdv_tiles(dk, dv, k, v, Q, DO, LSE, DELTA, GATES, GATE_IDX, b, h, offs_n, n_ok, t_lo, full_lo, T,
+                             qk_scale, key_stride, key_offset, window, H, DK, DV, BLOCK_DK, BLOCK_DV, BLOCK_M,
+                             True, HAS_GATE, DOT_PRECISION)
+        dk, dv = _dkdv_tiles(dk, dv, k, v, Q, DO, LSE, DELTA, GATES, GATE_IDX, b, h, offs_n, n_ok, full_lo, full_hi, T,
+                             qk_scale, key_stride, key_offset, window, H, DK, DV, BLOCK_DK, BLOCK_DV, BLOCK_M,
+                             False, HAS_GATE, DOT_PRECISION)
+        dk, dv = _dkdv_tiles(dk, dv, k, v, Q, DO, LSE, DELTA, GATES, GATE_IDX, b, h, offs_n, n_ok, full_hi, t_hi, T,
+                             qk_scale, key_stride, key_offset, window, H, DK, DV, BLOCK_DK, BLOCK_DV, BLOCK_M,
+                             True, HAS_GATE, DOT_PRECISION)
     dk = dk * scale
     dk_ptrs = DK_ACC + row_k[:, None] * DK + offs_dk[None, :]
     dv_ptrs = DV_ACC + row_k[:, None] * DV + offs_dv[None, :]

@@ -17,6 +17,8 @@ contiguous; k [B, T, G, DK] and v [B, T, G, DV] with tokens K_ROW / V_ROW elemen
 import triton
 import triton.language as tl
 
+from nsa_model.kernels.gates import gated_rows
+
 LOG2E = tl.constexpr(1.4426950408889634)
 
 
@@ -75,11 +77,11 @@ def selected_attn_fwd_kernel(Q, K, V, BLOCKS, O, LSE, T, scale, K_ROW, V_ROW,
 
 
 @triton.jit
-def selected_attn_bwd_dq_kernel(Q, K, V, BLOCKS, DO, LSE, DELTA, DQ, T, scale, K_ROW, V_ROW,
+def selected_attn_bwd_dq_kernel(Q, K, V, BLOCKS, DO, LSE, DELTA, DQ, T, scale, K_ROW, V_ROW, GATES, GATE_IDX,
                                 H: tl.constexpr, G: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
                                 BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, SEL_BLOCK: tl.constexpr,
                                 BLOCK_S: tl.constexpr, N_SELECT: tl.constexpr, HEADS_PAD: tl.constexpr,
-                                DOT_PRECISION: tl.constexpr):
+                                HAS_GATE: tl.constexpr, DOT_PRECISION: tl.constexpr):
     t = tl.program_id(0)
     pid_bg = tl.program_id(1)
     b = pid_bg // G
@@ -94,6 +96,7 @@ def selected_attn_bwd_dq_kernel(Q, K, V, BLOCKS, DO, LSE, DELTA, DQ, T, scale, K
     q = tl.load(Q + row_q[:, None] * DK + offs_dk[None, :], mask=h_ok[:, None] & (offs_dk < DK)[None, :], other=0.0)
     do = tl.load(DO + row_q[:, None] * DV + offs_dv[None, :], mask=h_ok[:, None] & (offs_dv < DV)[None, :],
                  other=0.0)
+    do = gated_rows(do, GATES, row_q, h_ok, GATE_IDX, HAS_GATE)
     lse2 = tl.load(LSE + row_q, mask=h_ok, other=0.0) * LOG2E
     delta = tl.load(DELTA + row_q, mask=h_ok, other=0.0)
     block_row = ((b * T + t).to(tl.int64) * G + g) * N_SELECT
@@ -121,11 +124,11 @@ def selected_attn_bwd_dq_kernel(Q, K, V, BLOCKS, DO, LSE, DELTA, DQ, T, scale, K
 
 @triton.jit
 def selected_attn_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, QUERY_OF_ENTRY, STARTS, DK_ACC, DV_ACC,
-                                  T, num_blocks, scale, K_ROW, V_ROW,
+                                  T, num_blocks, scale, K_ROW, V_ROW, GATES, GATE_IDX,
                                   H: tl.constexpr, G: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
                                   BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, SEL_BLOCK: tl.constexpr,
                                   BLOCK_S: tl.constexpr, HEADS_PAD: tl.constexpr, ENTRIES: tl.constexpr,
-                                  CHUNK: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                                  CHUNK: tl.constexpr, HAS_GATE: tl.constexpr, DOT_PRECISION: tl.constexpr):
     pid_j = tl.program_id(0)
     pid_bg = tl.program_id(1)
     pid_c = tl.program_id(2)
@@ -165,6 +168,7 @@ def selected_attn_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, QUERY_OF_ENTRY, START
                         other=0.0)
             do = tl.load(DO + row_q[:, None] * DV + offs_dv[None, :], mask=r_ok[:, None] & (offs_dv < DV)[None, :],
                          other=0.0)
+            do = gated_rows(do, GATES, row_q, r_ok, GATE_IDX, HAS_GATE)
             lse2 = tl.load(LSE + row_q, mask=r_ok, other=0.0) * LOG2E
             delta = tl.load(DELTA + row_q, mask=r_ok, other=0.0)
             s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale

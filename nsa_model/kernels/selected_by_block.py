@@ -32,6 +32,8 @@ flat slot * HPG + head), lse/delta [B, T, H] fp32.
 import triton
 import triton.language as tl
 
+from nsa_model.kernels.gates import gated_rows
+
 LOG2E = tl.constexpr(1.4426950408889634)
 
 
@@ -159,11 +161,12 @@ def selected_combine_kernel(O_PART, LSE2_PART, BLOCKS, O, LSE, num_rows, H: tl.c
 
 @triton.jit
 def selected_block_bwd_kernel(Q, K, V, DO, LSE, DELTA, ORDER, STARTS, WORK_SEG, WORK_CHUNK, DK_ACC, DV_ACC, DQ_OUT,
-                              T, num_blocks, scale, K_ROW, V_ROW,
+                              T, num_blocks, scale, K_ROW, V_ROW, GATES, GATE_IDX,
                               H: tl.constexpr, G: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
                               BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, SEL_BLOCK: tl.constexpr,
                               BLOCK_S: tl.constexpr, N_SELECT: tl.constexpr, ROWS: tl.constexpr,
-                              CHUNK: tl.constexpr, DQ_MODE: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                              CHUNK: tl.constexpr, DQ_MODE: tl.constexpr, HAS_GATE: tl.constexpr,
+                              DOT_PRECISION: tl.constexpr):
     """DQ_MODE: 0 no dQ (the query-driven variants compute it), 1 store each chooser's contribution at its slot
     (DQ_OUT rows as the partials), 2 add it atomically into a float32 DQ_OUT [B, T, H, DK]."""
     HPG: tl.constexpr = H // G
@@ -183,6 +186,7 @@ def selected_block_bwd_kernel(Q, K, V, DO, LSE, DELTA, ORDER, STARTS, WORK_SEG, 
             q = tl.load(Q + row_q[:, None] * DK + offs_dk[None, :], mask=q_ok, other=0.0)
             do = tl.load(DO + row_q[:, None] * DV + offs_dv[None, :], mask=r_ok[:, None] & (offs_dv < DV)[None, :],
                          other=0.0)
+            do = gated_rows(do, GATES, row_q, r_ok, GATE_IDX, HAS_GATE)
             lse2 = tl.load(LSE + row_q, mask=r_ok, other=0.0) * LOG2E
             lse2 = tl.where(lse2 == float("-inf"), 0.0, lse2)  # a query that sees no key: its p is masked anyway
             delta = tl.load(DELTA + row_q, mask=r_ok, other=0.0)

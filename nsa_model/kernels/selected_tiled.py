@@ -19,6 +19,8 @@ o [B, T, H, DV], lse/delta [B, T, H] fp32.
 import triton
 import triton.language as tl
 
+from nsa_model.kernels.gates import gated_rows
+
 LOG2E = tl.constexpr(1.4426950408889634)
 
 
@@ -98,11 +100,12 @@ def selected_tiled_fwd_kernel(Q, K, V, BLOCKS, UNION, COUNT, O, LSE, T, num_tile
 
 @triton.jit
 def selected_tiled_bwd_dq_kernel(Q, K, V, BLOCKS, UNION, COUNT, DO, LSE, DELTA, DQ, T, num_tiles, scale, K_ROW,
-                                 V_ROW,
+                                 V_ROW, GATES, GATE_IDX,
                                  H: tl.constexpr, G: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
                                  BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, SEL_BLOCK: tl.constexpr,
                                  BLOCK_S: tl.constexpr, N_SELECT: tl.constexpr, N_PAD: tl.constexpr,
-                                 HEADS_PAD: tl.constexpr, TILE_Q: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                                 HEADS_PAD: tl.constexpr, TILE_Q: tl.constexpr, HAS_GATE: tl.constexpr,
+                                 DOT_PRECISION: tl.constexpr):
     HPG: tl.constexpr = H // G
     b, g, t, r_ok, row_q = _tile_rows(T, H, G, HPG, HEADS_PAD, TILE_Q)
     offs_s = tl.arange(0, BLOCK_S)
@@ -111,6 +114,7 @@ def selected_tiled_bwd_dq_kernel(Q, K, V, BLOCKS, UNION, COUNT, DO, LSE, DELTA, 
     q = tl.load(Q + row_q[:, None] * DK + offs_dk[None, :], mask=r_ok[:, None] & (offs_dk < DK)[None, :], other=0.0)
     do = tl.load(DO + row_q[:, None] * DV + offs_dv[None, :], mask=r_ok[:, None] & (offs_dv < DV)[None, :],
                  other=0.0)
+    do = gated_rows(do, GATES, row_q, r_ok, GATE_IDX, HAS_GATE)
     lse2 = tl.load(LSE + row_q, mask=r_ok, other=0.0) * LOG2E
     delta = tl.load(DELTA + row_q, mask=r_ok, other=0.0)
     chosen = _tile_choices(BLOCKS, b, g, t, T, G, N_SELECT, N_PAD)
