@@ -1,0 +1,31 @@
+"""bench/saved_activations.py: the tensors the compiled forward saves for the backward, traced without running."""
+
+import importlib.util
+import sys
+from pathlib import Path
+
+_path = Path(__file__).resolve().parent.parent / "bench" / "saved_activations.py"
+_spec = importlib.util.spec_from_file_location("saved_activations", _path)
+saved_activations = importlib.util.module_from_spec(_spec)
+sys.modules[_spec.name] = saved_activations  # its dataclass looks its module up
+sys.path.insert(0, str(_path.parent.parent))
+_spec.loader.exec_module(saved_activations)
+
+
+def test_one_nsa_layer_saves_its_branch_outputs_and_each_stacked_kv_projection_once(monkeypatch):
+    """The tiny preset at B=2, T=64: what one NSA layer keeps beyond a dense one includes the core's three branch
+    outputs [B, T, H, Dv] (bf16 under autocast), and the K and V projections [B, T, 3 sets, G, D] once each,
+    though the core keeps three slices of each (storages are counted once, not once per view)."""
+    from nsa_model import get_preset
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # the Triton core takes CPU tensors (traced only: nothing runs)
+    cfg = get_preset("tiny")
+    B, T, H, G, D = 2, 64, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+    nsa = saved_activations.per_layer("tiny", T, B)
+    dense = saved_activations.per_layer("tiny-dense", T, B)
+    branch_outputs = nsa["layer_sites"][f"<built-in function getitem> ({B}, {T}, {H}, {D}) bfloat16"]
+    kv_sets = nsa["layer_sites"][f"<built-in function getitem> ({B}, {T}, {G}, {D}) bfloat16"]
+    assert branch_outputs == 3 * B * T * H * D * 2
+    assert kv_sets == 2 * B * T * 3 * G * D * 2
+    assert nsa["layer_bytes"] - dense["layer_bytes"] >= branch_outputs + kv_sets - 2 * B * T * G * D * 2
+    assert nsa["rest_bytes"] == dense["rest_bytes"] > B * T * cfg.vocab_size * 2  # the head: bf16 logits and more
