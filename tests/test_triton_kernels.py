@@ -281,6 +281,15 @@ CORE_VARIANTS = {
 }
 
 
+def reference_with_grads(inputs, cfg, scale):
+    """(o, the inputs as leaves holding their gradients, the output gradient used) of the float64 reference."""
+    ref_in = {n: x.clone().requires_grad_() for n, x in inputs.items()}
+    o_ref = reference.nsa_attention(*ref_in.values(), cfg, scale=scale)
+    grad_out = torch.randn_like(o_ref)
+    o_ref.backward(grad_out)
+    return o_ref, ref_in, grad_out
+
+
 @pytest.mark.parametrize("variant", list(CORE_VARIANTS))
 def test_core_op_backward_matches_reference_under_every_variant(variant):
     """nsa::core_bwd takes each branch's row term from the gate backward and folds the compressed and window dQ
@@ -290,10 +299,7 @@ def test_core_op_backward_matches_reference_under_every_variant(variant):
     B, T, H, G, Dk, Dv = 1, 29, 6, 2, 16, 32
     inputs = make_inputs(B, T, H, G, Dk, Dv, cfg, seed=21)
     scale = Dk ** -0.5
-    ref_in = {n: x.clone().requires_grad_() for n, x in inputs.items()}
-    o_ref = reference.nsa_attention(*ref_in.values(), cfg, scale=scale)
-    grad_out = torch.randn_like(o_ref)
-    o_ref.backward(grad_out)
+    o_ref, ref_in, grad_out = reference_with_grads(inputs, cfg, scale)
     tri_in = {n: x.float().to(DEVICE).requires_grad_() for n, x in inputs.items()}
     with triton_impl.use_launch_config(triton_impl.LaunchConfig(dkdv_rows=32, dkdv_chunk=64,
                                                                 **CORE_VARIANTS[variant])):
@@ -313,10 +319,7 @@ def test_core_reads_key_sets_sliced_from_a_stacked_projection_in_place(variant, 
     B, T, H, G, Dk, Dv = 2, 29, 6, 2, 16, 32
     inputs = make_inputs(B, T, H, G, Dk, Dv, cfg, seed=23)
     scale = Dk ** -0.5
-    ref_in = {n: x.clone().requires_grad_() for n, x in inputs.items()}
-    o_ref = reference.nsa_attention(*ref_in.values(), cfg, scale=scale)
-    grad_out = torch.randn_like(o_ref)
-    o_ref.backward(grad_out)
+    o_ref, ref_in, grad_out = reference_with_grads(inputs, cfg, scale)
 
     # sets in the model's order (cmp, slc, win); the compressed set stays a separate tensor, as phi's output is
     stacked_k = torch.stack([torch.zeros_like(inputs["k_slc"]), inputs["k_slc"], inputs["k_win"]], dim=2)
