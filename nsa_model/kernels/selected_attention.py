@@ -18,6 +18,7 @@ import triton
 import triton.language as tl
 
 from nsa_model.kernels.gates import gated_rows
+from nsa_model.kernels.selected_by_block import _block_kv
 
 LOG2E = tl.constexpr(1.4426950408889634)
 
@@ -141,17 +142,10 @@ def selected_attn_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, QUERY_OF_ENTRY, START
     start = tl.load(STARTS + segment) + pid_c * CHUNK
     end = tl.minimum(seg_end, start + CHUNK)
     if start < end:
-        offs_s = tl.arange(0, BLOCK_S)
         offs_dk = tl.arange(0, BLOCK_DK)
         offs_dv = tl.arange(0, BLOCK_DV)
-        pos = pid_j * SEL_BLOCK + offs_s
-        s_ok = (offs_s < SEL_BLOCK) & (pos < T)
-        tok = (b * T + pos).to(tl.int64)
-        row_k = tok * G + g  # the gradients' rows: dK and dV are contiguous
-        k = tl.load(K + tok[:, None] * K_ROW + g * DK + offs_dk[None, :], mask=s_ok[:, None] & (offs_dk < DK)[None, :],
-                    other=0.0)
-        v = tl.load(V + tok[:, None] * V_ROW + g * DV + offs_dv[None, :], mask=s_ok[:, None] & (offs_dv < DV)[None, :],
-                    other=0.0)
+        k, v, pos, s_ok, row_k = _block_kv(K, V, K_ROW, V_ROW, b, g, pid_j, T, G, DK, DV, BLOCK_DK, BLOCK_DV,
+                                           SEL_BLOCK, BLOCK_S)
         # Row r of a step is (entry r // HEADS_PAD, head r % HEADS_PAD).
         offs_r = tl.arange(0, ROWS)
         slot = offs_r // HEADS_PAD
