@@ -5,9 +5,17 @@
 In eager PyTorch this is five elementwise kernels forward and about ten backward, each re-reading [B, T, H, DV]
 tensors; here the forward reads the three branch outputs once and the backward reads do and them once, writing
 the three branch gradients and the gate gradients (a row sum) in the same pass, and on request each branch's
-backward row term rowsum(d o_i * o_i) (HAS_DELTA), so no attention backward re-reads d o_i and o_i for it.
-With STORE_GRADS = False the branch gradients d o_i = g_i * do are not stored at all: each branch's backward
-kernels form them from do as they load it (`gated_rows`), rounded the same way. Arithmetic is fp32.
+backward row term (HAS_DELTA), so no attention backward re-reads do and o_i for it.
+With STORE_GRADS = False the branch gradients d o_i = g_i * do are not stored at all. Each branch's backward
+kernels then read do itself and scale by g_i the rows of what they hold in registers (`gate_rows`): P for dV,
+and through it dS for dK and dQ (or dQ once at the end), since with d o_i = g_i * do
+
+    dV = (g_i P)^T do,   dS = g_i P (do V^T - rowsum(do * o_i)),
+
+and the row term is then rowsum(do * o_i), which is also d g_i. Scaling do as it is loaded would be the same
+arithmetic, but do is an operand of dV's matmul that the GPU reads from shared memory: a do changed in registers
+goes back through shared memory on every tile (measured: +7 ms per step in each of two dK/dV kernels, H100).
+Arithmetic is fp32.
 
 Layouts (contiguous): gates [ROWS, 3], o_* and do [ROWS, DV], ROWS = B * T * H.
 """
@@ -17,13 +25,11 @@ import triton.language as tl
 
 
 @triton.jit
-def gated_rows(x, GATES, rows, rows_ok, GATE_IDX, HAS_GATE: tl.constexpr):
-    """x [R, D] (rows of do, row r at flat (b, t, h) index rows[r]) times each row's gate of branch GATE_IDX,
-    rounded to x's dtype as gated_sum_bwd_kernel rounds the d o_i it stores (so each branch's row term, summed
-    from those values, cancels exactly against the dP computed here); x itself without HAS_GATE."""
+def gate_rows(x, GATES, rows, rows_ok, GATE_IDX, HAS_GATE: tl.constexpr):
+    """x [R, N] (fp32, row r belonging to the flat (b, t, h) index rows[r]) with each row times its gate of branch
+    GATE_IDX; x itself without HAS_GATE."""
     if HAS_GATE:
-        g = tl.load(GATES + rows * 3 + GATE_IDX, mask=rows_ok, other=0.0).to(tl.float32)
-        x = (g[:, None] * x.to(tl.float32)).to(x.dtype)
+        x = x * tl.load(GATES + rows * 3 + GATE_IDX, mask=rows_ok, other=0.0).to(tl.float32)[:, None]
     return x
 
 
@@ -49,16 +55,21 @@ def gated_sum_fwd_kernel(GATES, O_CMP, O_SLC, O_WIN, O, num_rows, DV: tl.constex
 def _branch_grads(GATE, O_X, DO_X, DGATE, DELTA_X, do, at, ok, rows64, r_ok, HAS_DELTA: tl.constexpr,
                   STORE_GRADS: tl.constexpr):
     """One branch: d o_x = g_x * do, d g_x = sum over the head dim of do * o_x; with HAS_DELTA also the branch
-    backward's row term sum(d o_x * o_x), taken from d o_x as stored (rounded to its dtype), so that it cancels
-    exactly against the dP the attention backward computes from that same stored d o_x."""
+    backward's row term. With STORE_GRADS that is sum(d o_x * o_x), from d o_x as stored (rounded to its dtype),
+    to cancel against the dP the attention backward computes from that same stored d o_x; without, the branch
+    backward reads do and gates its rows itself (`gate_rows`), so the row term is sum(do * o_x) = d g_x in fp32."""
     g = tl.load(GATE + rows64 * 3, mask=r_ok, other=0.0).to(tl.float32)
     o_x = tl.load(O_X + at, mask=ok, other=0.0).to(tl.float32)
     do_x = (g[:, None] * do).to(DO_X.dtype.element_ty)
     if STORE_GRADS:
         tl.store(DO_X + at, do_x, mask=ok)
-    tl.store(DGATE + rows64 * 3, tl.sum(do * o_x, axis=1).to(DGATE.dtype.element_ty), mask=r_ok)
+    dgate = tl.sum(do * o_x, axis=1)
+    tl.store(DGATE + rows64 * 3, dgate.to(DGATE.dtype.element_ty), mask=r_ok)
     if HAS_DELTA:
-        tl.store(DELTA_X + rows64, tl.sum(do_x.to(tl.float32) * o_x, axis=1), mask=r_ok)
+        if STORE_GRADS:
+            tl.store(DELTA_X + rows64, tl.sum(do_x.to(tl.float32) * o_x, axis=1), mask=r_ok)
+        else:
+            tl.store(DELTA_X + rows64, dgate, mask=r_ok)
 
 
 @triton.jit

@@ -24,7 +24,7 @@ tile (the v4 kernels, kept selectable for the benchmark).
 import triton
 import triton.language as tl
 
-from nsa_model.kernels.gates import gated_rows
+from nsa_model.kernels.gates import gate_rows
 
 LOG2E = tl.constexpr(1.4426950408889634)
 
@@ -189,7 +189,6 @@ def range_attn_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, T, num_keys, scale, ke
     q = tl.load(Q + row_q[:, None] * DK + offs_dk[None, :], mask=m_ok[:, None] & (offs_dk < DK)[None, :], other=0.0)
     do = tl.load(DO + row_q[:, None] * DV + offs_dv[None, :], mask=m_ok[:, None] & (offs_dv < DV)[None, :],
                  other=0.0)
-    do = gated_rows(do, GATES, row_q, m_ok, GATE_IDX, HAS_GATE)
     # Rows with no visible key have lse = -inf; 0 instead keeps exp2(s - lse) finite (they are masked or padding).
     lse2 = tl.load(LSE + row_q, mask=m_ok, other=0.0) * LOG2E
     lse2 = tl.where(lse2 == float("-inf"), 0.0, lse2)
@@ -207,7 +206,7 @@ def range_attn_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, T, num_keys, scale, ke
                    key_stride, key_offset, window, G, DK, DV, BLOCK_DK, BLOCK_DV, BLOCK_N, False, DOT_PRECISION)
     dq = _dq_tiles(dq, q, do, lse2, delta, K, V, K_ROW, V_ROW, b, g, offs_m, mid_hi, hi, hi, num_keys, qk_scale,
                    key_stride, key_offset, window, G, DK, DV, BLOCK_DK, BLOCK_DV, BLOCK_N, True, DOT_PRECISION)
-    dq = dq * scale
+    dq = gate_rows(dq * scale, GATES, row_q, m_ok, GATE_IDX, HAS_GATE)  # every term of a row has its gate
     tl.store(DQ + row_q[:, None] * DK + offs_dk[None, :], dq.to(DQ.dtype.element_ty),
              mask=m_ok[:, None] & (offs_dk < DK)[None, :])
 
@@ -225,7 +224,6 @@ def _dkdv_tiles(dk, dv, k, v, Q, DO, LSE, DELTA, GATES, GATE_IDX, b, h, offs_n, 
         row_q = (b * T + offs_m).to(tl.int64) * H + h
         q = _load_rows(Q + row_q[:, None] * DK + offs_dk[None, :], m_ok, offs_dk, DK, BLOCK_DK, MASKED)
         do = _load_rows(DO + row_q[:, None] * DV + offs_dv[None, :], m_ok, offs_dv, DV, BLOCK_DV, MASKED)
-        do = gated_rows(do, GATES, row_q, m_ok, GATE_IDX, HAS_GATE)
         if MASKED:
             lse2 = tl.load(LSE + row_q, mask=m_ok, other=0.0) * LOG2E
             delta = tl.load(DELTA + row_q, mask=m_ok, other=0.0)
@@ -239,6 +237,7 @@ def _dkdv_tiles(dk, dv, k, v, Q, DO, LSE, DELTA, GATES, GATE_IDX, b, h, offs_n, 
             p = tl.where(vis, tl.exp2(s - lse2[:, None]), 0.0)
         else:
             p = tl.exp2(s - lse2[:, None])  # every query of a full tile sees a key: its lse is finite
+        p = gate_rows(p, GATES, row_q, m_ok, GATE_IDX, HAS_GATE)
         dv += tl.dot(tl.trans(p).to(do.dtype), do, input_precision=DOT_PRECISION)
         dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
         ds = p * (dp - delta[:, None])

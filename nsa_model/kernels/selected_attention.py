@@ -17,7 +17,7 @@ contiguous; k [B, T, G, DK] and v [B, T, G, DV] with tokens K_ROW / V_ROW elemen
 import triton
 import triton.language as tl
 
-from nsa_model.kernels.gates import gated_rows
+from nsa_model.kernels.gates import gate_rows
 from nsa_model.kernels.selected_by_block import _block_kv
 
 LOG2E = tl.constexpr(1.4426950408889634)
@@ -97,7 +97,6 @@ def selected_attn_bwd_dq_kernel(Q, K, V, BLOCKS, DO, LSE, DELTA, DQ, T, scale, K
     q = tl.load(Q + row_q[:, None] * DK + offs_dk[None, :], mask=h_ok[:, None] & (offs_dk < DK)[None, :], other=0.0)
     do = tl.load(DO + row_q[:, None] * DV + offs_dv[None, :], mask=h_ok[:, None] & (offs_dv < DV)[None, :],
                  other=0.0)
-    do = gated_rows(do, GATES, row_q, h_ok, GATE_IDX, HAS_GATE)
     lse2 = tl.load(LSE + row_q, mask=h_ok, other=0.0) * LOG2E
     delta = tl.load(DELTA + row_q, mask=h_ok, other=0.0)
     block_row = ((b * T + t).to(tl.int64) * G + g) * N_SELECT
@@ -118,7 +117,7 @@ def selected_attn_bwd_dq_kernel(Q, K, V, BLOCKS, DO, LSE, DELTA, DQ, T, scale, K
         dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
         ds = p * (dp - delta[:, None])
         dq += tl.dot(ds.to(k.dtype), k, input_precision=DOT_PRECISION)
-    dq = dq * scale
+    dq = gate_rows(dq * scale, GATES, row_q, h_ok, GATE_IDX, HAS_GATE)  # every term of a row has its gate
     tl.store(DQ + row_q[:, None] * DK + offs_dk[None, :], dq.to(DQ.dtype.element_ty),
              mask=h_ok[:, None] & (offs_dk < DK)[None, :])
 
@@ -162,12 +161,11 @@ def selected_attn_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, QUERY_OF_ENTRY, START
                         other=0.0)
             do = tl.load(DO + row_q[:, None] * DV + offs_dv[None, :], mask=r_ok[:, None] & (offs_dv < DV)[None, :],
                          other=0.0)
-            do = gated_rows(do, GATES, row_q, r_ok, GATE_IDX, HAS_GATE)
             lse2 = tl.load(LSE + row_q, mask=r_ok, other=0.0) * LOG2E
             delta = tl.load(DELTA + row_q, mask=r_ok, other=0.0)
             s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
             vis = r_ok[:, None] & s_ok[None, :] & (pos[None, :] <= t[:, None])
-            p = tl.where(vis, tl.exp2(s - lse2[:, None]), 0.0)
+            p = gate_rows(tl.where(vis, tl.exp2(s - lse2[:, None]), 0.0), GATES, row_q, r_ok, GATE_IDX, HAS_GATE)
             dv += tl.dot(tl.trans(p).to(do.dtype), do, input_precision=DOT_PRECISION)
             dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
             ds = p * (dp - delta[:, None])

@@ -32,7 +32,7 @@ flat slot * HPG + head), lse/delta [B, T, H] fp32.
 import triton
 import triton.language as tl
 
-from nsa_model.kernels.gates import gated_rows
+from nsa_model.kernels.gates import gate_rows
 
 LOG2E = tl.constexpr(1.4426950408889634)
 
@@ -186,13 +186,12 @@ def selected_block_bwd_kernel(Q, K, V, DO, LSE, DELTA, ORDER, STARTS, WORK_SEG, 
             q = tl.load(Q + row_q[:, None] * DK + offs_dk[None, :], mask=q_ok, other=0.0)
             do = tl.load(DO + row_q[:, None] * DV + offs_dv[None, :], mask=r_ok[:, None] & (offs_dv < DV)[None, :],
                          other=0.0)
-            do = gated_rows(do, GATES, row_q, r_ok, GATE_IDX, HAS_GATE)
             lse2 = tl.load(LSE + row_q, mask=r_ok, other=0.0) * LOG2E
             lse2 = tl.where(lse2 == float("-inf"), 0.0, lse2)  # a query that sees no key: its p is masked anyway
             delta = tl.load(DELTA + row_q, mask=r_ok, other=0.0)
             s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
             vis = r_ok[:, None] & s_ok[None, :] & (pos[None, :] <= t[:, None])
-            p = tl.where(vis, tl.exp2(s - lse2[:, None]), 0.0)
+            p = gate_rows(tl.where(vis, tl.exp2(s - lse2[:, None]), 0.0), GATES, row_q, r_ok, GATE_IDX, HAS_GATE)
             dv += tl.dot(tl.trans(p).to(do.dtype), do, input_precision=DOT_PRECISION)
             dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
             ds = p * (dp - delta[:, None])

@@ -19,7 +19,7 @@ o [B, T, H, DV], lse/delta [B, T, H] fp32.
 import triton
 import triton.language as tl
 
-from nsa_model.kernels.gates import gated_rows
+from nsa_model.kernels.gates import gate_rows
 
 LOG2E = tl.constexpr(1.4426950408889634)
 
@@ -114,7 +114,6 @@ def selected_tiled_bwd_dq_kernel(Q, K, V, BLOCKS, UNION, COUNT, DO, LSE, DELTA, 
     q = tl.load(Q + row_q[:, None] * DK + offs_dk[None, :], mask=r_ok[:, None] & (offs_dk < DK)[None, :], other=0.0)
     do = tl.load(DO + row_q[:, None] * DV + offs_dv[None, :], mask=r_ok[:, None] & (offs_dv < DV)[None, :],
                  other=0.0)
-    do = gated_rows(do, GATES, row_q, r_ok, GATE_IDX, HAS_GATE)
     lse2 = tl.load(LSE + row_q, mask=r_ok, other=0.0) * LOG2E
     delta = tl.load(DELTA + row_q, mask=r_ok, other=0.0)
     chosen = _tile_choices(BLOCKS, b, g, t, T, G, N_SELECT, N_PAD)
@@ -139,6 +138,6 @@ def selected_tiled_bwd_dq_kernel(Q, K, V, BLOCKS, UNION, COUNT, DO, LSE, DELTA, 
         dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
         ds = p * (dp - delta[:, None])
         dq += tl.dot(ds.to(k.dtype), k, input_precision=DOT_PRECISION)
-    dq = dq * scale
+    dq = gate_rows(dq * scale, GATES, row_q, r_ok, GATE_IDX, HAS_GATE)  # every term of a row has its gate
     tl.store(DQ + row_q[:, None] * DK + offs_dk[None, :], dq.to(DQ.dtype.element_ty),
              mask=r_ok[:, None] & (offs_dk < DK)[None, :])

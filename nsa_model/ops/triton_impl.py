@@ -201,8 +201,9 @@ def _kv_strides(k: torch.Tensor, v: torch.Tensor) -> dict:
 
 
 def _gate_args(gate, do: torch.Tensor) -> dict:
-    """Kernel arguments for a branch backward that forms its d o_i = g_i * do from do as it loads it (gate =
-    (gates [B, T, H, 3], branch index)), or takes do as d o_i itself (gate None; GATES then points at do, unread)."""
+    """Kernel arguments for a branch backward whose output gradient is g_i * do, which it reads as do and the gates
+    (gate = (gates [B, T, H, 3], branch index); kernels/gates.py `gate_rows`), or whose do is its output gradient
+    itself (gate None; GATES then points at do, unread)."""
     if gate is None:
         return dict(GATES=do, GATE_IDX=0, HAS_GATE=False)
     gates, index = gate
@@ -258,8 +259,8 @@ def _range_fwd(q, k, v, key_stride: int, key_offset: int, window: int, scale: fl
 def _range_bwd(q, k, v, o, lse, do, key_stride: int, key_offset: int, window: int, scale: float, delta=None,
                gate=None):
     """(dq, dk, dv) of _range_fwd; delta = rowsum(do * o) [B,T,H] fp32 when the caller has it already. gate =
-    (gates, branch index): the branch's output gradient is gates[..., index] * do, formed in the kernels (then
-    delta, the row term of that gradient, must be given)."""
+    (gates, branch index): the branch's output gradient is gates[..., index] * do; the kernels read do and gate
+    their rows of P (then delta must be given, and is the row term of do itself: rowsum(do * o))."""
     if gate is not None and delta is None:
         raise ValueError("_range_bwd: a gated do needs the row term delta from the gate backward")
     q, k, v, do = q.contiguous(), _kv_rows(k), _kv_rows(v), do.contiguous()
@@ -710,8 +711,9 @@ def _gated_bwd(gates, o_cmp, o_slc, o_win, do, dgates_dtype=None, with_delta=Fal
     with_delta, a fifth item: each branch's backward row term rowsum(d_i * o_i), [3, B, T, H] fp32 (cmp, slc, win),
     summed from d_i as returned (rounded to its dtype), since the attention backward computes dP from that d_i
     and the two must cancel exactly where softmax has one key (there the true dQ and dK are zero).
-    branch_grads=False (fused kernel, with_delta): only (dgates, delta); the branch backward kernels form each
-    d_i from do themselves (their `gate` argument), rounded as the kernel rounds it here."""
+    branch_grads=False (fused kernel, with_delta): only (dgates, delta), delta then being rowsum(do * o_i) in
+    fp32: the branch backward kernels read do itself and gate their rows (their `gate` argument), so their dP
+    and this row term come from the same do."""
     dgates_dtype = dgates_dtype or gates.dtype
     if _config.gate_kernel == "torch":
         outs = (o_cmp, o_slc, o_win)
@@ -825,9 +827,9 @@ def _core_bwd(do: torch.Tensor, q: torch.Tensor, k_slc: torch.Tensor, v_slc: tor
     """[dq, dk_slc, dv_slc, dk_win, dv_win, dk_cmp, dv_cmp, dgates] of nsa::core; saved = its outputs 1..."""
     blocks, o_cmp, lse_cmp, o_slc, lse_slc, o_win, lse_win, *index = saved
     T = q.shape[1]
-    # The gate backward also sums each branch's row term rowsum(d_i * o_i) while it has d_i and o_i in registers,
-    # so no branch reads them again for it. With the fused gate kernel the d_i = g_i * do are not stored: each
-    # branch's kernels form theirs from do as they load it (three [B, T, H, Dv] writes and their memory saved).
+    # The gate backward also sums each branch's row term while it has do and o_i in registers, so no branch reads
+    # them again for it. With the fused gate kernel the d_i = g_i * do are not stored: each branch's kernels read
+    # do and scale their rows of P by g_i (three [B, T, H, Dv] writes and their memory saved).
     if _config.gate_kernel == "fused":
         dgates, (delta_cmp, delta_slc, delta_win) = _gated_bwd(gates, o_cmp, o_slc, o_win, do, with_delta=True,
                                                                branch_grads=False)
