@@ -310,6 +310,54 @@ def test_core_op_backward_matches_reference_under_every_variant(variant):
         assert rel_err(tri_in[name].grad, ref_in[name].grad) <= FP32_TOL, name
 
 
+@pytest.mark.parametrize("gate_kernel", ["fused", "torch"])
+def test_core_bwd_with_gates_of_zero_and_one_matches_reference(gate_kernel):
+    """The fused gate backward puts each gate into its branch's log-sum-exp (lse - ln g, kernels/gates.py): a gate
+    of 0 makes that +inf, also on rows whose compressed branch sees no key (lse = -inf there, which must stay
+    -inf, not become NaN). Gates of exactly 0 and 1 on a third of the rows each, T short enough that the first
+    queries see no compressed token: all gradients finite and equal to the reference's."""
+    cfg = NSAConfig(cmp_block=8, cmp_stride=4, sel_block=8, n_selected=3, window=8)
+    B, T, H, G, Dk, Dv = 1, 29, 6, 2, 16, 32
+    inputs = make_inputs(B, T, H, G, Dk, Dv, cfg, seed=31)
+    pick = torch.rand(inputs["gates"].shape, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+    inputs["gates"] = torch.where(pick < 1 / 3, 0.0, torch.where(pick > 2 / 3, 1.0, inputs["gates"]))
+    assert (inputs["gates"][:, :cfg.cmp_block - 1, :, 0] == 0).any()  # a zero gate where cmp sees no key
+    scale = Dk ** -0.5
+    o_ref, ref_in, grad_out = reference_with_grads(inputs, cfg, scale)
+    tri_in = {n: x.float().to(DEVICE).requires_grad_() for n, x in inputs.items()}
+    with triton_impl.use_launch_config(triton_impl.LaunchConfig(gate_kernel=gate_kernel)):
+        o = triton_impl.nsa_attention(*tri_in.values(), cfg, scale=scale)
+        o.backward(grad_out.float().to(DEVICE))
+    assert rel_err(o, o_ref) <= FP32_TOL
+    for name in NAMES:
+        assert torch.isfinite(tri_in[name].grad).all(), name
+        assert rel_err(tri_in[name].grad, ref_in[name].grad) <= FP32_TOL, name
+
+
+def test_fused_gate_backward_folds_each_gate_into_its_branch_lse():
+    """_gated_bwd(lse=...) gives dgates, the row terms rowsum(do * o_i) and lse_i - ln g_i: +inf where g = 0 (the
+    branch then has no gradient), -inf kept where the branch saw no key (lse = -inf), also with g = 0 there."""
+    gen = torch.Generator().manual_seed(3)
+    B, T, H, Dv = 2, 5, 3, 8
+    gates = torch.rand(B, T, H, 3, generator=gen)
+    gates[0, 0, 0] = 0.0
+    outs = [torch.randn(B, T, H, Dv, generator=gen) for _ in range(3)]
+    do = torch.randn(B, T, H, Dv, generator=gen)
+    lse = [torch.randn(B, T, H, generator=gen) for _ in range(3)]
+    lse[0][0, 0, :2] = float("-inf")  # head 0: g = 0 and no key; head 1: g > 0 and no key
+    dev = [x.to(DEVICE) for x in (gates, *outs, do)]
+    with triton_impl.use_launch_config(triton_impl.LaunchConfig(gate_kernel="fused")):
+        dgates, delta, lse_g = triton_impl._gated_bwd(*dev, lse=[x.to(DEVICE) for x in lse])
+    rowterms = torch.stack([(do * o).sum(-1) for o in outs])
+    assert torch.allclose(delta.cpu(), rowterms, rtol=1e-5, atol=1e-5)
+    assert torch.allclose(dgates.cpu(), rowterms.permute(1, 2, 3, 0), rtol=1e-5, atol=1e-5)
+    expected = torch.stack(lse) - torch.log(gates.permute(3, 0, 1, 2))
+    expected[0, 0, 0, :2] = float("-inf")
+    assert lse_g[0, 0, 0, 0].item() == float("-inf") and lse_g[0, 0, 0, 1].item() == float("-inf")
+    assert lse_g[1, 0, 0, 0].item() == float("inf")  # g = 0 (all three gates of that row), lse finite
+    assert torch.allclose(lse_g.cpu(), expected, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("variant", list(CORE_VARIANTS))
 def test_core_reads_key_sets_sliced_from_a_stacked_projection_in_place(variant, monkeypatch):
     """NSAAttention hands the core its selected and window K/V as slices of one [B, T, sets, G, D] projection:

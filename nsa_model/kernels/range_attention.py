@@ -24,7 +24,6 @@ tile (the v4 kernels, kept selectable for the benchmark).
 import triton
 import triton.language as tl
 
-from nsa_model.kernels.gates import gate_rows
 
 LOG2E = tl.constexpr(1.4426950408889634)
 
@@ -171,10 +170,10 @@ def _dq_tiles(dq, q, do, lse2, delta, K, V, K_ROW, V_ROW, b, g, offs_m, start, s
 
 @triton.jit
 def range_attn_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, T, num_keys, scale, key_stride, key_offset, window,
-                             K_ROW, V_ROW, GATES, GATE_IDX,
+                             K_ROW, V_ROW,
                              H: tl.constexpr, G: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
                              BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr,
-                             BLOCK_N: tl.constexpr, EDGE_SPLIT: tl.constexpr, HAS_GATE: tl.constexpr,
+                             BLOCK_N: tl.constexpr, EDGE_SPLIT: tl.constexpr,
                              DOT_PRECISION: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -206,16 +205,16 @@ def range_attn_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, T, num_keys, scale, ke
                    key_stride, key_offset, window, G, DK, DV, BLOCK_DK, BLOCK_DV, BLOCK_N, False, DOT_PRECISION)
     dq = _dq_tiles(dq, q, do, lse2, delta, K, V, K_ROW, V_ROW, b, g, offs_m, mid_hi, hi, hi, num_keys, qk_scale,
                    key_stride, key_offset, window, G, DK, DV, BLOCK_DK, BLOCK_DV, BLOCK_N, True, DOT_PRECISION)
-    dq = gate_rows(dq * scale, GATES, row_q, m_ok, GATE_IDX, HAS_GATE)  # every term of a row has its gate
+    dq = dq * scale
     tl.store(DQ + row_q[:, None] * DK + offs_dk[None, :], dq.to(DQ.dtype.element_ty),
              mask=m_ok[:, None] & (offs_dk < DK)[None, :])
 
 
 @triton.jit
-def _dkdv_tiles(dk, dv, k, v, Q, DO, LSE, DELTA, GATES, GATE_IDX, b, h, offs_n, n_ok, start, stop, T, qk_scale,
+def _dkdv_tiles(dk, dv, k, v, Q, DO, LSE, DELTA, b, h, offs_n, n_ok, start, stop, T, qk_scale,
                 key_stride, key_offset, window, H: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
                 BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, MASKED: tl.constexpr,
-                HAS_GATE: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                DOT_PRECISION: tl.constexpr):
     offs_dk = tl.arange(0, BLOCK_DK)
     offs_dv = tl.arange(0, BLOCK_DV)
     for start_m in range(start, stop, BLOCK_M):
@@ -237,7 +236,6 @@ def _dkdv_tiles(dk, dv, k, v, Q, DO, LSE, DELTA, GATES, GATE_IDX, b, h, offs_n, 
             p = tl.where(vis, tl.exp2(s - lse2[:, None]), 0.0)
         else:
             p = tl.exp2(s - lse2[:, None])  # every query of a full tile sees a key: its lse is finite
-        p = gate_rows(p, GATES, row_q, m_ok, GATE_IDX, HAS_GATE)
         dv += tl.dot(tl.trans(p).to(do.dtype), do, input_precision=DOT_PRECISION)
         dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
         ds = p * (dp - delta[:, None])
@@ -247,10 +245,10 @@ def _dkdv_tiles(dk, dv, k, v, Q, DO, LSE, DELTA, GATES, GATE_IDX, b, h, offs_n, 
 
 @triton.jit
 def range_attn_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK_ACC, DV_ACC, T, num_keys, scale, key_stride, key_offset,
-                               window, q_chunk, K_ROW, V_ROW, GATES, GATE_IDX, H: tl.constexpr, G: tl.constexpr,
+                               window, q_chunk, K_ROW, V_ROW, H: tl.constexpr, G: tl.constexpr,
                                DK: tl.constexpr, DV: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
                                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_SPLIT: tl.constexpr,
-                               EDGE_SPLIT: tl.constexpr, ATOMIC: tl.constexpr, HAS_GATE: tl.constexpr,
+                               EDGE_SPLIT: tl.constexpr, ATOMIC: tl.constexpr,
                                DOT_PRECISION: tl.constexpr):
     """One program per (key tile, slice of HPG / HEAD_SPLIT heads of a group, chunk of q_chunk of the queries
     that see the tile). HEAD_SPLIT = 1 and one chunk: the program loops over the whole group and stores (exact,
@@ -299,15 +297,15 @@ def range_attn_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK_ACC, DV_ACC, T, num_k
     dv = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
     for head in range(HEADS):
         h = first_head + head
-        dk, dv = _dkdv_tiles(dk, dv, k, v, Q, DO, LSE, DELTA, GATES, GATE_IDX, b, h, offs_n, n_ok, t_lo, full_lo, T,
+        dk, dv = _dkdv_tiles(dk, dv, k, v, Q, DO, LSE, DELTA, b, h, offs_n, n_ok, t_lo, full_lo, T,
                              qk_scale, key_stride, key_offset, window, H, DK, DV, BLOCK_DK, BLOCK_DV, BLOCK_M,
-                             True, HAS_GATE, DOT_PRECISION)
-        dk, dv = _dkdv_tiles(dk, dv, k, v, Q, DO, LSE, DELTA, GATES, GATE_IDX, b, h, offs_n, n_ok, full_lo, full_hi, T,
+                             True, DOT_PRECISION)
+        dk, dv = _dkdv_tiles(dk, dv, k, v, Q, DO, LSE, DELTA, b, h, offs_n, n_ok, full_lo, full_hi, T,
                              qk_scale, key_stride, key_offset, window, H, DK, DV, BLOCK_DK, BLOCK_DV, BLOCK_M,
-                             False, HAS_GATE, DOT_PRECISION)
-        dk, dv = _dkdv_tiles(dk, dv, k, v, Q, DO, LSE, DELTA, GATES, GATE_IDX, b, h, offs_n, n_ok, full_hi, t_hi, T,
+                             False, DOT_PRECISION)
+        dk, dv = _dkdv_tiles(dk, dv, k, v, Q, DO, LSE, DELTA, b, h, offs_n, n_ok, full_hi, t_hi, T,
                              qk_scale, key_stride, key_offset, window, H, DK, DV, BLOCK_DK, BLOCK_DV, BLOCK_M,
-                             True, HAS_GATE, DOT_PRECISION)
+                             True, DOT_PRECISION)
     dk = dk * scale
     dk_ptrs = DK_ACC + row_k[:, None] * DK + offs_dk[None, :]
     dv_ptrs = DV_ACC + row_k[:, None] * DV + offs_dv[None, :]

@@ -17,7 +17,6 @@ contiguous; k [B, T, G, DK] and v [B, T, G, DV] with tokens K_ROW / V_ROW elemen
 import triton
 import triton.language as tl
 
-from nsa_model.kernels.gates import gate_rows
 from nsa_model.kernels.selected_by_block import _block_kv
 
 LOG2E = tl.constexpr(1.4426950408889634)
@@ -78,11 +77,11 @@ def selected_attn_fwd_kernel(Q, K, V, BLOCKS, O, LSE, T, scale, K_ROW, V_ROW,
 
 
 @triton.jit
-def selected_attn_bwd_dq_kernel(Q, K, V, BLOCKS, DO, LSE, DELTA, DQ, T, scale, K_ROW, V_ROW, GATES, GATE_IDX,
+def selected_attn_bwd_dq_kernel(Q, K, V, BLOCKS, DO, LSE, DELTA, DQ, T, scale, K_ROW, V_ROW,
                                 H: tl.constexpr, G: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
                                 BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, SEL_BLOCK: tl.constexpr,
                                 BLOCK_S: tl.constexpr, N_SELECT: tl.constexpr, HEADS_PAD: tl.constexpr,
-                                HAS_GATE: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                                DOT_PRECISION: tl.constexpr):
     t = tl.program_id(0)
     pid_bg = tl.program_id(1)
     b = pid_bg // G
@@ -117,18 +116,18 @@ def selected_attn_bwd_dq_kernel(Q, K, V, BLOCKS, DO, LSE, DELTA, DQ, T, scale, K
         dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
         ds = p * (dp - delta[:, None])
         dq += tl.dot(ds.to(k.dtype), k, input_precision=DOT_PRECISION)
-    dq = gate_rows(dq * scale, GATES, row_q, h_ok, GATE_IDX, HAS_GATE)  # every term of a row has its gate
+    dq = dq * scale
     tl.store(DQ + row_q[:, None] * DK + offs_dk[None, :], dq.to(DQ.dtype.element_ty),
              mask=h_ok[:, None] & (offs_dk < DK)[None, :])
 
 
 @triton.jit
 def selected_attn_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, QUERY_OF_ENTRY, STARTS, DK_ACC, DV_ACC,
-                                  T, num_blocks, scale, K_ROW, V_ROW, GATES, GATE_IDX,
+                                  T, num_blocks, scale, K_ROW, V_ROW,
                                   H: tl.constexpr, G: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
                                   BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, SEL_BLOCK: tl.constexpr,
                                   BLOCK_S: tl.constexpr, HEADS_PAD: tl.constexpr, ENTRIES: tl.constexpr,
-                                  CHUNK: tl.constexpr, HAS_GATE: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                                  CHUNK: tl.constexpr, DOT_PRECISION: tl.constexpr):
     pid_j = tl.program_id(0)
     pid_bg = tl.program_id(1)
     pid_c = tl.program_id(2)
@@ -165,7 +164,7 @@ def selected_attn_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, QUERY_OF_ENTRY, START
             delta = tl.load(DELTA + row_q, mask=r_ok, other=0.0)
             s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
             vis = r_ok[:, None] & s_ok[None, :] & (pos[None, :] <= t[:, None])
-            p = gate_rows(tl.where(vis, tl.exp2(s - lse2[:, None]), 0.0), GATES, row_q, r_ok, GATE_IDX, HAS_GATE)
+            p = tl.where(vis, tl.exp2(s - lse2[:, None]), 0.0)
             dv += tl.dot(tl.trans(p).to(do.dtype), do, input_precision=DOT_PRECISION)
             dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
             ds = p * (dp - delta[:, None])

@@ -32,7 +32,6 @@ flat slot * HPG + head), lse/delta [B, T, H] fp32.
 import triton
 import triton.language as tl
 
-from nsa_model.kernels.gates import gate_rows
 
 LOG2E = tl.constexpr(1.4426950408889634)
 
@@ -161,11 +160,11 @@ def selected_combine_kernel(O_PART, LSE2_PART, BLOCKS, O, LSE, num_rows, H: tl.c
 
 @triton.jit
 def selected_block_bwd_kernel(Q, K, V, DO, LSE, DELTA, ORDER, STARTS, WORK_SEG, WORK_CHUNK, DK_ACC, DV_ACC, DQ_OUT,
-                              T, num_blocks, scale, K_ROW, V_ROW, GATES, GATE_IDX,
+                              T, num_blocks, scale, K_ROW, V_ROW,
                               H: tl.constexpr, G: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
                               BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, SEL_BLOCK: tl.constexpr,
                               BLOCK_S: tl.constexpr, N_SELECT: tl.constexpr, ROWS: tl.constexpr,
-                              CHUNK: tl.constexpr, DQ_MODE: tl.constexpr, HAS_GATE: tl.constexpr,
+                              CHUNK: tl.constexpr, DQ_MODE: tl.constexpr,
                               DOT_PRECISION: tl.constexpr):
     """DQ_MODE: 0 no dQ (the query-driven variants compute it), 1 store each chooser's contribution at its slot
     (DQ_OUT rows as the partials), 2 add it atomically into a float32 DQ_OUT [B, T, H, DK]."""
@@ -191,7 +190,7 @@ def selected_block_bwd_kernel(Q, K, V, DO, LSE, DELTA, ORDER, STARTS, WORK_SEG, 
             delta = tl.load(DELTA + row_q, mask=r_ok, other=0.0)
             s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
             vis = r_ok[:, None] & s_ok[None, :] & (pos[None, :] <= t[:, None])
-            p = gate_rows(tl.where(vis, tl.exp2(s - lse2[:, None]), 0.0), GATES, row_q, r_ok, GATE_IDX, HAS_GATE)
+            p = tl.where(vis, tl.exp2(s - lse2[:, None]), 0.0)
             dv += tl.dot(tl.trans(p).to(do.dtype), do, input_precision=DOT_PRECISION)
             dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
             ds = p * (dp - delta[:, None])

@@ -19,7 +19,6 @@ o [B, T, H, DV], lse/delta [B, T, H] fp32.
 import triton
 import triton.language as tl
 
-from nsa_model.kernels.gates import gate_rows
 
 LOG2E = tl.constexpr(1.4426950408889634)
 
@@ -100,11 +99,11 @@ def selected_tiled_fwd_kernel(Q, K, V, BLOCKS, UNION, COUNT, O, LSE, T, num_tile
 
 @triton.jit
 def selected_tiled_bwd_dq_kernel(Q, K, V, BLOCKS, UNION, COUNT, DO, LSE, DELTA, DQ, T, num_tiles, scale, K_ROW,
-                                 V_ROW, GATES, GATE_IDX,
+                                 V_ROW,
                                  H: tl.constexpr, G: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
                                  BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, SEL_BLOCK: tl.constexpr,
                                  BLOCK_S: tl.constexpr, N_SELECT: tl.constexpr, N_PAD: tl.constexpr,
-                                 HEADS_PAD: tl.constexpr, TILE_Q: tl.constexpr, HAS_GATE: tl.constexpr,
+                                 HEADS_PAD: tl.constexpr, TILE_Q: tl.constexpr,
                                  DOT_PRECISION: tl.constexpr):
     HPG: tl.constexpr = H // G
     b, g, t, r_ok, row_q = _tile_rows(T, H, G, HPG, HEADS_PAD, TILE_Q)
@@ -138,6 +137,6 @@ def selected_tiled_bwd_dq_kernel(Q, K, V, BLOCKS, UNION, COUNT, DO, LSE, DELTA, 
         dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
         ds = p * (dp - delta[:, None])
         dq += tl.dot(ds.to(k.dtype), k, input_precision=DOT_PRECISION)
-    dq = gate_rows(dq * scale, GATES, row_q, r_ok, GATE_IDX, HAS_GATE)  # every term of a row has its gate
+    dq = dq * scale
     tl.store(DQ + row_q[:, None] * DK + offs_dk[None, :], dq.to(DQ.dtype.element_ty),
              mask=r_ok[:, None] & (offs_dk < DK)[None, :])

@@ -200,16 +200,6 @@ def _kv_strides(k: torch.Tensor, v: torch.Tensor) -> dict:
     return dict(K_ROW=k.stride(1), V_ROW=v.stride(1))
 
 
-def _gate_args(gate, do: torch.Tensor) -> dict:
-    """Kernel arguments for a branch backward whose output gradient is g_i * do, which it reads as do and the gates
-    (gate = (gates [B, T, H, 3], branch index); kernels/gates.py `gate_rows`), or whose do is its output gradient
-    itself (gate None; GATES then points at do, unread)."""
-    if gate is None:
-        return dict(GATES=do, GATE_IDX=0, HAS_GATE=False)
-    gates, index = gate
-    return dict(GATES=gates.contiguous(), GATE_IDX=index, HAS_GATE=True)
-
-
 def _fp32_accumulators(k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Zeroed float32 dK and dV accumulators, contiguous whatever the layout of k and v. For 16-bit k, v they are
     carved from one buffer (one fill launch instead of two) and the casts at the end give each gradient its own
@@ -256,19 +246,14 @@ def _range_fwd(q, k, v, key_stride: int, key_offset: int, window: int, scale: fl
     return o, lse
 
 
-def _range_bwd(q, k, v, o, lse, do, key_stride: int, key_offset: int, window: int, scale: float, delta=None,
-               gate=None):
-    """(dq, dk, dv) of _range_fwd; delta = rowsum(do * o) [B,T,H] fp32 when the caller has it already. gate =
-    (gates, branch index): the branch's output gradient is gates[..., index] * do; the kernels read do and gate
-    their rows of P (then delta must be given, and is the row term of do itself: rowsum(do * o))."""
-    if gate is not None and delta is None:
-        raise ValueError("_range_bwd: a gated do needs the row term delta from the gate backward")
+def _range_bwd(q, k, v, o, lse, do, key_stride: int, key_offset: int, window: int, scale: float, delta=None):
+    """(dq, dk, dv) of _range_fwd; delta = rowsum(do * o) [B,T,H] fp32 when the caller has it already."""
     q, k, v, do = q.contiguous(), _kv_rows(k), _kv_rows(v), do.contiguous()
     B, T, H, _ = q.shape
     num_keys, G = k.shape[1], k.shape[2]
     delta = _delta(do, o) if delta is None else delta
     dq = torch.empty_like(q)
-    dims = dict(H=H, G=G, **_head_dims(q, v), **_gate_args(gate, do))
+    dims = dict(H=H, G=G, **_head_dims(q, v))
     rows = _kv_strides(k, v)
     launch_dq = _range_launch(q, v, "dq")
     range_attn_bwd_dq_kernel[(triton.cdiv(T, launch_dq["BLOCK_M"]), B * H)](
@@ -539,19 +524,17 @@ def _selected_index(blocks, sel_block: int, kernel: str, hpg: int) -> tuple[torc
 
 
 def _selected_bwd(q, k, v, blocks, o, lse, index, do, sel_block: int, scale: float, kernel: str, delta=None,
-                  dq_add=None, gate=None):
+                  dq_add=None):
     """(dq, dk, dv) of _selected_fwd, under the launch config its forward ran with (the caller pins it); index
-    is the forward's (_selected_index), possibly followed by unused empty slots; delta and gate as in _range_bwd;
+    is the forward's (_selected_index), possibly followed by unused empty slots; delta as in _range_bwd;
     dq_add: two [B,T,H,Dk] tensors added into dq (folded into by_block's dQ slot sum)."""
-    if gate is not None and delta is None:
-        raise ValueError("_selected_bwd: a gated do needs the row term delta from the gate backward")
     q, k, v, blocks, do = q.contiguous(), _kv_rows(k), _kv_rows(v), blocks.contiguous(), do.contiguous()
     B, T, H, _ = q.shape
     G, n = k.shape[2], blocks.shape[-1]
     hpg, config = H // G, _config
     delta = _delta(do, o) if delta is None else delta
     common = dict(H=H, G=G, SEL_BLOCK=sel_block, BLOCK_S=_pow2(sel_block), N_SELECT=n, **_head_dims(q, v),
-                  **_kv_strides(k, v), **_gate_args(gate, do))
+                  **_kv_strides(k, v))
     if kernel in BY_BLOCK_BACKWARD:
         return _selected_by_block_bwd(q, k, v, blocks, do, lse, delta, tuple(index[:4]), common, scale,
                                       dq_add=dq_add)
@@ -570,7 +553,7 @@ def _selected_bwd(q, k, v, blocks, o, lse, index, do, sel_block: int, scale: flo
         block_index = _by_block_index(blocks, sel_block, config)
         _, dk, dv = _selected_by_block_bwd(q, k, v, blocks, do, lse, delta, block_index, common, scale, dq_mode=0)
     else:
-        dk, dv = _selected_dkdv(q, k, v, do, lse, delta, blocks, sel_block, scale, gate)
+        dk, dv = _selected_dkdv(q, k, v, do, lse, delta, blocks, sel_block, scale)
     if dq_add is not None:
         dq = dq.add_(dq_add[0]).add_(dq_add[1])
     return dq, dk, dv
@@ -657,7 +640,7 @@ def _selected_by_block_bwd(q, k, v, blocks, do, lse, delta, index, common, scale
     return dq, dk_acc.to(k.dtype), dv_acc.to(v.dtype)
 
 
-def _selected_dkdv(q, k, v, do, lse, delta, blocks, sel_block, scale, gate=None):
+def _selected_dkdv(q, k, v, do, lse, delta, blocks, sel_block, scale):
     """dK, dV of the selected branch: one program per key block over its choosers (inverted index)."""
     B, T, H, _ = q.shape
     G = k.shape[2]
@@ -674,7 +657,7 @@ def _selected_dkdv(q, k, v, do, lse, delta, blocks, sel_block, scale, gate=None)
     selected_attn_bwd_dkdv_kernel[(num_blocks, B * G, triton.cdiv(T, chunk))](
         q, k, v, do, lse, delta, query_of_entry, starts, dk_acc, dv_acc, T, num_blocks, scale, H=H, G=G,
         SEL_BLOCK=sel_block, BLOCK_S=_pow2(sel_block), HEADS_PAD=heads_pad, ENTRIES=entries, CHUNK=chunk,
-        **dims, **_kv_strides(k, v), **_gate_args(gate, do), num_warps=_config.dkdv_warps)
+        **dims, **_kv_strides(k, v), num_warps=_config.dkdv_warps)
     return dk_acc.to(k.dtype), dv_acc.to(v.dtype)
 
 
@@ -706,39 +689,46 @@ def _gated_fwd(gates, o_cmp, o_slc, o_win):
     return o
 
 
-def _gated_bwd(gates, o_cmp, o_slc, o_win, do, dgates_dtype=None, with_delta=False, branch_grads=True):
+def _gated_bwd(gates, o_cmp, o_slc, o_win, do, dgates_dtype=None, with_delta=False, lse=None):
     """(dgates, d_cmp, d_slc, d_win) of _gated_fwd; dgates in dgates_dtype (default: the gates' dtype). With
     with_delta, a fifth item: each branch's backward row term rowsum(d_i * o_i), [3, B, T, H] fp32 (cmp, slc, win),
     summed from d_i as returned (rounded to its dtype), since the attention backward computes dP from that d_i
     and the two must cancel exactly where softmax has one key (there the true dQ and dK are zero).
-    branch_grads=False (fused kernel, with_delta): only (dgates, delta), delta then being rowsum(do * o_i) in
-    fp32: the branch backward kernels read do itself and gate their rows (their `gate` argument), so their dP
-    and this row term come from the same do."""
+    lse = the three branches' log-sum-exps (fused kernel only): the d_i are not formed at all, and the result is
+    (dgates, delta, lse_g), both [3, B, T, H] fp32, delta = rowsum(do * o_i) and lse_g = lse_i - ln g_i. Each
+    branch's backward run on do with lse_g is then its backward of d_i (kernels/gates.py), with no gate work."""
     dgates_dtype = dgates_dtype or gates.dtype
     if _config.gate_kernel == "torch":
+        if lse is not None:
+            raise ValueError("_gated_bwd: the gates go into the branches' lse only with gate_kernel='fused'")
         outs = (o_cmp, o_slc, o_win)
         dgates = torch.stack([(do.float() * x.float()).sum(-1) for x in outs], dim=-1).to(dgates_dtype)
         grads = tuple(gates[..., i:i + 1] * do for i in range(3))
         if not with_delta:
             return (dgates, *grads)
         return (dgates, *grads, torch.stack([(d.float() * x.float()).sum(-1) for d, x in zip(grads, outs)]))
-    if not branch_grads and not with_delta:
-        raise ValueError("_gated_bwd: without the branch gradients the row terms (with_delta) are the point")
     gates, o_cmp, o_slc, o_win, do = (x.contiguous() for x in (gates, o_cmp, o_slc, o_win, do))
+    fold = lse is not None
     dv = o_cmp.shape[-1]
     rows = o_cmp.numel() // dv if dv else 0
     dgates = torch.empty(gates.shape, dtype=dgates_dtype, device=gates.device)  # the kernel sums in fp32
-    # unstored (branch_grads=False), the three only give the kernel the gradients' dtype: do stands in for them
-    d_cmp, d_slc, d_win = (torch.empty_like(o_cmp) for _ in range(3)) if branch_grads else (do, do, do)
-    delta = torch.empty((3, *o_cmp.shape[:-1]), dtype=torch.float32, device=o_cmp.device) if with_delta else None
+    # folded, the three are not stored: they only give the kernel the gradients' dtype, and do stands in for them
+    d_cmp, d_slc, d_win = (do, do, do) if fold else (torch.empty_like(o_cmp) for _ in range(3))
+    rows_shape = (3, *o_cmp.shape[:-1])
+    delta = torch.empty(rows_shape, dtype=torch.float32, device=o_cmp.device) if with_delta or fold else None
+    lse_g = torch.empty(rows_shape, dtype=torch.float32, device=o_cmp.device) if fold else None
+    lse_in = [x.contiguous() for x in lse] if fold else (dgates, dgates, dgates)  # unread without fold
     if rows:
         gated_sum_bwd_kernel[(triton.cdiv(rows, _GATE_ROWS),)](
-            gates, o_cmp, o_slc, o_win, do, dgates, d_cmp, d_slc, d_win, dgates if delta is None else delta, rows,
-            DV=dv, BLOCK_R=_GATE_ROWS, BLOCK_D=_pow2(dv), HAS_DELTA=with_delta, STORE_GRADS=branch_grads)
-    elif with_delta:
+            gates, o_cmp, o_slc, o_win, do, dgates, d_cmp, d_slc, d_win, dgates if delta is None else delta,
+            *lse_in, dgates if lse_g is None else lse_g, rows, DV=dv, BLOCK_R=_GATE_ROWS, BLOCK_D=_pow2(dv),
+            HAS_DELTA=delta is not None, STORE_GRADS=not fold)
+    elif delta is not None:
         delta.zero_()  # Dv = 0: every row sum is empty
-    if not branch_grads:
-        return dgates, delta
+        if fold:
+            lse_g.copy_(torch.stack(lse))
+    if fold:
+        return dgates, delta, lse_g
     return (dgates, d_cmp, d_slc, d_win) if delta is None else (dgates, d_cmp, d_slc, d_win, delta)
 
 
@@ -828,23 +818,23 @@ def _core_bwd(do: torch.Tensor, q: torch.Tensor, k_slc: torch.Tensor, v_slc: tor
     blocks, o_cmp, lse_cmp, o_slc, lse_slc, o_win, lse_win, *index = saved
     T = q.shape[1]
     # The gate backward also sums each branch's row term while it has do and o_i in registers, so no branch reads
-    # them again for it. With the fused gate kernel the d_i = g_i * do are not stored: each branch's kernels read
-    # do and scale their rows of P by g_i (three [B, T, H, Dv] writes and their memory saved).
+    # them again for it. With the fused gate kernel the d_i = g_i * do are not formed at all: each branch's
+    # backward runs on do with lse_i - ln g_i (three [B, T, H, Dv] writes and their memory saved, no gate work in
+    # the attention kernels; kernels/gates.py).
     if _config.gate_kernel == "fused":
-        dgates, (delta_cmp, delta_slc, delta_win) = _gated_bwd(gates, o_cmp, o_slc, o_win, do, with_delta=True,
-                                                               branch_grads=False)
-        (d_cmp, g_cmp), (d_slc, g_slc), (d_win, g_win) = ((do, (gates, i)) for i in range(3))
+        dgates, delta, lse_g = _gated_bwd(gates, o_cmp, o_slc, o_win, do, lse=(lse_cmp, lse_slc, lse_win))
+        d_cmp = d_slc = d_win = do
+        lse_cmp, lse_slc, lse_win = lse_g
     else:
-        dgates, d_cmp, d_slc, d_win, (delta_cmp, delta_slc, delta_win) = _gated_bwd(
-            gates, o_cmp, o_slc, o_win, do, with_delta=True)
-        g_cmp = g_slc = g_win = None
+        dgates, d_cmp, d_slc, d_win, delta = _gated_bwd(gates, o_cmp, o_slc, o_win, do, with_delta=True)
+    delta_cmp, delta_slc, delta_win = delta
     dq_cmp, dk_cmp, dv_cmp = _range_bwd(q, k_cmp, v_cmp, o_cmp, lse_cmp, d_cmp,
-                                        *_cmp_range(cmp_block, cmp_stride, T), scale, delta=delta_cmp, gate=g_cmp)
+                                        *_cmp_range(cmp_block, cmp_stride, T), scale, delta=delta_cmp)
     dq_win, dk_win, dv_win = _range_bwd(q, k_win, v_win, o_win, lse_win, d_win, *_win_range(window, T), scale,
-                                        delta=delta_win, gate=g_win)
+                                        delta=delta_win)
     # The selected branch's backward adds the other two branches' dQ into its own (by_block: in its slot sum).
     dq, dk_slc, dv_slc = _selected_bwd(q, k_slc, v_slc, blocks, o_slc, lse_slc, index, d_slc, sel_block, scale,
-                                       kernel, delta=delta_slc, dq_add=(dq_cmp, dq_win), gate=g_slc)
+                                       kernel, delta=delta_slc, dq_add=(dq_cmp, dq_win))
     return [dq, dk_slc, dv_slc, dk_win, dv_win, dk_cmp, dv_cmp, dgates]
 
 
