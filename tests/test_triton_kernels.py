@@ -426,7 +426,7 @@ def test_core_backward_in_half_precision_matches_reference():
 def test_core_bwd_in_half_precision_gives_zero_query_and_key_grads_where_each_softmax_has_one_key(gate_kernel):
     """At T = 1 every branch's softmax has one key (or none), so dQ and dK are exactly zero: dS = P (dP - delta)
     cancels only if delta is summed from the same 16-bit values that the attention backward's dP reads: the stored
-    d o_i ("torch" gates), or do itself where the kernels gate the rows of P ("fused"). (Taking delta as
+    d o_i ("torch" gates), or do itself, each gate folded into its branch's lse ("fused"). (Taking delta as
     g_i * rowsum(do * o_i) in fp32 against dP from the rounded g_i * do left dQ at 1.9% of the reference's scale in
     bf16 on the H100.) fp16 here: the interpreter has no bf16 arithmetic, and fp16 rounds the same way, only finer."""
     cfg = NSAConfig(cmp_block=8, cmp_stride=4, sel_block=8, n_selected=3, window=8)
