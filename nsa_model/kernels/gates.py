@@ -4,10 +4,10 @@
 
 In eager PyTorch this is five elementwise kernels forward and about ten backward, each re-reading [B, T, H, DV]
 tensors; here the forward reads the three branch outputs once and the backward reads do and them once, writing
-the three branch gradients and the gate gradients (a row sum) in the same pass, and on request each branch's
-backward row term (HAS_DELTA), so no attention backward re-reads do and o_i for it.
-With STORE_GRADS = False the branch gradients d o_i = g_i * do are not stored at all: the gate goes into each
-branch's log-sum-exp instead (LSE_G). The branch backward reads do itself and lse_i - ln g_i for its lse, so the
+the three branch gradients and the gate gradients (a row sum) in the same pass.
+With FOLD the branch gradients d o_i = g_i * do are not stored at all: the gate goes into each branch's
+log-sum-exp instead (LSE_G), and the kernel writes each branch's backward row term (DELTA), so no attention
+backward re-reads do and o_i for it. The branch backward reads do itself and lse_i - ln g_i for its lse, so the
 probabilities it recomputes are g_i P, and with d o_i = g_i * do
 
     dV = (g_i P)^T do,   dS = (g_i P) (do V^T - rowsum(do * o_i)),
@@ -44,35 +44,29 @@ def gated_sum_fwd_kernel(GATES, O_CMP, O_SLC, O_WIN, O, num_rows, DV: tl.constex
 
 
 @triton.jit
-def _branch_grads(GATE, O_X, DO_X, DGATE, DELTA_X, LSE_X, LSE_G_X, do, at, ok, rows64, r_ok,
-                  HAS_DELTA: tl.constexpr, STORE_GRADS: tl.constexpr):
-    """One branch: d o_x = g_x * do, d g_x = sum over the head dim of do * o_x; with HAS_DELTA also the branch
-    backward's row term. With STORE_GRADS that is sum(d o_x * o_x), from d o_x as stored (rounded to its dtype),
-    to cancel against the dP the attention backward computes from that same stored d o_x. Without, the gate goes
-    into the branch's lse (LSE_G_X = lse - ln g, -inf kept where no key is seen) and the row term is sum(do * o_x)
-    = d g_x in fp32, as the branch backward then reads do itself."""
+def _branch_grads(GATE, O_X, DO_X, DGATE, DELTA_X, LSE_X, LSE_G_X, do, at, ok, rows64, r_ok, FOLD: tl.constexpr):
+    """One branch: d g_x = sum over the head dim of do * o_x, and d o_x = g_x * do stored; with FOLD instead the
+    gate goes into the branch's lse (LSE_G_X = lse - ln g, -inf kept where no key is seen) and the branch
+    backward's row term is stored, sum(do * o_x) = d g_x in fp32, as that backward then reads do itself."""
     g = tl.load(GATE + rows64 * 3, mask=r_ok, other=1.0).to(tl.float32)  # 1: no log(0) on padding rows
     o_x = tl.load(O_X + at, mask=ok, other=0.0).to(tl.float32)
     dgate = tl.sum(do * o_x, axis=1)
     tl.store(DGATE + rows64 * 3, dgate.to(DGATE.dtype.element_ty), mask=r_ok)
-    if STORE_GRADS:
-        do_x = (g[:, None] * do).to(DO_X.dtype.element_ty)
-        tl.store(DO_X + at, do_x, mask=ok)
-        if HAS_DELTA:
-            tl.store(DELTA_X + rows64, tl.sum(do_x.to(tl.float32) * o_x, axis=1), mask=r_ok)
-    else:
+    if FOLD:
         tl.store(DELTA_X + rows64, dgate, mask=r_ok)
         lse = tl.load(LSE_X + rows64, mask=r_ok, other=0.0)
         tl.store(LSE_G_X + rows64, tl.where(lse == float("-inf"), lse, lse - tl.log(g)), mask=r_ok)
+    else:
+        tl.store(DO_X + at, (g[:, None] * do).to(DO_X.dtype.element_ty), mask=ok)
 
 
 @triton.jit
 def gated_sum_bwd_kernel(GATES, O_CMP, O_SLC, O_WIN, DO, DGATES, DO_CMP, DO_SLC, DO_WIN, DELTA, LSE_CMP, LSE_SLC,
                          LSE_WIN, LSE_G, num_rows, DV: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
-                         HAS_DELTA: tl.constexpr, STORE_GRADS: tl.constexpr):
-    """DELTA (with HAS_DELTA, always without STORE_GRADS): [3, ROWS] fp32, each branch's row term, in the order
-    cmp, slc, win. DO_X are stored only with STORE_GRADS (they only give the dtype otherwise); without, LSE_G
-    [3, ROWS] fp32 gets each branch's lse [ROWS] (LSE_X) less ln of its gate (LSE_X, LSE_G unread with)."""
+                         FOLD: tl.constexpr):
+    """With FOLD: DELTA [3, ROWS] fp32, each branch's row term, in the order cmp, slc, win, and LSE_G [3, ROWS]
+    fp32, each branch's lse [ROWS] (LSE_X) less ln of its gate; DO_X then only give the dtype. Without: DO_X
+    stored, DELTA, LSE_X and LSE_G unread."""
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     offs_d = tl.arange(0, BLOCK_D)
     r_ok = rows < num_rows
@@ -80,9 +74,8 @@ def gated_sum_bwd_kernel(GATES, O_CMP, O_SLC, O_WIN, DO, DGATES, DO_CMP, DO_SLC,
     ok = r_ok[:, None] & (offs_d < DV)[None, :]
     at = rows64[:, None] * DV + offs_d[None, :]
     do = tl.load(DO + at, mask=ok, other=0.0).to(tl.float32)
-    _branch_grads(GATES, O_CMP, DO_CMP, DGATES, DELTA, LSE_CMP, LSE_G, do, at, ok, rows64, r_ok, HAS_DELTA,
-                  STORE_GRADS)
+    _branch_grads(GATES, O_CMP, DO_CMP, DGATES, DELTA, LSE_CMP, LSE_G, do, at, ok, rows64, r_ok, FOLD)
     _branch_grads(GATES + 1, O_SLC, DO_SLC, DGATES + 1, DELTA + num_rows, LSE_SLC, LSE_G + num_rows, do, at, ok,
-                  rows64, r_ok, HAS_DELTA, STORE_GRADS)
+                  rows64, r_ok, FOLD)
     _branch_grads(GATES + 2, O_WIN, DO_WIN, DGATES + 2, DELTA + 2 * num_rows, LSE_WIN, LSE_G + 2 * num_rows, do, at,
-                  ok, rows64, r_ok, HAS_DELTA, STORE_GRADS)
+                  ok, rows64, r_ok, FOLD)

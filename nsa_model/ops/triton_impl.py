@@ -691,9 +691,10 @@ def _gated_fwd(gates, o_cmp, o_slc, o_win):
 
 def _gated_bwd(gates, o_cmp, o_slc, o_win, do, dgates_dtype=None, with_delta=False, lse=None):
     """(dgates, d_cmp, d_slc, d_win) of _gated_fwd; dgates in dgates_dtype (default: the gates' dtype). With
-    with_delta, a fifth item: each branch's backward row term rowsum(d_i * o_i), [3, B, T, H] fp32 (cmp, slc, win),
-    summed from d_i as returned (rounded to its dtype), since the attention backward computes dP from that d_i
-    and the two must cancel exactly where softmax has one key (there the true dQ and dK are zero).
+    with_delta (gate_kernel "torch"; the fused kernel gives row terms only in the folded form below), a fifth
+    item: each branch's backward row term rowsum(d_i * o_i), [3, B, T, H] fp32 (cmp, slc, win), summed from d_i
+    as returned (rounded to its dtype), since the attention backward computes dP from that d_i and the two must
+    cancel exactly where softmax has one key (there the true dQ and dK are zero).
     lse = the three branches' log-sum-exps (fused kernel only): the d_i are not formed at all, and the result is
     (dgates, delta, lse_g), both [3, B, T, H] fp32, delta = rowsum(do * o_i) and lse_g = lse_i - ln g_i. Each
     branch's backward run on do with lse_g is then its backward of d_i (kernels/gates.py), with no gate work."""
@@ -707,29 +708,29 @@ def _gated_bwd(gates, o_cmp, o_slc, o_win, do, dgates_dtype=None, with_delta=Fal
         if not with_delta:
             return (dgates, *grads)
         return (dgates, *grads, torch.stack([(d.float() * x.float()).sum(-1) for d, x in zip(grads, outs)]))
-    gates, o_cmp, o_slc, o_win, do = (x.contiguous() for x in (gates, o_cmp, o_slc, o_win, do))
     fold = lse is not None
+    if with_delta and not fold:
+        raise ValueError("_gated_bwd: the fused kernel gives the row terms only with lse (the gates folded in)")
+    gates, o_cmp, o_slc, o_win, do = (x.contiguous() for x in (gates, o_cmp, o_slc, o_win, do))
     dv = o_cmp.shape[-1]
     rows = o_cmp.numel() // dv if dv else 0
     dgates = torch.empty(gates.shape, dtype=dgates_dtype, device=gates.device)  # the kernel sums in fp32
     # folded, the three are not stored: they only give the kernel the gradients' dtype, and do stands in for them
     d_cmp, d_slc, d_win = (do, do, do) if fold else (torch.empty_like(o_cmp) for _ in range(3))
     rows_shape = (3, *o_cmp.shape[:-1])
-    delta = torch.empty(rows_shape, dtype=torch.float32, device=o_cmp.device) if with_delta or fold else None
-    lse_g = torch.empty(rows_shape, dtype=torch.float32, device=o_cmp.device) if fold else None
-    lse_in = [x.contiguous() for x in lse] if fold else (dgates, dgates, dgates)  # unread without fold
+    if fold:
+        delta, lse_g = (torch.empty(rows_shape, dtype=torch.float32, device=o_cmp.device) for _ in range(2))
+        lse_in = [x.contiguous() for x in lse]
+    else:  # unread
+        delta, lse_g, lse_in = dgates, dgates, (dgates, dgates, dgates)
     if rows:
         gated_sum_bwd_kernel[(triton.cdiv(rows, _GATE_ROWS),)](
-            gates, o_cmp, o_slc, o_win, do, dgates, d_cmp, d_slc, d_win, dgates if delta is None else delta,
-            *lse_in, dgates if lse_g is None else lse_g, rows, DV=dv, BLOCK_R=_GATE_ROWS, BLOCK_D=_pow2(dv),
-            HAS_DELTA=delta is not None, STORE_GRADS=not fold)
-    elif delta is not None:
-        delta.zero_()  # Dv = 0: every row sum is empty
-        if fold:
-            lse_g.copy_(torch.stack(lse))
-    if fold:
-        return dgates, delta, lse_g
-    return (dgates, d_cmp, d_slc, d_win) if delta is None else (dgates, d_cmp, d_slc, d_win, delta)
+            gates, o_cmp, o_slc, o_win, do, dgates, d_cmp, d_slc, d_win, delta, *lse_in, lse_g, rows, DV=dv,
+            BLOCK_R=_GATE_ROWS, BLOCK_D=_pow2(dv), FOLD=fold)
+    elif fold:  # Dv = 0: every row sum is empty, and the branches have no gradient for the lse to scale
+        delta.zero_()
+        lse_g.copy_(torch.stack(lse))
+    return (dgates, delta, lse_g) if fold else (dgates, d_cmp, d_slc, d_win)
 
 
 class _GatedSum(torch.autograd.Function):
