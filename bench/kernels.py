@@ -30,6 +30,7 @@ import triton
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from nsa_model.config import NSAConfig  # noqa: E402
+from bench.launch import launch_overrides  # noqa: E402
 from bench.provenance import git_commit  # noqa: E402
 from nsa_model.ops import triton_impl as ti  # noqa: E402
 
@@ -712,9 +713,14 @@ def main():
                     help=f"comma-separated optional parts of each timing row, of {SECTIONS}")
     ap.add_argument("--suffix", default="", help="appended to the result files' names, e.g. -v4")
     ap.add_argument("--commit", default="", help="commit id to record, for a copy of the tree without its git")
+    ap.add_argument("--launch", action="append", default=[], metavar="NAME=VALUE",
+                    help="a LaunchConfig field to change for this run (repeatable), e.g. slc_dense_prefix=False")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench/kernels.py needs a CUDA GPU")
+    overrides = launch_overrides(args.launch)
+    if overrides:
+        ti.set_launch_config(dataclasses.replace(ti.launch_config(), **overrides))
     os.makedirs(args.out, exist_ok=True)
     try:
         import fla.ops.nsa  # noqa: F401

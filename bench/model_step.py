@@ -18,7 +18,6 @@ training loop (issue 9's numbers). Writes bench/results/model-step-<device>-<dat
 from __future__ import annotations
 
 import argparse
-import ast
 import datetime as dt
 import json
 import statistics
@@ -29,6 +28,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from bench.launch import launch_overrides  # noqa: E402,F401  (also this module's --launch parser)
 from bench.provenance import git_commit  # noqa: E402
 from nsa_model import Transformer, get_preset  # noqa: E402
 from pipeline.train.loop import FlatGradients, cudagraph_skips  # noqa: E402
@@ -53,21 +53,6 @@ def category(name: str) -> str:
 
 
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune-no-cudagraphs")
-
-
-def launch_overrides(items: list[str]) -> dict:
-    """--launch NAME=VALUE items as LaunchConfig field changes; VALUE a Python literal (8, (64, 64, 4, 3)) or a
-    bare word (by_block). Field names and values are checked by LaunchConfig itself when it is built."""
-    out = {}
-    for item in items:
-        name, sep, value = item.partition("=")
-        if not sep or not name.strip():
-            raise ValueError(f"--launch: expected NAME=VALUE, got {item!r}")
-        try:
-            out[name.strip()] = ast.literal_eval(value.strip())
-        except (ValueError, SyntaxError):
-            out[name.strip()] = value.strip()
-    return out
 
 
 def build(preset: str, attention: str, seq_len: int, compile_model: bool, compile_mode: str = "default"):

@@ -229,6 +229,8 @@ SELECTED_VARIANTS = {
     "by_block64_atomic": dict(slc_kernel="by_block", slc_block_rows=64, slc_block_chunk=16, slc_dq="atomic"),
     # tiled's forward (its lse feeds by_block's backward), by_block's backward over the saved work list
     "tiled_by_block": dict(slc_kernel="tiled_by_block", slc_tile_rows=16, slc_block_rows=16, slc_block_chunk=8),
+    "by_block_no_dense_prefix": dict(slc_kernel="by_block", slc_block_rows=16, slc_block_chunk=8,
+                                     slc_dense_prefix=False),
 }
 
 
@@ -278,6 +280,8 @@ CORE_VARIANTS = {
     "by_block_partial": dict(slc_kernel="by_block", slc_block_rows=16, slc_block_chunk=8),
     "by_block_atomic": dict(slc_kernel="by_block", slc_block_rows=16, slc_block_chunk=8, slc_dq="atomic"),
     "tiled_by_block": dict(slc_kernel="tiled_by_block", slc_tile_rows=16, slc_block_rows=16, slc_block_chunk=8),
+    "by_block_no_dense_prefix": dict(slc_kernel="by_block", slc_block_rows=16, slc_block_chunk=8,
+                                     slc_dense_prefix=False),
 }
 
 
@@ -308,6 +312,43 @@ def test_core_op_backward_matches_reference_under_every_variant(variant):
     assert rel_err(o, o_ref) <= FP32_TOL
     for name in NAMES:
         assert rel_err(tri_in[name].grad, ref_in[name].grad) <= FP32_TOL, name
+
+
+@pytest.mark.parametrize("dense_prefix", [True, False])
+def test_core_runs_queries_that_select_every_visible_block_as_dense_causal_attention(dense_prefix, monkeypatch):
+    """Queries t < n * l' see at most n blocks and select them all (NSA_SPEC.md section 4). With slc_dense_prefix
+    nsa::core gives exactly those rows to the range kernels (forward, dQ, dK/dV) and the selected kernels see them
+    with no blocks; without it, no range kernel runs over the selected keys. The variant test above checks the
+    values against the reference both ways."""
+    cfg = NSAConfig(cmp_block=8, cmp_stride=4, sel_block=8, n_selected=3, window=8)
+    B, T, H, G, Dk, Dv = 2, 37, 4, 2, 16, 16
+    x = {n: t.float().to(DEVICE).requires_grad_() for n, t in make_inputs(B, T, H, G, Dk, Dv, cfg, seed=5).items()}
+    calls, seen_blocks = [], []
+    for name in ("_range_fwd_into", "_range_dq_into", "_range_dkdv_into"):
+        def spy(*args, _name=name, _real=getattr(triton_impl, name), **kwargs):
+            if args[1].data_ptr() == x["k_slc"].data_ptr():  # the selected branch's keys
+                calls.append((_name, args[{"_range_fwd_into": 5, "_range_dq_into": 7}.get(_name, 8)]))
+            return _real(*args, **kwargs)
+        monkeypatch.setattr(triton_impl, name, spy)
+    real_index = triton_impl._selected_index
+    monkeypatch.setattr(triton_impl, "_selected_index",
+                        lambda blocks, *a: seen_blocks.append(blocks.clone()) or real_index(blocks, *a))
+    launch = triton_impl.LaunchConfig(slc_kernel="by_block", slc_block_rows=16, slc_block_chunk=8,
+                                      slc_dense_prefix=dense_prefix)
+    with triton_impl.use_launch_config(launch):
+        o, blocks = triton_impl.nsa_attention(*x.values(), cfg, scale=Dk ** -0.5, return_blocks=True)
+        o.sum().backward()
+    prefix = cfg.n_selected * cfg.sel_block  # 24 of 37
+    if dense_prefix:
+        assert sorted(calls) == [("_range_dkdv_into", prefix), ("_range_dq_into", prefix),
+                                 ("_range_fwd_into", prefix)]
+        assert (seen_blocks[-1][:, :prefix] == -1).all()
+        assert torch.equal(seen_blocks[-1][:, prefix:], blocks[:, prefix:])
+    else:
+        assert calls == []
+        assert torch.equal(seen_blocks[-1], blocks)
+    visible = torch.arange(T, device=blocks.device).view(1, T, 1, 1) // cfg.sel_block
+    assert ((blocks[:, :prefix] >= 0).sum(-1) == visible[:, :prefix, :, 0] + 1).all()  # the premise
 
 
 @pytest.mark.parametrize("gate_kernel", ["fused", "torch"])

@@ -7,6 +7,10 @@ Key j stands at position j * key_stride + key_offset and query t sees it iff
   compressed branch: key_stride = d, key_offset = l - 1 (compressed token j ends there), window = T (no lower bound)
   window branch:     key_stride = 1, key_offset = 0, window = w
 
+Only queries t < num_queries (<= T) are computed: T is the sequence length, the pitch of the query rows. The
+selected branch runs its dense prefix (queries that select every block they can see) through these kernels with
+num_queries < T (ops/triton_impl.py, `_dense_prefix`).
+
 Layouts: q [B, T, H, DK], o [B, T, H, DV], lse/delta [B, T, H] fp32, contiguous; k [B, NK, G, DK] and v [B, NK, G, DV]
 with each token's G x D values contiguous and tokens K_ROW / V_ROW elements apart (G * D when contiguous; more
 for one key set sliced out of the model's stacked projection, which the kernels read in place).
@@ -101,7 +105,8 @@ def _fwd_tiles(acc, m_i, l_i, q, K, V, K_ROW, V_ROW, b, g, offs_m, start, stop, 
 
 
 @triton.jit
-def range_attn_fwd_kernel(Q, K, V, O, LSE, T, num_keys, scale, key_stride, key_offset, window, K_ROW, V_ROW,
+def range_attn_fwd_kernel(Q, K, V, O, LSE, T, num_queries, num_keys, scale, key_stride, key_offset, window,
+                          K_ROW, V_ROW,
                           H: tl.constexpr, G: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
                           BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr,
                           BLOCK_N: tl.constexpr, EDGE_SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr):
@@ -113,12 +118,12 @@ def range_attn_fwd_kernel(Q, K, V, O, LSE, T, num_keys, scale, key_stride, key_o
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_dk = tl.arange(0, BLOCK_DK)
     offs_dv = tl.arange(0, BLOCK_DV)
-    m_ok = offs_m < T
+    m_ok = offs_m < num_queries
     row_q = (b * T + offs_m).to(tl.int64) * H + h
     q = tl.load(Q + row_q[:, None] * DK + offs_dk[None, :], mask=m_ok[:, None] & (offs_dk < DK)[None, :], other=0.0)
 
     t_first = pid_m * BLOCK_M
-    t_last = tl.minimum(t_first + BLOCK_M, T) - 1
+    t_last = tl.minimum(t_first + BLOCK_M, num_queries) - 1
     lo, mid_lo, mid_hi, hi = _key_tiles(t_first, t_last, key_stride, key_offset, window, num_keys, BLOCK_N,
                                         EDGE_SPLIT)
     qk_scale = scale * LOG2E
@@ -169,12 +174,13 @@ def _dq_tiles(dq, q, do, lse2, delta, K, V, K_ROW, V_ROW, b, g, offs_m, start, s
 
 
 @triton.jit
-def range_attn_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, T, num_keys, scale, key_stride, key_offset, window,
-                             K_ROW, V_ROW,
+def range_attn_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, T, num_queries, num_keys, scale, key_stride,
+                             key_offset, window, K_ROW, V_ROW,
                              H: tl.constexpr, G: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
                              BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr,
-                             BLOCK_N: tl.constexpr, EDGE_SPLIT: tl.constexpr,
+                             BLOCK_N: tl.constexpr, EDGE_SPLIT: tl.constexpr, ACCUMULATE: tl.constexpr,
                              DOT_PRECISION: tl.constexpr):
+    """ACCUMULATE: add this dQ to what DQ holds (the selected branch's dense prefix adds into the core's dQ)."""
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = pid_bh // H
@@ -183,7 +189,7 @@ def range_attn_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, T, num_keys, scale, ke
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_dk = tl.arange(0, BLOCK_DK)
     offs_dv = tl.arange(0, BLOCK_DV)
-    m_ok = offs_m < T
+    m_ok = offs_m < num_queries
     row_q = (b * T + offs_m).to(tl.int64) * H + h
     q = tl.load(Q + row_q[:, None] * DK + offs_dk[None, :], mask=m_ok[:, None] & (offs_dk < DK)[None, :], other=0.0)
     do = tl.load(DO + row_q[:, None] * DV + offs_dv[None, :], mask=m_ok[:, None] & (offs_dv < DV)[None, :],
@@ -194,7 +200,7 @@ def range_attn_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, T, num_keys, scale, ke
     delta = tl.load(DELTA + row_q, mask=m_ok, other=0.0)
 
     t_first = pid_m * BLOCK_M
-    t_last = tl.minimum(t_first + BLOCK_M, T) - 1
+    t_last = tl.minimum(t_first + BLOCK_M, num_queries) - 1
     lo, mid_lo, mid_hi, hi = _key_tiles(t_first, t_last, key_stride, key_offset, window, num_keys, BLOCK_N,
                                         EDGE_SPLIT)
     qk_scale = scale * LOG2E
@@ -206,12 +212,15 @@ def range_attn_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, T, num_keys, scale, ke
     dq = _dq_tiles(dq, q, do, lse2, delta, K, V, K_ROW, V_ROW, b, g, offs_m, mid_hi, hi, hi, num_keys, qk_scale,
                    key_stride, key_offset, window, G, DK, DV, BLOCK_DK, BLOCK_DV, BLOCK_N, True, DOT_PRECISION)
     dq = dq * scale
-    tl.store(DQ + row_q[:, None] * DK + offs_dk[None, :], dq.to(DQ.dtype.element_ty),
-             mask=m_ok[:, None] & (offs_dk < DK)[None, :])
+    dq_ptrs = DQ + row_q[:, None] * DK + offs_dk[None, :]
+    dq_ok = m_ok[:, None] & (offs_dk < DK)[None, :]
+    if ACCUMULATE:
+        dq += tl.load(dq_ptrs, mask=dq_ok, other=0.0).to(tl.float32)
+    tl.store(dq_ptrs, dq.to(DQ.dtype.element_ty), mask=dq_ok)
 
 
 @triton.jit
-def _dkdv_tiles(dk, dv, k, v, Q, DO, LSE, DELTA, b, h, offs_n, n_ok, start, stop, T, qk_scale,
+def _dkdv_tiles(dk, dv, k, v, Q, DO, LSE, DELTA, b, h, offs_n, n_ok, start, stop, T, num_queries, qk_scale,
                 key_stride, key_offset, window, H: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
                 BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, MASKED: tl.constexpr,
                 DOT_PRECISION: tl.constexpr):
@@ -219,14 +228,14 @@ def _dkdv_tiles(dk, dv, k, v, Q, DO, LSE, DELTA, b, h, offs_n, n_ok, start, stop
     offs_dv = tl.arange(0, BLOCK_DV)
     for start_m in range(start, stop, BLOCK_M):
         offs_m = start_m + tl.arange(0, BLOCK_M)
-        m_ok = offs_m < T
+        m_ok = offs_m < num_queries
         row_q = (b * T + offs_m).to(tl.int64) * H + h
         q = _load_rows(Q + row_q[:, None] * DK + offs_dk[None, :], m_ok, offs_dk, DK, BLOCK_DK, MASKED)
         do = _load_rows(DO + row_q[:, None] * DV + offs_dv[None, :], m_ok, offs_dv, DV, BLOCK_DV, MASKED)
         if MASKED:
             lse2 = tl.load(LSE + row_q, mask=m_ok, other=0.0) * LOG2E
             delta = tl.load(DELTA + row_q, mask=m_ok, other=0.0)
-        else:  # a full query tile lies inside [0, T)
+        else:  # a full query tile lies inside [0, num_queries)
             lse2 = tl.load(LSE + row_q) * LOG2E
             delta = tl.load(DELTA + row_q)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
@@ -244,8 +253,8 @@ def _dkdv_tiles(dk, dv, k, v, Q, DO, LSE, DELTA, b, h, offs_n, n_ok, start, stop
 
 
 @triton.jit
-def range_attn_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK_ACC, DV_ACC, T, num_keys, scale, key_stride, key_offset,
-                               window, q_chunk, K_ROW, V_ROW, H: tl.constexpr, G: tl.constexpr,
+def range_attn_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK_ACC, DV_ACC, T, num_queries, num_keys, scale,
+                               key_stride, key_offset, window, q_chunk, K_ROW, V_ROW, H: tl.constexpr, G: tl.constexpr,
                                DK: tl.constexpr, DV: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
                                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_SPLIT: tl.constexpr,
                                EDGE_SPLIT: tl.constexpr, ATOMIC: tl.constexpr,
@@ -277,7 +286,7 @@ def range_attn_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK_ACC, DV_ACC, T, num_k
     first_pos = pid_n * BLOCK_N * key_stride + key_offset
     last_pos = (pid_n * BLOCK_N + BLOCK_N - 1) * key_stride + key_offset
     t_lo = (first_pos // BLOCK_M) * BLOCK_M
-    t_hi = tl.minimum(T, last_pos + window)
+    t_hi = tl.minimum(num_queries, last_pos + window)
     # this program's chunk of them (q_chunk is a multiple of BLOCK_M, so tiles stay aligned)
     t_lo = t_lo + tl.program_id(2) * q_chunk
     t_hi = tl.minimum(t_hi, t_lo + q_chunk)
@@ -297,13 +306,13 @@ def range_attn_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK_ACC, DV_ACC, T, num_k
     dv = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
     for head in range(HEADS):
         h = first_head + head
-        dk, dv = _dkdv_tiles(dk, dv, k, v, Q, DO, LSE, DELTA, b, h, offs_n, n_ok, t_lo, full_lo, T,
+        dk, dv = _dkdv_tiles(dk, dv, k, v, Q, DO, LSE, DELTA, b, h, offs_n, n_ok, t_lo, full_lo, T, num_queries,
                              qk_scale, key_stride, key_offset, window, H, DK, DV, BLOCK_DK, BLOCK_DV, BLOCK_M,
                              True, DOT_PRECISION)
-        dk, dv = _dkdv_tiles(dk, dv, k, v, Q, DO, LSE, DELTA, b, h, offs_n, n_ok, full_lo, full_hi, T,
+        dk, dv = _dkdv_tiles(dk, dv, k, v, Q, DO, LSE, DELTA, b, h, offs_n, n_ok, full_lo, full_hi, T, num_queries,
                              qk_scale, key_stride, key_offset, window, H, DK, DV, BLOCK_DK, BLOCK_DV, BLOCK_M,
                              False, DOT_PRECISION)
-        dk, dv = _dkdv_tiles(dk, dv, k, v, Q, DO, LSE, DELTA, b, h, offs_n, n_ok, full_hi, t_hi, T,
+        dk, dv = _dkdv_tiles(dk, dv, k, v, Q, DO, LSE, DELTA, b, h, offs_n, n_ok, full_hi, t_hi, T, num_queries,
                              qk_scale, key_stride, key_offset, window, H, DK, DV, BLOCK_DK, BLOCK_DV, BLOCK_M,
                              True, DOT_PRECISION)
     dk = dk * scale

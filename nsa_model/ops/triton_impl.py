@@ -88,6 +88,7 @@ class LaunchConfig:
     range_kernel: str = "split"  # one of RANGE_KERNELS
     delta_kernel: str = "fused"  # one of DELTA_KERNELS
     window_dkdv: str = "group"  # one of WINDOW_DKDV
+    slc_dense_prefix: bool = True  # selected branch: queries t < n * l' through the range kernels (_dense_prefix)
 
     def __post_init__(self) -> None:
         choices = {"slc_kernel": SELECTED_KERNELS, "gate_kernel": GATE_KERNELS, "range_kernel": RANGE_KERNELS,
@@ -96,8 +97,10 @@ class LaunchConfig:
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise ValueError(f"LaunchConfig.{name}: must be one of {allowed}, got {getattr(self, name)!r}")
+        if not isinstance(self.slc_dense_prefix, bool):
+            raise ValueError(f"LaunchConfig.slc_dense_prefix: must be a bool, got {self.slc_dense_prefix!r}")
         for f in dataclasses.fields(self):
-            if f.name in choices or f.name in RANGE_TILE_FIELDS:
+            if f.name in choices or f.name in RANGE_TILE_FIELDS or f.name == "slc_dense_prefix":
                 continue
             value = getattr(self, f.name)
             low = 0 if f.name in ("select_chunk_splits", "slc_auto_tiled_fwd_blocks") else 1
@@ -234,55 +237,89 @@ def _delta(do: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
 def _range_fwd(q, k, v, key_stride: int, key_offset: int, window: int, scale: float):
     """(o, lse) of attention over a range of keys: query t sees key j iff 0 <= t - (j*key_stride + key_offset)
     < window (kernels/range_attention.py)."""
-    q, k, v = q.contiguous(), _kv_rows(k), _kv_rows(v)
+    q = q.contiguous()
+    o = torch.empty(*q.shape[:3], v.shape[-1], dtype=q.dtype, device=q.device)
+    lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
+    _range_fwd_into(q, k, v, o, lse, q.shape[1], key_stride, key_offset, window, scale)
+    return o, lse
+
+
+def _range_fwd_into(q, k, v, o, lse, num_queries: int, key_stride: int, key_offset: int, window: int,
+                    scale: float) -> None:
+    """_range_fwd for queries t < num_queries only, written into rows t < num_queries of o and lse (contiguous
+    [B, T, H, Dv] and [B, T, H]); the other rows are left as they are."""
+    k, v = _kv_rows(k), _kv_rows(v)
     B, T, H, _ = q.shape
     num_keys, G = k.shape[1], k.shape[2]
-    o = torch.empty(*q.shape[:3], v.shape[-1], dtype=q.dtype, device=q.device)
-    lse = torch.empty(B, T, H, dtype=torch.float32, device=q.device)
     launch = _range_launch(q, v, "fwd")
-    range_attn_fwd_kernel[(triton.cdiv(T, launch["BLOCK_M"]), B * H)](
-        q, k, v, o, lse, T, num_keys, scale, key_stride, key_offset, window, **_kv_strides(k, v), H=H, G=G,
-        **_head_dims(q, v), **launch)
-    return o, lse
+    range_attn_fwd_kernel[(triton.cdiv(num_queries, launch["BLOCK_M"]), B * H)](
+        q, k, v, o, lse, T, num_queries, num_keys, scale, key_stride, key_offset, window, **_kv_strides(k, v), H=H,
+        G=G, **_head_dims(q, v), **launch)
 
 
 def _range_bwd(q, k, v, o, lse, do, key_stride: int, key_offset: int, window: int, scale: float, delta=None):
     """(dq, dk, dv) of _range_fwd; delta = rowsum(do * o) [B,T,H] fp32 when the caller has it already."""
     q, k, v, do = q.contiguous(), _kv_rows(k), _kv_rows(v), do.contiguous()
-    B, T, H, _ = q.shape
-    num_keys, G = k.shape[1], k.shape[2]
+    T = q.shape[1]
     delta = _delta(do, o) if delta is None else delta
     dq = torch.empty_like(q)
-    dims = dict(H=H, G=G, **_head_dims(q, v))
-    rows = _kv_strides(k, v)
-    launch_dq = _range_launch(q, v, "dq")
-    range_attn_bwd_dq_kernel[(triton.cdiv(T, launch_dq["BLOCK_M"]), B * H)](
-        q, k, v, do, lse, delta, dq, T, num_keys, scale, key_stride, key_offset, window, **rows, **dims,
-        **launch_dq)
-    launch = _range_launch(q, v, "dkdv")
-    bm, bn = launch["BLOCK_M"], launch["BLOCK_N"]
-    # A key tile of the compressed branch is seen by up to T queries: one head per program and chunks of the query
-    # axis (atomic adds) spread that over the GPU. A window tile is seen by ~w queries: one program per group is
-    # enough (window_dkdv = "group"), or one per head (atomic adds).
-    key_tiles, query_tiles = triton.cdiv(num_keys, bn), triton.cdiv(T, bm)
-    if window >= T:
-        head_split = H // G
-        chunks = triton.cdiv(_config.range_dkdv_programs, max(key_tiles, 1) * B * G * head_split)
-        q_chunk = triton.cdiv(query_tiles, min(max(chunks, 1), query_tiles)) * bm
-    else:
-        head_split = H // G if _config.window_dkdv == "head" else 1
-        q_chunk = query_tiles * bm
-    atomic = head_split > 1 or q_chunk < T
+    _range_dq_into(q, k, v, do, lse, delta, dq, T, key_stride, key_offset, window, scale)
+    atomic, _, _ = _range_dkdv_split(q, k, v, T, window)
     if atomic:  # programs add into fp32 accumulators, cast once at the end
         dk, dv = _fp32_accumulators(k, v)
     else:  # one program stores each key row once, in the input dtype: no zero fill, no cast
         dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
         dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
-    if num_keys > 0:
-        range_attn_bwd_dkdv_kernel[(key_tiles, B * G * head_split, triton.cdiv(T, q_chunk))](
-            q, k, v, do, lse, delta, dk, dv, T, num_keys, scale, key_stride, key_offset, window, q_chunk, **rows,
-            HEAD_SPLIT=head_split, ATOMIC=atomic, **dims, **launch)
+    _range_dkdv_into(q, k, v, do, lse, delta, dk, dv, T, k.shape[1], key_stride, key_offset, window, scale)
     return dq, dk.to(k.dtype), dv.to(v.dtype)
+
+
+def _range_dq_into(q, k, v, do, lse, delta, dq, num_queries: int, key_stride: int, key_offset: int, window: int,
+                   scale: float, accumulate: bool = False) -> None:
+    """dQ of _range_fwd for queries t < num_queries into those rows of dq, or added to them (accumulate)."""
+    B, T, H, _ = q.shape
+    num_keys, G = k.shape[1], k.shape[2]
+    launch = _range_launch(q, v, "dq")
+    range_attn_bwd_dq_kernel[(triton.cdiv(num_queries, launch["BLOCK_M"]), B * H)](
+        q, k, v, do, lse, delta, dq, T, num_queries, num_keys, scale, key_stride, key_offset, window,
+        **_kv_strides(k, v), H=H, G=G, **_head_dims(q, v), ACCUMULATE=accumulate, **launch)
+
+
+def _range_dkdv_split(q, k, v, num_queries: int, window: int) -> tuple[bool, int, int]:
+    """(atomic, head_split, q_chunk) of the dK/dV kernel. A key tile of the compressed branch (or of the selected
+    branch's dense prefix) is seen by up to T queries: one head per program and chunks of the query axis (atomic
+    adds) spread that over the GPU. A window tile is seen by ~w queries: one program per group is enough
+    (window_dkdv = "group"), or one per head (atomic adds)."""
+    launch = _range_launch(q, v, "dkdv")
+    bm, bn = launch["BLOCK_M"], launch["BLOCK_N"]
+    B, _, H, _ = q.shape
+    G = k.shape[2]
+    key_tiles, query_tiles = triton.cdiv(min(k.shape[1], num_queries), bn), triton.cdiv(num_queries, bm)
+    if window >= num_queries:
+        head_split = H // G
+        chunks = triton.cdiv(_config.range_dkdv_programs, max(key_tiles, 1) * B * G * head_split)
+        q_chunk = triton.cdiv(query_tiles, min(max(chunks, 1), max(query_tiles, 1))) * bm
+    else:
+        head_split = H // G if _config.window_dkdv == "head" else 1
+        q_chunk = query_tiles * bm
+    return head_split > 1 or q_chunk < num_queries, head_split, q_chunk
+
+
+def _range_dkdv_into(q, k, v, do, lse, delta, dk, dv, num_queries: int, num_key_rows: int, key_stride: int,
+                     key_offset: int, window: int, scale: float, accumulate: bool = False) -> None:
+    """dK, dV of _range_fwd from queries t < num_queries, for keys j < num_key_rows: stored into dk, dv (input
+    dtype) or, where _range_dkdv_split says atomic or the caller says accumulate, added into them (float32
+    accumulators)."""
+    B, T, H, _ = q.shape
+    num_keys, G = k.shape[1], k.shape[2]
+    launch = _range_launch(q, v, "dkdv")
+    atomic, head_split, q_chunk = _range_dkdv_split(q, k, v, num_queries, window)
+    atomic = atomic or accumulate
+    if num_key_rows > 0 and num_queries > 0:
+        range_attn_bwd_dkdv_kernel[(triton.cdiv(num_key_rows, launch["BLOCK_N"]), B * G * head_split,
+                                    triton.cdiv(num_queries, q_chunk))](
+            q, k, v, do, lse, delta, dk, dv, T, num_queries, num_keys, scale, key_stride, key_offset, window, q_chunk,
+            **_kv_strides(k, v), HEAD_SPLIT=head_split, ATOMIC=atomic, H=H, G=G, **_head_dims(q, v), **launch)
 
 
 def _cmp_range(cmp_block: int, cmp_stride: int, T: int) -> tuple[int, int, int]:
@@ -486,8 +523,10 @@ def _partial_dtype(x: torch.Tensor, config: LaunchConfig) -> torch.dtype:
 _COMBINE_ROWS = 32  # (b, t, h) rows per program of the combine and dQ-sum kernels
 
 
-def _selected_fwd(q, k, v, blocks, sel_block: int, scale: float):
-    """(o, lse, kernel, index) of the selected branch: the variant that ran and the index its backward reuses."""
+def _selected_fwd(q, k, v, blocks, sel_block: int, scale: float, prefix: int = 0):
+    """(o, lse, kernel, index) of the selected branch: the variant that ran and the index its backward reuses.
+    prefix: the first queries to run as dense causal attention (_dense_prefix); only for blocks from NSA's own
+    selection, where it is exact."""
     q, k, v, blocks = q.contiguous(), _kv_rows(k), _kv_rows(v), blocks.contiguous()
     B, T, H, _ = q.shape
     G, n = k.shape[2], blocks.shape[-1]
@@ -496,6 +535,7 @@ def _selected_fwd(q, k, v, blocks, sel_block: int, scale: float):
     common = dict(H=H, G=G, SEL_BLOCK=sel_block, BLOCK_S=_pow2(sel_block), N_SELECT=n, **_head_dims(q, v),
                   **_kv_strides(k, v))
     kernel = selected_kernel(H // G, triton.cdiv(T, sel_block), n)
+    blocks = _blocks_past_prefix(blocks, prefix)  # the selected kernels leave the prefix's rows empty
     index = _selected_index(blocks, sel_block, kernel, H // G)
     if kernel == "by_block":
         _selected_by_block_fwd(q, k, v, blocks, o, lse, index, common, scale)
@@ -510,7 +550,32 @@ def _selected_fwd(q, k, v, blocks, sel_block: int, scale: float):
     else:
         selected_attn_fwd_kernel[(T, B * G)](
             q, k, v, blocks, o, lse, T, scale, HEADS_PAD=_pow2(H // G), **common, **_slc_launch())
+    if prefix:  # ... and the range kernel fills them: causal attention over keys 0..t
+        _range_fwd_into(q, k, v, o, lse, prefix, *_prefix_range(T), scale)
     return o, lse, kernel, index
+
+
+def _dense_prefix(T: int, n: int, sel_block: int) -> int:
+    """How many leading queries select every block they can see: t < n * l' sees at most n blocks, and then all of
+    them are selected (NSA_SPEC.md section 4), so its selected branch is plain causal attention over keys 0..t.
+    With slc_dense_prefix those rows run through the range kernels (FlashAttention-style tiles, no inverted
+    index, no per-slot partials) and the selected kernels see them with no blocks. At 125M's n * l' = 1024 that
+    is half the queries at T = 2048 and a third of the selected entries. Blocks given from outside (the
+    standalone selected_attention) need not follow that rule, so only nsa::core uses it."""
+    return min(T, n * sel_block) if _config.slc_dense_prefix else 0
+
+
+def _prefix_range(T: int) -> tuple[int, int, int]:
+    """(key_stride, key_offset, window) of the dense prefix: raw keys, causal, no lower bound."""
+    return 1, 0, T
+
+
+def _blocks_past_prefix(blocks: torch.Tensor, prefix: int) -> torch.Tensor:
+    """blocks with the rows t < prefix emptied (-1): what the selected kernels and their index work on."""
+    if prefix == 0:
+        return blocks
+    in_prefix = torch.arange(blocks.shape[1], device=blocks.device) < prefix
+    return torch.where(in_prefix[None, :, None, None], -1, blocks)
 
 
 def _selected_index(blocks, sel_block: int, kernel: str, hpg: int) -> tuple[torch.Tensor, ...]:
@@ -524,7 +589,7 @@ def _selected_index(blocks, sel_block: int, kernel: str, hpg: int) -> tuple[torc
 
 
 def _selected_bwd(q, k, v, blocks, o, lse, index, do, sel_block: int, scale: float, kernel: str, delta=None,
-                  dq_add=None):
+                  dq_add=None, prefix: int = 0):
     """(dq, dk, dv) of _selected_fwd, under the launch config its forward ran with (the caller pins it); index
     is the forward's (_selected_index), possibly followed by unused empty slots; delta as in _range_bwd;
     dq_add: two [B,T,H,Dk] tensors added into dq (folded into by_block's dQ slot sum)."""
@@ -533,11 +598,13 @@ def _selected_bwd(q, k, v, blocks, o, lse, index, do, sel_block: int, scale: flo
     G, n = k.shape[2], blocks.shape[-1]
     hpg, config = H // G, _config
     delta = _delta(do, o) if delta is None else delta
+    blocks = _blocks_past_prefix(blocks, prefix)  # as the forward's index was built
     common = dict(H=H, G=G, SEL_BLOCK=sel_block, BLOCK_S=_pow2(sel_block), N_SELECT=n, **_head_dims(q, v),
                   **_kv_strides(k, v))
     if kernel in BY_BLOCK_BACKWARD:
-        return _selected_by_block_bwd(q, k, v, blocks, do, lse, delta, tuple(index[:4]), common, scale,
-                                      dq_add=dq_add)
+        dq, dk_acc, dv_acc = _selected_by_block_bwd(q, k, v, blocks, do, lse, delta, tuple(index[:4]), common,
+                                                    scale, dq_add=dq_add)
+        return _with_prefix_bwd(q, k, v, do, lse, delta, dq, dk_acc, dv_acc, prefix, scale)
     dq = torch.empty_like(q)
     if kernel == "tiled":
         union, count = index[:2]
@@ -551,12 +618,24 @@ def _selected_bwd(q, k, v, blocks, o, lse, index, do, sel_block: int, scale: flo
             q, k, v, blocks, do, lse, delta, dq, T, scale, HEADS_PAD=_pow2(hpg), **common, **_slc_launch())
     if config.slc_dkdv == "by_block":
         block_index = _by_block_index(blocks, sel_block, config)
-        _, dk, dv = _selected_by_block_bwd(q, k, v, blocks, do, lse, delta, block_index, common, scale, dq_mode=0)
+        _, dk_acc, dv_acc = _selected_by_block_bwd(q, k, v, blocks, do, lse, delta, block_index, common, scale,
+                                                   dq_mode=0)
     else:
-        dk, dv = _selected_dkdv(q, k, v, do, lse, delta, blocks, sel_block, scale)
+        dk_acc, dv_acc = _selected_dkdv(q, k, v, do, lse, delta, blocks, sel_block, scale)
     if dq_add is not None:
         dq = dq.add_(dq_add[0]).add_(dq_add[1])
-    return dq, dk, dv
+    return _with_prefix_bwd(q, k, v, do, lse, delta, dq, dk_acc, dv_acc, prefix, scale)
+
+
+def _with_prefix_bwd(q, k, v, do, lse, delta, dq, dk_acc, dv_acc, prefix: int, scale: float):
+    """(dq, dk, dv) of the selected branch: the dense prefix's dQ added into its rows of dq and its dK/dV into the
+    float32 accumulators (atomics; the selected kernels' programs have finished), which are then cast."""
+    if prefix:
+        T = q.shape[1]
+        _range_dq_into(q, k, v, do, lse, delta, dq, prefix, *_prefix_range(T), scale, accumulate=True)
+        _range_dkdv_into(q, k, v, do, lse, delta, dk_acc, dv_acc, prefix, prefix, *_prefix_range(T), scale,
+                         accumulate=True)
+    return dq, dk_acc.to(k.dtype), dv_acc.to(v.dtype)
 
 
 class _SelectedAttention(torch.autograd.Function):
@@ -604,8 +683,8 @@ def _by_block_index(blocks, sel_block, config):
 
 def _selected_by_block_bwd(q, k, v, blocks, do, lse, delta, index, common, scale, dq_mode=None, dq_add=None):
     """(dq or None, dk, dv) of the selected branch by key blocks: one fused kernel over the blocks' choosers, then
-    the dQ slot sum. dq_mode 0 computes dK/dV only (for the query-driven variants); None follows slc_dq.
-    dq_add: two more [B,T,H,Dk] tensors added into dq (the other branches' dQ), by the slot sum where it runs."""
+    the dQ slot sum; dk and dv as float32 accumulators (the caller casts them). dq_mode 0 computes dK/dV only
+    (for the query-driven variants); None follows slc_dq. dq_add: two more [B,T,H,Dk] tensors added into dq (the other branches' dQ), by the slot sum where it runs."""
     order, starts, work_seg, work_chunk = index
     B, T, H, dk_dim = q.shape
     G, n = k.shape[2], blocks.shape[-1]
@@ -637,11 +716,12 @@ def _selected_by_block_bwd(q, k, v, blocks, do, lse, delta, index, common, scale
         dq_add = None  # folded in
     if dq_add is not None and dq is not None:
         dq = dq.add_(dq_add[0]).add_(dq_add[1])
-    return dq, dk_acc.to(k.dtype), dv_acc.to(v.dtype)
+    return dq, dk_acc, dv_acc
 
 
 def _selected_dkdv(q, k, v, do, lse, delta, blocks, sel_block, scale):
-    """dK, dV of the selected branch: one program per key block over its choosers (inverted index)."""
+    """dK, dV of the selected branch as float32 accumulators: one program per key block over its choosers
+    (inverted index)."""
     B, T, H, _ = q.shape
     G = k.shape[2]
     hpg = H // G
@@ -658,7 +738,7 @@ def _selected_dkdv(q, k, v, do, lse, delta, blocks, sel_block, scale):
         q, k, v, do, lse, delta, query_of_entry, starts, dk_acc, dv_acc, T, num_blocks, scale, H=H, G=G,
         SEL_BLOCK=sel_block, BLOCK_S=_pow2(sel_block), HEADS_PAD=heads_pad, ENTRIES=entries, CHUNK=chunk,
         **dims, **_kv_strides(k, v), num_warps=_config.dkdv_warps)
-    return dk_acc.to(k.dtype), dv_acc.to(v.dtype)
+    return dk_acc, dv_acc
 
 
 def selected_attention(q, k, v, blocks, cfg: NSAConfig, scale: float):
@@ -790,7 +870,8 @@ def _core(q: torch.Tensor, k_slc: torch.Tensor, v_slc: torch.Tensor, k_win: torc
     T = q.shape[1]
     o_cmp, lse_cmp = _range_fwd(q, k_cmp, v_cmp, *_cmp_range(cmp_block, cmp_stride, T), scale)
     blocks = select_blocks(q, k_cmp, lse_cmp, cfg, scale)
-    o_slc, lse_slc, _, index = _selected_fwd(q, k_slc, v_slc, blocks, sel_block, scale)
+    o_slc, lse_slc, _, index = _selected_fwd(q, k_slc, v_slc, blocks, sel_block, scale,
+                                             prefix=_dense_prefix(T, n_selected, sel_block))
     o_win, lse_win = _range_fwd(q, k_win, v_win, *_win_range(window, T), scale)
     o = _gated_fwd(gates, o_cmp, o_slc, o_win)
     return [o, blocks, o_cmp, lse_cmp, o_slc, lse_slc, o_win, lse_win, *_padded_index(index, q.device)]
@@ -835,7 +916,8 @@ def _core_bwd(do: torch.Tensor, q: torch.Tensor, k_slc: torch.Tensor, v_slc: tor
                                         delta=delta_win)
     # The selected branch's backward adds the other two branches' dQ into its own (by_block: in its slot sum).
     dq, dk_slc, dv_slc = _selected_bwd(q, k_slc, v_slc, blocks, o_slc, lse_slc, index, d_slc, sel_block, scale,
-                                       kernel, delta=delta_slc, dq_add=(dq_cmp, dq_win))
+                                       kernel, delta=delta_slc, dq_add=(dq_cmp, dq_win),
+                                       prefix=_dense_prefix(T, blocks.shape[-1], sel_block))
     return [dq, dk_slc, dv_slc, dk_win, dv_win, dk_cmp, dv_cmp, dgates]
 
 
