@@ -55,8 +55,10 @@ def category(name: str) -> str:
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune-no-cudagraphs")
 
 
-def build(preset: str, attention: str, seq_len: int, compile_model: bool, compile_mode: str = "default"):
-    cfg = get_preset(preset if attention == "nsa" else f"{preset}-dense").replace(max_seq_len=seq_len)
+def build(preset: str, attention: str, seq_len: int, compile_model: bool, compile_mode: str = "default",
+          model_overrides: dict | None = None):
+    cfg = get_preset(preset if attention == "nsa" else f"{preset}-dense").replace(max_seq_len=seq_len,
+                                                                                  **(model_overrides or {}))
     torch.manual_seed(0)
     model = Transformer(cfg).cuda()
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
@@ -187,9 +189,9 @@ def peak_sites(events: list[dict], top: int = 12) -> dict:
 
 
 def measure(preset, attention, seq_len, tokens_per_step, micro_tokens, warmup, measure_steps, compile_model,
-            profile, memory=False, compile_mode="default") -> dict:
+            profile, memory=False, compile_mode="default", model_overrides=None) -> dict:
     skips_before = cudagraph_skips()
-    cfg, model, fwd, opt = build(preset, attention, seq_len, compile_model, compile_mode)
+    cfg, model, fwd, opt = build(preset, attention, seq_len, compile_model, compile_mode, model_overrides)
     micro_b = max(1, micro_tokens // seq_len)
     accum = tokens_per_step // (micro_b * seq_len)
     gen = torch.Generator(device="cuda").manual_seed(1)
@@ -240,7 +242,8 @@ def markdown(meta, rows) -> str:
              f", bf16 autocast, fused AdamW, median of {meta['measure']} steps after {meta['warmup']}; "
              f"MFU of 989 TFLOP/s."
              + (f" Triton core launch config changed: {meta['launch_overrides']}." if meta.get("launch_overrides")
-                else ""), "",
+                else "")
+             + (f" Model config changed: {meta['model_overrides']}." if meta.get("model_overrides") else ""), "",
              "| attention | T | tokens/s | step ms | MFU | peak MiB allocated / reserved | profiled step: wall ms / GPU busy ms | "
              "NSA core kernels ms | matmul ms | compiled glue ms | other ms |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -306,6 +309,8 @@ def main() -> None:
                     "alive at the peak, by allocating source line")
     ap.add_argument("--launch", action="append", default=[], metavar="NAME=VALUE",
                     help="a LaunchConfig change for the Triton core (repeatable), e.g. slc_kernel=by_block")
+    ap.add_argument("--model", action="append", default=[], metavar="NAME=VALUE",
+                    help="a ModelConfig change for both models (repeatable), e.g. fused_qkv=False")
     ap.add_argument("--out", default="bench/results")
     ap.add_argument("--suffix", default="")
     ap.add_argument("--commit", default="")
@@ -328,7 +333,8 @@ def main() -> None:
     meta = {"device": device, "date": now.strftime("%Y-%m-%d %H:%M UTC"), "commit": args.commit or git_commit(),
             "torch": torch.__version__, "preset": args.preset, "tokens_per_step": args.tokens_per_step,
             "micro_tokens": args.micro_tokens, "eager": args.eager, "warmup": args.warmup, "measure": args.measure,
-            "compile_mode": args.compile_mode, "launch_overrides": overrides}
+            "compile_mode": args.compile_mode, "launch_overrides": overrides,
+            "model_overrides": launch_overrides(args.model)}
     slug = "h200" if "H200" in device else "h100" if "H100" in device else device.split()[-1].lower()
     stem = Path(args.out) / f"model-step-{slug}-{now.strftime('%Y-%m-%d')}{args.suffix}"
     stem.parent.mkdir(parents=True, exist_ok=True)
@@ -337,7 +343,8 @@ def main() -> None:
         for attention in args.attention.split(","):
             try:
                 row = measure(args.preset, attention, t, args.tokens_per_step, args.micro_tokens, args.warmup,
-                              args.measure, not args.eager, not args.no_profile, args.memory, args.compile_mode)
+                              args.measure, not args.eager, not args.no_profile, args.memory, args.compile_mode,
+                              meta["model_overrides"])
             except Exception as e:  # recorded, the other rows still run
                 import traceback
                 traceback.print_exc()

@@ -23,6 +23,17 @@ def check_backend(backend: str) -> str:
     return backend
 
 
+def project_qkv(x: torch.Tensor, wq: nn.Linear, wk: nn.Linear, wv: nn.Linear, fused: bool):
+    """(q, k, v) = (wq(x), wk(x), wv(x)). Fused, one matmul of the three weights concatenated: one GEMM forward,
+    and in the backward one GEMM for x's gradient instead of three and the pointwise sum of their outputs. The
+    parameters stay three Linears, so checkpoints do not depend on it. q, k, v are then column slices of one
+    [B, T, width] tensor: views, which RoPE reads and the NSA core reads in place (K_ROW / V_ROW)."""
+    if not fused:
+        return wq(x), wk(x), wv(x)
+    weight = torch.cat([wq.weight, wk.weight, wv.weight])
+    return F.linear(x, weight).split([wq.out_features, wk.out_features, wv.out_features], dim=-1)
+
+
 class Compressor(nn.Module):
     """phi of paper Eq. 7: maps each block of l raw vectors (stride d) to one compressed vector.
 
@@ -98,10 +109,11 @@ class NSAAttention(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, _ = x.shape
         H, G, Dk, Dv = self.cfg.n_heads, self.cfg.n_kv_heads, self.cfg.head_dim, self.cfg.dv
-        q = self.rope(self.wq(x).view(B, T, H, Dk))
+        q, k, v = project_qkv(x, self.wq, self.wk, self.wv, self.cfg.fused_qkv)
+        q = self.rope(q.view(B, T, H, Dk))
         # RoPE on the raw keys first: compression and selection work on rotated keys (spec).
-        k = self.rope(self.wk(x).view(B, T, self.kv_sets * G, Dk)).view(B, T, self.kv_sets, G, Dk)
-        v = self.wv(x).view(B, T, self.kv_sets, G, Dv)
+        k = self.rope(k.view(B, T, self.kv_sets * G, Dk)).view(B, T, self.kv_sets, G, Dk)
+        v = v.view(B, T, self.kv_sets, G, Dv)
         k_cmp, k_slc, k_win = k.unbind(2) if self.kv_sets > 1 else (k[:, :, 0],) * 3
         v_cmp, v_slc, v_win = v.unbind(2) if self.kv_sets > 1 else (v[:, :, 0],) * 3
         gates = torch.sigmoid(self.gate(x)).view(B, T, H, len(BRANCHES))
@@ -139,9 +151,10 @@ class DenseAttention(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, _ = x.shape
         H, G, Dk, Dv = self.cfg.n_heads, self.cfg.n_kv_heads, self.cfg.head_dim, self.cfg.dv
-        q = self.rope(self.wq(x).view(B, T, H, Dk)).transpose(1, 2)
-        k = self.rope(self.wk(x).view(B, T, G, Dk)).transpose(1, 2)
-        v = self.wv(x).view(B, T, G, Dv).transpose(1, 2)
+        q, k, v = project_qkv(x, self.wq, self.wk, self.wv, self.cfg.fused_qkv)
+        q = self.rope(q.view(B, T, H, Dk)).transpose(1, 2)
+        k = self.rope(k.view(B, T, G, Dk)).transpose(1, 2)
+        v = v.view(B, T, G, Dv).transpose(1, 2)
         o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=G != H)
         return self.wo(o.transpose(1, 2).reshape(B, T, H * Dv))
 

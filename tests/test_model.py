@@ -92,6 +92,27 @@ def test_nsa_module_torch_backend_matches_naive(overrides):
         assert torch.allclose(grads[name], grads_ref[name], rtol=1e-8, atol=1e-12), name
 
 
+@pytest.mark.parametrize("attention", ["nsa", "dense"])
+def test_fused_qkv_projection_gives_the_unfused_outputs_and_gradients(attention):
+    """fused_qkv computes q, k, v in one matmul of the concatenated weights and hands out column views of it (the
+    NSA core reads the K/V sets in place): same values and parameter gradients as three Linears, in float64, and
+    the same parameter names (checkpoints do not depend on it)."""
+    x = torch.randn(2, 27, 64, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    results = {}
+    for fused in (False, True):
+        cfg = small_cfg(attention, fused_qkv=fused)
+        torch.manual_seed(1)
+        model = Transformer(cfg, backend="torch").double()
+        out = model.blocks[0].attn(x)
+        out.square().sum().backward()
+        results[fused] = out.detach(), {n: p.grad for n, p in model.blocks[0].attn.named_parameters()}
+    (out_ref, grads_ref), (out, grads) = results[False], results[True]
+    assert torch.allclose(out, out_ref, rtol=1e-10, atol=1e-12)
+    assert grads.keys() == grads_ref.keys()
+    for name in grads:
+        assert torch.allclose(grads[name], grads_ref[name], rtol=1e-9, atol=1e-12), name
+
+
 def test_compiled_model_matches_eager():
     # The tiny preset itself (all its layers, at a short T): fullgraph=True makes any host sync or untraceable
     # Python in the forward or backward an error. aot_eager keeps the test fast (dynamo and AOT autograd trace

@@ -228,11 +228,10 @@ SELECTED_VARIANTS = {
     "by_block16_partial": dict(slc_kernel="by_block", slc_block_rows=16, slc_block_chunk=8),
     "by_block64_atomic": dict(slc_kernel="by_block", slc_block_rows=64, slc_block_chunk=16, slc_dq="atomic"),
     # tiled's forward (its lse feeds by_block's backward), by_block's backward over the saved work list
-    # the dense prefix's dK/dV by groups (the others: by heads, as few programs as CI's shapes make)
     "tiled_by_block": dict(slc_kernel="tiled_by_block", slc_tile_rows=16, slc_block_rows=16, slc_block_chunk=8,
-                           prefix_dkdv_group_programs=1),
-    "by_block_no_dense_prefix": dict(slc_kernel="by_block", slc_block_rows=16, slc_block_chunk=8,
-                                     slc_dense_prefix=False),
+                           slc_dense_prefix=True, prefix_dkdv_group_programs=1),
+    "by_block_dense_prefix": dict(slc_kernel="by_block", slc_block_rows=16, slc_block_chunk=8,
+                                  slc_dense_prefix=True),
 }
 
 
@@ -276,16 +275,15 @@ def test_selected_variants_match_reference(variant, structured):
         assert rel_err(a.grad, r.grad) <= FP32_TOL, name
 
 
-CORE_VARIANTS = {
-    "per_query": dict(slc_kernel="per_query", slc_dkdv="inverted"),
+CORE_VARIANTS = {  # three with the dense prefix: its dK/dV by groups (tiled_by_block) and by heads
+    "per_query": dict(slc_kernel="per_query", slc_dkdv="inverted", slc_dense_prefix=True),
     "tiled_torch_gates": dict(slc_kernel="tiled", slc_tile_rows=64, gate_kernel="torch"),
     "by_block_partial": dict(slc_kernel="by_block", slc_block_rows=16, slc_block_chunk=8),
     "by_block_atomic": dict(slc_kernel="by_block", slc_block_rows=16, slc_block_chunk=8, slc_dq="atomic"),
-    # the dense prefix's dK/dV by groups (the others: by heads, as few programs as CI's shapes make)
     "tiled_by_block": dict(slc_kernel="tiled_by_block", slc_tile_rows=16, slc_block_rows=16, slc_block_chunk=8,
-                           prefix_dkdv_group_programs=1),
-    "by_block_no_dense_prefix": dict(slc_kernel="by_block", slc_block_rows=16, slc_block_chunk=8,
-                                     slc_dense_prefix=False),
+                           slc_dense_prefix=True, prefix_dkdv_group_programs=1),
+    "by_block_dense_prefix": dict(slc_kernel="by_block", slc_block_rows=16, slc_block_chunk=8,
+                                  slc_dense_prefix=True),
 }
 
 

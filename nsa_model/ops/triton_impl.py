@@ -88,7 +88,7 @@ class LaunchConfig:
     range_kernel: str = "split"  # one of RANGE_KERNELS
     delta_kernel: str = "fused"  # one of DELTA_KERNELS
     window_dkdv: str = "group"  # one of WINDOW_DKDV
-    slc_dense_prefix: bool = True  # selected branch: queries t < n * l' through the range kernels (_dense_prefix)
+    slc_dense_prefix: bool = False  # selected branch: queries t < n * l' by the range kernels (_dense_prefix; v15)
     prefix_dkdv_group_programs: int = 512  # dense prefix dK/dV: one program per group from this many programs
 
     def __post_init__(self) -> None:
@@ -566,7 +566,10 @@ def _dense_prefix(T: int, n: int, sel_block: int) -> int:
     With slc_dense_prefix those rows run through the range kernels (FlashAttention-style tiles, no inverted
     index, no per-slot partials) and the selected kernels see them with no blocks. At 125M's n * l' = 1024 that
     is half the queries at T = 2048 and a third of the selected entries. Blocks given from outside (the
-    standalone selected_attention) need not follow that rule, so only nsa::core uses it."""
+    standalone selected_attention) need not follow that rule, so only nsa::core uses it.
+
+    Off by default: on the H100 it gained nothing (kernels-notes.md, v15). The selected kernels' time fell by
+    about what the range kernels took for the same rows (model step at 16 x 2k: 206.1 against 206.4 ms)."""
     return min(T, n * sel_block) if _config.slc_dense_prefix else 0
 
 
