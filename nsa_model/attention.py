@@ -26,12 +26,15 @@ def check_backend(backend: str) -> str:
 def project_qkv(x: torch.Tensor, wq: nn.Linear, wk: nn.Linear, wv: nn.Linear, fused: bool):
     """(q, k, v) = (wq(x), wk(x), wv(x)). Fused, one matmul of the three weights concatenated: one GEMM forward,
     and in the backward one GEMM for x's gradient instead of three and the pointwise sum of their outputs. The
-    parameters stay three Linears, so checkpoints do not depend on it. q, k, v are then column slices of one
-    [B, T, width] tensor: views, which RoPE reads and the NSA core reads in place (K_ROW / V_ROW)."""
+    parameters stay three Linears, so checkpoints do not depend on it. q and k are column slices of the one
+    [B, T, width] output (views: RoPE reads them and keeps nothing of them for its backward). v is copied out:
+    attention keeps v for its backward, and as a view it kept the whole output alive, q's and k's columns too
+    (+860 MiB reserved for NSA at 32k tokens per micro-batch, +708 for dense; kernels-notes.md, v16)."""
     if not fused:
         return wq(x), wk(x), wv(x)
     weight = torch.cat([wq.weight, wk.weight, wv.weight])
-    return F.linear(x, weight).split([wq.out_features, wk.out_features, wv.out_features], dim=-1)
+    q, k, v = F.linear(x, weight).split([wq.out_features, wk.out_features, wv.out_features], dim=-1)
+    return q, k, v.contiguous()
 
 
 class Compressor(nn.Module):

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from nsa_model import ModelConfig, NSAConfig, Transformer, get_preset, ops
-from nsa_model.attention import NSAAttention
+from nsa_model.attention import NSAAttention, project_qkv
 from nsa_model.model import _mean_keys_per_query
 
 SMALL_NSA = NSAConfig(cmp_block=4, cmp_stride=2, sel_block=4, n_selected=3, window=6)
@@ -103,10 +103,13 @@ def test_fused_qkv_projection_gives_the_unfused_outputs_and_gradients(attention)
         cfg = small_cfg(attention, fused_qkv=fused)
         torch.manual_seed(1)
         model = Transformer(cfg, backend="torch").double()
-        out = model.blocks[0].attn(x)
+        attn = model.blocks[0].attn
+        out = attn(x)
         out.square().sum().backward()
-        results[fused] = out.detach(), {n: p.grad for n, p in model.blocks[0].attn.named_parameters()}
+        results[fused] = out.detach(), {n: p.grad for n, p in attn.named_parameters()}
     (out_ref, grads_ref), (out, grads) = results[False], results[True]
+    _, _, v = project_qkv(x, attn.wq, attn.wk, attn.wv, fused=True)
+    assert v._base is None  # its own tensor: attention keeps v for the backward, a view would keep all of q|k|v
     assert torch.allclose(out, out_ref, rtol=1e-10, atol=1e-12)
     assert grads.keys() == grads_ref.keys()
     for name in grads:
