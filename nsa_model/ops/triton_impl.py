@@ -311,15 +311,15 @@ def _range_dkdv_split(q, k, v, num_queries: int, window: int, prefix: bool = Fal
 
 
 def _range_dkdv_into(q, k, v, do, lse, delta, dk, dv, num_queries: int, num_key_rows: int, key_stride: int,
-                     key_offset: int, window: int, scale: float, accumulate: bool = False) -> None:
+                     key_offset: int, window: int, scale: float, prefix: bool = False) -> None:
     """dK, dV of _range_fwd from queries t < num_queries, for keys j < num_key_rows: stored into dk, dv (input
-    dtype) or, where _range_dkdv_split says atomic or the caller says accumulate, added into them (float32
-    accumulators)."""
+    dtype) or, where _range_dkdv_split says atomic, added into them (float32 accumulators). prefix: the selected
+    branch's dense prefix, always added (into the selected kernels' accumulators)."""
     B, T, H, _ = q.shape
     num_keys, G = k.shape[1], k.shape[2]
     launch = _range_launch(q, v, "dkdv")
-    atomic, head_split, q_chunk = _range_dkdv_split(q, k, v, num_queries, window, prefix=accumulate)
-    atomic = atomic or accumulate
+    atomic, head_split, q_chunk = _range_dkdv_split(q, k, v, num_queries, window, prefix=prefix)
+    atomic = atomic or prefix
     if num_key_rows > 0 and num_queries > 0:
         range_attn_bwd_dkdv_kernel[(triton.cdiv(num_key_rows, launch["BLOCK_N"]), B * G * head_split,
                                     triton.cdiv(num_queries, q_chunk))](
@@ -642,7 +642,7 @@ def _with_prefix_bwd(q, k, v, do, lse, delta, dq, dk_acc, dv_acc, prefix: int, s
         T = q.shape[1]
         _range_dq_into(q, k, v, do, lse, delta, dq, prefix, *_prefix_range(T), scale, accumulate=True)
         _range_dkdv_into(q, k, v, do, lse, delta, dk_acc, dv_acc, prefix, prefix, *_prefix_range(T), scale,
-                         accumulate=True)
+                         prefix=True)
     return dq, dk_acc.to(k.dtype), dv_acc.to(v.dtype)
 
 
