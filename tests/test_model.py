@@ -94,9 +94,9 @@ def test_nsa_module_torch_backend_matches_naive(overrides):
 
 @pytest.mark.parametrize("attention", ["nsa", "dense"])
 def test_fused_qkv_projection_gives_the_unfused_outputs_and_gradients(attention):
-    """fused_qkv computes q, k, v in one matmul of the concatenated weights and hands out column views of it (the
-    NSA core reads the K/V sets in place): same values and parameter gradients as three Linears, in float64, and
-    the same parameter names (checkpoints do not depend on it)."""
+    """fused_qkv computes q, k, v in one matmul of the concatenated weights (q and k column views of it, v copied
+    out): same values and parameter gradients as three Linears, in float64, and the same parameter names
+    (checkpoints do not depend on it)."""
     x = torch.randn(2, 27, 64, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
     results = {}
     for fused in (False, True):

@@ -228,10 +228,7 @@ SELECTED_VARIANTS = {
     "by_block16_partial": dict(slc_kernel="by_block", slc_block_rows=16, slc_block_chunk=8),
     "by_block64_atomic": dict(slc_kernel="by_block", slc_block_rows=64, slc_block_chunk=16, slc_dq="atomic"),
     # tiled's forward (its lse feeds by_block's backward), by_block's backward over the saved work list
-    "tiled_by_block": dict(slc_kernel="tiled_by_block", slc_tile_rows=16, slc_block_rows=16, slc_block_chunk=8,
-                           slc_dense_prefix=True, prefix_dkdv_group_programs=1),
-    "by_block_dense_prefix": dict(slc_kernel="by_block", slc_block_rows=16, slc_block_chunk=8,
-                                  slc_dense_prefix=True),
+    "tiled_by_block": dict(slc_kernel="tiled_by_block", slc_tile_rows=16, slc_block_rows=16, slc_block_chunk=8),
 }
 
 
