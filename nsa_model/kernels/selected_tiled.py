@@ -1,8 +1,11 @@
 """Selected-block attention over query tiles (NSA_SPEC.md section 5): forward and dQ.
 
 The per-query kernels (selected_attention.py) reload every selected block once per query, so at small groups
-their time goes to L2 traffic, not to the matrix units. Here one program owns TILE_Q consecutive queries of one
-(batch, kv group); its matrix rows are (query, head) pairs, row r = query r // HEADS_PAD, head r % HEADS_PAD.
+their time goes to L2 traffic, not to the matrix units. Here one program owns TILE_Q = ROWS // HPG consecutive
+queries of one (batch, kv group); its ROWS matrix rows are (query, head) pairs packed without padding, row r =
+query r // HPG, head r % HPG, so 64 rows hold 10 queries of a 6-head group (60 useful rows; padding each query
+to 8 heads held 8 queries, 48 useful rows). The last ROWS - TILE_Q * HPG rows are masked: they would belong to
+the next tile's first query, whose blocks this tile's union need not hold.
 It walks the sorted union of the tile's selected blocks (built outside by tile_block_union in triton_impl.py),
 loading each block's keys and values once for the whole tile; a per-row membership mask (is this block among
 the row's query's choices?) and the causal mask decide which rows see it. Neighbouring queries of trained
@@ -24,16 +27,17 @@ LOG2E = tl.constexpr(1.4426950408889634)
 
 
 @triton.jit
-def _tile_rows(T, H, G, HPG: tl.constexpr, HEADS_PAD: tl.constexpr, TILE_Q: tl.constexpr):
-    """(query t, valid, row offset into [B*T*H]) of each (query, head) row of this program's tile."""
+def _tile_rows(T, H, G, HPG: tl.constexpr, ROWS: tl.constexpr, TILE_Q: tl.constexpr):
+    """(query t, valid, row offset into [B*T*H]) of each (query, head) row of this program's tile. Index
+    arithmetic in int32 with constexpr divisors (multiply-shifts); only the row offset is 64-bit."""
     pid_tile = tl.program_id(0)
     pid_bg = tl.program_id(1)
     b = pid_bg // G
     g = pid_bg % G
-    offs_r = tl.arange(0, TILE_Q * HEADS_PAD)
-    t = pid_tile * TILE_Q + offs_r // HEADS_PAD
-    head = offs_r % HEADS_PAD
-    r_ok = (t < T) & (head < HPG)
+    offs_r = tl.arange(0, ROWS)
+    t = pid_tile * TILE_Q + offs_r // HPG
+    head = offs_r % HPG
+    r_ok = (t < T) & (offs_r < TILE_Q * HPG)
     row_q = (b * T + t).to(tl.int64) * H + g * HPG + head
     return b, g, t, r_ok, row_q
 
@@ -52,9 +56,9 @@ def selected_tiled_fwd_kernel(Q, K, V, BLOCKS, UNION, COUNT, O, LSE, T, num_tile
                               H: tl.constexpr, G: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
                               BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, SEL_BLOCK: tl.constexpr,
                               BLOCK_S: tl.constexpr, N_SELECT: tl.constexpr, N_PAD: tl.constexpr,
-                              HEADS_PAD: tl.constexpr, TILE_Q: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                              ROWS: tl.constexpr, TILE_Q: tl.constexpr, DOT_PRECISION: tl.constexpr):
     HPG: tl.constexpr = H // G
-    b, g, t, r_ok, row_q = _tile_rows(T, H, G, HPG, HEADS_PAD, TILE_Q)
+    b, g, t, r_ok, row_q = _tile_rows(T, H, G, HPG, ROWS, TILE_Q)
     offs_s = tl.arange(0, BLOCK_S)
     offs_dk = tl.arange(0, BLOCK_DK)
     offs_dv = tl.arange(0, BLOCK_DV)
@@ -64,9 +68,9 @@ def selected_tiled_fwd_kernel(Q, K, V, BLOCKS, UNION, COUNT, O, LSE, T, num_tile
     count = tl.load(COUNT + tile_row)
 
     qk_scale = scale * LOG2E
-    m_i = tl.full([TILE_Q * HEADS_PAD], float("-inf"), tl.float32)
-    l_i = tl.zeros([TILE_Q * HEADS_PAD], tl.float32)
-    acc = tl.zeros([TILE_Q * HEADS_PAD, BLOCK_DV], tl.float32)
+    m_i = tl.full([ROWS], float("-inf"), tl.float32)
+    l_i = tl.zeros([ROWS], tl.float32)
+    acc = tl.zeros([ROWS, BLOCK_DV], tl.float32)
     for i in range(0, count):
         blk = tl.load(UNION + tile_row * (TILE_Q * N_SELECT) + i)
         member = tl.max((chosen == blk).to(tl.int32), axis=1) > 0
@@ -103,10 +107,10 @@ def selected_tiled_bwd_dq_kernel(Q, K, V, BLOCKS, UNION, COUNT, DO, LSE, DELTA, 
                                  H: tl.constexpr, G: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
                                  BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, SEL_BLOCK: tl.constexpr,
                                  BLOCK_S: tl.constexpr, N_SELECT: tl.constexpr, N_PAD: tl.constexpr,
-                                 HEADS_PAD: tl.constexpr, TILE_Q: tl.constexpr,
+                                 ROWS: tl.constexpr, TILE_Q: tl.constexpr,
                                  DOT_PRECISION: tl.constexpr):
     HPG: tl.constexpr = H // G
-    b, g, t, r_ok, row_q = _tile_rows(T, H, G, HPG, HEADS_PAD, TILE_Q)
+    b, g, t, r_ok, row_q = _tile_rows(T, H, G, HPG, ROWS, TILE_Q)
     offs_s = tl.arange(0, BLOCK_S)
     offs_dk = tl.arange(0, BLOCK_DK)
     offs_dv = tl.arange(0, BLOCK_DV)
@@ -120,7 +124,7 @@ def selected_tiled_bwd_dq_kernel(Q, K, V, BLOCKS, UNION, COUNT, DO, LSE, DELTA, 
     count = tl.load(COUNT + tile_row)
 
     qk_scale = scale * LOG2E
-    dq = tl.zeros([TILE_Q * HEADS_PAD, BLOCK_DK], tl.float32)
+    dq = tl.zeros([ROWS, BLOCK_DK], tl.float32)
     for i in range(0, count):
         blk = tl.load(UNION + tile_row * (TILE_Q * N_SELECT) + i)
         member = tl.max((chosen == blk).to(tl.int32), axis=1) > 0

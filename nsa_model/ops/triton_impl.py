@@ -82,7 +82,7 @@ class LaunchConfig:
     slc_partial: str = "input"  # one of PARTIAL_DTYPES
     slc_dq: str = "partial"  # one of SELECTED_DQ
     slc_dkdv: str = "by_block"  # one of SELECTED_DKDV
-    slc_tile_rows: int = 64  # rows (queries x padded heads) of one program of the tiled selected kernels
+    slc_tile_rows: int = 64  # rows (queries x heads, unpadded) of one program of the tiled selected kernels
     slc_tile_warps: int = 4
     gate_kernel: str = "fused"  # one of GATE_KERNELS
     range_kernel: str = "split"  # one of RANGE_KERNELS
@@ -467,9 +467,10 @@ def _union_by_sort(per_tile: torch.Tensor):
 
 
 def _selected_tile(hpg: int) -> tuple[int, int]:
-    """(heads_pad, tile_q) of the tiled selected kernels: rows = tile_q * heads_pad = slc_tile_rows (>= 16)."""
-    heads_pad = triton.next_power_of_2(hpg)
-    return heads_pad, max(1, _config.slc_tile_rows // heads_pad)
+    """(rows, tile_q) of the tiled selected kernels: a program's matrix rows (slc_tile_rows, at least one query's
+    heads rounded up to a power of two) and the tile_q = rows // hpg queries whose heads fill them unpadded."""
+    rows = max(_config.slc_tile_rows, triton.next_power_of_2(hpg))
+    return rows, rows // hpg
 
 
 def selected_kernel(hpg: int, num_blocks: int, n: int, config: LaunchConfig | None = None) -> str:
@@ -545,12 +546,12 @@ def _selected_fwd(q, k, v, blocks, sel_block: int, scale: float, prefix: int = 0
     if kernel == "by_block":
         _selected_by_block_fwd(q, k, v, blocks, o, lse, index, common, scale)
     elif kernel in ("tiled", "tiled_by_block"):
-        heads_pad, tile_q = _selected_tile(H // G)
+        rows, tile_q = _selected_tile(H // G)
         # tiled_by_block saves by_block's work list for its backward; the unions serve the forward alone
         union, count = index if kernel == "tiled" else tile_block_union(blocks, tile_q, triton.cdiv(T, sel_block))
         selected_tiled_fwd_kernel[(union.shape[1], B * G)](
             q, k, v, blocks, union, count, o, lse, T, union.shape[1], scale, N_PAD=triton.next_power_of_2(n),
-            HEADS_PAD=heads_pad, TILE_Q=tile_q, **common, num_warps=_config.slc_tile_warps,
+            ROWS=rows, TILE_Q=tile_q, **common, num_warps=_config.slc_tile_warps,
             num_stages=_config.slc_stages)
     else:
         selected_attn_fwd_kernel[(T, B * G)](
@@ -616,10 +617,10 @@ def _selected_bwd(q, k, v, blocks, o, lse, index, do, sel_block: int, scale: flo
     dq = torch.empty_like(q)
     if kernel == "tiled":
         union, count = index[:2]
-        heads_pad, tile_q = _selected_tile(hpg)
+        rows, tile_q = _selected_tile(hpg)
         selected_tiled_bwd_dq_kernel[(union.shape[1], B * G)](
             q, k, v, blocks, union, count, do, lse, delta, dq, T, union.shape[1], scale,
-            N_PAD=triton.next_power_of_2(n), HEADS_PAD=heads_pad, TILE_Q=tile_q, **common,
+            N_PAD=triton.next_power_of_2(n), ROWS=rows, TILE_Q=tile_q, **common,
             num_warps=config.slc_tile_warps, num_stages=config.slc_stages)
     else:
         selected_attn_bwd_dq_kernel[(T, B * G)](
