@@ -272,16 +272,15 @@ def test_selected_variants_match_reference(variant, structured):
         assert rel_err(a.grad, r.grad) <= FP32_TOL, name
 
 
-CORE_VARIANTS = {  # three with the dense prefix by the range kernels: its dK/dV by groups (tiled_by_block) and by
-    # heads (SDPA's prefix needs Dk = Dv: test_core_with_the_prefix_by_sdpa_matches_reference)
-    "per_query": dict(slc_kernel="per_query", slc_dkdv="inverted", slc_dense_prefix="range"),
+CORE_VARIANTS = {  # three with the dense prefix: its dK/dV by groups (tiled_by_block) and by heads
+    "per_query": dict(slc_kernel="per_query", slc_dkdv="inverted", slc_dense_prefix=True),
     "tiled_torch_gates": dict(slc_kernel="tiled", slc_tile_rows=64, gate_kernel="torch"),
     "by_block_partial": dict(slc_kernel="by_block", slc_block_rows=16, slc_block_chunk=8),
     "by_block_atomic": dict(slc_kernel="by_block", slc_block_rows=16, slc_block_chunk=8, slc_dq="atomic"),
     "tiled_by_block": dict(slc_kernel="tiled_by_block", slc_tile_rows=16, slc_block_rows=16, slc_block_chunk=8,
-                           slc_dense_prefix="range", prefix_dkdv_group_programs=1),
+                           slc_dense_prefix=True, prefix_dkdv_group_programs=1),
     "by_block_dense_prefix": dict(slc_kernel="by_block", slc_block_rows=16, slc_block_chunk=8,
-                                  slc_dense_prefix="range"),
+                                  slc_dense_prefix=True),
 }
 
 
@@ -314,47 +313,20 @@ def test_core_op_backward_matches_reference_under_every_variant(variant):
         assert rel_err(tri_in[name].grad, ref_in[name].grad) <= FP32_TOL, name
 
 
-@pytest.mark.parametrize("variant", [dict(slc_kernel="by_block", gate_kernel="fused"),
-                                     dict(slc_kernel="tiled_by_block", gate_kernel="torch")])
-def test_core_with_the_prefix_by_sdpa_matches_reference(variant):
-    """slc_dense_prefix = "sdpa": the queries t < n * l' of the selected branch by PyTorch's fused attention (its CPU
-    flash kernel here, cuDNN on the GPU; kernels.py checks that one), its lse turned to and from the ops' layouts,
-    its gradients added into the selected kernels'. With the fused gates its backward gets do and the folded lse
-    (lse - ln g); with torch's, g * do and the plain lse. All eight gradients against the float64 reference."""
-    cfg = NSAConfig(cmp_block=8, cmp_stride=4, sel_block=8, n_selected=3, window=8)
-    B, T, H, G, Dk, Dv = 2, 37, 6, 2, 16, 16
-    inputs = make_inputs(B, T, H, G, Dk, Dv, cfg, seed=23)
-    scale = Dk ** -0.5
-    o_ref, ref_in, grad_out = reference_with_grads(inputs, cfg, scale)
-    tri_in = {n: x.float().to(DEVICE).requires_grad_() for n, x in inputs.items()}
-    launch = triton_impl.LaunchConfig(slc_block_rows=16, slc_block_chunk=8, slc_tile_rows=16, slc_dense_prefix="sdpa",
-                                      **variant)
-    with triton_impl.use_launch_config(launch):
-        assert triton_impl._prefix_by_sdpa(tri_in["q"], tri_in["v_slc"])
-        assert not triton_impl._prefix_by_sdpa(tri_in["q"], torch.zeros(1, 1, 1, Dv + 8))  # Dk != Dv: range kernels
-        o = triton_impl.nsa_attention(*tri_in.values(), cfg, scale=scale)
-        o.backward(grad_out.float().to(DEVICE))
-    assert rel_err(o, o_ref) <= FP32_TOL
-    for name in NAMES:
-        assert rel_err(tri_in[name].grad, ref_in[name].grad) <= FP32_TOL, name
-
-
-@pytest.mark.parametrize("dense_prefix", ["range", "sdpa", "off"])
+@pytest.mark.parametrize("dense_prefix", [True, False])
 def test_core_runs_queries_that_select_every_visible_block_as_dense_causal_attention(dense_prefix, monkeypatch):
     """Queries t < n * l' see at most n blocks and select them all (NSA_SPEC.md section 4). With slc_dense_prefix
-    nsa::core gives exactly those rows to the range kernels (forward, dQ, dK/dV) or to SDPA (forward, backward)
-    and the selected kernels see them with no blocks; without it, neither runs over the selected keys. The
-    variant test above checks the values against the reference each way."""
+    nsa::core gives exactly those rows to the range kernels (forward, dQ, dK/dV) and the selected kernels see them
+    with no blocks; without it, no range kernel runs over the selected keys. The variant test above checks the
+    values against the reference both ways."""
     cfg = NSAConfig(cmp_block=8, cmp_stride=4, sel_block=8, n_selected=3, window=8)
     B, T, H, G, Dk, Dv = 2, 37, 4, 2, 16, 16
     x = {n: t.float().to(DEVICE).requires_grad_() for n, t in make_inputs(B, T, H, G, Dk, Dv, cfg, seed=5).items()}
     calls, seen_blocks = [], []
-    prefix_arg = {"_range_fwd_into": 5, "_range_dq_into": 7, "_range_dkdv_into": 8, "_sdpa_prefix_fwd_into": 5,
-                  "_sdpa_prefix_bwd": 6}
-    for name in prefix_arg:
+    for name in ("_range_fwd_into", "_range_dq_into", "_range_dkdv_into"):
         def spy(*args, _name=name, _real=getattr(triton_impl, name), **kwargs):
             if args[1].data_ptr() == x["k_slc"].data_ptr():  # the selected branch's keys
-                calls.append((_name, args[prefix_arg[_name]]))
+                calls.append((_name, args[{"_range_fwd_into": 5, "_range_dq_into": 7}.get(_name, 8)]))
             return _real(*args, **kwargs)
         monkeypatch.setattr(triton_impl, name, spy)
     real_index = triton_impl._selected_index
@@ -366,12 +338,9 @@ def test_core_runs_queries_that_select_every_visible_block_as_dense_causal_atten
         o, blocks = triton_impl.nsa_attention(*x.values(), cfg, scale=Dk ** -0.5, return_blocks=True)
         o.sum().backward()
     prefix = cfg.n_selected * cfg.sel_block  # 24 of 37
-    if dense_prefix == "range":
+    if dense_prefix:
         assert sorted(calls) == [("_range_dkdv_into", prefix), ("_range_dq_into", prefix),
                                  ("_range_fwd_into", prefix)]
-    if dense_prefix == "sdpa":
-        assert sorted(calls) == [("_sdpa_prefix_bwd", prefix), ("_sdpa_prefix_fwd_into", prefix)]
-    if dense_prefix != "off":
         assert (seen_blocks[-1][:, :prefix] == -1).all()
         assert torch.equal(seen_blocks[-1][:, prefix:], blocks[:, prefix:])
     else:

@@ -48,9 +48,6 @@ GATE_KERNELS = ("torch", "fused")  # gated combination: eager PyTorch ops, or on
 RANGE_KERNELS = ("masked", "split")  # compressed/window: every tile masked (v4), or only the edge tiles (v5)
 DELTA_KERNELS = ("torch", "fused")  # backward row term sum(do * o): eager fp32 ops, or one Triton kernel
 WINDOW_DKDV = ("group", "head")  # window dK/dV: one program per key tile and group (stores) or per head (atomics)
-# selected branch, queries t < n * l' (plain causal attention, _dense_prefix): in the selected kernels like every
-# other query (off), or apart: by the range kernels (range), or by cuDNN's attention (sdpa; _prefix_by_sdpa)
-DENSE_PREFIX = ("off", "range", "sdpa")
 
 
 RANGE_TILE_FIELDS = ("range_fwd", "range_dq", "range_dkdv", "range_fwd_d64", "range_dq_d64", "range_dkdv_d64")
@@ -91,18 +88,20 @@ class LaunchConfig:
     range_kernel: str = "split"  # one of RANGE_KERNELS
     delta_kernel: str = "fused"  # one of DELTA_KERNELS
     window_dkdv: str = "group"  # one of WINDOW_DKDV
-    slc_dense_prefix: str = "off"  # one of DENSE_PREFIX (_dense_prefix; v15, v17)
+    slc_dense_prefix: bool = False  # selected branch: queries t < n * l' by the range kernels (_dense_prefix; v15)
     prefix_dkdv_group_programs: int = 512  # dense prefix dK/dV: one program per group from this many programs
 
     def __post_init__(self) -> None:
         choices = {"slc_kernel": SELECTED_KERNELS, "gate_kernel": GATE_KERNELS, "range_kernel": RANGE_KERNELS,
                    "delta_kernel": DELTA_KERNELS, "window_dkdv": WINDOW_DKDV, "slc_partial": PARTIAL_DTYPES,
-                   "slc_dq": SELECTED_DQ, "slc_dkdv": SELECTED_DKDV, "slc_dense_prefix": DENSE_PREFIX}
+                   "slc_dq": SELECTED_DQ, "slc_dkdv": SELECTED_DKDV}
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise ValueError(f"LaunchConfig.{name}: must be one of {allowed}, got {getattr(self, name)!r}")
+        if not isinstance(self.slc_dense_prefix, bool):
+            raise ValueError(f"LaunchConfig.slc_dense_prefix: must be a bool, got {self.slc_dense_prefix!r}")
         for f in dataclasses.fields(self):
-            if f.name in choices or f.name in RANGE_TILE_FIELDS:
+            if f.name in choices or f.name in RANGE_TILE_FIELDS or f.name == "slc_dense_prefix":
                 continue
             value = getattr(self, f.name)
             low = 0 if f.name in ("select_chunk_splits", "slc_auto_tiled_fwd_blocks") else 1
@@ -557,9 +556,7 @@ def _selected_fwd(q, k, v, blocks, sel_block: int, scale: float, prefix: int = 0
     else:
         selected_attn_fwd_kernel[(T, B * G)](
             q, k, v, blocks, o, lse, T, scale, HEADS_PAD=_pow2(H // G), **common, **_slc_launch())
-    if prefix and _prefix_by_sdpa(q, v):  # ... and cuDNN or the range kernel fills them: causal over keys 0..t
-        _sdpa_prefix_fwd_into(q, k, v, o, lse, prefix, scale)
-    elif prefix:
+    if prefix:  # ... and the range kernel fills them: causal attention over keys 0..t
         _range_fwd_into(q, k, v, o, lse, prefix, *_prefix_range(T), scale)
     return o, lse, kernel, index
 
@@ -568,58 +565,13 @@ def _dense_prefix(T: int, n: int, sel_block: int) -> int:
     """How many leading queries select every block they can see: t < n * l' sees at most n blocks, and then all of
     them are selected (NSA_SPEC.md section 4), so its selected branch is plain causal attention over keys 0..t.
     With slc_dense_prefix those rows run through the range kernels (FlashAttention-style tiles, no inverted
-    index, no per-slot partials) or cuDNN's attention ("sdpa") and the selected kernels see them with no blocks. At 125M's n * l' = 1024 that
+    index, no per-slot partials) and the selected kernels see them with no blocks. At 125M's n * l' = 1024 that
     is half the queries at T = 2048 and a third of the selected entries. Blocks given from outside (the
     standalone selected_attention) need not follow that rule, so only nsa::core uses it.
 
-    By the range kernels it gained nothing on the H100 (kernels-notes.md, v15): the selected kernels' time fell by
-    about what the range kernels took for the same rows (model step at 16 x 2k: 206.1 against 206.4 ms). cuDNN
-    runs causal attention at about 1.5x their FLOP rate (v17)."""
-    return min(T, n * sel_block) if _config.slc_dense_prefix != "off" else 0
-
-
-def _prefix_by_sdpa(q: torch.Tensor, v: torch.Tensor) -> bool:
-    """Whether the dense prefix runs as SDPA: under slc_dense_prefix = "sdpa", for Dk = Dv, on CUDA where cuDNN's
-    attention takes the inputs (16-bit, a head dim that is a multiple of 8 up to 128) and on the CPU (the
-    interpreter's tests: PyTorch's CPU flash attention, any float dtype); the range kernels elsewhere (Dk != Dv,
-    fp32 on CUDA)."""
-    d = q.shape[-1]
-    if _config.slc_dense_prefix != "sdpa" or d != v.shape[-1]:
-        return False
-    return not q.is_cuda or (q.dtype in (torch.float16, torch.bfloat16) and d % 8 == 0 and d <= 128)
-
-
-def _sdpa_prefix_fwd_into(q, k, v, o, lse, prefix: int, scale: float) -> None:
-    """Causal attention of queries t < prefix over keys 0..t by PyTorch's fused attention ops (cuDNN on CUDA, its
-    CPU flash kernel on the CPU), written into those rows of o [B, T, H, Dv] and lse [B, T, H] (natural log).
-    The ops take [B, heads, tokens, D] views of our [B, tokens, heads, D] rows in place, k and v with their G
-    heads (grouped-query attention), and return o in q's layout and the log-sum-exp as [B, H, P] (CPU) or
-    [B, H, P, 1] (cuDNN)."""
-    B, _, H, _ = q.shape
-    qp, kp, vp = (x[:, :prefix].transpose(1, 2) for x in (q, k, v))
-    if q.is_cuda:
-        out = torch.ops.aten._scaled_dot_product_cudnn_attention(qp, kp, vp, None, True, 0.0, True, False,
-                                                                 scale=scale)
-        o_p, lse_p = out[0], out[1]
-    else:
-        o_p, lse_p = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(qp, kp, vp, 0.0, True, scale=scale)
-    o[:, :prefix].copy_(o_p.transpose(1, 2))
-    lse[:, :prefix].copy_(lse_p.reshape(B, H, prefix).transpose(1, 2))
-
-
-def _sdpa_prefix_bwd(q, k, v, o, lse, do, prefix: int, scale: float):
-    """(dq, dk, dv) of _sdpa_prefix_fwd_into, [B, heads, P, D] views in the inputs' [B, P, heads, D] layout. lse
-    may be the gate-folded one (lse - ln g, with do for d o_i; kernels/gates.py): the ops recompute P from it and
-    their row term from do and o, which is that fold's delta, so they return the gradients of g * do."""
-    B, _, H, _ = q.shape
-    qp, kp, vp, op, dop = (x[:, :prefix].transpose(1, 2) for x in (q, k, v, o, do))
-    lse_p = lse[:, :prefix].transpose(1, 2)  # [B, H, P]
-    if q.is_cuda:  # cuDNN's softmax statistics: contiguous [B, H, P, 1]; no dropout, so no seed and no offset
-        return torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
-            dop, qp, kp, vp, op, lse_p.contiguous().unsqueeze(-1), None, None, None, None, None, prefix, prefix, 0.0,
-            True, scale=scale)
-    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(dop, qp, kp, vp, op, lse_p, 0.0, True,
-                                                                             scale=scale)
+    Off by default: on the H100 it gained nothing (kernels-notes.md, v15). The selected kernels' time fell by
+    about what the range kernels took for the same rows (model step at 16 x 2k: 206.1 against 206.4 ms)."""
+    return min(T, n * sel_block) if _config.slc_dense_prefix else 0
 
 
 def _prefix_range(T: int) -> tuple[int, int, int]:
@@ -661,7 +613,7 @@ def _selected_bwd(q, k, v, blocks, o, lse, index, do, sel_block: int, scale: flo
     if kernel in BY_BLOCK_BACKWARD:
         dq, dk_acc, dv_acc = _selected_by_block_bwd(q, k, v, blocks, do, lse, delta, tuple(index[:4]), common,
                                                     scale, dq_add=dq_add)
-        return _with_prefix_bwd(q, k, v, o, do, lse, delta, dq, dk_acc, dv_acc, prefix, scale)
+        return _with_prefix_bwd(q, k, v, do, lse, delta, dq, dk_acc, dv_acc, prefix, scale)
     dq = torch.empty_like(q)
     if kernel == "tiled":
         union, count = index[:2]
@@ -681,18 +633,13 @@ def _selected_bwd(q, k, v, blocks, o, lse, index, do, sel_block: int, scale: flo
         dk_acc, dv_acc = _selected_dkdv(q, k, v, do, lse, delta, blocks, sel_block, scale)
     if dq_add is not None:
         dq = dq.add_(dq_add[0]).add_(dq_add[1])
-    return _with_prefix_bwd(q, k, v, o, do, lse, delta, dq, dk_acc, dv_acc, prefix, scale)
+    return _with_prefix_bwd(q, k, v, do, lse, delta, dq, dk_acc, dv_acc, prefix, scale)
 
 
-def _with_prefix_bwd(q, k, v, o, do, lse, delta, dq, dk_acc, dv_acc, prefix: int, scale: float):
+def _with_prefix_bwd(q, k, v, do, lse, delta, dq, dk_acc, dv_acc, prefix: int, scale: float):
     """(dq, dk, dv) of the selected branch: the dense prefix's dQ added into its rows of dq and its dK/dV into the
     float32 accumulators (atomics; the selected kernels' programs have finished), which are then cast."""
-    if prefix and _prefix_by_sdpa(q, v):
-        dq_p, dk_p, dv_p = _sdpa_prefix_bwd(q, k, v, o, lse, do, prefix, scale)
-        dq[:, :prefix] += dq_p.transpose(1, 2)
-        dk_acc[:, :prefix] += dk_p.transpose(1, 2)
-        dv_acc[:, :prefix] += dv_p.transpose(1, 2)
-    elif prefix:
+    if prefix:
         T = q.shape[1]
         _range_dq_into(q, k, v, do, lse, delta, dq, prefix, *_prefix_range(T), scale, accumulate=True)
         _range_dkdv_into(q, k, v, do, lse, delta, dk_acc, dv_acc, prefix, prefix, *_prefix_range(T), scale,
