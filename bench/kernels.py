@@ -273,6 +273,8 @@ def time_config(family, B, T, cfg, have_fla, sections=SECTIONS):
     row["nsa_fb_peak_mib"] = peak_mib(nsa_fb)
     for name, fn in pieces.items():
         row[name + "_ms"] = bench(fn, leaves)
+        # the eager wall time above is launch-bound at small shapes; this is what the GPU spends on the piece
+        row[name + "_gpu_ms"] = gpu_kernel_ms(fn)
     if "selected" in sections:
         try:
             row.update(time_selected_variants(x, blocks, do, cfg, scale, nsa_fb, leaves))
@@ -493,6 +495,10 @@ SWEEP_GROUPS = {
                   dict(slc_block_stages=4), dict(slc_block_rows=128, slc_block_warps=8)],
                  [("125m", 16, 2048), ("125m", 1, 32768)]),
     # the selected variant at small groups: by_block (partials + combine) against tiled's forward on chip
+    # the tiled forward's rows (queries x heads, unpadded), warps and stages, at the shape auto gives it
+    "slc_tiled": ([dict(), dict(slc_tile_rows=128, slc_tile_warps=8), dict(slc_tile_rows=128, slc_tile_warps=4),
+                   dict(slc_tile_warps=8), dict(slc_stages=3), dict(slc_tile_rows=32, slc_tile_warps=2)],
+                  [("125m", 16, 2048)]),
     "slc_variant": ([dict(), dict(slc_kernel="tiled_by_block"),
                      dict(slc_kernel="tiled_by_block", slc_tile_rows=128, slc_tile_warps=8),
                      dict(slc_kernel="tiled_by_block", slc_tile_rows=32, slc_tile_warps=2)],
@@ -643,6 +649,15 @@ def markdown(meta, checks, rows):
             lines.append(f"| {r['family']} | {r['B']} x {r['T']} | {r['nsa_fb_graph_ms']:.2f} | "
                          f"{r['dense_cudnn_fb_graph_ms']:.2f} | {r['ratio_graph_vs_cudnn']:.3f} | "
                          f"{fmt(r.get('ratio_vs_cudnn'), '.3f')} | {fmt(r.get('target'))} |")
+    pieces = [r for r in rows if "cmp_fb_gpu_ms" in r]
+    if pieces:
+        lines += ["", "## GPU kernel time of each piece alone (torch.profiler, ms; the eager times above are "
+                  "launch-bound at small shapes)", "",
+                  "| config | B x T | cmp fwd+bwd | select (fwd) | slc fwd+bwd | win fwd+bwd |",
+                  "|---|---|---|---|---|---|"]
+        for r in pieces:
+            lines.append(f"| {r['family']} | {r['B']} x {r['T']} | {r['cmp_fb_gpu_ms']:.3f} | "
+                         f"{r['select_f_gpu_ms']:.3f} | {r['slc_fb_gpu_ms']:.3f} | {r['win_fb_gpu_ms']:.3f} |")
     if any("slc_random_per_query_ms" in r for r in rows):  # a section this run did not time is left out
         lines += ["", "## Selected-branch variants (fwd+bwd ms; union = mean distinct blocks per query tile)", "",
                   "| config | B x T | selection | " + " | ".join(SELECTED_VARIANTS) + " | union tiled64 |",
