@@ -18,6 +18,11 @@ Head h reads kv head h // (H // G). FlashAttention-2 style: forward keeps an onl
 runs one kernel for dQ (per query tile and head) and one for dK/dV (per key tile and a slice of the group's
 heads; see range_attn_bwd_dkdv_kernel). Row offsets are computed in int64 (B*T*H*D can exceed 2^31).
 
+TWO_RANGES (constexpr, forward and dQ): one program also covers a second range of keys for the same query tile
+(its own K/V, key_stride, key_offset, window; own o and lse forward, own lse and delta for dQ, which is summed
+over both). nsa::core runs its compressed and window branches that way (ops/triton_impl.py, range_pair): each
+query tile (and do) is loaded once for both, and one dQ is stored instead of two. dK/dV stays per range.
+
 EDGE_SPLIT (constexpr): each program walks its tiles in three runs, masked / full / masked, where a full tile is
 one every (query, key) pair of which is visible and in bounds, so it skips the visibility mask, the bounds masks
 and the guard for rows with nothing visible. Only the tiles at the causal edge and the window's far edge need
@@ -105,28 +110,14 @@ def _fwd_tiles(acc, m_i, l_i, q, K, V, K_ROW, V_ROW, b, g, offs_m, start, stop, 
 
 
 @triton.jit
-def range_attn_fwd_kernel(Q, K, V, O, LSE, T, num_queries, num_keys, scale, key_stride, key_offset, window,
-                          K_ROW, V_ROW,
-                          H: tl.constexpr, G: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-                          BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr,
-                          BLOCK_N: tl.constexpr, EDGE_SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    pid_m = tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    b = pid_bh // H
-    h = pid_bh % H
-    g = h // (H // G)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_dk = tl.arange(0, BLOCK_DK)
+def _fwd_range(q, K, V, O, LSE, K_ROW, V_ROW, b, g, offs_m, m_ok, row_q, t_first, t_last, num_keys, qk_scale,
+               key_stride, key_offset, window, G: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+               BLOCK_M: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr,
+               EDGE_SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """Attention of the loaded query tile q over one range of keys, stored into O and LSE."""
     offs_dv = tl.arange(0, BLOCK_DV)
-    m_ok = offs_m < num_queries
-    row_q = (b * T + offs_m).to(tl.int64) * H + h
-    q = tl.load(Q + row_q[:, None] * DK + offs_dk[None, :], mask=m_ok[:, None] & (offs_dk < DK)[None, :], other=0.0)
-
-    t_first = pid_m * BLOCK_M
-    t_last = tl.minimum(t_first + BLOCK_M, num_queries) - 1
     lo, mid_lo, mid_hi, hi = _key_tiles(t_first, t_last, key_stride, key_offset, window, num_keys, BLOCK_N,
                                         EDGE_SPLIT)
-    qk_scale = scale * LOG2E
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
@@ -147,6 +138,37 @@ def range_attn_fwd_kernel(Q, K, V, O, LSE, T, num_queries, num_keys, scale, key_
     tl.store(O + row_q[:, None] * DV + offs_dv[None, :], o.to(O.dtype.element_ty),
              mask=m_ok[:, None] & (offs_dv < DV)[None, :])
     tl.store(LSE + row_q, lse, mask=m_ok)
+
+
+@triton.jit
+def range_attn_fwd_kernel(Q, K, V, O, LSE, T, num_queries, num_keys, scale, key_stride, key_offset, window,
+                          K_ROW, V_ROW, K2, V2, O2, LSE2, num_keys2, key_stride2, key_offset2, window2, K2_ROW, V2_ROW,
+                          H: tl.constexpr, G: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+                          BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr,
+                          BLOCK_N: tl.constexpr, EDGE_SPLIT: tl.constexpr, TWO_RANGES: tl.constexpr,
+                          DOT_PRECISION: tl.constexpr):
+    """TWO_RANGES: the same query tile also attends over a second range (K2, V2, ..., into O2, LSE2): NSA's
+    compressed and window branches in one pass, which loads each query tile once for both."""
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = pid_bh // H
+    h = pid_bh % H
+    g = h // (H // G)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_dk = tl.arange(0, BLOCK_DK)
+    m_ok = offs_m < num_queries
+    row_q = (b * T + offs_m).to(tl.int64) * H + h
+    q = tl.load(Q + row_q[:, None] * DK + offs_dk[None, :], mask=m_ok[:, None] & (offs_dk < DK)[None, :], other=0.0)
+    t_first = pid_m * BLOCK_M
+    t_last = tl.minimum(t_first + BLOCK_M, num_queries) - 1
+    qk_scale = scale * LOG2E
+    _fwd_range(q, K, V, O, LSE, K_ROW, V_ROW, b, g, offs_m, m_ok, row_q, t_first, t_last, num_keys, qk_scale,
+               key_stride, key_offset, window, G, DK, DV, BLOCK_M, BLOCK_DK, BLOCK_DV, BLOCK_N, EDGE_SPLIT,
+               DOT_PRECISION)
+    if TWO_RANGES:
+        _fwd_range(q, K2, V2, O2, LSE2, K2_ROW, V2_ROW, b, g, offs_m, m_ok, row_q, t_first, t_last, num_keys2,
+                   qk_scale, key_stride2, key_offset2, window2, G, DK, DV, BLOCK_M, BLOCK_DK, BLOCK_DV, BLOCK_N,
+                   EDGE_SPLIT, DOT_PRECISION)
 
 
 @triton.jit
@@ -174,13 +196,37 @@ def _dq_tiles(dq, q, do, lse2, delta, K, V, K_ROW, V_ROW, b, g, offs_m, start, s
 
 
 @triton.jit
+def _dq_range(dq, q, do, LSE, DELTA, K, V, K_ROW, V_ROW, b, g, offs_m, m_ok, row_q, t_first, t_last, num_keys,
+              qk_scale, key_stride, key_offset, window, G: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+              BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr, EDGE_SPLIT: tl.constexpr,
+              DOT_PRECISION: tl.constexpr):
+    """dq plus the (unscaled) dQ of the loaded query tile over one range of keys, with that range's lse and delta."""
+    # Rows with no visible key have lse = -inf; 0 instead keeps exp2(s - lse) finite (they are masked or padding).
+    lse2 = tl.load(LSE + row_q, mask=m_ok, other=0.0) * LOG2E
+    lse2 = tl.where(lse2 == float("-inf"), 0.0, lse2)
+    delta = tl.load(DELTA + row_q, mask=m_ok, other=0.0)
+    lo, mid_lo, mid_hi, hi = _key_tiles(t_first, t_last, key_stride, key_offset, window, num_keys, BLOCK_N,
+                                        EDGE_SPLIT)
+    dq = _dq_tiles(dq, q, do, lse2, delta, K, V, K_ROW, V_ROW, b, g, offs_m, lo, mid_lo, hi, num_keys, qk_scale,
+                   key_stride, key_offset, window, G, DK, DV, BLOCK_DK, BLOCK_DV, BLOCK_N, True, DOT_PRECISION)
+    dq = _dq_tiles(dq, q, do, lse2, delta, K, V, K_ROW, V_ROW, b, g, offs_m, mid_lo, mid_hi, hi, num_keys, qk_scale,
+                   key_stride, key_offset, window, G, DK, DV, BLOCK_DK, BLOCK_DV, BLOCK_N, False, DOT_PRECISION)
+    dq = _dq_tiles(dq, q, do, lse2, delta, K, V, K_ROW, V_ROW, b, g, offs_m, mid_hi, hi, hi, num_keys, qk_scale,
+                   key_stride, key_offset, window, G, DK, DV, BLOCK_DK, BLOCK_DV, BLOCK_N, True, DOT_PRECISION)
+    return dq
+
+
+@triton.jit
 def range_attn_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, T, num_queries, num_keys, scale, key_stride,
-                             key_offset, window, K_ROW, V_ROW,
+                             key_offset, window, K_ROW, V_ROW, K2, V2, LSE2, DELTA2, num_keys2, key_stride2,
+                             key_offset2, window2, K2_ROW, V2_ROW,
                              H: tl.constexpr, G: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
                              BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr,
                              BLOCK_N: tl.constexpr, EDGE_SPLIT: tl.constexpr, ACCUMULATE: tl.constexpr,
-                             DOT_PRECISION: tl.constexpr):
-    """ACCUMULATE: add this dQ to what DQ holds (the selected branch's dense prefix adds into the core's dQ)."""
+                             TWO_RANGES: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """ACCUMULATE: add this dQ to what DQ holds (the selected branch's dense prefix adds into the core's dQ).
+    TWO_RANGES: dQ is the sum over two ranges (the second with its own keys, lse and delta; the same do): the
+    compressed and window branches' dQ from one load of each query tile and one store."""
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = pid_bh // H
@@ -194,23 +240,17 @@ def range_attn_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, T, num_queries, num_ke
     q = tl.load(Q + row_q[:, None] * DK + offs_dk[None, :], mask=m_ok[:, None] & (offs_dk < DK)[None, :], other=0.0)
     do = tl.load(DO + row_q[:, None] * DV + offs_dv[None, :], mask=m_ok[:, None] & (offs_dv < DV)[None, :],
                  other=0.0)
-    # Rows with no visible key have lse = -inf; 0 instead keeps exp2(s - lse) finite (they are masked or padding).
-    lse2 = tl.load(LSE + row_q, mask=m_ok, other=0.0) * LOG2E
-    lse2 = tl.where(lse2 == float("-inf"), 0.0, lse2)
-    delta = tl.load(DELTA + row_q, mask=m_ok, other=0.0)
-
     t_first = pid_m * BLOCK_M
     t_last = tl.minimum(t_first + BLOCK_M, num_queries) - 1
-    lo, mid_lo, mid_hi, hi = _key_tiles(t_first, t_last, key_stride, key_offset, window, num_keys, BLOCK_N,
-                                        EDGE_SPLIT)
     qk_scale = scale * LOG2E
     dq = tl.zeros([BLOCK_M, BLOCK_DK], tl.float32)
-    dq = _dq_tiles(dq, q, do, lse2, delta, K, V, K_ROW, V_ROW, b, g, offs_m, lo, mid_lo, hi, num_keys, qk_scale,
-                   key_stride, key_offset, window, G, DK, DV, BLOCK_DK, BLOCK_DV, BLOCK_N, True, DOT_PRECISION)
-    dq = _dq_tiles(dq, q, do, lse2, delta, K, V, K_ROW, V_ROW, b, g, offs_m, mid_lo, mid_hi, hi, num_keys, qk_scale,
-                   key_stride, key_offset, window, G, DK, DV, BLOCK_DK, BLOCK_DV, BLOCK_N, False, DOT_PRECISION)
-    dq = _dq_tiles(dq, q, do, lse2, delta, K, V, K_ROW, V_ROW, b, g, offs_m, mid_hi, hi, hi, num_keys, qk_scale,
-                   key_stride, key_offset, window, G, DK, DV, BLOCK_DK, BLOCK_DV, BLOCK_N, True, DOT_PRECISION)
+    dq = _dq_range(dq, q, do, LSE, DELTA, K, V, K_ROW, V_ROW, b, g, offs_m, m_ok, row_q, t_first, t_last, num_keys,
+                   qk_scale, key_stride, key_offset, window, G, DK, DV, BLOCK_DK, BLOCK_DV, BLOCK_N, EDGE_SPLIT,
+                   DOT_PRECISION)
+    if TWO_RANGES:
+        dq = _dq_range(dq, q, do, LSE2, DELTA2, K2, V2, K2_ROW, V2_ROW, b, g, offs_m, m_ok, row_q, t_first, t_last,
+                       num_keys2, qk_scale, key_stride2, key_offset2, window2, G, DK, DV, BLOCK_DK, BLOCK_DV, BLOCK_N,
+                       EDGE_SPLIT, DOT_PRECISION)
     dq = dq * scale
     dq_ptrs = DQ + row_q[:, None] * DK + offs_dk[None, :]
     dq_ok = m_ok[:, None] & (offs_dk < DK)[None, :]

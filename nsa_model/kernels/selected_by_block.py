@@ -209,9 +209,10 @@ def selected_block_bwd_kernel(Q, K, V, DO, LSE, DELTA, ORDER, STARTS, WORK_SEG, 
 @triton.jit
 def selected_dq_sum_kernel(DQ_PART, BLOCKS, DQ, ADD_A, ADD_B, num_rows, H: tl.constexpr, G: tl.constexpr,
                            DK: tl.constexpr, BLOCK_DK: tl.constexpr, N_SELECT: tl.constexpr, BLOCK_R: tl.constexpr,
-                           HAS_ADD: tl.constexpr):
-    """dq[b, t, h] = the sum of its n slots' contributions (slots with block -1 hold nothing), plus, with HAS_ADD,
-    add_a + add_b ([B, T, H, DK] like dq: the other branches' dQ, summed here in fp32 instead of in two passes)."""
+                           NUM_ADD: tl.constexpr):
+    """dq[b, t, h] = the sum of its n slots' contributions (slots with block -1 hold nothing), plus the first NUM_ADD
+    (0, 1 or 2) of add_a, add_b ([B, T, H, DK] like dq: the other branches' dQ, apart or already summed by the
+    range kernels' two-range dQ; added here in fp32 instead of in passes of their own)."""
     HPG: tl.constexpr = H // G
     rows = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
     offs_dk = tl.arange(0, BLOCK_DK)
@@ -228,7 +229,8 @@ def selected_dq_sum_kernel(DQ_PART, BLOCKS, DQ, ADD_A, ADD_B, num_rows, H: tl.co
                        other=0.0).to(tl.float32)
     at = rows[:, None] * DK + offs_dk[None, :]
     ok = r_ok[:, None] & (offs_dk < DK)[None, :]
-    if HAS_ADD:
+    if NUM_ADD >= 1:
         acc += tl.load(ADD_A + at, mask=ok, other=0.0).to(tl.float32)
+    if NUM_ADD >= 2:
         acc += tl.load(ADD_B + at, mask=ok, other=0.0).to(tl.float32)
     tl.store(DQ + at, acc.to(DQ.dtype.element_ty), mask=ok)

@@ -48,6 +48,9 @@ GATE_KERNELS = ("torch", "fused")  # gated combination: eager PyTorch ops, or on
 RANGE_KERNELS = ("masked", "split")  # compressed/window: every tile masked (v4), or only the edge tiles (v5)
 DELTA_KERNELS = ("torch", "fused")  # backward row term sum(do * o): eager fp32 ops, or one Triton kernel
 WINDOW_DKDV = ("group", "head")  # window dK/dV: one program per key tile and group (stores) or per head (atomics)
+# nsa::core's compressed and window branches: forward and dQ as one two-range launch each (each query tile loaded
+# once, one dQ for both; with the fused gate kernel only, whose backward gives both branches the same do), or apart
+RANGE_PAIR = ("fused", "apart")
 
 
 RANGE_TILE_FIELDS = ("range_fwd", "range_dq", "range_dkdv", "range_fwd_d64", "range_dq_d64", "range_dkdv_d64")
@@ -88,13 +91,14 @@ class LaunchConfig:
     range_kernel: str = "split"  # one of RANGE_KERNELS
     delta_kernel: str = "fused"  # one of DELTA_KERNELS
     window_dkdv: str = "group"  # one of WINDOW_DKDV
+    range_pair: str = "fused"  # one of RANGE_PAIR (kernels-notes.md, v17)
     slc_dense_prefix: bool = False  # selected branch: queries t < n * l' by the range kernels (_dense_prefix; v15)
     prefix_dkdv_group_programs: int = 512  # dense prefix dK/dV: one program per group from this many programs
 
     def __post_init__(self) -> None:
         choices = {"slc_kernel": SELECTED_KERNELS, "gate_kernel": GATE_KERNELS, "range_kernel": RANGE_KERNELS,
                    "delta_kernel": DELTA_KERNELS, "window_dkdv": WINDOW_DKDV, "slc_partial": PARTIAL_DTYPES,
-                   "slc_dq": SELECTED_DQ, "slc_dkdv": SELECTED_DKDV}
+                   "slc_dq": SELECTED_DQ, "slc_dkdv": SELECTED_DKDV, "range_pair": RANGE_PAIR}
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise ValueError(f"LaunchConfig.{name}: must be one of {allowed}, got {getattr(self, name)!r}")
@@ -246,25 +250,59 @@ def _range_fwd(q, k, v, key_stride: int, key_offset: int, window: int, scale: fl
 
 
 def _range_fwd_into(q, k, v, o, lse, num_queries: int, key_stride: int, key_offset: int, window: int,
-                    scale: float) -> None:
+                    scale: float, second=None) -> None:
     """_range_fwd for queries t < num_queries only, written into rows t < num_queries of o and lse (contiguous
-    [B, T, H, Dv] and [B, T, H]); the other rows are left as they are."""
+    [B, T, H, Dv] and [B, T, H]); the other rows are left as they are. second = (k2, v2, o2, lse2, key_stride2,
+    key_offset2, window2): the same queries over a second range of keys (same G and head dims) in the same
+    launch, each query tile loaded once for both (_range_pair_fwd)."""
     k, v = _kv_rows(k), _kv_rows(v)
     B, T, H, _ = q.shape
     num_keys, G = k.shape[1], k.shape[2]
+    k2, v2, o2, lse2, *range2 = second if second is not None else (k, v, o, lse, key_stride, key_offset, window)
+    k2, v2 = _kv_rows(k2), _kv_rows(v2)
     launch = _range_launch(q, v, "fwd")
     range_attn_fwd_kernel[(triton.cdiv(num_queries, launch["BLOCK_M"]), B * H)](
-        q, k, v, o, lse, T, num_queries, num_keys, scale, key_stride, key_offset, window, **_kv_strides(k, v), H=H,
-        G=G, **_head_dims(q, v), **launch)
+        q, k, v, o, lse, T, num_queries, num_keys, scale, key_stride, key_offset, window, k.stride(1), v.stride(1),
+        k2, v2, o2, lse2, k2.shape[1], *range2, k2.stride(1), v2.stride(1), H=H, G=G, **_head_dims(q, v),
+        TWO_RANGES=second is not None, **launch)
+
+
+def _range_pair_fwd(q, first, second, scale: float):
+    """((o, lse), (o2, lse2)) of two ranges of keys for the same queries in one launch: first and second are each
+    (k, v, key_stride, key_offset, window), e.g. the compressed and window branches (range_pair = "fused")."""
+    q = q.contiguous()
+    outs = [(torch.empty(*q.shape[:3], v.shape[-1], dtype=q.dtype, device=q.device),
+             torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)) for _, v, *_ in (first, second)]
+    k2, v2, *range2 = second
+    _range_fwd_into(q, first[0], first[1], *outs[0], q.shape[1], *first[2:], scale,
+                    second=(k2, v2, *outs[1], *range2))
+    return outs
 
 
 def _range_bwd(q, k, v, o, lse, do, key_stride: int, key_offset: int, window: int, scale: float, delta=None):
     """(dq, dk, dv) of _range_fwd; delta = rowsum(do * o) [B,T,H] fp32 when the caller has it already."""
     q, k, v, do = q.contiguous(), _kv_rows(k), _kv_rows(v), do.contiguous()
-    T = q.shape[1]
     delta = _delta(do, o) if delta is None else delta
     dq = torch.empty_like(q)
-    _range_dq_into(q, k, v, do, lse, delta, dq, T, key_stride, key_offset, window, scale)
+    _range_dq_into(q, k, v, do, lse, delta, dq, q.shape[1], key_stride, key_offset, window, scale)
+    return (dq, *_range_dkdv(q, k, v, do, lse, delta, key_stride, key_offset, window, scale))
+
+
+def _range_pair_bwd(q, do, first, second, scale: float):
+    """(dq, (dk, dv), (dk2, dv2)) of _range_pair_fwd on the same do: first and second are each (k, v, lse, delta,
+    key_stride, key_offset, window). dq is the sum of the two ranges' dQ from one launch (each query tile loaded
+    once, one store); dK/dV as _range_bwd's, per range."""
+    q, do = q.contiguous(), do.contiguous()
+    (k, v, lse, delta, *range1), (k2, v2, lse2, delta2, *range2) = first, second
+    dq = torch.empty_like(q)
+    _range_dq_into(q, k, v, do, lse, delta, dq, q.shape[1], *range1, scale, second=(k2, v2, lse2, delta2, *range2))
+    return (dq, _range_dkdv(q, _kv_rows(k), _kv_rows(v), do, lse, delta, *range1, scale),
+            _range_dkdv(q, _kv_rows(k2), _kv_rows(v2), do, lse2, delta2, *range2, scale))
+
+
+def _range_dkdv(q, k, v, do, lse, delta, key_stride: int, key_offset: int, window: int, scale: float):
+    """(dk, dv) of _range_fwd from every query (q, do contiguous; k, v as _kv_rows gives them)."""
+    T = q.shape[1]
     atomic, _, _ = _range_dkdv_split(q, k, v, T, window)
     if atomic:  # programs add into fp32 accumulators, cast once at the end
         dk, dv = _fp32_accumulators(k, v)
@@ -272,18 +310,24 @@ def _range_bwd(q, k, v, o, lse, do, key_stride: int, key_offset: int, window: in
         dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
         dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
     _range_dkdv_into(q, k, v, do, lse, delta, dk, dv, T, k.shape[1], key_stride, key_offset, window, scale)
-    return dq, dk.to(k.dtype), dv.to(v.dtype)
+    return dk.to(k.dtype), dv.to(v.dtype)
 
 
 def _range_dq_into(q, k, v, do, lse, delta, dq, num_queries: int, key_stride: int, key_offset: int, window: int,
-                   scale: float, accumulate: bool = False) -> None:
-    """dQ of _range_fwd for queries t < num_queries into those rows of dq, or added to them (accumulate)."""
+                   scale: float, accumulate: bool = False, second=None) -> None:
+    """dQ of _range_fwd for queries t < num_queries into those rows of dq, or added to them (accumulate). second =
+    (k2, v2, lse2, delta2, key_stride2, key_offset2, window2): dq is the sum over both ranges (_range_pair_bwd)."""
+    k, v = _kv_rows(k), _kv_rows(v)
     B, T, H, _ = q.shape
     num_keys, G = k.shape[1], k.shape[2]
+    k2, v2, lse2, delta2, *range2 = (second if second is not None
+                                     else (k, v, lse, delta, key_stride, key_offset, window))
+    k2, v2 = _kv_rows(k2), _kv_rows(v2)
     launch = _range_launch(q, v, "dq")
     range_attn_bwd_dq_kernel[(triton.cdiv(num_queries, launch["BLOCK_M"]), B * H)](
-        q, k, v, do, lse, delta, dq, T, num_queries, num_keys, scale, key_stride, key_offset, window,
-        **_kv_strides(k, v), H=H, G=G, **_head_dims(q, v), ACCUMULATE=accumulate, **launch)
+        q, k, v, do, lse, delta, dq, T, num_queries, num_keys, scale, key_stride, key_offset, window, k.stride(1),
+        v.stride(1), k2, v2, lse2, delta2, k2.shape[1], *range2, k2.stride(1), v2.stride(1), H=H, G=G,
+        **_head_dims(q, v), ACCUMULATE=accumulate, TWO_RANGES=second is not None, **launch)
 
 
 def _range_dkdv_split(q, k, v, num_queries: int, window: int, prefix: bool = False) -> tuple[bool, int, int]:
@@ -325,6 +369,12 @@ def _range_dkdv_into(q, k, v, do, lse, delta, dk, dv, num_queries: int, num_key_
                                     triton.cdiv(num_queries, q_chunk))](
             q, k, v, do, lse, delta, dk, dv, T, num_queries, num_keys, scale, key_stride, key_offset, window, q_chunk,
             **_kv_strides(k, v), HEAD_SPLIT=head_split, ATOMIC=atomic, H=H, G=G, **_head_dims(q, v), **launch)
+
+
+def _range_pair_fused() -> bool:
+    """Whether nsa::core runs its compressed and window branches as one two-range launch each way (range_pair):
+    their backward shares one do only when the gates are folded into the lse (gate_kernel = "fused")."""
+    return _config.range_pair == "fused" and _config.gate_kernel == "fused"
 
 
 def _cmp_range(cmp_block: int, cmp_stride: int, T: int) -> tuple[int, int, int]:
@@ -601,7 +651,7 @@ def _selected_bwd(q, k, v, blocks, o, lse, index, do, sel_block: int, scale: flo
                   dq_add=None, prefix: int = 0):
     """(dq, dk, dv) of _selected_fwd, under the launch config its forward ran with (the caller pins it); index
     is the forward's (_selected_index), possibly followed by unused empty slots; delta as in _range_bwd;
-    dq_add: two [B,T,H,Dk] tensors added into dq (folded into by_block's dQ slot sum)."""
+    dq_add: one or two [B,T,H,Dk] tensors added into dq (folded into by_block's dQ slot sum)."""
     q, k, v, blocks, do = q.contiguous(), _kv_rows(k), _kv_rows(v), blocks.contiguous(), do.contiguous()
     B, T, H, _ = q.shape
     G, n = k.shape[2], blocks.shape[-1]
@@ -631,8 +681,8 @@ def _selected_bwd(q, k, v, blocks, o, lse, index, do, sel_block: int, scale: flo
                                                    dq_mode=0)
     else:
         dk_acc, dv_acc = _selected_dkdv(q, k, v, do, lse, delta, blocks, sel_block, scale)
-    if dq_add is not None:
-        dq = dq.add_(dq_add[0]).add_(dq_add[1])
+    for extra in dq_add or ():
+        dq = dq.add_(extra)
     return _with_prefix_bwd(q, k, v, do, lse, delta, dq, dk_acc, dv_acc, prefix, scale)
 
 
@@ -693,7 +743,7 @@ def _by_block_index(blocks, sel_block, config):
 def _selected_by_block_bwd(q, k, v, blocks, do, lse, delta, index, common, scale, dq_mode=None, dq_add=None):
     """(dq or None, dk, dv) of the selected branch by key blocks: one fused kernel over the blocks' choosers, then
     the dQ slot sum; dk and dv as float32 accumulators (the caller casts them). dq_mode 0 computes dK/dV only
-    (for the query-driven variants); None follows slc_dq. dq_add: two more [B,T,H,Dk] tensors added into dq (the
+    (for the query-driven variants); None follows slc_dq. dq_add: one or two [B,T,H,Dk] tensors added into dq (the
     other branches' dQ), by the slot sum where it runs."""
     order, starts, work_seg, work_chunk = index
     B, T, H, dk_dim = q.shape
@@ -719,13 +769,15 @@ def _selected_by_block_bwd(q, k, v, blocks, do, lse, delta, index, common, scale
     elif dq_mode == 1:
         dq = torch.empty_like(q)
         rows = B * T * H
-        add_a, add_b = dq_add if dq_add is not None else (dq, dq)
+        adds = list(dq_add or ())
+        add_a, add_b = (adds + [dq, dq])[:2]  # the kernel reads the first len(adds)
         selected_dq_sum_kernel[(triton.cdiv(rows, _COMBINE_ROWS),)](
             dq_out, blocks, dq, add_a.contiguous(), add_b.contiguous(), rows, H=H, G=G, DK=dk_dim,
-            BLOCK_DK=common["BLOCK_DK"], N_SELECT=n, BLOCK_R=_COMBINE_ROWS, HAS_ADD=dq_add is not None)
+            BLOCK_DK=common["BLOCK_DK"], N_SELECT=n, BLOCK_R=_COMBINE_ROWS, NUM_ADD=len(adds))
         dq_add = None  # folded in
-    if dq_add is not None and dq is not None:
-        dq = dq.add_(dq_add[0]).add_(dq_add[1])
+    if dq is not None:
+        for extra in dq_add or ():
+            dq = dq.add_(extra)
     return dq, dk_acc, dv_acc
 
 
@@ -878,11 +930,17 @@ def _core(q: torch.Tensor, k_slc: torch.Tensor, v_slc: torch.Tensor, k_win: torc
     """[o, blocks, o_cmp, lse_cmp, o_slc, lse_slc, o_win, lse_win, *index (4 slots)]."""
     cfg = _core_nsa_config(cmp_block, cmp_stride, sel_block, n_selected, window, n_init_blocks, n_local_blocks)
     T = q.shape[1]
-    o_cmp, lse_cmp = _range_fwd(q, k_cmp, v_cmp, *_cmp_range(cmp_block, cmp_stride, T), scale)
+    cmp_range, win_range = _cmp_range(cmp_block, cmp_stride, T), _win_range(window, T)
+    if _range_pair_fused():
+        (o_cmp, lse_cmp), (o_win, lse_win) = _range_pair_fwd(q, (k_cmp, v_cmp, *cmp_range),
+                                                             (k_win, v_win, *win_range), scale)
+    else:
+        o_cmp, lse_cmp = _range_fwd(q, k_cmp, v_cmp, *cmp_range, scale)
     blocks = select_blocks(q, k_cmp, lse_cmp, cfg, scale)
     o_slc, lse_slc, _, index = _selected_fwd(q, k_slc, v_slc, blocks, sel_block, scale,
                                              prefix=_dense_prefix(T, n_selected, sel_block))
-    o_win, lse_win = _range_fwd(q, k_win, v_win, *_win_range(window, T), scale)
+    if not _range_pair_fused():
+        o_win, lse_win = _range_fwd(q, k_win, v_win, *win_range, scale)
     o = _gated_fwd(gates, o_cmp, o_slc, o_win)
     return [o, blocks, o_cmp, lse_cmp, o_slc, lse_slc, o_win, lse_win, *_padded_index(index, q.device)]
 
@@ -920,13 +978,21 @@ def _core_bwd(do: torch.Tensor, q: torch.Tensor, k_slc: torch.Tensor, v_slc: tor
     else:
         dgates, d_cmp, d_slc, d_win, delta = _gated_bwd(gates, o_cmp, o_slc, o_win, do, with_delta=True)
     delta_cmp, delta_slc, delta_win = delta
-    dq_cmp, dk_cmp, dv_cmp = _range_bwd(q, k_cmp, v_cmp, o_cmp, lse_cmp, d_cmp,
-                                        *_cmp_range(cmp_block, cmp_stride, T), scale, delta=delta_cmp)
-    dq_win, dk_win, dv_win = _range_bwd(q, k_win, v_win, o_win, lse_win, d_win, *_win_range(window, T), scale,
-                                        delta=delta_win)
+    cmp_range, win_range = _cmp_range(cmp_block, cmp_stride, T), _win_range(window, T)
+    if _range_pair_fused():  # d_cmp = d_win = do: one dQ launch for both branches
+        dq_range, (dk_cmp, dv_cmp), (dk_win, dv_win) = _range_pair_bwd(
+            q, do, (k_cmp, v_cmp, lse_cmp, delta_cmp, *cmp_range), (k_win, v_win, lse_win, delta_win, *win_range),
+            scale)
+        dq_add = (dq_range,)
+    else:
+        dq_cmp, dk_cmp, dv_cmp = _range_bwd(q, k_cmp, v_cmp, o_cmp, lse_cmp, d_cmp, *cmp_range, scale,
+                                            delta=delta_cmp)
+        dq_win, dk_win, dv_win = _range_bwd(q, k_win, v_win, o_win, lse_win, d_win, *win_range, scale,
+                                            delta=delta_win)
+        dq_add = (dq_cmp, dq_win)
     # The selected branch's backward adds the other two branches' dQ into its own (by_block: in its slot sum).
     dq, dk_slc, dv_slc = _selected_bwd(q, k_slc, v_slc, blocks, o_slc, lse_slc, index, d_slc, sel_block, scale,
-                                       kernel, delta=delta_slc, dq_add=(dq_cmp, dq_win),
+                                       kernel, delta=delta_slc, dq_add=dq_add,
                                        prefix=_dense_prefix(T, blocks.shape[-1], sel_block))
     return [dq, dk_slc, dv_slc, dk_win, dv_win, dk_cmp, dv_cmp, dgates]
 
