@@ -281,8 +281,8 @@ CORE_VARIANTS = {  # three with the dense prefix: its dK/dV by groups (tiled_by_
                            slc_dense_prefix=True, prefix_dkdv_group_programs=1),
     "by_block_dense_prefix": dict(slc_kernel="by_block", slc_block_rows=16, slc_block_chunk=8,
                                   slc_dense_prefix=True),
-    # the others run the compressed and window branches as one two-range launch each way (range_pair "fused",
-    # with the fused gates); this one, and tiled_torch_gates (whose branches get different d o_i), apart
+    # the others run the compressed and window branches' dQ as one two-range launch (range_pair "fused", with the
+    # fused gates); this one, and tiled_torch_gates (whose branches get different d o_i), apart
     "by_block_ranges_apart": dict(slc_kernel="by_block", slc_block_rows=16, slc_block_chunk=8, range_pair="apart"),
 }
 

@@ -18,10 +18,11 @@ Head h reads kv head h // (H // G). FlashAttention-2 style: forward keeps an onl
 runs one kernel for dQ (per query tile and head) and one for dK/dV (per key tile and a slice of the group's
 heads; see range_attn_bwd_dkdv_kernel). Row offsets are computed in int64 (B*T*H*D can exceed 2^31).
 
-TWO_RANGES (constexpr, forward and dQ): one program also covers a second range of keys for the same query tile
-(its own K/V, key_stride, key_offset, window; own o and lse forward, own lse and delta for dQ, which is summed
-over both). nsa::core runs its compressed and window branches that way (ops/triton_impl.py, range_pair): each
-query tile (and do) is loaded once for both, and one dQ is stored instead of two. dK/dV stays per range.
+TWO_RANGES (constexpr, dQ): one program also covers a second range of keys for the same query tile (its own K/V,
+key_stride, key_offset, window, lse and delta) and stores the sum of both ranges' dQ. nsa::core runs its
+compressed and window branches' dQ that way (ops/triton_impl.py, range_pair): each query tile and its do are
+loaded once for both, and one dQ is stored instead of two. The forward stays one range per launch: two ranges in
+one program ran slower on the H100 (kernels-notes.md, v17). dK/dV stays per range.
 
 EDGE_SPLIT (constexpr): each program walks its tiles in three runs, masked / full / masked, where a full tile is
 one every (query, key) pair of which is visible and in bounds, so it skips the visibility mask, the bounds masks
@@ -142,13 +143,10 @@ def _fwd_range(q, K, V, O, LSE, K_ROW, V_ROW, b, g, offs_m, m_ok, row_q, t_first
 
 @triton.jit
 def range_attn_fwd_kernel(Q, K, V, O, LSE, T, num_queries, num_keys, scale, key_stride, key_offset, window,
-                          K_ROW, V_ROW, K2, V2, O2, LSE2, num_keys2, key_stride2, key_offset2, window2, K2_ROW, V2_ROW,
+                          K_ROW, V_ROW,
                           H: tl.constexpr, G: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
                           BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr,
-                          BLOCK_N: tl.constexpr, EDGE_SPLIT: tl.constexpr, TWO_RANGES: tl.constexpr,
-                          DOT_PRECISION: tl.constexpr):
-    """TWO_RANGES: the same query tile also attends over a second range (K2, V2, ..., into O2, LSE2): NSA's
-    compressed and window branches in one pass, which loads each query tile once for both."""
+                          BLOCK_N: tl.constexpr, EDGE_SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = pid_bh // H
@@ -165,10 +163,6 @@ def range_attn_fwd_kernel(Q, K, V, O, LSE, T, num_queries, num_keys, scale, key_
     _fwd_range(q, K, V, O, LSE, K_ROW, V_ROW, b, g, offs_m, m_ok, row_q, t_first, t_last, num_keys, qk_scale,
                key_stride, key_offset, window, G, DK, DV, BLOCK_M, BLOCK_DK, BLOCK_DV, BLOCK_N, EDGE_SPLIT,
                DOT_PRECISION)
-    if TWO_RANGES:
-        _fwd_range(q, K2, V2, O2, LSE2, K2_ROW, V2_ROW, b, g, offs_m, m_ok, row_q, t_first, t_last, num_keys2,
-                   qk_scale, key_stride2, key_offset2, window2, G, DK, DV, BLOCK_M, BLOCK_DK, BLOCK_DV, BLOCK_N,
-                   EDGE_SPLIT, DOT_PRECISION)
 
 
 @triton.jit

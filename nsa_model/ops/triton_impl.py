@@ -48,8 +48,8 @@ GATE_KERNELS = ("torch", "fused")  # gated combination: eager PyTorch ops, or on
 RANGE_KERNELS = ("masked", "split")  # compressed/window: every tile masked (v4), or only the edge tiles (v5)
 DELTA_KERNELS = ("torch", "fused")  # backward row term sum(do * o): eager fp32 ops, or one Triton kernel
 WINDOW_DKDV = ("group", "head")  # window dK/dV: one program per key tile and group (stores) or per head (atomics)
-# nsa::core's compressed and window branches: forward and dQ as one two-range launch each (each query tile loaded
-# once, one dQ for both; with the fused gate kernel only, whose backward gives both branches the same do), or apart
+# nsa::core's compressed and window branches: their dQ as one two-range launch (each query tile and do loaded once,
+# one dQ for both; with the fused gate kernel only, whose backward gives both branches the same do), or apart
 RANGE_PAIR = ("fused", "apart")
 
 
@@ -250,33 +250,16 @@ def _range_fwd(q, k, v, key_stride: int, key_offset: int, window: int, scale: fl
 
 
 def _range_fwd_into(q, k, v, o, lse, num_queries: int, key_stride: int, key_offset: int, window: int,
-                    scale: float, second=None) -> None:
+                    scale: float) -> None:
     """_range_fwd for queries t < num_queries only, written into rows t < num_queries of o and lse (contiguous
-    [B, T, H, Dv] and [B, T, H]); the other rows are left as they are. second = (k2, v2, o2, lse2, key_stride2,
-    key_offset2, window2): the same queries over a second range of keys (same G and head dims) in the same
-    launch, each query tile loaded once for both (_range_pair_fwd)."""
+    [B, T, H, Dv] and [B, T, H]); the other rows are left as they are."""
     k, v = _kv_rows(k), _kv_rows(v)
     B, T, H, _ = q.shape
     num_keys, G = k.shape[1], k.shape[2]
-    k2, v2, o2, lse2, *range2 = second if second is not None else (k, v, o, lse, key_stride, key_offset, window)
-    k2, v2 = _kv_rows(k2), _kv_rows(v2)
     launch = _range_launch(q, v, "fwd")
     range_attn_fwd_kernel[(triton.cdiv(num_queries, launch["BLOCK_M"]), B * H)](
-        q, k, v, o, lse, T, num_queries, num_keys, scale, key_stride, key_offset, window, k.stride(1), v.stride(1),
-        k2, v2, o2, lse2, k2.shape[1], *range2, k2.stride(1), v2.stride(1), H=H, G=G, **_head_dims(q, v),
-        TWO_RANGES=second is not None, **launch)
-
-
-def _range_pair_fwd(q, first, second, scale: float):
-    """((o, lse), (o2, lse2)) of two ranges of keys for the same queries in one launch: first and second are each
-    (k, v, key_stride, key_offset, window), e.g. the compressed and window branches (range_pair = "fused")."""
-    q = q.contiguous()
-    outs = [(torch.empty(*q.shape[:3], v.shape[-1], dtype=q.dtype, device=q.device),
-             torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)) for _, v, *_ in (first, second)]
-    k2, v2, *range2 = second
-    _range_fwd_into(q, first[0], first[1], *outs[0], q.shape[1], *first[2:], scale,
-                    second=(k2, v2, *outs[1], *range2))
-    return outs
+        q, k, v, o, lse, T, num_queries, num_keys, scale, key_stride, key_offset, window, **_kv_strides(k, v), H=H,
+        G=G, **_head_dims(q, v), **launch)
 
 
 def _range_bwd(q, k, v, o, lse, do, key_stride: int, key_offset: int, window: int, scale: float, delta=None):
@@ -289,9 +272,9 @@ def _range_bwd(q, k, v, o, lse, do, key_stride: int, key_offset: int, window: in
 
 
 def _range_pair_bwd(q, do, first, second, scale: float):
-    """(dq, (dk, dv), (dk2, dv2)) of _range_pair_fwd on the same do: first and second are each (k, v, lse, delta,
-    key_stride, key_offset, window). dq is the sum of the two ranges' dQ from one launch (each query tile loaded
-    once, one store); dK/dV as _range_bwd's, per range."""
+    """(dq, (dk, dv), (dk2, dv2)) of two ranges of keys over the same queries and do (_range_fwd of each): first and
+    second are each (k, v, lse, delta, key_stride, key_offset, window). dq is the sum of the two ranges' dQ from
+    one launch (each query tile and its do loaded once, one store); dK/dV as _range_bwd's, per range."""
     q, do = q.contiguous(), do.contiguous()
     (k, v, lse, delta, *range1), (k2, v2, lse2, delta2, *range2) = first, second
     dq = torch.empty_like(q)
@@ -372,8 +355,8 @@ def _range_dkdv_into(q, k, v, do, lse, delta, dk, dv, num_queries: int, num_key_
 
 
 def _range_pair_fused() -> bool:
-    """Whether nsa::core runs its compressed and window branches as one two-range launch each way (range_pair):
-    their backward shares one do only when the gates are folded into the lse (gate_kernel = "fused")."""
+    """Whether nsa::core runs its compressed and window branches' dQ as one two-range launch (range_pair): their
+    backward shares one do only when the gates are folded into the lse (gate_kernel = "fused")."""
     return _config.range_pair == "fused" and _config.gate_kernel == "fused"
 
 
@@ -930,17 +913,11 @@ def _core(q: torch.Tensor, k_slc: torch.Tensor, v_slc: torch.Tensor, k_win: torc
     """[o, blocks, o_cmp, lse_cmp, o_slc, lse_slc, o_win, lse_win, *index (4 slots)]."""
     cfg = _core_nsa_config(cmp_block, cmp_stride, sel_block, n_selected, window, n_init_blocks, n_local_blocks)
     T = q.shape[1]
-    cmp_range, win_range = _cmp_range(cmp_block, cmp_stride, T), _win_range(window, T)
-    if _range_pair_fused():
-        (o_cmp, lse_cmp), (o_win, lse_win) = _range_pair_fwd(q, (k_cmp, v_cmp, *cmp_range),
-                                                             (k_win, v_win, *win_range), scale)
-    else:
-        o_cmp, lse_cmp = _range_fwd(q, k_cmp, v_cmp, *cmp_range, scale)
+    o_cmp, lse_cmp = _range_fwd(q, k_cmp, v_cmp, *_cmp_range(cmp_block, cmp_stride, T), scale)
     blocks = select_blocks(q, k_cmp, lse_cmp, cfg, scale)
     o_slc, lse_slc, _, index = _selected_fwd(q, k_slc, v_slc, blocks, sel_block, scale,
                                              prefix=_dense_prefix(T, n_selected, sel_block))
-    if not _range_pair_fused():
-        o_win, lse_win = _range_fwd(q, k_win, v_win, *win_range, scale)
+    o_win, lse_win = _range_fwd(q, k_win, v_win, *_win_range(window, T), scale)
     o = _gated_fwd(gates, o_cmp, o_slc, o_win)
     return [o, blocks, o_cmp, lse_cmp, o_slc, lse_slc, o_win, lse_win, *_padded_index(index, q.device)]
 
