@@ -65,9 +65,12 @@ def _tile_choices(BLOCKS, b, g, t, T, G, N_SELECT: tl.constexpr, N_PAD: tl.const
 def _member(chosen, blk, BITMASK: tl.constexpr):
     """[ROWS] whether each row's query chose block blk: one shift per row with the bit sets, against a compare
     with each of its n choices and a max over them (per row and per union block, in the loop)."""
+    # One return after a static if/else: compiled Triton also visits what follows a return inside a static if.
     if BITMASK:
-        return ((chosen >> blk.to(tl.int64)) & 1) != 0
-    return tl.max((chosen == blk).to(tl.int32), axis=1) > 0
+        member = ((chosen >> blk.to(tl.int64)) & 1) != 0
+    else:
+        member = tl.max((chosen == blk).to(tl.int32), axis=1) > 0
+    return member
 
 
 @triton.jit
