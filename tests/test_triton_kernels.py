@@ -272,32 +272,6 @@ def test_selected_variants_match_reference(variant, structured):
         assert rel_err(a.grad, r.grad) <= FP32_TOL, name
 
 
-@pytest.mark.parametrize("max_bitmask_blocks", [64, 0])
-def test_tiled_kernels_test_membership_by_bit_sets_and_by_compares(max_bitmask_blocks, monkeypatch):
-    """The tiled kernels hold each query's choices as an int64 bit set where a sequence has at most 64 blocks (one
-    shift per row and union block) and compare with the n choices beyond; both ways, forward and gradients against
-    the reference (the small shapes here take bit sets unless the limit is lowered to 0)."""
-    monkeypatch.setattr(triton_impl, "_BITMASK_MAX_BLOCKS", max_bitmask_blocks)
-    cfg = NSAConfig(cmp_block=8, cmp_stride=4, sel_block=8, n_selected=3, window=8)
-    B, T, H, G, Dk, Dv = 2, 43, 6, 2, 16, 16
-    x = make_inputs(B, T, H, G, Dk, Dv, cfg, seed=31)
-    with torch.no_grad():
-        _, lse = reference.compressed_attention(x["q"], x["k_cmp"], x["v_cmp"], cfg, Dk ** -0.5)
-        blocks = reference.select_blocks(x["q"], x["k_cmp"], lse, cfg, Dk ** -0.5).to(torch.int32)
-    ref_in = [x[n].clone().requires_grad_() for n in ("q", "k_slc", "v_slc")]
-    o_ref = reference.selected_attention(*ref_in, blocks.long(), cfg, Dk ** -0.5)
-    grad_out = torch.randn_like(o_ref)
-    o_ref.backward(grad_out)
-    tri_in = [x[n].float().to(DEVICE).requires_grad_() for n in ("q", "k_slc", "v_slc")]
-    assert triton_impl._tile_bitmask(T, cfg.sel_block) == (max_bitmask_blocks > 0)
-    with triton_impl.use_launch_config(triton_impl.LaunchConfig(slc_kernel="tiled", slc_tile_rows=16)):
-        o = triton_impl.selected_attention(*tri_in, blocks.to(DEVICE), cfg, Dk ** -0.5)
-        o.backward(grad_out.float().to(DEVICE))
-    assert rel_err(o, o_ref) <= FP32_TOL
-    for name, a, r in zip(("dq", "dk", "dv"), tri_in, ref_in):
-        assert rel_err(a.grad, r.grad) <= FP32_TOL, name
-
-
 CORE_VARIANTS = {  # three with the dense prefix: its dK/dV by groups (tiled_by_block) and by heads
     "per_query": dict(slc_kernel="per_query", slc_dkdv="inverted", slc_dense_prefix=True),
     "tiled_torch_gates": dict(slc_kernel="tiled", slc_tile_rows=64, gate_kernel="torch"),

@@ -43,34 +43,12 @@ def _tile_rows(T, H, G, HPG: tl.constexpr, ROWS: tl.constexpr, TILE_Q: tl.conste
 
 
 @triton.jit
-def _bit_or(a, b):
-    return a | b
-
-
-@triton.jit
-def _tile_choices(BLOCKS, b, g, t, T, G, N_SELECT: tl.constexpr, N_PAD: tl.constexpr, BITMASK: tl.constexpr):
-    """The blocks chosen by each row's query: [ROWS, N_PAD] block ids (-1 = none or padding), or with BITMASK
-    (a sequence of at most 64 blocks) [ROWS] int64 bit sets, bit j set iff block j is chosen."""
+def _tile_choices(BLOCKS, b, g, t, T, G, N_SELECT: tl.constexpr, N_PAD: tl.constexpr):
+    """[ROWS, N_PAD] the block ids chosen by each row's query (-1 = none or padding)."""
     offs_n = tl.arange(0, N_PAD)
     base = ((b * T + t).to(tl.int64) * G + g) * N_SELECT
-    chosen = tl.load(BLOCKS + base[:, None] + offs_n[None, :], mask=(t < T)[:, None] & (offs_n < N_SELECT)[None, :],
-                     other=-1)
-    if BITMASK:
-        bit = tl.where(chosen >= 0, tl.full(chosen.shape, 1, tl.int64) << tl.maximum(chosen, 0).to(tl.int64), 0)
-        chosen = tl.reduce(bit, 1, _bit_or)
-    return chosen
-
-
-@triton.jit
-def _member(chosen, blk, BITMASK: tl.constexpr):
-    """[ROWS] whether each row's query chose block blk: one shift per row with the bit sets, against a compare
-    with each of its n choices and a max over them (per row and per union block, in the loop)."""
-    # One return after a static if/else: compiled Triton also visits what follows a return inside a static if.
-    if BITMASK:
-        member = ((chosen >> blk.to(tl.int64)) & 1) != 0
-    else:
-        member = tl.max((chosen == blk).to(tl.int32), axis=1) > 0
-    return member
+    return tl.load(BLOCKS + base[:, None] + offs_n[None, :], mask=(t < T)[:, None] & (offs_n < N_SELECT)[None, :],
+                   other=-1)
 
 
 @triton.jit
@@ -78,15 +56,14 @@ def selected_tiled_fwd_kernel(Q, K, V, BLOCKS, UNION, COUNT, O, LSE, T, num_tile
                               H: tl.constexpr, G: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
                               BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, SEL_BLOCK: tl.constexpr,
                               BLOCK_S: tl.constexpr, N_SELECT: tl.constexpr, N_PAD: tl.constexpr,
-                              ROWS: tl.constexpr, TILE_Q: tl.constexpr, BITMASK: tl.constexpr,
-                              DOT_PRECISION: tl.constexpr):
+                              ROWS: tl.constexpr, TILE_Q: tl.constexpr, DOT_PRECISION: tl.constexpr):
     HPG: tl.constexpr = H // G
     b, g, t, r_ok, row_q = _tile_rows(T, H, G, HPG, ROWS, TILE_Q)
     offs_s = tl.arange(0, BLOCK_S)
     offs_dk = tl.arange(0, BLOCK_DK)
     offs_dv = tl.arange(0, BLOCK_DV)
     q = tl.load(Q + row_q[:, None] * DK + offs_dk[None, :], mask=r_ok[:, None] & (offs_dk < DK)[None, :], other=0.0)
-    chosen = _tile_choices(BLOCKS, b, g, t, T, G, N_SELECT, N_PAD, BITMASK)
+    chosen = _tile_choices(BLOCKS, b, g, t, T, G, N_SELECT, N_PAD)
     tile_row = (b * num_tiles + tl.program_id(0)).to(tl.int64) * G + g
     count = tl.load(COUNT + tile_row)
 
@@ -96,7 +73,7 @@ def selected_tiled_fwd_kernel(Q, K, V, BLOCKS, UNION, COUNT, O, LSE, T, num_tile
     acc = tl.zeros([ROWS, BLOCK_DV], tl.float32)
     for i in range(0, count):
         blk = tl.load(UNION + tile_row * (TILE_Q * N_SELECT) + i)
-        member = _member(chosen, blk, BITMASK)
+        member = tl.max((chosen == blk).to(tl.int32), axis=1) > 0
         pos = blk * SEL_BLOCK + offs_s
         s_ok = (offs_s < SEL_BLOCK) & (pos < T)
         tok = (b * T + pos).to(tl.int64)
@@ -130,7 +107,7 @@ def selected_tiled_bwd_dq_kernel(Q, K, V, BLOCKS, UNION, COUNT, DO, LSE, DELTA, 
                                  H: tl.constexpr, G: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
                                  BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, SEL_BLOCK: tl.constexpr,
                                  BLOCK_S: tl.constexpr, N_SELECT: tl.constexpr, N_PAD: tl.constexpr,
-                                 ROWS: tl.constexpr, TILE_Q: tl.constexpr, BITMASK: tl.constexpr,
+                                 ROWS: tl.constexpr, TILE_Q: tl.constexpr,
                                  DOT_PRECISION: tl.constexpr):
     HPG: tl.constexpr = H // G
     b, g, t, r_ok, row_q = _tile_rows(T, H, G, HPG, ROWS, TILE_Q)
@@ -142,7 +119,7 @@ def selected_tiled_bwd_dq_kernel(Q, K, V, BLOCKS, UNION, COUNT, DO, LSE, DELTA, 
                  other=0.0)
     lse2 = tl.load(LSE + row_q, mask=r_ok, other=0.0) * LOG2E
     delta = tl.load(DELTA + row_q, mask=r_ok, other=0.0)
-    chosen = _tile_choices(BLOCKS, b, g, t, T, G, N_SELECT, N_PAD, BITMASK)
+    chosen = _tile_choices(BLOCKS, b, g, t, T, G, N_SELECT, N_PAD)
     tile_row = (b * num_tiles + tl.program_id(0)).to(tl.int64) * G + g
     count = tl.load(COUNT + tile_row)
 
@@ -150,7 +127,7 @@ def selected_tiled_bwd_dq_kernel(Q, K, V, BLOCKS, UNION, COUNT, DO, LSE, DELTA, 
     dq = tl.zeros([ROWS, BLOCK_DK], tl.float32)
     for i in range(0, count):
         blk = tl.load(UNION + tile_row * (TILE_Q * N_SELECT) + i)
-        member = _member(chosen, blk, BITMASK)
+        member = tl.max((chosen == blk).to(tl.int32), axis=1) > 0
         pos = blk * SEL_BLOCK + offs_s
         s_ok = (offs_s < SEL_BLOCK) & (pos < T)
         tok = (b * T + pos).to(tl.int64)

@@ -499,15 +499,6 @@ def _union_by_sort(per_tile: torch.Tensor):
     return union.contiguous(), (union != _ABSENT).sum(-1, dtype=torch.int32)
 
 
-_BITMASK_MAX_BLOCKS = 64  # the tiled kernels hold each query's choices as one int64 bit set up to this many blocks
-
-
-def _tile_bitmask(T: int, sel_block: int) -> bool:
-    """Whether the tiled kernels test a union block's membership by a shift of each row's bit set of chosen blocks
-    (a sequence of at most _BITMASK_MAX_BLOCKS blocks) rather than by comparing with each of its n choices."""
-    return triton.cdiv(T, sel_block) <= _BITMASK_MAX_BLOCKS
-
-
 def _selected_tile(hpg: int) -> tuple[int, int]:
     """(rows, tile_q) of the tiled selected kernels: a program's matrix rows (slc_tile_rows, at least one query's
     heads rounded up to a power of two) and the tile_q = rows // hpg queries whose heads fill them unpadded."""
@@ -593,8 +584,8 @@ def _selected_fwd(q, k, v, blocks, sel_block: int, scale: float, prefix: int = 0
         union, count = index if kernel == "tiled" else tile_block_union(blocks, tile_q, triton.cdiv(T, sel_block))
         selected_tiled_fwd_kernel[(union.shape[1], B * G)](
             q, k, v, blocks, union, count, o, lse, T, union.shape[1], scale, N_PAD=triton.next_power_of_2(n),
-            ROWS=rows, TILE_Q=tile_q, BITMASK=_tile_bitmask(T, sel_block), **common,
-            num_warps=_config.slc_tile_warps, num_stages=_config.slc_stages)
+            ROWS=rows, TILE_Q=tile_q, **common, num_warps=_config.slc_tile_warps,
+            num_stages=_config.slc_stages)
     else:
         selected_attn_fwd_kernel[(T, B * G)](
             q, k, v, blocks, o, lse, T, scale, HEADS_PAD=_pow2(H // G), **common, **_slc_launch())
@@ -662,7 +653,7 @@ def _selected_bwd(q, k, v, blocks, o, lse, index, do, sel_block: int, scale: flo
         rows, tile_q = _selected_tile(hpg)
         selected_tiled_bwd_dq_kernel[(union.shape[1], B * G)](
             q, k, v, blocks, union, count, do, lse, delta, dq, T, union.shape[1], scale,
-            N_PAD=triton.next_power_of_2(n), ROWS=rows, TILE_Q=tile_q, BITMASK=_tile_bitmask(T, sel_block), **common,
+            N_PAD=triton.next_power_of_2(n), ROWS=rows, TILE_Q=tile_q, **common,
             num_warps=config.slc_tile_warps, num_stages=config.slc_stages)
     else:
         selected_attn_bwd_dq_kernel[(T, B * G)](
