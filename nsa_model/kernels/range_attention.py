@@ -111,14 +111,28 @@ def _fwd_tiles(acc, m_i, l_i, q, K, V, K_ROW, V_ROW, b, g, offs_m, start, stop, 
 
 
 @triton.jit
-def _fwd_range(q, K, V, O, LSE, K_ROW, V_ROW, b, g, offs_m, m_ok, row_q, t_first, t_last, num_keys, qk_scale,
-               key_stride, key_offset, window, G: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-               BLOCK_M: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr,
-               EDGE_SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """Attention of the loaded query tile q over one range of keys, stored into O and LSE."""
+def range_attn_fwd_kernel(Q, K, V, O, LSE, T, num_queries, num_keys, scale, key_stride, key_offset, window,
+                          K_ROW, V_ROW,
+                          H: tl.constexpr, G: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+                          BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr,
+                          BLOCK_N: tl.constexpr, EDGE_SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = pid_bh // H
+    h = pid_bh % H
+    g = h // (H // G)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_dk = tl.arange(0, BLOCK_DK)
     offs_dv = tl.arange(0, BLOCK_DV)
+    m_ok = offs_m < num_queries
+    row_q = (b * T + offs_m).to(tl.int64) * H + h
+    q = tl.load(Q + row_q[:, None] * DK + offs_dk[None, :], mask=m_ok[:, None] & (offs_dk < DK)[None, :], other=0.0)
+
+    t_first = pid_m * BLOCK_M
+    t_last = tl.minimum(t_first + BLOCK_M, num_queries) - 1
     lo, mid_lo, mid_hi, hi = _key_tiles(t_first, t_last, key_stride, key_offset, window, num_keys, BLOCK_N,
                                         EDGE_SPLIT)
+    qk_scale = scale * LOG2E
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
@@ -139,30 +153,6 @@ def _fwd_range(q, K, V, O, LSE, K_ROW, V_ROW, b, g, offs_m, m_ok, row_q, t_first
     tl.store(O + row_q[:, None] * DV + offs_dv[None, :], o.to(O.dtype.element_ty),
              mask=m_ok[:, None] & (offs_dv < DV)[None, :])
     tl.store(LSE + row_q, lse, mask=m_ok)
-
-
-@triton.jit
-def range_attn_fwd_kernel(Q, K, V, O, LSE, T, num_queries, num_keys, scale, key_stride, key_offset, window,
-                          K_ROW, V_ROW,
-                          H: tl.constexpr, G: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-                          BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr,
-                          BLOCK_N: tl.constexpr, EDGE_SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    pid_m = tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    b = pid_bh // H
-    h = pid_bh % H
-    g = h // (H // G)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_dk = tl.arange(0, BLOCK_DK)
-    m_ok = offs_m < num_queries
-    row_q = (b * T + offs_m).to(tl.int64) * H + h
-    q = tl.load(Q + row_q[:, None] * DK + offs_dk[None, :], mask=m_ok[:, None] & (offs_dk < DK)[None, :], other=0.0)
-    t_first = pid_m * BLOCK_M
-    t_last = tl.minimum(t_first + BLOCK_M, num_queries) - 1
-    qk_scale = scale * LOG2E
-    _fwd_range(q, K, V, O, LSE, K_ROW, V_ROW, b, g, offs_m, m_ok, row_q, t_first, t_last, num_keys, qk_scale,
-               key_stride, key_offset, window, G, DK, DV, BLOCK_M, BLOCK_DK, BLOCK_DV, BLOCK_N, EDGE_SPLIT,
-               DOT_PRECISION)
 
 
 @triton.jit
