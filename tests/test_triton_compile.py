@@ -2,9 +2,10 @@
 
 CI runs the kernels in Triton's interpreter, which executes their Python directly and so accepts code the
 compiler rejects: a helper that returned early from inside a static `if` ran there and failed to compile on the
-H100 (kernels-notes.md, v17; compiled Triton also visits the statements after such a return). Triton's front end, its LLVM back end and the ptxas bundled with it need no GPU, so
-each kernel variant whose constexpr branches this project chooses at launch is compiled to a cubin here, in a
-subprocess: this test session imports the kernels interpreted (TRITON_INTERPRET=1), the subprocess compiled.
+H100 (kernels-notes.md, v17; compiled Triton also visits the statements after such a return). Triton's front end,
+its LLVM back end and the ptxas bundled with it need no GPU, so every kernel is compiled to a cubin here, once per
+constexpr branch its launcher chooses among, with the default launch options, in a subprocess: this test session
+imports the kernels interpreted (TRITON_INTERPRET=1), the subprocess compiled.
 """
 
 import json
@@ -16,40 +17,68 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-# kernel -> (module, pointer dtypes by argument name (bf16 where not named), scalar types, constexprs, variants)
+# Each case: (kernel, module, pointer dtypes by argument name (bf16 where not named), scalar types, constexprs,
+# launch options). The shapes are nsa-125m's (12 heads, 2 groups, head dim 64), the options the defaults'.
 D64 = dict(DK=64, DV=64, BLOCK_DK=64, BLOCK_DV=64, DOT_PRECISION="tf32")
 SEL = dict(H=12, G=2, SEL_BLOCK=64, BLOCK_S=64, N_SELECT=16, **D64)
 RANGE = dict(H=12, G=2, BLOCK_M=64, BLOCK_N=64, EDGE_SPLIT=True, **D64)
-KERNELS = {
-    "selected_tiled_fwd_kernel": (
-        "nsa_model.kernels.selected_tiled", dict(BLOCKS="i32", UNION="i32", COUNT="i32", LSE="fp32"),
-        dict(T="i32", num_tiles="i32", scale="fp32", K_ROW="i32", V_ROW="i32"),
-        dict(N_PAD=16, ROWS=64, TILE_Q=10, **SEL), [dict()]),
-    "selected_tiled_bwd_dq_kernel": (
-        "nsa_model.kernels.selected_tiled", dict(BLOCKS="i32", UNION="i32", COUNT="i32", LSE="fp32", DELTA="fp32"),
-        dict(T="i32", num_tiles="i32", scale="fp32", K_ROW="i32", V_ROW="i32"),
-        dict(N_PAD=16, ROWS=64, TILE_Q=10, **SEL), [dict()]),
-    "range_attn_fwd_kernel": (
-        "nsa_model.kernels.range_attention", dict(LSE="fp32"),
-        dict(T="i32", num_queries="i32", num_keys="i32", scale="fp32", key_stride="i32", key_offset="i32",
-             window="i32", K_ROW="i32", V_ROW="i32"),
-        RANGE, [dict()]),
-    "range_attn_bwd_dq_kernel": (
-        "nsa_model.kernels.range_attention", dict(LSE="fp32", DELTA="fp32", LSE2="fp32", DELTA2="fp32"),
-        dict(T="i32", num_queries="i32", num_keys="i32", scale="fp32", key_stride="i32", key_offset="i32",
-             window="i32", K_ROW="i32", V_ROW="i32", num_keys2="i32", key_stride2="i32", key_offset2="i32",
-             window2="i32", K2_ROW="i32", V2_ROW="i32"),
-        dict(ACCUMULATE=False, **RANGE), [dict(TWO_RANGES=True), dict(TWO_RANGES=False)]),
-    "selected_dq_sum_kernel": (
-        "nsa_model.kernels.selected_by_block", dict(BLOCKS="i32"), dict(num_rows="i32"),
-        dict(H=12, G=2, DK=64, BLOCK_DK=64, N_SELECT=16, BLOCK_R=32), [dict(NUM_ADD=n) for n in (0, 1, 2)]),
-    "selected_block_bwd_kernel": (
-        "nsa_model.kernels.selected_by_block",
-        dict(LSE="fp32", DELTA="fp32", ORDER="i32", STARTS="i32", WORK_SEG="i32", WORK_CHUNK="i32", DK_ACC="fp32",
-             DV_ACC="fp32"),
-        dict(T="i32", num_blocks="i32", scale="fp32", K_ROW="i32", V_ROW="i32"),
-        dict(ROWS=64, CHUNK=512, **SEL), [dict(DQ_MODE=1), dict(DQ_MODE=2)]),
-}
+KV_ROWS = dict(K_ROW="i32", V_ROW="i32")
+RANGE_SCALARS = dict(T="i32", num_queries="i32", num_keys="i32", scale="fp32", key_stride="i32", key_offset="i32",
+                     window="i32", **KV_ROWS)
+ROW_TERMS = dict(LSE="fp32", DELTA="fp32")
+SLC_SCALARS = dict(T="i32", scale="fp32", **KV_ROWS)
+BLOCK_INDEX = dict(ORDER="i32", STARTS="i32", WORK_SEG="i32", WORK_CHUNK="i32")
+ACCS = dict(DK_ACC="fp32", DV_ACC="fp32")
+GATES_BWD = dict(DGATES="bf16", DELTA="fp32", LSE_CMP="fp32", LSE_SLC="fp32", LSE_WIN="fp32", LSE_G="fp32")
+WARPS4 = dict(num_warps=4, num_stages=2)
+
+
+def _case(name, module, pointers, scalars, constexprs, options=WARPS4, label=""):
+    return pytest.param("nsa_model.kernels." + module, name, pointers, scalars, constexprs, options,
+                        id=f"{name}[{label}]" if label else name)
+
+
+CASES = [
+    _case("select_blocks_kernel", "selection", dict(LSE="fp32", BLOCKS="i32"),
+          dict(T="i32", num_cmp="i32", scale="fp32"),
+          dict(H=12, G=2, DK=64, BLOCK_DK=64, CMP_BLOCK=32, CMP_STRIDE=16, SEL_BLOCK=64, N_SELECT=16, N_INIT=1,
+               N_LOCAL=2, BLOCK_M=64, N_PAD=16, CHUNK_SPLITS=0, TOK_PAD=64, DOT_PRECISION="tf32")),
+    _case("range_attn_fwd_kernel", "range_attention", dict(LSE="fp32"), RANGE_SCALARS, RANGE),
+    *[_case("range_attn_bwd_dq_kernel", "range_attention", dict(LSE2="fp32", DELTA2="fp32", **ROW_TERMS),
+            dict(num_keys2="i32", key_stride2="i32", key_offset2="i32", window2="i32", K2_ROW="i32", V2_ROW="i32",
+                 **RANGE_SCALARS),
+            dict(RANGE, BLOCK_N=32, ACCUMULATE=False, TWO_RANGES=two), dict(num_warps=4, num_stages=3),
+            f"TWO_RANGES={two}") for two in (True, False)],
+    *[_case("range_attn_bwd_dkdv_kernel", "range_attention", dict(ROW_TERMS, **(ACCS if atomic else {})),
+            dict(q_chunk="i32", **RANGE_SCALARS), dict(RANGE, HEAD_SPLIT=split, ATOMIC=atomic),
+            dict(num_warps=4, num_stages=3), f"HEAD_SPLIT={split},ATOMIC={atomic}")
+      for split, atomic in ((6, True), (1, False))],
+    _case("selected_attn_fwd_kernel", "selected_attention", dict(BLOCKS="i32", LSE="fp32"), SLC_SCALARS,
+          dict(HEADS_PAD=8, **SEL), dict(num_warps=2, num_stages=2)),
+    _case("selected_attn_bwd_dq_kernel", "selected_attention", dict(BLOCKS="i32", **ROW_TERMS), SLC_SCALARS,
+          dict(HEADS_PAD=8, **SEL), dict(num_warps=2, num_stages=2)),
+    _case("selected_attn_bwd_dkdv_kernel", "selected_attention",
+          dict(QUERY_OF_ENTRY="i32", STARTS="i64", **ROW_TERMS, **ACCS), dict(num_blocks="i32", **SLC_SCALARS),
+          dict({k: v for k, v in SEL.items() if k != "N_SELECT"}, HEADS_PAD=8, ENTRIES=8, CHUNK=256)),
+    _case("selected_tiled_fwd_kernel", "selected_tiled", dict(BLOCKS="i32", UNION="i32", COUNT="i32", LSE="fp32"),
+          dict(num_tiles="i32", **SLC_SCALARS), dict(N_PAD=16, ROWS=64, TILE_Q=10, **SEL)),
+    _case("selected_tiled_bwd_dq_kernel", "selected_tiled", dict(BLOCKS="i32", UNION="i32", COUNT="i32", **ROW_TERMS),
+          dict(num_tiles="i32", **SLC_SCALARS), dict(N_PAD=16, ROWS=64, TILE_Q=10, **SEL)),
+    _case("selected_block_fwd_kernel", "selected_by_block", dict(LSE2_PART="fp32", **BLOCK_INDEX),
+          dict(num_blocks="i32", **SLC_SCALARS), dict(ROWS=64, CHUNK=512, **SEL), dict(num_warps=4, num_stages=3)),
+    _case("selected_combine_kernel", "selected_by_block", dict(LSE2_PART="fp32", BLOCKS="i32", LSE="fp32"),
+          dict(num_rows="i32"), dict(H=12, G=2, DV=64, BLOCK_DV=64, N_SELECT=16, BLOCK_R=32)),
+    *[_case("selected_block_bwd_kernel", "selected_by_block", dict(BLOCK_INDEX, **ROW_TERMS, **ACCS),
+            dict(num_blocks="i32", **SLC_SCALARS), dict(ROWS=64, CHUNK=512, DQ_MODE=mode, **SEL),
+            dict(num_warps=4, num_stages=3), f"DQ_MODE={mode}") for mode in (0, 1, 2)],
+    *[_case("selected_dq_sum_kernel", "selected_by_block", dict(BLOCKS="i32"), dict(num_rows="i32"),
+            dict(H=12, G=2, DK=64, BLOCK_DK=64, N_SELECT=16, BLOCK_R=32, NUM_ADD=adds), label=f"NUM_ADD={adds}")
+      for adds in (0, 1, 2)],
+    _case("gated_sum_fwd_kernel", "gates", {}, dict(num_rows="i32"), dict(DV=64, BLOCK_R=32, BLOCK_D=64)),
+    *[_case("gated_sum_bwd_kernel", "gates", GATES_BWD, dict(num_rows="i32"),
+            dict(DV=64, BLOCK_R=32, BLOCK_D=64, FOLD=fold), label=f"FOLD={fold}") for fold in (True, False)],
+    _case("row_dot_kernel", "delta", dict(DELTA="fp32"), dict(num_rows="i32"), dict(D=64, BLOCK_R=32, BLOCK_D=64)),
+]
 
 COMPILE = r"""
 import importlib, json, sys
@@ -57,7 +86,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-module, name, pointers, scalars, constexprs = json.loads(sys.argv[1])
+module, name, pointers, scalars, constexprs, options = json.loads(sys.argv[1])
 fn = getattr(importlib.import_module(module), name)
 signature = {}
 for arg in fn.arg_names:
@@ -67,24 +96,17 @@ for arg in fn.arg_names:
         signature[arg] = scalars[arg]
     else:
         signature[arg] = "*" + pointers.get(arg, "bf16")
-kernel = triton.compile(ASTSource(fn, signature, constexprs), target=GPUTarget("cuda", 90, 32))
+kernel = triton.compile(ASTSource(fn, signature, constexprs), target=GPUTarget("cuda", 90, 32), options=options)
 print(len(kernel.asm["cubin"]))
 """
 
 
-def _cases():
-    for name, (module, pointers, scalars, constexprs, variants) in KERNELS.items():
-        for variant in variants:
-            label = ",".join(f"{k}={v}" for k, v in variant.items()) or "default"
-            yield pytest.param(module, name, pointers, scalars, {**constexprs, **variant}, id=f"{name}[{label}]")
-
-
-@pytest.mark.parametrize("module, name, pointers, scalars, constexprs", list(_cases()))
-def test_kernel_compiles_for_hopper(module, name, pointers, scalars, constexprs, tmp_path):
+@pytest.mark.parametrize("module, name, pointers, scalars, constexprs, options", CASES)
+def test_kernel_compiles_for_hopper(module, name, pointers, scalars, constexprs, options, tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_CACHE_DIR"] = str(tmp_path)  # compile for real, not from an earlier run's cache
     env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
-    run = subprocess.run([sys.executable, "-c", COMPILE, json.dumps([module, name, pointers, scalars, constexprs])],
-                         capture_output=True, text=True, env=env, timeout=300)
+    spec = json.dumps([module, name, pointers, scalars, constexprs, options])
+    run = subprocess.run([sys.executable, "-c", COMPILE, spec], capture_output=True, text=True, env=env, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
     assert int(run.stdout.split()[-1]) > 0  # a cubin of some bytes
