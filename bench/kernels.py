@@ -494,11 +494,11 @@ SWEEP_GROUPS = {
     "by_block": ([dict(), dict(slc_block_chunk=128), dict(slc_block_chunk=512), dict(slc_block_warps=8),
                   dict(slc_block_stages=4), dict(slc_block_rows=128, slc_block_warps=8)],
                  [("125m", 16, 2048), ("125m", 1, 32768)]),
-    # the selected variant at small groups: by_block (partials + combine) against tiled's forward on chip
     # the tiled forward's rows (queries x heads, unpadded), warps and stages, at the shape auto gives it
     "slc_tiled": ([dict(), dict(slc_tile_rows=128, slc_tile_warps=8), dict(slc_tile_rows=128, slc_tile_warps=4),
                    dict(slc_tile_warps=8), dict(slc_stages=3), dict(slc_tile_rows=32, slc_tile_warps=2)],
                   [("125m", 16, 2048)]),
+    # the selected variant at small groups: by_block (partials + combine) against tiled's forward on chip
     "slc_variant": ([dict(), dict(slc_kernel="tiled_by_block"),
                      dict(slc_kernel="tiled_by_block", slc_tile_rows=128, slc_tile_warps=8),
                      dict(slc_kernel="tiled_by_block", slc_tile_rows=32, slc_tile_warps=2)],

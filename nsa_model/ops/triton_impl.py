@@ -277,10 +277,11 @@ def _range_pair_bwd(q, do, first, second, scale: float):
     one launch (each query tile and its do loaded once, one store); dK/dV as _range_bwd's, per range."""
     q, do = q.contiguous(), do.contiguous()
     (k, v, lse, delta, *range1), (k2, v2, lse2, delta2, *range2) = first, second
+    k, v, k2, v2 = (_kv_rows(x) for x in (k, v, k2, v2))  # once: the dQ and dK/dV launches read the same rows
     dq = torch.empty_like(q)
     _range_dq_into(q, k, v, do, lse, delta, dq, q.shape[1], *range1, scale, second=(k2, v2, lse2, delta2, *range2))
-    return (dq, _range_dkdv(q, _kv_rows(k), _kv_rows(v), do, lse, delta, *range1, scale),
-            _range_dkdv(q, _kv_rows(k2), _kv_rows(v2), do, lse2, delta2, *range2, scale))
+    return (dq, _range_dkdv(q, k, v, do, lse, delta, *range1, scale),
+            _range_dkdv(q, k2, v2, do, lse2, delta2, *range2, scale))
 
 
 def _range_dkdv(q, k, v, do, lse, delta, key_stride: int, key_offset: int, window: int, scale: float):
