@@ -31,7 +31,6 @@ from typing import Any, Iterator
 import torch
 import torch.distributed as dist
 
-from nsa_model.compile import compile_model
 from pipeline.train import checkpoint as ckpt
 from pipeline.train.config import TrainConfig
 from pipeline.train.guards import NonFiniteGuard, Watchdog, WatchdogTimeout
@@ -225,7 +224,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
         if rank == 0:
             print(f"resumed from checkpoint at step {start_step} (every rank continues its share at block "
                   f"{position.rank_blocks})", flush=True)
-    forward = compile_model(model, t.compile_mode) if t.compile else model
+    forward = torch.compile(model, mode=t.compile_mode) if t.compile else model
     grads = FlatGradients(optimizer) if uses_cuda_graphs(t) or t.parallelism == "allreduce" else None
     autocast = (torch.autocast(device.type, dtype=torch.bfloat16) if t.precision == "bf16"
                 else contextlib.nullcontext())
