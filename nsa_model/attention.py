@@ -23,18 +23,41 @@ def check_backend(backend: str) -> str:
     return backend
 
 
-def project_qkv(x: torch.Tensor, wq: nn.Linear, wk: nn.Linear, wv: nn.Linear, fused: bool):
-    """(q, k, v) = (wq(x), wk(x), wv(x)). Fused, one matmul of the three weights concatenated: one GEMM forward,
-    and in the backward one GEMM for x's gradient instead of three and the pointwise sum of their outputs. The
-    parameters stay three Linears, so checkpoints do not depend on it. q and k are column slices of the one
-    [B, T, width] output (views: RoPE reads them and keeps nothing of them for its backward). v is copied out:
-    attention keeps v for its backward, and as a view it kept the whole output alive, q's and k's columns too
-    (+860 MiB reserved for NSA at 32k tokens per micro-batch, +708 for dense; kernels-notes.md, v16)."""
-    if not fused:
-        return wq(x), wk(x), wv(x)
-    weight = torch.cat([wq.weight, wk.weight, wv.weight])
-    q, k, v = F.linear(x, weight).split([wq.out_features, wk.out_features, wv.out_features], dim=-1)
-    return q, k, v.contiguous()
+def project_qkv(x: torch.Tensor, wq: nn.Linear, wk: nn.Linear, wv: nn.Linear, rope: RotaryEmbedding,
+                cfg: ModelConfig, sets: int, backend: str) -> list[torch.Tensor]:
+    """[q, k_0 .. k_{sets-1}, v_0 .. v_{sets-1}] for x [B, T, dim]: q [B, T, H, Dk] and the key sets rotated by
+    RoPE, the value sets [B, T, G, Dv] as they are, each a tensor of its own (attention keeps them for its
+    backward; a view would keep the whole projection output alive, +860 MiB reserved for NSA at 32k tokens per
+    micro-batch, kernels-notes.md v16).
+
+    Fused, one matmul of the three weights concatenated: one GEMM forward, and in the backward one GEMM for x's
+    gradient instead of three and the pointwise sum of their outputs. The parameters stay three Linears, so
+    checkpoints do not depend on it. On the triton backend the rotation and the split are one op each way
+    (rope_split: each part read and written once; kernels-notes.md, v18)."""
+    H, G, Dk, Dv = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.dv
+    parts = [(wq, [H], [Dk], [True]), (wk, [G] * sets, [Dk] * sets, [True] * sets),
+             (wv, [G] * sets, [Dv] * sets, [False] * sets)]
+    if cfg.fused_qkv:
+        weight = torch.cat([wq.weight, wk.weight, wv.weight])
+        heads, dims, rotate = (sum((p[i] for p in parts), []) for i in (1, 2, 3))
+        return rotate_and_split(F.linear(x, weight), rope, heads, dims, rotate, backend)
+    return [t for w, heads, dims, rotate in parts for t in rotate_and_split(w(x), rope, heads, dims, rotate, backend)]
+
+
+def rotate_and_split(y: torch.Tensor, rope: RotaryEmbedding, heads: list[int], head_dims: list[int],
+                     rotate: list[bool], backend: str) -> list[torch.Tensor]:
+    """y [B, T, width] split into parts [B, T, heads_i, head_dims_i] (columns in order), each its own tensor,
+    part i rotated by RoPE where rotate_i. The triton backend runs it as one Triton op (nsa::rope_split); the
+    others in PyTorch, where under torch.compile inductor builds the backward's concatenation of the parts'
+    gradients from the RoPE backward of each half (kernels-notes.md, v18)."""
+    if ops.resolve_backend(backend, y) == "triton":
+        return ops.backend_module("triton", y).rope_split(y, rope.cos, rope.sin, heads, head_dims, rotate)
+    parts, start = [], 0
+    for h, d, r in zip(heads, head_dims, rotate):
+        part = y[:, :, start:start + h * d].unflatten(-1, (h, d))
+        parts.append(rope(part) if r else part.contiguous())
+        start += h * d
+    return parts
 
 
 class Compressor(nn.Module):
@@ -131,14 +154,11 @@ class NSAAttention(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, _ = x.shape
-        H, G, Dk, Dv = self.cfg.n_heads, self.cfg.n_kv_heads, self.cfg.head_dim, self.cfg.dv
-        q, k, v = project_qkv(x, self.wq, self.wk, self.wv, self.cfg.fused_qkv)
-        q = self.rope(q.view(B, T, H, Dk))
+        H, Dv = self.cfg.n_heads, self.cfg.dv
         # RoPE on the raw keys first: compression and selection work on rotated keys (spec).
-        k = self.rope(k.view(B, T, self.kv_sets * G, Dk)).view(B, T, self.kv_sets, G, Dk)
-        v = v.view(B, T, self.kv_sets, G, Dv)
-        k_cmp, k_slc, k_win = k.unbind(2) if self.kv_sets > 1 else (k[:, :, 0],) * 3
-        v_cmp, v_slc, v_win = v.unbind(2) if self.kv_sets > 1 else (v[:, :, 0],) * 3
+        q, *kv = project_qkv(x, self.wq, self.wk, self.wv, self.rope, self.cfg, self.kv_sets, self.backend)
+        k_cmp, k_slc, k_win = kv[:3] if self.kv_sets > 1 else kv[:1] * 3
+        v_cmp, v_slc, v_win = kv[3:] if self.kv_sets > 1 else kv[1:] * 3
         gates = torch.sigmoid(self.gate(x)).view(B, T, H, len(BRANCHES))
         # On the triton backend the core is one custom op (nsa::core): torch.compile traces through it.
         o, blocks = ops.nsa_attention(q, k_slc, v_slc, k_win, v_win, self.phi_k(k_cmp), self.phi_v(v_cmp), gates,
@@ -162,8 +182,9 @@ class DenseAttention(nn.Module):
 
     def __init__(self, cfg: ModelConfig, backend: str = "auto") -> None:
         super().__init__()
-        check_backend(backend)  # accepted for a uniform interface; SDPA picks its own kernel
-        self.cfg = cfg
+        # SDPA picks its own attention kernel; the backend runs RoPE and the q/k/v split (project_qkv)
+        self.cfg, self.backend = cfg, check_backend(backend)
+        ops.preload(self.backend)
         H, G, Dk, Dv = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.dv
         self.wq = nn.Linear(cfg.dim, H * Dk, bias=False)
         self.wk = nn.Linear(cfg.dim, G * Dk, bias=False)
@@ -173,11 +194,9 @@ class DenseAttention(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, _ = x.shape
-        H, G, Dk, Dv = self.cfg.n_heads, self.cfg.n_kv_heads, self.cfg.head_dim, self.cfg.dv
-        q, k, v = project_qkv(x, self.wq, self.wk, self.wv, self.cfg.fused_qkv)
-        q = self.rope(q.view(B, T, H, Dk)).transpose(1, 2)
-        k = self.rope(k.view(B, T, G, Dk)).transpose(1, 2)
-        v = v.view(B, T, G, Dv).transpose(1, 2)
+        H, G, Dv = self.cfg.n_heads, self.cfg.n_kv_heads, self.cfg.dv
+        q, k, v = (t.transpose(1, 2) for t in project_qkv(x, self.wq, self.wk, self.wv, self.rope, self.cfg, 1,
+                                                           self.backend))
         o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=G != H)
         return self.wo(o.transpose(1, 2).reshape(B, T, H * Dv))
 

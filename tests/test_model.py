@@ -108,8 +108,11 @@ def test_fused_qkv_projection_gives_the_unfused_outputs_and_gradients(attention)
         out.square().sum().backward()
         results[fused] = out.detach(), {n: p.grad for n, p in attn.named_parameters()}
     (out_ref, grads_ref), (out, grads) = results[False], results[True]
-    _, _, v = project_qkv(x, attn.wq, attn.wk, attn.wv, fused=True)
-    assert v._base is None  # its own tensor: attention keeps v for the backward, a view would keep all of q|k|v
+    sets = attn.kv_sets if attention == "nsa" else 1
+    parts = project_qkv(x, attn.wq, attn.wk, attn.wv, attn.rope, cfg, sets, "torch")
+    assert len(parts) == 1 + 2 * sets
+    # each its own tensor: attention keeps k and v for the backward, a view would keep all of q|k|v
+    assert all(part._base is None for part in parts)
     assert torch.allclose(out, out_ref, rtol=1e-10, atol=1e-12)
     assert grads.keys() == grads_ref.keys()
     for name in grads:

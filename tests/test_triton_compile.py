@@ -78,6 +78,11 @@ CASES = [
     *[_case("gated_sum_bwd_kernel", "gates", GATES_BWD, dict(num_rows="i32"),
             dict(DV=64, BLOCK_R=32, BLOCK_D=64, FOLD=fold), label=f"FOLD={fold}") for fold in (True, False)],
     _case("row_dot_kernel", "delta", dict(DELTA="fp32"), dict(num_rows="i32"), dict(D=64, BLOCK_R=32, BLOCK_D=64)),
+    *[_case("rope_rows_kernel", "rope", dict(COS="fp32", SIN="fp32"),
+            dict(num_rows="i32", T="i32", **{f"{t}_s{d}": "i32" for t in "xo" for d in "bth"}),
+            dict(HEADS=heads, D=64, BLOCK_D=64, ROTATE=rotate, INVERSE=inverse, BLOCK_R=64),
+            label=f"ROTATE={rotate},INVERSE={inverse}")
+      for heads, rotate, inverse in ((12, True, False), (2, True, True), (2, False, False))],
 ]
 
 COMPILE = r"""

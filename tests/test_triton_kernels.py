@@ -14,7 +14,7 @@ import os
 import pytest
 import torch
 
-from nsa_model.config import NSAConfig
+from nsa_model.config import ModelConfig, NSAConfig
 from nsa_model.ops import reference
 
 ON_GPU = torch.cuda.is_available()
@@ -403,9 +403,10 @@ def test_fused_gate_backward_folds_each_gate_into_its_branch_lse():
 
 @pytest.mark.parametrize("variant", list(CORE_VARIANTS))
 def test_core_reads_key_sets_sliced_from_a_stacked_projection_in_place(variant, monkeypatch):
-    """NSAAttention hands the core its selected and window K/V as slices of one [B, T, sets, G, D] projection:
-    tokens 3 * G * D elements apart. Every kernel that reads them takes that row pitch (no copy of any K/V set
-    is made), and output and gradients are those of contiguous inputs."""
+    """The core reads K/V sets sliced from one [B, T, sets, G, D] tensor (tokens 3 * G * D elements apart; how
+    NSAAttention handed them over before rope_split gave each set its own tensor) where they lie: every kernel
+    takes that row pitch (no copy of any K/V set is made), and output and gradients are those of contiguous
+    inputs."""
     cfg = NSAConfig(cmp_block=8, cmp_stride=4, sel_block=8, n_selected=3, window=8)
     B, T, H, G, Dk, Dv = 2, 29, 6, 2, 16, 32
     inputs = make_inputs(B, T, H, G, Dk, Dv, cfg, seed=23)
@@ -723,3 +724,98 @@ def test_only_the_core_ops_output_carries_a_gradient():
     assert [i for i, t in enumerate(outs) if t.requires_grad] == [0]
     outs[0].sum().backward()
     assert all(t.grad is not None and torch.isfinite(t.grad).all() for t in args)
+
+
+ROPE_PARTS = dict(heads=[3, 1, 1, 1, 1, 1, 1], head_dims=[16, 16, 16, 16, 8, 8, 8],
+                  rotate=[True, True, True, True, False, False, False])  # q, three K sets, three V sets (Dk != Dv)
+
+
+def _rope_split_by_torch(y, rope, parts):
+    from nsa_model.attention import rotate_and_split
+    return rotate_and_split(y, rope, parts["heads"], parts["head_dims"], parts["rotate"], backend="torch")
+
+
+@pytest.mark.parametrize("transposed_grads", [False, True])
+def test_rope_split_matches_the_torch_rotation_and_its_gradient(transposed_grads):
+    """nsa::rope_split (one Triton launch per part each way) against RotaryEmbedding and plain slicing: the same
+    parts and the same gradient of y, also when the parts' gradients come with their heads outermost (dense
+    attention's SDPA gives [B, H, T, D] gradients, transposed views here)."""
+    from nsa_model.rope import RotaryEmbedding
+
+    rope = RotaryEmbedding(16, max_seq_len=40, theta=10000.0).to(DEVICE)
+    gen = torch.Generator().manual_seed(31)
+    y = torch.randn(2, 37, 3 * 16 + 3 * 16 + 3 * 8, generator=gen).to(DEVICE)
+    grads = []
+    for h, d in zip(ROPE_PARTS["heads"], ROPE_PARTS["head_dims"]):
+        g = torch.randn(2, h, 37, d, generator=gen).to(DEVICE)
+        grads.append(g.transpose(1, 2) if transposed_grads else g.transpose(1, 2).contiguous())
+    results = []
+    for split in (_rope_split_by_torch, lambda y, rope, p: triton_impl.rope_split(y, rope.cos, rope.sin, **p)):
+        y_in = y.clone().requires_grad_()
+        parts = split(y_in, rope, ROPE_PARTS)
+        torch.autograd.backward(parts, grads)
+        results.append((parts, y_in.grad))
+    (ref_parts, ref_grad), (parts, grad) = results
+    assert [tuple(p.shape) for p in parts] == [tuple(p.shape) for p in ref_parts]
+    assert all(p.is_contiguous() and p._base is None for p in parts)
+    for p, r in zip(parts, ref_parts):
+        assert torch.allclose(p, r, rtol=1e-6, atol=1e-6)
+    assert torch.allclose(grad, ref_grad, rtol=1e-6, atol=1e-6)
+
+
+def test_rope_split_passes_torch_library_opcheck():
+    from nsa_model.rope import RotaryEmbedding
+
+    rope = RotaryEmbedding(16, max_seq_len=16, theta=100.0).to(DEVICE)
+    y = torch.randn(1, 11, 3 * 16 + 3 * 16 + 3 * 8, generator=torch.Generator().manual_seed(5)).to(DEVICE)
+    torch.library.opcheck(torch.ops.nsa.rope_split.default,
+                          [y.requires_grad_(), rope.cos, rope.sin, *ROPE_PARTS.values()])
+
+
+@pytest.mark.parametrize("bad, match", [(dict(heads=[3, 1]), "must tile y's width"),
+                                        (dict(table_rows=5), "cos: expected a contiguous float32"),
+                                        (dict(strided=True), "contiguous columns")])
+def test_rope_split_refuses_parts_and_tables_that_do_not_fit(bad, match):
+    y = torch.zeros(1, 7, 3 * 16 + 3 * 16 + 3 * 8, device=DEVICE)
+    if bad.get("strided"):
+        y = torch.zeros(1, 7, 120 * 2, device=DEVICE)[..., ::2]
+    table = torch.zeros(bad.get("table_rows", 8), 8, device=DEVICE)
+    parts = {**ROPE_PARTS, **{k: v for k, v in bad.items() if k in ROPE_PARTS}}
+    with pytest.raises(ValueError, match=match):
+        triton_impl.rope_split(y, table, table, **parts)
+
+
+@pytest.mark.parametrize("attention", ["nsa", "dense"])
+def test_attention_on_the_triton_backend_splits_and_rotates_q_k_v_as_the_torch_path(attention, monkeypatch):
+    """NSAAttention and DenseAttention on backend triton take their q, K and V from nsa::rope_split: outputs and
+    every parameter gradient match the same layer whose parts come from the torch path (the NSA core stays on
+    triton in both, so only the split differs)."""
+    from nsa_model import attention as attn_module
+    from nsa_model.attention import build_attention
+
+    if not ON_GPU:
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    cfg = ModelConfig(vocab_size=64, dim=32, n_layers=1, n_heads=4, n_kv_heads=2, head_dim=8, max_seq_len=32,
+                      attention=attention, nsa=NSAConfig(cmp_block=4, cmp_stride=2, sel_block=4, n_selected=3,
+                                                         window=6))
+    x = torch.randn(2, 21, 32, generator=torch.Generator().manual_seed(2)).to(DEVICE)
+    results = []
+    for split_backend in ("triton", "torch"):
+        torch.manual_seed(0)
+        layer = build_attention(cfg, backend="triton").to(DEVICE)
+        real = attn_module.rotate_and_split
+
+        def split(y, rope, heads, dims, rotate, backend, _b=split_backend):
+            return real(y, rope, heads, dims, rotate, _b)
+
+        attn_module.rotate_and_split = split
+        try:
+            out = layer(x)
+            out.square().sum().backward()
+        finally:
+            attn_module.rotate_and_split = real
+        results.append((out.detach(), {n: p.grad for n, p in layer.named_parameters()}))
+    (out, grads), (out_ref, grads_ref) = results
+    assert torch.allclose(out, out_ref, rtol=1e-5, atol=1e-6)
+    for name in grads:
+        assert torch.allclose(grads[name], grads_ref[name], rtol=1e-4, atol=1e-6), name

@@ -22,6 +22,7 @@ import triton
 from nsa_model.config import NSAConfig
 from nsa_model.kernels.delta import row_dot_kernel
 from nsa_model.kernels.gates import gated_sum_bwd_kernel, gated_sum_fwd_kernel
+from nsa_model.kernels.rope import rope_rows_kernel
 from nsa_model.kernels.range_attention import (range_attn_bwd_dkdv_kernel, range_attn_bwd_dq_kernel,
                                                range_attn_fwd_kernel)
 from nsa_model.kernels.selected_attention import (selected_attn_bwd_dkdv_kernel, selected_attn_bwd_dq_kernel,
@@ -1016,3 +1017,99 @@ def nsa_attention(q, k_slc, v_slc, k_win, v_win, k_cmp, v_cmp, gates, cfg: NSACo
                                        cfg.cmp_stride, cfg.sel_block, cfg.n_selected, cfg.window, cfg.n_init_blocks,
                                        cfg.n_local_blocks, float(scale))
     return (o, blocks) if return_blocks else o
+
+
+# --- RoPE and the split of the fused q/k/v projection (the attention modules' own op, outside the NSA core) ----
+_ROPE_ROWS = 64  # (b, t, head) rows per program of the RoPE kernel
+
+
+def _rope_rows(x: torch.Tensor, out: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotate: bool,
+               inverse: bool) -> None:
+    """out[b, t, h] = x[b, t, h] rotated by position t's angles (or by minus them), or copied: x and out
+    [B, T, heads, D] with any batch, token and head strides (last dimension contiguous)."""
+    B, T, heads, D = x.shape
+    rows = B * T * heads
+    if rows:
+        rope_rows_kernel[(triton.cdiv(rows, _ROPE_ROWS),)](
+            x, out, cos, sin, rows, T, *x.stride()[:3], *out.stride()[:3], HEADS=heads, D=D,
+            BLOCK_D=_pow2(D, floor=2), ROTATE=rotate, INVERSE=inverse, BLOCK_R=_ROPE_ROWS)
+
+
+def _rope_parts(y: torch.Tensor, heads: list[int], head_dims: list[int]):
+    """The column slices of y [B, T, width] that are the parts, each as a [B, T, heads, D] view."""
+    B, T, _ = y.shape
+    start = 0
+    for h, d in zip(heads, head_dims):
+        yield y[:, :, start:start + h * d].unflatten(-1, (h, d))
+        start += h * d
+
+
+def _check_rope_parts(y, cos, sin, heads, head_dims, rotate) -> None:
+    _check_inputs(y=y)
+    if y.dim() != 3 or y.stride(-1) != 1:
+        raise ValueError(f"y: expected [B, T, width] with contiguous columns, got {tuple(y.shape)} strides "
+                         f"{y.stride()}")
+    if not len(heads) == len(head_dims) == len(rotate) or sum(h * d for h, d in zip(heads, head_dims)) != y.shape[-1]:
+        raise ValueError(f"rope_split: parts of {heads} heads x {head_dims} dims must tile y's width {y.shape[-1]}")
+    for name, table in (("cos", cos), ("sin", sin)):
+        rotated = [d for d, r in zip(head_dims, rotate) if r]
+        if table.dtype != torch.float32 or not table.is_contiguous() or table.shape[0] < y.shape[1] or any(
+                table.shape[1] != d // 2 for d in rotated):
+            raise ValueError(f"{name}: expected a contiguous float32 [>= T, D/2] table for the rotated parts' "
+                             f"head dims {rotated}, got {table.dtype} {tuple(table.shape)}")
+
+
+@torch.library.custom_op("nsa::rope_split", mutates_args=())
+def _rope_split(y: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: list[int], head_dims: list[int],
+                rotate: list[bool]) -> list[torch.Tensor]:
+    """The parts of y [B, T, width] (columns in order), each a new contiguous [B, T, heads_i, head_dims_i]:
+    rotated by RoPE where rotate_i, copied otherwise."""
+    outs = []
+    for part, r in zip(_rope_parts(y, heads, head_dims), rotate):
+        out = torch.empty(part.shape, dtype=y.dtype, device=y.device)
+        _rope_rows(part, out, cos, sin, r, inverse=False)
+        outs.append(out)
+    return outs
+
+
+@_rope_split.register_fake
+def _rope_split_fake(y, cos, sin, heads, head_dims, rotate):
+    return [y.new_empty(*y.shape[:2], h, d) for h, d in zip(heads, head_dims)]
+
+
+@torch.library.custom_op("nsa::rope_split_bwd", mutates_args=())
+def _rope_split_bwd(grads: list[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor, heads: list[int],
+                    head_dims: list[int], rotate: list[bool]) -> torch.Tensor:
+    """dy [B, T, width] of nsa::rope_split: each part's gradient turned back (or copied) into its columns."""
+    B, T = grads[0].shape[:2]
+    dy = grads[0].new_empty(B, T, sum(h * d for h, d in zip(heads, head_dims)))
+    for grad, part, r in zip(grads, _rope_parts(dy, heads, head_dims), rotate):
+        _rope_rows(grad if grad.stride(-1) == 1 else grad.contiguous(), part, cos, sin, r, inverse=True)
+    return dy
+
+
+@_rope_split_bwd.register_fake
+def _rope_split_bwd_fake(grads, cos, sin, heads, head_dims, rotate):
+    return grads[0].new_empty(*grads[0].shape[:2], sum(h * d for h, d in zip(heads, head_dims)))
+
+
+def _rope_split_setup_context(ctx, inputs, output):
+    _, cos, sin, heads, head_dims, rotate = inputs
+    ctx.save_for_backward(cos, sin)
+    ctx.parts = (heads, head_dims, rotate)
+
+
+def _rope_split_backward(ctx, grads):
+    cos, sin = ctx.saved_tensors
+    return torch.ops.nsa.rope_split_bwd(list(grads), cos, sin, *ctx.parts), None, None, None, None, None
+
+
+_rope_split.register_autograd(_rope_split_backward, setup_context=_rope_split_setup_context)
+
+
+def rope_split(y: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: list[int], head_dims: list[int],
+               rotate: list[bool]) -> list[torch.Tensor]:
+    """y [B, T, width] split into parts [B, T, heads_i, head_dims_i] (columns in order), part i rotated by RoPE
+    (tables cos, sin [>= T, D/2] float32) where rotate_i, copied otherwise; one Triton launch per part each way."""
+    _check_rope_parts(y, cos, sin, heads, head_dims, rotate)
+    return torch.ops.nsa.rope_split(y, cos, sin, list(heads), list(head_dims), list(rotate))
