@@ -30,8 +30,7 @@ class RotaryEmbedding(nn.Module):
             raise ValueError(f"RoPE: sequence length {T} exceeds max_seq_len {self.max_seq_len}")
         cos = self.cos[:T, None, :]
         sin = self.sin[:T, None, :]
-        # float32 at least (bf16 angles lose positions), float64 stays float64. Each half goes back to x's dtype
-        # before the concatenation: under torch.compile the backward's concatenation of the two halves' gradients
-        # is then a 16-bit buffer, not a float32 one (kernels-notes.md, v18).
-        x1, x2 = (h.to(torch.promote_types(x.dtype, torch.float32)) for h in x.chunk(2, dim=-1))
-        return torch.cat([(x1 * cos - x2 * sin).to(x.dtype), (x2 * cos + x1 * sin).to(x.dtype)], dim=-1)
+        # float32 at least (bf16 angles lose positions), float64 stays float64
+        x1, x2 = x.to(torch.promote_types(x.dtype, torch.float32)).chunk(2, dim=-1)
+        rotated = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+        return rotated.to(x.dtype)
