@@ -24,24 +24,37 @@ def check_backend(backend: str) -> str:
 
 
 def project_qkv(x: torch.Tensor, wq: nn.Linear, wk: nn.Linear, wv: nn.Linear, rope: RotaryEmbedding,
-                cfg: ModelConfig, sets: int, backend: str) -> list[torch.Tensor]:
+                cfg: ModelConfig, sets: int, backend: str, gate: nn.Linear | None = None) -> list[torch.Tensor]:
     """[q, k_0 .. k_{sets-1}, v_0 .. v_{sets-1}] for x [B, T, dim]: q [B, T, H, Dk] and the key sets rotated by
     RoPE, the value sets [B, T, G, Dv] as they are, each a tensor of its own (attention keeps them for its
     backward; a view would keep the whole projection output alive, +860 MiB reserved for NSA at 32k tokens per
-    micro-batch, kernels-notes.md v16).
+    micro-batch, kernels-notes.md v16). With `gate`, its output gate(x) [B, T, gate.out_features] follows.
 
     Fused, one matmul of the three weights concatenated: one GEMM forward, and in the backward one GEMM for x's
-    gradient instead of three and the pointwise sum of their outputs. The parameters stay three Linears, so
-    checkpoints do not depend on it. On the triton backend the rotation and the split are one op each way
-    (rope_split: each part read and written once; kernels-notes.md, v18)."""
+    gradient instead of three and the pointwise sum of their outputs. The parameters stay separate Linears, so
+    checkpoints do not depend on it. With fused_gate the gate's weight joins that matmul, its rows padded with
+    zeros to a multiple of 16: apart, its 3H = 36 outputs are off the tensor-core alignment and cuBLAS runs
+    three sm80 kernels on it, 2.4 ms per step at 125M T = 2048 (kernels-notes.md, v18). On the triton backend
+    the rotation and the split are one op each way (rope_split: each part read and written once; v18)."""
     H, G, Dk, Dv = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.dv
     parts = [(wq, [H], [Dk], [True]), (wk, [G] * sets, [Dk] * sets, [True] * sets),
              (wv, [G] * sets, [Dv] * sets, [False] * sets)]
-    if cfg.fused_qkv:
-        weight = torch.cat([wq.weight, wk.weight, wv.weight])
-        heads, dims, rotate = (sum((p[i] for p in parts), []) for i in (1, 2, 3))
-        return rotate_and_split(F.linear(x, weight), rope, heads, dims, rotate, backend)
-    return [t for w, heads, dims, rotate in parts for t in rotate_and_split(w(x), rope, heads, dims, rotate, backend)]
+    if not cfg.fused_qkv:
+        outs = [t for w, heads, dims, rotate in parts for t in rotate_and_split(w(x), rope, heads, dims, rotate,
+                                                                                 backend)]
+        return outs if gate is None else outs + [gate(x)]
+    weights = [wq.weight, wk.weight, wv.weight]
+    heads, dims, rotate = (sum((p[i] for p in parts), []) for i in (1, 2, 3))
+    fuse_gate = gate is not None and cfg.fused_gate
+    if fuse_gate:
+        n = gate.out_features
+        width = -(-n // 16) * 16
+        weights += [gate.weight, gate.weight.new_zeros(width - n, gate.in_features)]
+        heads, dims, rotate = heads + [1], dims + [width], rotate + [False]
+    outs = rotate_and_split(F.linear(x, torch.cat(weights)), rope, heads, dims, rotate, backend)
+    if fuse_gate:
+        return outs[:-1] + [outs[-1][:, :, 0, :n] + gate.bias]
+    return outs if gate is None else outs + [gate(x)]
 
 
 def rotate_and_split(y: torch.Tensor, rope: RotaryEmbedding, heads: list[int], head_dims: list[int],
@@ -156,10 +169,11 @@ class NSAAttention(nn.Module):
         B, T, _ = x.shape
         H, Dv = self.cfg.n_heads, self.cfg.dv
         # RoPE on the raw keys first: compression and selection work on rotated keys (spec).
-        q, *kv = project_qkv(x, self.wq, self.wk, self.wv, self.rope, self.cfg, self.kv_sets, self.backend)
+        q, *kv, gate_logits = project_qkv(x, self.wq, self.wk, self.wv, self.rope, self.cfg, self.kv_sets,
+                                          self.backend, gate=self.gate)
         k_cmp, k_slc, k_win = kv[:3] if self.kv_sets > 1 else kv[:1] * 3
         v_cmp, v_slc, v_win = kv[3:] if self.kv_sets > 1 else kv[1:] * 3
-        gates = torch.sigmoid(self.gate(x)).view(B, T, H, len(BRANCHES))
+        gates = torch.sigmoid(gate_logits).view(B, T, H, len(BRANCHES))
         # On the triton backend the core is one custom op (nsa::core): torch.compile traces through it.
         o, blocks = ops.nsa_attention(q, k_slc, v_slc, k_win, v_win, self.phi_k(k_cmp), self.phi_v(v_cmp), gates,
                                       self.nsa, backend=self.backend, return_blocks=True)

@@ -92,15 +92,16 @@ def test_nsa_module_torch_backend_matches_naive(overrides):
         assert torch.allclose(grads[name], grads_ref[name], rtol=1e-8, atol=1e-12), name
 
 
-@pytest.mark.parametrize("attention", ["nsa", "dense"])
-def test_fused_qkv_projection_gives_the_unfused_outputs_and_gradients(attention):
-    """fused_qkv computes q, k, v in one matmul of the concatenated weights (q and k column views of it, v copied
-    out): same values and parameter gradients as three Linears, in float64, and the same parameter names
-    (checkpoints do not depend on it)."""
+@pytest.mark.parametrize("attention, fused_gate", [("nsa", False), ("nsa", True), ("dense", False)])
+def test_fused_qkv_projection_gives_the_unfused_outputs_and_gradients(attention, fused_gate):
+    """fused_qkv computes q, k, v in one matmul of the concatenated weights (with fused_gate NSA's gate weight
+    too, its rows padded with zeros to a multiple of 16; 3 x 4 heads = 12 gate outputs here, so 4 rows of
+    padding): same values and parameter gradients as separate Linears, in float64, and the same parameter names
+    (checkpoints do not depend on it). q, K and V each come out as a tensor of their own."""
     x = torch.randn(2, 27, 64, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
     results = {}
     for fused in (False, True):
-        cfg = small_cfg(attention, fused_qkv=fused)
+        cfg = small_cfg(attention, fused_qkv=fused, fused_gate=fused and fused_gate)
         torch.manual_seed(1)
         model = Transformer(cfg, backend="torch").double()
         attn = model.blocks[0].attn

@@ -785,19 +785,20 @@ def test_rope_split_refuses_parts_and_tables_that_do_not_fit(bad, match):
         triton_impl.rope_split(y, table, table, **parts)
 
 
-@pytest.mark.parametrize("attention", ["nsa", "dense"])
-def test_attention_on_the_triton_backend_splits_and_rotates_q_k_v_as_the_torch_path(attention, monkeypatch):
-    """NSAAttention and DenseAttention on backend triton take their q, K and V from nsa::rope_split: outputs and
-    every parameter gradient match the same layer whose parts come from the torch path (the NSA core stays on
-    triton in both, so only the split differs)."""
+@pytest.mark.parametrize("attention, fused_gate", [("nsa", False), ("nsa", True), ("dense", False)])
+def test_attention_on_the_triton_backend_splits_and_rotates_q_k_v_as_the_torch_path(attention, fused_gate,
+                                                                                       monkeypatch):
+    """NSAAttention and DenseAttention on backend triton take their q, K and V (and with fused_gate NSA's gate
+    logits) from nsa::rope_split: outputs and every parameter gradient match the same layer whose parts come
+    from the torch path (the NSA core stays on triton in both, so only the split differs)."""
     from nsa_model import attention as attn_module
     from nsa_model.attention import build_attention
 
     if not ON_GPU:
         monkeypatch.setenv("TRITON_INTERPRET", "1")
     cfg = ModelConfig(vocab_size=64, dim=32, n_layers=1, n_heads=4, n_kv_heads=2, head_dim=8, max_seq_len=32,
-                      attention=attention, nsa=NSAConfig(cmp_block=4, cmp_stride=2, sel_block=4, n_selected=3,
-                                                         window=6))
+                      attention=attention, fused_gate=fused_gate,
+                      nsa=NSAConfig(cmp_block=4, cmp_stride=2, sel_block=4, n_selected=3, window=6))
     x = torch.randn(2, 21, 32, generator=torch.Generator().manual_seed(2)).to(DEVICE)
     results = []
     for split_backend in ("triton", "torch"):
