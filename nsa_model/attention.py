@@ -53,7 +53,8 @@ def project_qkv(x: torch.Tensor, wq: nn.Linear, wk: nn.Linear, wv: nn.Linear, ro
         heads, dims, rotate = heads + [1], dims + [width], rotate + [False]
     outs = rotate_and_split(F.linear(x, torch.cat(weights)), rope, heads, dims, rotate, backend)
     if fuse_gate:
-        return outs[:-1] + [outs[-1][:, :, 0, :n] + gate.bias]
+        logits = outs[-1][:, :, 0, :n]
+        return outs[:-1] + [logits + gate.bias.to(logits.dtype)]  # the dtype Linear gives under autocast
     return outs if gate is None else outs + [gate(x)]
 
 

@@ -118,6 +118,11 @@ def test_fused_qkv_projection_gives_the_unfused_outputs_and_gradients(attention,
     assert grads.keys() == grads_ref.keys()
     for name in grads:
         assert torch.allclose(grads[name], grads_ref[name], rtol=1e-9, atol=1e-12), name
+    attn.float()  # last: this converts the layer in place
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # every part, gate logits too, in the autocast dtype
+        parts = project_qkv(x.float(), attn.wq, attn.wk, attn.wv, attn.rope, cfg, sets, "torch",
+                            gate=attn.gate if attention == "nsa" else None)
+    assert {part.dtype for part in parts} == {torch.bfloat16}
 
 
 def test_compiled_model_matches_eager():
