@@ -77,7 +77,7 @@ class ModelConfig:
     phi_hidden: int | None = None  # hidden width of the mlp phi; None means head_dim * 2
     shared_kv: bool = False  # one K/V projection for all branches (else one per branch, paper 3.3.3)
     fused_qkv: bool = True  # q, k and v from one matmul of the three weights concatenated (parameters unchanged)
-    fused_gate: bool = False  # NSA's gate weight in the fused q/k/v matmul (rows padded to 16; needs fused_qkv)
+    fused_gate: bool = True  # with fused_qkv, NSA's gate weight joins that matmul (its rows padded to 16)
     phi_chunks: bool = False  # mlp phi's fc1 as shifted matmuls over stride-sized chunks (same function and weights)
     tie_embeddings: bool = True
     init_std: float = 0.02
@@ -104,8 +104,6 @@ class ModelConfig:
         for name in ("shared_kv", "fused_qkv", "fused_gate", "phi_chunks", "tie_embeddings"):
             _require(isinstance(getattr(self, name), bool), f"ModelConfig.{name}",
                      f"must be a bool, got {getattr(self, name)!r}")
-        _require(self.fused_qkv or not self.fused_gate, "ModelConfig.fused_gate",
-                 "joins the fused q/k/v matmul, so it needs fused_qkv=True")
         _require(self.rope_theta > 0, "ModelConfig.rope_theta", f"must be positive, got {self.rope_theta}")
         _require(self.init_std > 0, "ModelConfig.init_std", f"must be positive, got {self.init_std}")
         _require(isinstance(self.nsa, NSAConfig), "ModelConfig.nsa", f"must be an NSAConfig, got {self.nsa!r}")

@@ -100,8 +100,8 @@ def test_fused_qkv_projection_gives_the_unfused_outputs_and_gradients(attention,
     (checkpoints do not depend on it). q, K and V each come out as a tensor of their own."""
     x = torch.randn(2, 27, 64, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
     results = {}
-    for fused in (False, True):
-        cfg = small_cfg(attention, fused_qkv=fused, fused_gate=fused and fused_gate)
+    for fused in (False, True):  # unfused, the gate is its own Linear whatever fused_gate says
+        cfg = small_cfg(attention, fused_qkv=fused, fused_gate=fused_gate)
         torch.manual_seed(1)
         model = Transformer(cfg, backend="torch").double()
         attn = model.blocks[0].attn

@@ -50,12 +50,6 @@ def test_model_config_refuses_each_invalid_value_naming_the_field(field, value, 
         ModelConfig(**{field: value})
 
 
-def test_fused_gate_needs_the_fused_projection():
-    with pytest.raises(ValueError, match="ModelConfig.fused_gate: joins the fused q/k/v matmul"):
-        ModelConfig(fused_qkv=False, fused_gate=True)
-    assert ModelConfig(fused_qkv=True, fused_gate=True).fused_gate
-
-
 def test_model_config_from_dict_refuses_unknown_fields_and_round_trips():
     with pytest.raises(ValueError, match=r"ModelConfig: unknown field\(s\) \['layers'\]"):
         ModelConfig.from_dict({"layers": 2})
