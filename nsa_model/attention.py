@@ -32,10 +32,12 @@ def project_qkv(x: torch.Tensor, wq: nn.Linear, wk: nn.Linear, wv: nn.Linear, ro
 
     Fused, one matmul of the three weights concatenated: one GEMM forward, and in the backward one GEMM for x's
     gradient instead of three and the pointwise sum of their outputs. The parameters stay separate Linears, so
-    checkpoints do not depend on it. With fused_gate the gate's weight joins that matmul, its rows padded with
-    zeros to a multiple of 16: apart, its 3H = 36 outputs are off the tensor-core alignment and cuBLAS runs
-    three sm80 kernels on it, 2.4 ms per step at 125M T = 2048 (kernels-notes.md, v18). On the triton backend
-    the rotation and the split are one op each way (rope_split: each part read and written once; v18)."""
+    checkpoints do not depend on it. With fused_gate the gate's weight joins that matmul, with rows of zeros
+    that bring the matmul's width to a multiple of 64: apart, its 3H = 36 outputs are off the tensor-core
+    alignment and cuBLAS runs three sm80 kernels on it, 2.4 ms per step at 125M T = 2048; and a row of the
+    output that is not 128 bytes long gets a padded stride from inductor, which the split op then copies away
+    (1.7 ms per step; kernels-notes.md, v18). On the triton backend the rotation and the split are one op each
+    way (rope_split: each part read and written once; v18)."""
     H, G, Dk, Dv = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.dv
     parts = [(wq, [H], [Dk], [True]), (wk, [G] * sets, [Dk] * sets, [True] * sets),
              (wv, [G] * sets, [Dv] * sets, [False] * sets)]
@@ -47,8 +49,8 @@ def project_qkv(x: torch.Tensor, wq: nn.Linear, wk: nn.Linear, wv: nn.Linear, ro
     heads, dims, rotate = (sum((p[i] for p in parts), []) for i in (1, 2, 3))
     fuse_gate = gate is not None and cfg.fused_gate
     if fuse_gate:
-        n = gate.out_features
-        width = -(-n // 16) * 16
+        n, base = gate.out_features, sum(w.shape[0] for w in weights)
+        width = -(-(base + n) // 64) * 64 - base  # the gate's columns, n of them real
         weights += [gate.weight, gate.weight.new_zeros(width - n, gate.in_features)]
         heads, dims, rotate = heads + [1], dims + [width], rotate + [False]
     outs = rotate_and_split(F.linear(x, torch.cat(weights)), rope, heads, dims, rotate, backend)

@@ -77,7 +77,7 @@ class ModelConfig:
     phi_hidden: int | None = None  # hidden width of the mlp phi; None means head_dim * 2
     shared_kv: bool = False  # one K/V projection for all branches (else one per branch, paper 3.3.3)
     fused_qkv: bool = True  # q, k and v from one matmul of the three weights concatenated (parameters unchanged)
-    fused_gate: bool = True  # with fused_qkv, NSA's gate weight joins that matmul (its rows padded to 16)
+    fused_gate: bool = True  # with fused_qkv, NSA's gate weight joins that matmul (width padded to 64)
     phi_chunks: bool = False  # mlp phi's fc1 as shifted matmuls over stride-sized chunks (same function and weights)
     tie_embeddings: bool = True
     init_std: float = 0.02
