@@ -80,13 +80,12 @@ class Compressor(nn.Module):
     """phi of paper Eq. 7: maps each block of l raw vectors (stride d) to one compressed vector.
 
     `avg` is the mean of the block. `mlp` adds a learned intra-block position embedding, flattens the block and
-    applies Linear(l*D -> hidden), GELU, Linear(hidden -> D). With `chunks` the mlp's first Linear runs as
-    shifted matmuls over stride-sized chunks (`_fc1_chunks`): the same function and parameters.
+    applies Linear(l*D -> hidden), GELU, Linear(hidden -> D).
     """
 
-    def __init__(self, kind: str, head_dim: int, nsa: NSAConfig, hidden: int, chunks: bool = False) -> None:
+    def __init__(self, kind: str, head_dim: int, nsa: NSAConfig, hidden: int) -> None:
         super().__init__()
-        self.kind, self.block, self.stride, self.chunks = kind, nsa.cmp_block, nsa.cmp_stride, chunks
+        self.kind, self.block, self.stride = kind, nsa.cmp_block, nsa.cmp_stride
         if kind == "mlp":
             self.pos_emb = nn.Parameter(torch.zeros(nsa.cmp_block, head_dim))
             self.fc1 = nn.Linear(nsa.cmp_block * head_dim, hidden)
@@ -114,31 +113,12 @@ class Compressor(nn.Module):
         return x.unfold(1, self.block, self.stride)  # [B, Tc, G, D, l]: a view of x, no copy
 
     def _mlp(self, x: torch.Tensor) -> torch.Tensor:
+        blocks = self._blocks(x).transpose(-1, -2).flatten(-2)  # [B, Tc, G, l*D]
         # fc1(blocks + pos_emb) = fc1(blocks) + fc1.weight @ pos_emb: the position embedding is one constant vector
         # in fc1's output, so it goes into the bias. Its gradient is then fc1.weight^T times a [hidden] sum, not
         # a sum over every block's l x D values (3 ms per step at T=32768 on nsa-125m, kernels-notes.md v12).
         bias = torch.addmv(self.fc1.bias, self.fc1.weight, self.pos_emb.flatten())
-        if self.chunks:
-            return self.fc2(F.gelu(self._fc1_chunks(x, bias)))
-        blocks = self._blocks(x).transpose(-1, -2).flatten(-2)  # [B, Tc, G, l*D]
         return self.fc2(F.gelu(F.linear(blocks, self.fc1.weight, bias)))
-
-    def _fc1_chunks(self, x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-        """fc1 over the blocks without unfolding them. Block i is chunks i .. i+m-1 of d tokens each (l = m d,
-        NSAConfig checks it), so fc1(block i) = sum_j W_j @ chunk(i + j) + bias, W_j being the columns of fc1's
-        weight that read chunk j of a block: one matmul of every chunk with all m W_j stacked, then m shifted
-        slices summed. The unfolded form copies each token l/d times and scatters its gradient back through the
-        unfold; here each token is read once and its gradient is a plain matmul output."""
-        B, T, G, D = x.shape
-        l, d = self.block, self.stride
-        m, n_chunks, tc = l // d, T // d, (T - l) // d + 1
-        hidden = self.fc1.out_features
-        chunks = x[:, :n_chunks * d].reshape(B, n_chunks, d, G, D).transpose(2, 3).reshape(B, n_chunks, G, d * D)
-        w_stack = self.fc1.weight.view(hidden, m, d * D).transpose(0, 1).reshape(m * hidden, d * D)
-        z = F.linear(chunks, w_stack).view(B, n_chunks, G, m, hidden)
-        acc = torch.promote_types(z.dtype, torch.float32)  # the m partial products summed as a GEMM would: fp32
-        h = bias.to(acc) + sum(z[:, j:j + tc, :, j].to(acc) for j in range(m))
-        return h.to(z.dtype)
 
 
 class NSAAttention(nn.Module):
@@ -163,8 +143,8 @@ class NSAAttention(nn.Module):
         self.wo = nn.Linear(H * Dv, cfg.dim, bias=False)
         self.gate = nn.Linear(cfg.dim, len(BRANCHES) * H)
         hidden = cfg.phi_hidden or 2 * Dk
-        self.phi_k = Compressor(cfg.phi, Dk, cfg.nsa, hidden, cfg.phi_chunks)
-        self.phi_v = Compressor(cfg.phi, Dv, cfg.nsa, hidden, cfg.phi_chunks)
+        self.phi_k = Compressor(cfg.phi, Dk, cfg.nsa, hidden)
+        self.phi_v = Compressor(cfg.phi, Dv, cfg.nsa, hidden)
         self.rope = RotaryEmbedding(Dk, cfg.max_seq_len, cfg.rope_theta)
         self.register_buffer("stats", torch.zeros(len(self.STATS)), persistent=False)
 

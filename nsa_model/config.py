@@ -78,7 +78,6 @@ class ModelConfig:
     shared_kv: bool = False  # one K/V projection for all branches (else one per branch, paper 3.3.3)
     fused_qkv: bool = True  # q, k and v from one matmul of the three weights concatenated (parameters unchanged)
     fused_gate: bool = True  # with fused_qkv, NSA's gate weight joins that matmul (width padded to 64)
-    phi_chunks: bool = False  # mlp phi's fc1 as shifted matmuls over stride-sized chunks (same function and weights)
     tie_embeddings: bool = True
     init_std: float = 0.02
     norm_eps: float = 1e-5
@@ -101,7 +100,7 @@ class ModelConfig:
         _require(self.attention in ("nsa", "dense"), "ModelConfig.attention",
                  f"must be 'nsa' or 'dense', got {self.attention!r}")
         _require(self.phi in ("avg", "mlp"), "ModelConfig.phi", f"must be 'avg' or 'mlp', got {self.phi!r}")
-        for name in ("shared_kv", "fused_qkv", "fused_gate", "phi_chunks", "tie_embeddings"):
+        for name in ("shared_kv", "fused_qkv", "fused_gate", "tie_embeddings"):
             _require(isinstance(getattr(self, name), bool), f"ModelConfig.{name}",
                      f"must be a bool, got {getattr(self, name)!r}")
         _require(self.rope_theta > 0, "ModelConfig.rope_theta", f"must be positive, got {self.rope_theta}")

@@ -257,11 +257,9 @@ def test_bad_inputs_are_refused(monkeypatch):
 
 @pytest.mark.parametrize("l,d,T", [(8, 4, 32), (8, 4, 8), (8, 4, 7), (8, 4, 21), (8, 2, 19), (4, 4, 13),
                                    (16, 8, 64)])
-@pytest.mark.parametrize("chunks", [False, True])
-def test_phi_mlp_is_the_spec_formula_on_every_block(l, d, T, chunks):
+def test_phi_mlp_is_the_spec_formula_on_every_block(l, d, T):
     """Compressor (phi = mlp) against NSA_SPEC's phi written out (unfold, add pos_emb, flatten, Linear, GELU,
-    Linear), values and gradients, in float64, for T a multiple of d or not, T = l and T < l; fc1 over the
-    unfolded blocks and as shifted matmuls over stride-sized chunks (ModelConfig.phi_chunks)."""
+    Linear), values and gradients, in float64, for T a multiple of d or not, T = l and T < l."""
     import torch.nn.functional as F
 
     from nsa_model.attention import Compressor
@@ -269,7 +267,7 @@ def test_phi_mlp_is_the_spec_formula_on_every_block(l, d, T, chunks):
 
     torch.manual_seed(0)
     nsa = NSAConfig(cmp_block=l, cmp_stride=d, sel_block=16, n_selected=4, window=8)
-    phi = Compressor("mlp", 6, nsa, hidden=10, chunks=chunks).double()
+    phi = Compressor("mlp", 6, nsa, hidden=10).double()
     torch.nn.init.normal_(phi.pos_emb)
     torch.nn.init.normal_(phi.fc1.bias)
     x = torch.randn(2, T, 3, 6, dtype=torch.float64, requires_grad=True)
