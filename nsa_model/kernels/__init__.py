@@ -10,6 +10,8 @@
                          and dQ); the default for groups of <= 8 heads, and the dK/dV kernel of the other two
   gates.py               the gated combination of the three branches, fused, forward and backward
   delta.py               the backward row term sum(do * o) of every attention branch, one read of each
+  rope.py                RoPE over the rows of the attention's q/k/v projection and its split into parts, both
+                         ways (outside the NSA core: the attention modules' nsa::rope_split op)
 
 The kernels run on CUDA, or on CPU under Triton's own interpreter (TRITON_INTERPRET=1 set before this package is
 imported: triton.jit reads it when a kernel is defined).
