@@ -96,8 +96,8 @@ def test_nsa_module_torch_backend_matches_naive(overrides):
 def test_fused_qkv_projection_gives_the_unfused_outputs_and_gradients(attention, fused_gate):
     """fused_qkv computes q, k, v in one matmul of the concatenated weights (with fused_gate NSA's gate weight
     too, and rows of zeros up to a width of a multiple of 64: q 64 + K 96 + V 96 + 12 gate columns here, 52 rows
-    of zeros up to 320): same values and parameter gradients as separate Linears, in float64, and the same parameter names
-    (checkpoints do not depend on it). q, K and V each come out as a tensor of their own."""
+    of zeros up to 320): same values and parameter gradients as separate Linears, in float64, and the same
+    parameter names (checkpoints do not depend on it). q, K and V each come out as a tensor of their own."""
     x = torch.randn(2, 27, 64, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
     results = {}
     for fused in (False, True):  # unfused, the gate is its own Linear whatever fused_gate says

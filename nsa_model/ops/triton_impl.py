@@ -1037,7 +1037,6 @@ def _rope_rows(x: torch.Tensor, out: torch.Tensor, cos: torch.Tensor, sin: torch
 
 def _rope_parts(y: torch.Tensor, heads: list[int], head_dims: list[int]):
     """The column slices of y [B, T, width] that are the parts, each as a [B, T, heads, D] view."""
-    B, T, _ = y.shape
     start = 0
     for h, d in zip(heads, head_dims):
         yield y[:, :, start:start + h * d].unflatten(-1, (h, d))
@@ -1049,10 +1048,11 @@ def _check_rope_parts(y, cos, sin, heads, head_dims, rotate) -> None:
     if y.dim() != 3 or y.stride(-1) != 1:
         raise ValueError(f"y: expected [B, T, width] with contiguous columns, got {tuple(y.shape)} strides "
                          f"{y.stride()}")
-    if not len(heads) == len(head_dims) == len(rotate) or sum(h * d for h, d in zip(heads, head_dims)) != y.shape[-1]:
+    width = sum(h * d for h, d in zip(heads, head_dims))
+    if not len(heads) == len(head_dims) == len(rotate) or width != y.shape[-1]:
         raise ValueError(f"rope_split: parts of {heads} heads x {head_dims} dims must tile y's width {y.shape[-1]}")
+    rotated = [d for d, r in zip(head_dims, rotate) if r]
     for name, table in (("cos", cos), ("sin", sin)):
-        rotated = [d for d, r in zip(head_dims, rotate) if r]
         if table.dtype != torch.float32 or not table.is_contiguous() or table.shape[0] < y.shape[1] or any(
                 table.shape[1] != d // 2 for d in rotated):
             raise ValueError(f"{name}: expected a contiguous float32 [>= T, D/2] table for the rotated parts' "
