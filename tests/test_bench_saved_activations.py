@@ -12,10 +12,11 @@ sys.path.insert(0, str(_path.parent.parent))
 _spec.loader.exec_module(saved_activations)
 
 
-def test_one_nsa_layer_saves_its_branch_outputs_and_each_stacked_kv_projection_once(monkeypatch):
+def test_one_nsa_layer_saves_its_branch_outputs_and_each_kv_set_once(monkeypatch):
     """The tiny preset at B=2, T=64: what one NSA layer keeps beyond a dense one includes the core's three branch
-    outputs [B, T, H, Dv] (bf16 under autocast), and the K and V projections [B, T, 3 sets, G, D] once each,
-    though the core keeps three slices of each (storages are counted once, not once per view)."""
+    outputs [B, T, H, Dv] (bf16 under autocast; q, from nsa::rope_split, has the same site), and the six K/V
+    sets [B, T, G, D], each a tensor of its own out of nsa::rope_split, kept once although the core and phi
+    both read some of them (storages are counted once, not once per use)."""
     from nsa_model import get_preset
 
     monkeypatch.setenv("TRITON_INTERPRET", "1")  # the Triton core takes CPU tensors (traced only: nothing runs)
@@ -25,7 +26,7 @@ def test_one_nsa_layer_saves_its_branch_outputs_and_each_stacked_kv_projection_o
     dense = saved_activations.per_layer("tiny-dense", T, B)
     branch_outputs = nsa["layer_sites"][f"<built-in function getitem> ({B}, {T}, {H}, {D}) bfloat16"]
     kv_sets = nsa["layer_sites"][f"<built-in function getitem> ({B}, {T}, {G}, {D}) bfloat16"]
-    assert branch_outputs == 3 * B * T * H * D * 2
-    assert kv_sets == 2 * B * T * 3 * G * D * 2
+    assert branch_outputs == (3 + 1) * B * T * H * D * 2
+    assert kv_sets == 2 * 3 * B * T * G * D * 2
     assert nsa["layer_bytes"] - dense["layer_bytes"] >= branch_outputs + kv_sets - 2 * B * T * G * D * 2
     assert nsa["rest_bytes"] == dense["rest_bytes"] > B * T * cfg.vocab_size * 2  # the head: bf16 logits and more
