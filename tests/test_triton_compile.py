@@ -31,6 +31,10 @@ BLOCK_INDEX = dict(ORDER="i32", STARTS="i32", WORK_SEG="i32", WORK_CHUNK="i32")
 ACCS = dict(DK_ACC="fp32", DV_ACC="fp32")
 GATES_BWD = dict(DGATES="bf16", DELTA="fp32", LSE_CMP="fp32", LSE_SLC="fp32", LSE_WIN="fp32", LSE_G="fp32")
 WARPS4 = dict(num_warps=4, num_stages=2)
+# NSA's fused projection as rope_split's parts: q, the three K sets (rotated), the three V sets, the gate logits
+NSA_PARTS = dict(COLS=[0, 768, 896, 1024, 1152, 1280, 1408, 1536], HEADS=[12, 2, 2, 2, 2, 2, 2, 1],
+                 HEADS_PAD=[16, 2, 2, 2, 2, 2, 2, 1], DIMS=[64] * 8, BLOCK_DIMS=[64] * 8,
+                 ROTATE=[True] * 4 + [False] * 4)
 
 
 def _case(name, module, pointers, scalars, constexprs, options=WARPS4, label=""):
@@ -78,11 +82,10 @@ CASES = [
     *[_case("gated_sum_bwd_kernel", "gates", GATES_BWD, dict(num_rows="i32"),
             dict(DV=64, BLOCK_R=32, BLOCK_D=64, FOLD=fold), label=f"FOLD={fold}") for fold in (True, False)],
     _case("row_dot_kernel", "delta", dict(DELTA="fp32"), dict(num_rows="i32"), dict(D=64, BLOCK_R=32, BLOCK_D=64)),
-    *[_case("rope_rows_kernel", "rope", dict(COS="fp32", SIN="fp32"),
-            dict(num_rows="i32", T="i32", **{f"{t}_s{d}": "i32" for t in "xo" for d in "bth"}),
-            dict(HEADS=heads, D=64, BLOCK_D=64, ROTATE=rotate, INVERSE=inverse, BLOCK_R=64),
-            label=f"ROTATE={rotate},INVERSE={inverse}")
-      for heads, rotate, inverse in ((12, True, False), (2, True, True), (2, False, False))],
+    *[_case("rope_split_kernel", "rope", dict(COS="fp32", SIN="fp32", PARTS=["bf16"] * 8),
+            dict(num_tokens="i32", T="i32", y_sb="i32", y_st="i32", **{f"part_s{d}": ["i32"] * 8 for d in "bth"}),
+            dict(NSA_PARTS, INVERSE=inverse, BLOCK_T=8), label=f"INVERSE={inverse}")
+      for inverse in (False, True)],
 ]
 
 COMPILE = r"""
@@ -97,10 +100,13 @@ signature = {}
 for arg in fn.arg_names:
     if arg in constexprs:
         signature[arg] = "constexpr"
-    elif arg in scalars:
-        signature[arg] = scalars[arg]
-    else:
-        signature[arg] = "*" + pointers.get(arg, "bf16")
+    elif arg in scalars:  # a list: a tuple argument of such scalars
+        kind = scalars[arg]
+        signature[arg] = tuple(kind) if isinstance(kind, list) else kind
+    else:  # a list: a tuple of pointers
+        kind = pointers.get(arg, "bf16")
+        signature[arg] = tuple("*" + k for k in kind) if isinstance(kind, list) else "*" + kind
+constexprs = {k: tuple(v) if isinstance(v, list) else v for k, v in constexprs.items()}  # JSON gave lists
 kernel = triton.compile(ASTSource(fn, signature, constexprs), target=GPUTarget("cuda", 90, 32), options=options)
 print(len(kernel.asm["cubin"]))
 """

@@ -737,7 +737,7 @@ def _rope_split_by_torch(y, rope, parts):
 
 @pytest.mark.parametrize("transposed_grads", [False, True])
 def test_rope_split_matches_the_torch_rotation_and_its_gradient(transposed_grads):
-    """nsa::rope_split (one Triton launch per part each way) against RotaryEmbedding and plain slicing: the same
+    """nsa::rope_split (one Triton launch each way) against RotaryEmbedding and plain slicing: the same
     parts and the same gradient of y, also when the parts' gradients come with their heads outermost (dense
     attention's SDPA gives [B, H, T, D] gradients, transposed views here)."""
     from nsa_model.rope import RotaryEmbedding

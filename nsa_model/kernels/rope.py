@@ -3,11 +3,15 @@ own tensor (forward), or each part's gradient into its columns of the projection
 
 A row is one (b, t, head): D values, rotated in pairs (i, i + D/2) by the angles of position t (Llama's
 rotate-half convention, nsa_model/rope.py) or copied as they are (the V parts). INVERSE turns by minus the
-angle: the backward of a rotation. Each program handles BLOCK_R rows of one part; every value is read and written
-once, in place of a concatenation's masked kernel and its float32 buffers (kernels-notes.md, v18).
+angle (the backward of a rotation) and runs the other way, from the parts into Y. Each program handles BLOCK_T
+tokens of every part, so one launch does the whole split: a launch per part cost NSA's 8 parts about 1.8 ms
+per training step at T = 2048 over the data's own time, in the small launches' tails (kernels-notes.md, v19).
+Every value is read and written once, in place of a concatenation's masked kernel and its float32 buffers
+(v18).
 
-Layouts: X and OUT rows at b * s_b + t * s_t + h * s_h elements (the last dimension contiguous); COS, SIN
-[T, D/2] float32, contiguous.
+Layouts: Y [B, T, width] with its rows y_sb, y_st elements apart and its columns contiguous; part i
+[B, T, HEADS[i], DIMS[i]] at b * sb[i] + t * st[i] + h * sh[i] elements (the last dimension contiguous), columns
+COLS[i] .. of Y; COS, SIN [T, D/2] float32, contiguous (D: the rotated parts' head dim).
 """
 
 import triton
@@ -15,33 +19,47 @@ import triton.language as tl
 
 
 @triton.jit
-def rope_rows_kernel(X, OUT, COS, SIN, num_rows, T, x_sb, x_st, x_sh, o_sb, o_st, o_sh,
-                     HEADS: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, ROTATE: tl.constexpr,
-                     INVERSE: tl.constexpr, BLOCK_R: tl.constexpr):
-    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    r_ok = rows < num_rows
-    h = rows % HEADS  # constexpr divisor: a multiply-shift
-    bt = rows // HEADS
-    t = bt % T
-    b = bt // T
-    x_row = b.to(tl.int64) * x_sb + t.to(tl.int64) * x_st + h.to(tl.int64) * x_sh
-    o_row = b.to(tl.int64) * o_sb + t.to(tl.int64) * o_st + h.to(tl.int64) * o_sh
+def _rope_part(Y, PART, COS, SIN, tok0, num_tokens, T, y_sb, y_st, p_sb, p_st, p_sh, COL: tl.constexpr,
+               HEADS: tl.constexpr, HEADS_PAD: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
+               ROTATE: tl.constexpr, INVERSE: tl.constexpr, BLOCK_T: tl.constexpr):
+    rows = tl.arange(0, BLOCK_T * HEADS_PAD)
+    tok = tok0 + rows // HEADS_PAD  # power-of-two divisor: a shift
+    h = rows % HEADS_PAD
+    r_ok = (tok < num_tokens) & (h < HEADS)
+    t = tok % T
+    b = (tok // T).to(tl.int64)
+    y_row = b * y_sb + t.to(tl.int64) * y_st + COL + h * D
+    p_row = b * p_sb + t.to(tl.int64) * p_st + h.to(tl.int64) * p_sh
+    if INVERSE:  # the backward: the part's gradient into Y's columns
+        src, dst, OUT = PART + p_row, Y + y_row, Y
+    else:
+        src, dst, OUT = Y + y_row, PART + p_row, PART
     if ROTATE:
         HALF: tl.constexpr = D // 2
         offs = tl.arange(0, BLOCK_D // 2)
         ok = r_ok[:, None] & (offs < HALF)[None, :]
-        x1 = tl.load(X + x_row[:, None] + offs[None, :], mask=ok, other=0.0)
-        x2 = tl.load(X + x_row[:, None] + HALF + offs[None, :], mask=ok, other=0.0)
+        x1 = tl.load(src[:, None] + offs[None, :], mask=ok, other=0.0).to(tl.float32)
+        x2 = tl.load(src[:, None] + HALF + offs[None, :], mask=ok, other=0.0).to(tl.float32)
         angle = t[:, None] * HALF + offs[None, :]
         c = tl.load(COS + angle, mask=ok, other=0.0)
         s = tl.load(SIN + angle, mask=ok, other=0.0)
-        x1, x2 = x1.to(tl.float32), x2.to(tl.float32)
         if INVERSE:
             s = -s
-        tl.store(OUT + o_row[:, None] + offs[None, :], (x1 * c - x2 * s).to(OUT.dtype.element_ty), mask=ok)
-        tl.store(OUT + o_row[:, None] + HALF + offs[None, :], (x2 * c + x1 * s).to(OUT.dtype.element_ty), mask=ok)
+        tl.store(dst[:, None] + offs[None, :], (x1 * c - x2 * s).to(OUT.dtype.element_ty), mask=ok)
+        tl.store(dst[:, None] + HALF + offs[None, :], (x2 * c + x1 * s).to(OUT.dtype.element_ty), mask=ok)
     else:
         offs = tl.arange(0, BLOCK_D)
         ok = r_ok[:, None] & (offs < D)[None, :]
-        x = tl.load(X + x_row[:, None] + offs[None, :], mask=ok, other=0.0)
-        tl.store(OUT + o_row[:, None] + offs[None, :], x.to(OUT.dtype.element_ty), mask=ok)
+        x = tl.load(src[:, None] + offs[None, :], mask=ok, other=0.0)
+        tl.store(dst[:, None] + offs[None, :], x.to(OUT.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def rope_split_kernel(Y, PARTS, COS, SIN, num_tokens, T, y_sb, y_st, part_sb, part_st, part_sh,
+                      COLS: tl.constexpr, HEADS: tl.constexpr, HEADS_PAD: tl.constexpr, DIMS: tl.constexpr,
+                      BLOCK_DIMS: tl.constexpr, ROTATE: tl.constexpr, INVERSE: tl.constexpr,
+                      BLOCK_T: tl.constexpr):
+    tok0 = tl.program_id(0) * BLOCK_T
+    for i in tl.static_range(len(HEADS)):
+        _rope_part(Y, PARTS[i], COS, SIN, tok0, num_tokens, T, y_sb, y_st, part_sb[i], part_st[i], part_sh[i],
+                   COLS[i], HEADS[i], HEADS_PAD[i], DIMS[i], BLOCK_DIMS[i], ROTATE[i], INVERSE, BLOCK_T)

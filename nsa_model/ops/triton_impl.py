@@ -22,7 +22,7 @@ import triton
 from nsa_model.config import NSAConfig
 from nsa_model.kernels.delta import row_dot_kernel
 from nsa_model.kernels.gates import gated_sum_bwd_kernel, gated_sum_fwd_kernel
-from nsa_model.kernels.rope import rope_rows_kernel
+from nsa_model.kernels.rope import rope_split_kernel
 from nsa_model.kernels.range_attention import (range_attn_bwd_dkdv_kernel, range_attn_bwd_dq_kernel,
                                                range_attn_fwd_kernel)
 from nsa_model.kernels.selected_attention import (selected_attn_bwd_dkdv_kernel, selected_attn_bwd_dq_kernel,
@@ -1020,27 +1020,26 @@ def nsa_attention(q, k_slc, v_slc, k_win, v_win, k_cmp, v_cmp, gates, cfg: NSACo
 
 
 # --- RoPE and the split of the fused q/k/v projection (the attention modules' own op, outside the NSA core) ----
-_ROPE_ROWS = 64  # (b, t, head) rows per program of the RoPE kernel
+_ROPE_TOKENS = 8  # tokens per program of the RoPE kernel (every part of each)
 
 
-def _rope_rows(x: torch.Tensor, out: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotate: bool,
-               inverse: bool) -> None:
-    """out[b, t, h] = x[b, t, h] rotated by position t's angles (or by minus them), or copied: x and out
-    [B, T, heads, D] with any batch, token and head strides (last dimension contiguous)."""
-    B, T, heads, D = x.shape
-    rows = B * T * heads
-    if rows:
-        rope_rows_kernel[(triton.cdiv(rows, _ROPE_ROWS),)](
-            x, out, cos, sin, rows, T, *x.stride()[:3], *out.stride()[:3], HEADS=heads, D=D,
-            BLOCK_D=_pow2(D, floor=2), ROTATE=rotate, INVERSE=inverse, BLOCK_R=_ROPE_ROWS)
-
-
-def _rope_parts(y: torch.Tensor, heads: list[int], head_dims: list[int]):
-    """The column slices of y [B, T, width] that are the parts, each as a [B, T, heads, D] view."""
-    start = 0
-    for h, d in zip(heads, head_dims):
-        yield y[:, :, start:start + h * d].unflatten(-1, (h, d))
-        start += h * d
+def _rope_launch(y: torch.Tensor, parts: list[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor,
+                 rotate: list[bool], inverse: bool) -> None:
+    """One launch over every part: forward (inverse False) part i = y's columns rotated by position t's angles
+    or copied; backward each part (a gradient) turned back by minus them, or copied, into its columns of y. y
+    [B, T, width] with contiguous columns, parts [B, T, heads_i, D_i] with any batch, token and head strides
+    (last dimension contiguous)."""
+    B, T = y.shape[:2]
+    heads = [p.shape[2] for p in parts]
+    dims = [p.shape[3] for p in parts]
+    cols = [sum(h * d for h, d in zip(heads[:i], dims[:i])) for i in range(len(parts))]
+    if B * T and parts:
+        rope_split_kernel[(triton.cdiv(B * T, _ROPE_TOKENS),)](
+            y, tuple(parts), cos, sin, B * T, T, y.stride(0), y.stride(1), *(tuple(p.stride(i) for p in parts)
+                                                                              for i in range(3)),
+            COLS=tuple(cols), HEADS=tuple(heads), HEADS_PAD=tuple(_pow2(h, floor=1) for h in heads),
+            DIMS=tuple(dims), BLOCK_DIMS=tuple(_pow2(d, floor=2) for d in dims), ROTATE=tuple(rotate),
+            INVERSE=inverse, BLOCK_T=_ROPE_TOKENS)
 
 
 def _check_rope_parts(y, cos, sin, heads, head_dims, rotate) -> None:
@@ -1064,11 +1063,8 @@ def _rope_split(y: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: li
                 rotate: list[bool]) -> list[torch.Tensor]:
     """The parts of y [B, T, width] (columns in order), each a new contiguous [B, T, heads_i, head_dims_i]:
     rotated by RoPE where rotate_i, copied otherwise."""
-    outs = []
-    for part, r in zip(_rope_parts(y, heads, head_dims), rotate):
-        out = torch.empty(part.shape, dtype=y.dtype, device=y.device)
-        _rope_rows(part, out, cos, sin, r, inverse=False)
-        outs.append(out)
+    outs = [y.new_empty(*y.shape[:2], h, d) for h, d in zip(heads, head_dims)]
+    _rope_launch(y, outs, cos, sin, rotate, inverse=False)
     return outs
 
 
@@ -1083,8 +1079,7 @@ def _rope_split_bwd(grads: list[torch.Tensor], cos: torch.Tensor, sin: torch.Ten
     """dy [B, T, width] of nsa::rope_split: each part's gradient turned back (or copied) into its columns."""
     B, T = grads[0].shape[:2]
     dy = grads[0].new_empty(B, T, sum(h * d for h, d in zip(heads, head_dims)))
-    for grad, part, r in zip(grads, _rope_parts(dy, heads, head_dims), rotate):
-        _rope_rows(grad if grad.stride(-1) == 1 else grad.contiguous(), part, cos, sin, r, inverse=True)
+    _rope_launch(dy, [g if g.stride(-1) == 1 else g.contiguous() for g in grads], cos, sin, rotate, inverse=True)
     return dy
 
 
@@ -1110,6 +1105,6 @@ _rope_split.register_autograd(_rope_split_backward, setup_context=_rope_split_se
 def rope_split(y: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: list[int], head_dims: list[int],
                rotate: list[bool]) -> list[torch.Tensor]:
     """y [B, T, width] split into parts [B, T, heads_i, head_dims_i] (columns in order), part i rotated by RoPE
-    (tables cos, sin [>= T, D/2] float32) where rotate_i, copied otherwise; one Triton launch per part each way."""
+    (tables cos, sin [>= T, D/2] float32) where rotate_i, copied otherwise; one Triton launch each way."""
     _check_rope_parts(y, cos, sin, heads, head_dims, rotate)
     return torch.ops.nsa.rope_split(y, cos, sin, list(heads), list(head_dims), list(rotate))
