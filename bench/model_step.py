@@ -79,7 +79,10 @@ def make_step(fwd, opt, batches, cudagraphs: bool = False):
                 torch.compiler.cudagraph_mark_step_begin()
             with torch.autocast("cuda", dtype=torch.bfloat16):
                 _, loss = fwd(x, y)
-            (loss / len(batches)).backward()
+            if grads is not None:
+                grads.backward(loss / len(batches))
+            else:
+                (loss / len(batches)).backward()
             loss = loss.detach().clone()  # a graph output would be overwritten by the next replay
         opt.step()
         if grads is not None:

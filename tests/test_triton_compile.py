@@ -82,6 +82,13 @@ CASES = [
     *[_case("gated_sum_bwd_kernel", "gates", GATES_BWD, dict(num_rows="i32"),
             dict(DV=64, BLOCK_R=32, BLOCK_D=64, FOLD=fold), label=f"FOLD={fold}") for fold in (True, False)],
     _case("row_dot_kernel", "delta", dict(DELTA="fp32"), dict(num_rows="i32"), dict(D=64, BLOCK_R=32, BLOCK_D=64)),
+    _case("segment_ids_kernel", "block_index", dict(BLOCKS="i32", SEG="i16"),
+          dict(num_entries="i32", T="i32", num_blocks="i32", num_segments="i32"), dict(G=2, N=16, BLOCK=1024)),
+    _case("block_work_kernel", "block_index", dict(SORTED="i16", STARTS="i32", WORK_SEG="i32", WORK_CHUNK="i32"),
+          dict(num_entries="i32", num_segments="i32", num_work="i32"), dict(CHUNK=512, BLOCK_S=1024, SEARCH_STEPS=21)),
+    _case("tile_union_kernel", "block_index", dict(BLOCKS="i32", UNION="i32", COUNT="i32"),
+          dict(T="i32", num_tiles="i32"),
+          dict(G=2, N=16, N_PAD=16, TILE_Q=10, QUERIES=16, NB_PAD=32, WIDTH=160, BLOCK_W=256)),
     *[_case("rope_split_kernel", "rope", dict(COS="fp32", SIN="fp32", PARTS=["bf16"] * 8),
             dict(num_tokens="i32", T="i32", y_sb="i32", y_st="i32", **{f"part_s{d}": ["i32"] * 8 for d in "bth"}),
             dict(NSA_PARTS, INVERSE=inverse, BLOCK_T=8), label=f"INVERSE={inverse}")

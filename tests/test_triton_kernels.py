@@ -527,13 +527,15 @@ def test_range_variants_match_reference(range_kernel, delta_kernel, dkdv_program
             assert rel_err(a.grad, r.grad) <= FP32_TOL, (branch, name)
 
 
-def test_block_work_covers_every_choice_once():
+# the second: more segments (1200) than block_work_kernel takes per step (1024)
+@pytest.mark.parametrize("B, T, G, n, num_blocks, chunk", [(2, 23, 3, 4, 6, 5), (2, 150, 2, 3, 300, 4)])
+def test_block_work_covers_every_choice_once(B, T, G, n, num_blocks, chunk):
     """The by_block index: every valid slot appears once, in its (b, g, block) segment, in query order; the work
     list hands each segment's entries to programs in chunks, each entry to exactly one program, spares marked -1."""
     gen = torch.Generator().manual_seed(17)
-    B, T, G, n, num_blocks, chunk = 2, 23, 3, 4, 6, 5
     blocks = torch.randint(-1, num_blocks, (B, T, G, n), generator=gen, dtype=torch.int32)
-    order, starts, work_seg, work_chunk = triton_impl.block_work(blocks, num_blocks, chunk)
+    index = triton_impl.block_work(blocks.to(DEVICE), num_blocks, chunk)
+    order, starts, work_seg, work_chunk = (x.cpu() for x in index)
     valid = int((blocks >= 0).sum())
     assert int(starts[-1]) == valid
     assert order.dtype == starts.dtype == work_seg.dtype == work_chunk.dtype == torch.int32  # no cast launches
@@ -562,40 +564,44 @@ def test_segment_sort_uses_the_narrowest_keys_that_hold_every_segment(num_blocks
     B, T, G, n = 2, 37, 3, 4
     blocks = torch.randint(-1, num_blocks, (B, T, G, n), generator=gen, dtype=torch.int32)
     blocks[0, 0, 0] = num_blocks - 1  # the largest segment id is present
-    sorted_segment, order, boundaries = triton_impl._sorted_segments(blocks, num_blocks)
+    sorted_segment, order = (x.cpu() for x in triton_impl._sorted_segments(blocks.to(DEVICE), num_blocks))
     group = torch.arange(B).view(B, 1, 1, 1) * G + torch.arange(G).view(1, 1, G, 1)
     wide = torch.where(blocks >= 0, group * num_blocks + blocks.long(), B * G * num_blocks).flatten()
     wide_sorted, wide_order = torch.sort(wide, stable=True)
-    assert sorted_segment.dtype == key_dtype and boundaries.dtype == key_dtype
+    assert sorted_segment.dtype == key_dtype
     assert torch.equal(order, wide_order) and torch.equal(sorted_segment.long(), wide_sorted)
-    assert torch.equal(torch.searchsorted(sorted_segment, boundaries),
-                       torch.searchsorted(wide_sorted, torch.arange(B * G * num_blocks + 1)))
 
 
-@pytest.mark.parametrize("num_blocks", [9, 40])  # <= a tile's 32 slots: by rank; more: by sort
-def test_tile_block_union(num_blocks):
+# up to a tile's tile_q * 4 slots, the kernel; more, the sorts. tile_q = 5: the kernel reads 8 queries per step
+@pytest.mark.parametrize("num_blocks, tile_q", [(9, 8), (9, 5), (40, 8)])
+def test_tile_block_union(num_blocks, tile_q):
     """Each tile's union is its queries' distinct valid blocks, ascending, counted, padded after the count."""
     gen = torch.Generator().manual_seed(13)
     blocks = torch.randint(-1, 9, (2, 21, 3, 4), generator=gen, dtype=torch.int32)
-    union, count = triton_impl.tile_block_union(blocks, 8, num_blocks)
-    assert union.shape == (2, 3, 3, 32) and count.shape == (2, 3, 3)
+    union, count = (x.cpu() for x in triton_impl.tile_block_union(blocks.to(DEVICE), tile_q, num_blocks))
+    tiles = -(-21 // tile_q)
+    assert union.shape == (2, tiles, 3, tile_q * 4) and count.shape == (2, tiles, 3)
     for b in range(2):
-        for tile in range(3):
+        for tile in range(tiles):
             for g in range(3):
-                chosen = blocks[b, tile * 8:(tile + 1) * 8, g].flatten()
+                chosen = blocks[b, tile * tile_q:(tile + 1) * tile_q, g].flatten()
                 expected = torch.unique(chosen[chosen >= 0])  # sorted
                 c = int(count[b, tile, g])
                 assert c == expected.numel()
                 assert torch.equal(union[b, tile, g, :c].long(), expected.long())
 
 
-@pytest.mark.parametrize("form", ["_union_by_rank", "_union_by_sort"])
+@pytest.mark.parametrize("form", ["kernel", "sort"])
 def test_tile_union_forms_on_full_unions(form):
     """Full unions (as many distinct blocks as slots) among more blocks than slots: no unchosen block lands in a
-    slot, in either form."""
-    per_tile = torch.tensor([[5, 9, 14, 2], [0, 1, 1, -1]], dtype=torch.int32)  # [tiles, slots]
-    args = (per_tile, 16) if form == "_union_by_rank" else (per_tile,)
-    union, count = getattr(triton_impl, form)(*args)
+    slot, in either form; the kernel pads after the count."""
+    per_tile = torch.tensor([[5, 9, 14, 2], [0, 1, 1, -1]], dtype=torch.int32)  # [tiles, slots]: one query each
+    if form == "kernel":
+        union, count = triton_impl._union_by_kernel(per_tile.view(1, 2, 1, 4).to(DEVICE), 1, 16)
+        union, count = union.view(2, 4).cpu(), count.view(2).cpu()
+        assert union[1, 2:].tolist() == [torch.iinfo(torch.int32).max] * 2
+    else:
+        union, count = triton_impl._union_by_sort(per_tile)
     assert count.tolist() == [4, 2]
     assert union[0].tolist() == [2, 5, 9, 14] and union[1, :2].tolist() == [0, 1]
 

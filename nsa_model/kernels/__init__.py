@@ -8,6 +8,8 @@
   selected_by_block.py   selected attention driven by key blocks: each program loads one block once for a slice
                          of the queries that chose it (forward partials + combine; one fused backward for dK, dV
                          and dQ); the default for groups of <= 8 heads, and the dK/dV kernel of the other two
+  block_index.py         the selected branch's indexes from the selections: segment keys for the sort, the
+                         by_block work list, each query tile's union of blocks
   gates.py               the gated combination of the three branches, fused, forward and backward
   delta.py               the backward row term sum(do * o) of every attention branch, one read of each
   rope.py                RoPE over the rows of the attention's q/k/v projection and its split into parts, both

@@ -20,6 +20,7 @@ import torch
 import triton
 
 from nsa_model.config import NSAConfig
+from nsa_model.kernels.block_index import block_work_kernel, segment_ids_kernel, tile_union_kernel
 from nsa_model.kernels.delta import row_dot_kernel
 from nsa_model.kernels.gates import gated_sum_bwd_kernel, gated_sum_fwd_kernel
 from nsa_model.kernels.rope import rope_split_kernel
@@ -435,61 +436,76 @@ def inverted_index(blocks: torch.Tensor, num_blocks: int):
     """(query_of_entry [E] int32, starts [B*G*num_blocks + 1] int64): the queries that chose block j of
     (batch b, group g) are query_of_entry[starts[s]:starts[s+1]] with s = (b*G + g)*num_blocks + j, ascending."""
     B, T, G, n = blocks.shape
-    sorted_segment, order, boundaries = _sorted_segments(blocks, num_blocks)
+    sorted_segment, order = _sorted_segments(blocks, num_blocks)
     query_of_entry = ((order // (G * n)) % T).to(torch.int32)
-    starts = torch.searchsorted(sorted_segment, boundaries)
-    return query_of_entry, starts
+    boundaries = torch.arange(B * G * num_blocks + 1, device=blocks.device, dtype=sorted_segment.dtype)
+    return query_of_entry, torch.searchsorted(sorted_segment, boundaries)
+
+
+_SEGMENT_SLOTS = 1024  # slots per program of segment_ids_kernel
+
+
+def _segment_ids(blocks: torch.Tensor, num_blocks: int) -> torch.Tensor:
+    """[B*T*G*n]: segment s = (b*G + g)*num_blocks + block of each (b, t, g, slot) entry, S = B*G*num_blocks for an
+    empty slot, one launch (kernels/block_index.py). The keys take the narrowest integer type that holds S: a
+    radix sort makes one pass per key byte, so int16 keys (S < 2^15, e.g. 1024 segments at 125M 1 x 32k) take two
+    passes where int64 took eight (the sort went from 0.13 to 0.04 ms at every 125M shape on the H100,
+    kernels-h100-2026-11-23-v9.md)."""
+    B, T, G, n = blocks.shape
+    num_segments = B * G * num_blocks
+    dtype = next(d for d in (torch.int16, torch.int32, torch.int64) if num_segments <= torch.iinfo(d).max)
+    segment = torch.empty(blocks.numel(), dtype=dtype, device=blocks.device)
+    if segment.numel():
+        segment_ids_kernel[(triton.cdiv(segment.numel(), _SEGMENT_SLOTS),)](
+            blocks.contiguous(), segment, segment.numel(), T, num_blocks, num_segments, G=G, N=n,
+            BLOCK=_SEGMENT_SLOTS)
+    return segment
 
 
 def _sorted_segments(blocks: torch.Tensor, num_blocks: int):
-    """(sorted segment ids, order, boundaries 0..S): segment s = (b*G + g)*num_blocks + block of each (b, t, g, slot)
-    entry, S for an empty slot, sorted stably (a block's choosers stay in query order). The keys take the
-    narrowest integer type that holds S: a radix sort makes one pass per key byte, so int16 keys (S < 2^15, e.g.
-    1024 segments at 125M 1 x 32k) take two passes where int64 took eight (the sort went from 0.13 to 0.04 ms at
-    every 125M shape on the H100, kernels-h100-2026-11-23-v9.md)."""
-    B, T, G, n = blocks.shape
-    dev = blocks.device
-    num_segments = B * G * num_blocks
-    dtype = next(d for d in (torch.int16, torch.int32, torch.int64) if num_segments <= torch.iinfo(d).max)
-    first = torch.arange(0, num_segments, num_blocks, device=dev, dtype=dtype).view(B, 1, G, 1)  # (b*G + g)*nb
-    segment = torch.where(blocks >= 0, blocks.to(dtype) + first, num_segments).flatten()
-    sorted_segment, order = torch.sort(segment, stable=True)
-    return sorted_segment, order, torch.arange(num_segments + 1, device=dev, dtype=dtype)
+    """(sorted segment ids, order): _segment_ids sorted stably (a block's choosers stay in query order)."""
+    return torch.sort(_segment_ids(blocks, num_blocks), stable=True)
 
 
-def tile_block_union(blocks: torch.Tensor, tile_q: int, num_blocks: int):
+def tile_block_union(blocks: torch.Tensor, tile_q: int, num_blocks: int, shapes_only: bool = False):
     """(union [B, num_tiles, G, tile_q * n] int32, count [B, num_tiles, G] int32): for each tile of tile_q
     consecutive queries, the distinct blocks (ids < num_blocks) its queries chose, ascending in
-    union[..., :count], padding after."""
+    union[..., :count], padding after. shapes_only: empty tensors of those shapes (nsa::core's fake)."""
     B, T, G, n = blocks.shape
     num_tiles, width = triton.cdiv(T, tile_q), tile_q * n
+    if shapes_only:
+        return (blocks.new_empty(B, num_tiles, G, width, dtype=torch.int32),
+                blocks.new_empty(B, num_tiles, G, dtype=torch.int32))
+    # The kernel compares each choice with every block id: no more work than the tiles' choices times their
+    # width while num_blocks <= width; beyond (long sequences), two sorts of each tile's choices.
+    if num_blocks <= width:
+        return _union_by_kernel(blocks, tile_q, num_blocks)
     pad = num_tiles * tile_q - T
     if pad:
         blocks = torch.cat([blocks, blocks.new_full((B, pad, G, n), -1)], dim=1)
     per_tile = blocks.view(B, num_tiles, tile_q, G, n).permute(0, 1, 3, 2, 4).reshape(B, num_tiles, G, width)
-    # The rank form needs a tile x block membership table: no larger than the tiles' choices while num_blocks <=
-    # width (memory stays O(T)); beyond, the sorts.
-    return _union_by_rank(per_tile, num_blocks) if num_blocks <= width else _union_by_sort(per_tile)
+    return _union_by_sort(per_tile)
 
 
-_ABSENT = torch.iinfo(torch.int32).max  # the union's padding: after every block id
+_ABSENT = torch.iinfo(torch.int32).max  # the union's padding: after every block id (kernels/block_index.py's)
+_UNION_COMPARES = 8192  # choice x block comparisons per step of tile_union_kernel
 
 
-def _union_by_rank(per_tile: torch.Tensor, num_blocks: int):
-    """tile_block_union from each tile's block membership (a scatter) and a prefix sum over the blocks, which
-    places every chosen block at its rank: no sort. The sorts took 0.10 ms per layer at 125M 16 x 2k on the H100
-    (kernels-notes.md, v12)."""
-    *lead, width = per_tile.shape
-    # A spare last column takes the empty slots (-1), so every scatter index is in range.
-    member = per_tile.new_zeros(*lead, num_blocks + 1)
-    member.scatter_(-1, torch.where(per_tile >= 0, per_tile, num_blocks).long(), 1)
-    member = member[..., :num_blocks]
-    rank = torch.cumsum(member, -1, dtype=torch.int32) - 1
-    # Blocks no query of the tile chose go to a spare column again, cut off after.
-    union = per_tile.new_full((*lead, width + 1), _ABSENT)
-    ids = torch.arange(num_blocks, dtype=torch.int32, device=per_tile.device).expand_as(member)
-    union.scatter_(-1, torch.where(member > 0, rank, width).long(), ids)
-    return union[..., :width].contiguous(), member.sum(-1, dtype=torch.int32)
+def _union_by_kernel(blocks: torch.Tensor, tile_q: int, num_blocks: int):
+    """tile_block_union in one launch: each tile's block membership and a prefix sum over the blocks, which
+    places every chosen block at its rank, no sort (kernels/block_index.py). As PyTorch ops (a scatter, a cumsum,
+    a second scatter, v12) it took about 15 launches per layer call."""
+    B, T, G, n = blocks.shape
+    num_tiles, width = triton.cdiv(T, tile_q), tile_q * n
+    union = blocks.new_empty(B, num_tiles, G, width, dtype=torch.int32)
+    count = blocks.new_empty(B, num_tiles, G, dtype=torch.int32)
+    n_pad, nb_pad = _pow2(n, floor=2), _pow2(num_blocks)
+    queries = min(max(1, _UNION_COMPARES // (n_pad * nb_pad)), _pow2(tile_q, floor=1))
+    if count.numel():
+        tile_union_kernel[(num_tiles, B * G)](
+            blocks.contiguous(), union, count, T, num_tiles, G=G, N=n, N_PAD=n_pad, TILE_Q=tile_q, QUERIES=queries,
+            NB_PAD=nb_pad, WIDTH=width, BLOCK_W=min(_pow2(width), 1024))
+    return union, count
 
 
 def _union_by_sort(per_tile: torch.Tensor):
@@ -527,29 +543,32 @@ def selected_kernel(hpg: int, num_blocks: int, n: int, config: LaunchConfig | No
     return "tiled" if num_blocks <= 8 * n else "per_query"
 
 
-def block_work(blocks: torch.Tensor, num_blocks: int, chunk: int):
+_WORK_SEGMENTS = 1024  # segments per step of block_work_kernel
+
+
+def block_work(blocks: torch.Tensor, num_blocks: int, chunk: int, shapes_only: bool = False):
     """The inverted index of the by_block kernels and their work list, from one sort, sizes fixed by shapes.
 
     order [B*T*G*n] int32: flat slot ((b*T + t)*G + g)*n + i of each entry, sorted by segment s = (b*G + g) *
     num_blocks + block (query order inside a segment; -1 slots last); starts [S + 1] int32: segment s is
     order[starts[s]:starts[s+1]]; work_seg, work_chunk [W] int32: program p handles chunk work_chunk[p] (chunk
     entries) of segment work_seg[p], or nothing where work_seg[p] = -1 (W is an upper bound: no host sync).
-    All int32 from the start (the index stays below 2^31 entries, checked here): no cast launches at the end."""
+    The keys, the sort, and one program of block_work_kernel for the starts and the work list (kernels/
+    block_index.py; about 20 PyTorch launches before, v19). shapes_only: empty tensors of those shapes."""
     B, T, G, n = blocks.shape
     dev = blocks.device
-    num_segments = B * G * num_blocks
-    if blocks.numel() >= 2 ** 31:  # the kernels' int32 index arithmetic (kernels/selected_by_block.py)
-        raise ValueError(f"blocks: B*T*G*n = {blocks.numel()} slots exceed the by_block kernels' int32 index; use "
+    num_segments, entries = B * G * num_blocks, blocks.numel()
+    if entries >= 2 ** 31:  # the kernels' int32 index arithmetic (kernels/selected_by_block.py)
+        raise ValueError(f"blocks: B*T*G*n = {entries} slots exceed the by_block kernels' int32 index; use "
                          "LaunchConfig(slc_kernel='tiled') or a smaller batch")
-    sorted_segment, order, boundaries = _sorted_segments(blocks, num_blocks)
-    starts = torch.searchsorted(sorted_segment, boundaries, out_int32=True)
-    chunks = (starts[1:] - starts[:-1] + chunk - 1) // chunk
-    ends = torch.cumsum(chunks, 0, dtype=torch.int32)
-    work = torch.arange(triton.cdiv(order.numel(), chunk) + num_segments, device=dev, dtype=torch.int32)
-    work_seg = torch.searchsorted(ends, work, right=True, out_int32=True)
-    seg_c = work_seg.clamp(max=num_segments - 1)
-    work_chunk = work - (ends - chunks)[seg_c]
-    work_seg = torch.where(work_seg < num_segments, work_seg, -1)
+    num_work = triton.cdiv(entries, chunk) + num_segments
+    starts = torch.empty(num_segments + 1, dtype=torch.int32, device=dev)
+    work_seg, work_chunk = (torch.empty(num_work, dtype=torch.int32, device=dev) for _ in range(2))
+    if shapes_only:
+        return torch.empty(entries, dtype=torch.int32, device=dev), starts, work_seg, work_chunk
+    sorted_segment, order = _sorted_segments(blocks, num_blocks)
+    block_work_kernel[(1,)](sorted_segment, starts, work_seg, work_chunk, entries, num_segments, num_work,
+                            CHUNK=chunk, BLOCK_S=_WORK_SEGMENTS, SEARCH_STEPS=entries.bit_length())
     return order.to(torch.int32), starts, work_seg, work_chunk
 
 
@@ -622,13 +641,15 @@ def _blocks_past_prefix(blocks: torch.Tensor, prefix: int) -> torch.Tensor:
     return torch.where(in_prefix[None, :, None, None], -1, blocks)
 
 
-def _selected_index(blocks, sel_block: int, kernel: str, hpg: int) -> tuple[torch.Tensor, ...]:
-    """What the selected variant's forward and backward read besides the selections, from torch ops on blocks
-    alone (so the same code gives the shapes of nsa::core's fake): by_block's work list, tiled's block unions."""
+def _selected_index(blocks, sel_block: int, kernel: str, hpg: int,
+                    shapes_only: bool = False) -> tuple[torch.Tensor, ...]:
+    """What the selected variant's forward and backward read besides the selections: by_block's work list,
+    tiled's block unions. shapes_only: empty tensors of their shapes (nsa::core's fake)."""
     if kernel in BY_BLOCK_BACKWARD:
-        return _by_block_index(blocks, sel_block, _config)
+        return _by_block_index(blocks, sel_block, _config, shapes_only)
     if kernel == "tiled":
-        return tile_block_union(blocks, _selected_tile(hpg)[1], triton.cdiv(blocks.shape[1], sel_block))
+        return tile_block_union(blocks, _selected_tile(hpg)[1], triton.cdiv(blocks.shape[1], sel_block),
+                                shapes_only)
     return ()
 
 
@@ -721,8 +742,8 @@ def _selected_by_block_fwd(q, k, v, blocks, o, lse, index, common, scale):
         BLOCK_R=_COMBINE_ROWS)
 
 
-def _by_block_index(blocks, sel_block, config):
-    return block_work(blocks, triton.cdiv(blocks.shape[1], sel_block), config.slc_block_chunk)
+def _by_block_index(blocks, sel_block, config, shapes_only: bool = False):
+    return block_work(blocks, triton.cdiv(blocks.shape[1], sel_block), config.slc_block_chunk, shapes_only)
 
 
 def _selected_by_block_bwd(q, k, v, blocks, do, lse, delta, index, common, scale, dq_mode=None, dq_add=None):
@@ -933,7 +954,7 @@ def _core_fake(q, k_slc, v_slc, k_win, v_win, k_cmp, v_cmp, gates, cmp_block, cm
     lse = q.new_empty(B, T, H, dtype=torch.float32)
     blocks = q.new_empty(B, T, G, n_selected, dtype=torch.int32)
     kernel = selected_kernel(H // G, triton.cdiv(T, sel_block), n_selected)
-    index = _selected_index(blocks, sel_block, kernel, H // G)  # torch ops only: fake tensors of the real shapes
+    index = _selected_index(blocks, sel_block, kernel, H // G, shapes_only=True)
     return [out, blocks, out.new_empty(out.shape), lse, out.new_empty(out.shape), lse.new_empty(lse.shape),
             out.new_empty(out.shape), lse.new_empty(lse.shape), *_padded_index(index, q.device)]
 

@@ -165,10 +165,21 @@ class FlatGradients:
                              f"{sorted(map(str, kinds))}")
         (dtype, device), = kinds
         self.buffer = torch.zeros(sum(p.numel() for p in params), dtype=dtype, device=device)
+        self.params, self.views = params, []
         offset = 0
         for p in params:
             p.grad = self.buffer[offset:offset + p.numel()].view_as(p)
+            self.views.append(p.grad)
             offset += p.numel()
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """loss.backward() into the buffer, for a model that no DDP hook watches. Autograd would add each
+        parameter's gradient with a launch of its own (254 per micro-batch for nsa-125m, 110 for dense: 1.8 and
+        1.3 ms per training step at T = 2048 on the H100); one foreach add takes them all at once
+        (bench/results/kernels-notes.md, v19)."""
+        new = torch.autograd.grad(loss, self.params, allow_unused=True)
+        used = [i for i, g in enumerate(new) if g is not None]
+        torch._foreach_add_([self.views[i] for i in used], [new[i] for i in used])
 
     def zero_(self) -> None:
         self.buffer.zero_()
@@ -344,7 +355,10 @@ def _train_step(t, step, rank, world, model, forward, autocast, optimizer, sched
                 _, loss = forward(x, y)
             if rank == 0 and step in t.debug.nan_at_steps:
                 loss = loss * float("nan")
-            (loss / loss_divisor).backward()
+            if grads is not None and not hasattr(model, "no_sync"):
+                grads.backward(loss / loss_divisor)
+            else:  # DDP's (and FSDP's) hooks reduce the gradients as autograd accumulates them
+                (loss / loss_divisor).backward()
         loss_sum += loss.detach().float()
         wait_s += t1 - t0
         compute_s += time.perf_counter() - t1
