@@ -1,12 +1,13 @@
 """The selected branch's indexes, built from the selections blocks [B, T, G, n] (int32, -1 for an empty slot).
 
 Each was a chain of PyTorch ops: about 35 small launches per layer call in the forward, 2.7 ms per training step
-of nsa-125m at T = 2048 besides the sort (kernels-notes.md, v19). Three kernels do their work now:
+of nsa-125m at T = 2048 besides the sort (kernels-notes.md, v19). Four kernels do their work now:
 
   segment_ids_kernel  each slot's segment s = (b * G + g) * num_blocks + block (num_segments for an empty slot),
                       the key of the stable sort that builds by_block's inverted index
-  block_work_kernel   from the sorted keys: each segment's first entry (starts) and the work list, program p of
-                      the by_block kernels takes chunk work_chunk[p] of segment work_seg[p] (-1: nothing)
+  segment_starts_kernel  from the sorted keys, each segment's first entry (starts)
+  block_work_kernel   from the starts, the work list: program p of the by_block kernels takes chunk
+                      work_chunk[p] of segment work_seg[p] (-1: nothing)
   tile_union_kernel   for each tile of TILE_Q consecutive queries, the distinct blocks they chose, ascending,
                       and their count (the tiled kernels walk it)
 
@@ -32,29 +33,30 @@ def segment_ids_kernel(BLOCKS, SEG, num_entries, T, num_blocks, num_segments, G:
 
 
 @triton.jit
-def _lower_bound(SORTED, num_entries, x, SEARCH_STEPS: tl.constexpr):
-    """For each x, how many of SORTED[0:num_entries] (ascending) are < x: a branch-free binary search."""
-    pos = tl.zeros(x.shape, dtype=tl.int32)
-    for k in tl.static_range(SEARCH_STEPS):
-        cand = pos + (1 << (SEARCH_STEPS - 1 - k))
-        ok = cand <= num_entries
-        v = tl.load(SORTED + (cand - 1), mask=ok, other=0)
-        pos = tl.where(ok & (v < x), cand, pos)
-    return pos
+def segment_starts_kernel(SORTED, STARTS, num_entries, num_segments, BLOCK: tl.constexpr):
+    """starts[s] = the first position of SORTED (ascending, length num_entries) whose key is >= s, for s = 0 ..
+    num_segments: one pass over the keys, each position e writing the segments from its predecessor's key + 1 up
+    to its own (position num_entries stands past the end). A binary search per segment, in one program, took
+    34 us per layer call at 125M 16 x 2k (its 21 dependent loads), this 2 us."""
+    e = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    cur = tl.load(SORTED + e, mask=e < num_entries, other=num_segments).to(tl.int32)
+    prev = tl.load(SORTED + e - 1, mask=(e > 0) & (e <= num_entries), other=-1).to(tl.int32)
+    gap = tl.where(e <= num_entries, cur - prev, 0)  # segments that start at e: prev + 1 .. cur
+    for k in range(0, tl.max(gap, 0)):
+        tl.store(STARTS + prev + 1 + k, e, mask=k < gap)
 
 
 @triton.jit
-def block_work_kernel(SORTED, STARTS, WORK_SEG, WORK_CHUNK, num_entries, num_segments, num_work,
-                      CHUNK: tl.constexpr, BLOCK_S: tl.constexpr, SEARCH_STEPS: tl.constexpr):
-    """One program: segment s's entries are SORTED positions starts[s] .. starts[s + 1] (s <= num_segments, the
-    last start counts the valid slots); its cdiv(count, CHUNK) chunks are consecutive work items, segment after
-    segment; the work list's spare items (it is sized from shapes alone) get segment -1."""
+def block_work_kernel(STARTS, WORK_SEG, WORK_CHUNK, num_segments, num_work, CHUNK: tl.constexpr,
+                      BLOCK_S: tl.constexpr):
+    """One program: segment s's cdiv(count, CHUNK) chunks are consecutive work items, segment after segment
+    (count = starts[s + 1] - starts[s]); the work list's spare items (it is sized from shapes alone) get segment
+    -1."""
     total = 0
-    for s0 in range(0, num_segments + 1, BLOCK_S):
+    for s0 in range(0, num_segments, BLOCK_S):
         s = s0 + tl.arange(0, BLOCK_S)
-        first = _lower_bound(SORTED, num_entries, s, SEARCH_STEPS)
-        tl.store(STARTS + s, first, mask=s <= num_segments)
-        count = tl.where(s < num_segments, _lower_bound(SORTED, num_entries, s + 1, SEARCH_STEPS) - first, 0)
+        ok = s < num_segments
+        count = tl.load(STARTS + s + 1, mask=ok, other=0) - tl.load(STARTS + s, mask=ok, other=0)
         chunks = (count + CHUNK - 1) // CHUNK
         item = total + tl.cumsum(chunks, 0) - chunks  # the segment's first work item
         for c in range(0, tl.max(chunks, 0)):

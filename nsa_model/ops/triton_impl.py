@@ -20,7 +20,8 @@ import torch
 import triton
 
 from nsa_model.config import NSAConfig
-from nsa_model.kernels.block_index import block_work_kernel, segment_ids_kernel, tile_union_kernel
+from nsa_model.kernels.block_index import (block_work_kernel, segment_ids_kernel, segment_starts_kernel,
+                                           tile_union_kernel)
 from nsa_model.kernels.delta import row_dot_kernel
 from nsa_model.kernels.gates import gated_sum_bwd_kernel, gated_sum_fwd_kernel
 from nsa_model.kernels.rope import rope_split_kernel
@@ -553,8 +554,8 @@ def block_work(blocks: torch.Tensor, num_blocks: int, chunk: int, shapes_only: b
     num_blocks + block (query order inside a segment; -1 slots last); starts [S + 1] int32: segment s is
     order[starts[s]:starts[s+1]]; work_seg, work_chunk [W] int32: program p handles chunk work_chunk[p] (chunk
     entries) of segment work_seg[p], or nothing where work_seg[p] = -1 (W is an upper bound: no host sync).
-    The keys, the sort, and one program of block_work_kernel for the starts and the work list (kernels/
-    block_index.py; about 20 PyTorch launches before, v19). shapes_only: empty tensors of those shapes."""
+    The keys, the sort, one pass over the sorted keys for the starts and one program for the work list
+    (kernels/block_index.py; about 20 PyTorch launches before, v19). shapes_only: empty tensors of those shapes."""
     B, T, G, n = blocks.shape
     dev = blocks.device
     num_segments, entries = B * G * num_blocks, blocks.numel()
@@ -567,8 +568,10 @@ def block_work(blocks: torch.Tensor, num_blocks: int, chunk: int, shapes_only: b
     if shapes_only:
         return torch.empty(entries, dtype=torch.int32, device=dev), starts, work_seg, work_chunk
     sorted_segment, order = _sorted_segments(blocks, num_blocks)
-    block_work_kernel[(1,)](sorted_segment, starts, work_seg, work_chunk, entries, num_segments, num_work,
-                            CHUNK=chunk, BLOCK_S=_WORK_SEGMENTS, SEARCH_STEPS=entries.bit_length())
+    segment_starts_kernel[(triton.cdiv(entries + 1, _SEGMENT_SLOTS),)](sorted_segment, starts, entries,
+                                                                      num_segments, BLOCK=_SEGMENT_SLOTS)
+    block_work_kernel[(1,)](starts, work_seg, work_chunk, num_segments, num_work, CHUNK=chunk,
+                            BLOCK_S=_WORK_SEGMENTS)
     return order.to(torch.int32), starts, work_seg, work_chunk
 
 
