@@ -72,9 +72,10 @@ CASES = [
           dict(num_blocks="i32", **SLC_SCALARS), dict(ROWS=64, CHUNK=512, **SEL), dict(num_warps=4, num_stages=3)),
     _case("selected_combine_kernel", "selected_by_block", dict(LSE2_PART="fp32", BLOCKS="i32", LSE="fp32"),
           dict(num_rows="i32"), dict(H=12, G=2, DV=64, BLOCK_DV=64, N_SELECT=16, BLOCK_R=32)),
-    *[_case("selected_block_bwd_kernel", "selected_by_block", dict(BLOCK_INDEX, **ROW_TERMS, **ACCS),
-            dict(num_blocks="i32", **SLC_SCALARS), dict(ROWS=64, CHUNK=512, DQ_MODE=mode, **SEL),
-            dict(num_warps=4, num_stages=3), f"DQ_MODE={mode}") for mode in (0, 1, 2)],
+    *[_case("selected_block_bwd_kernel", "selected_by_block", dict(BLOCK_INDEX, DONE="i32", **ROW_TERMS, **ACCS),
+            dict(num_blocks="i32", **SLC_SCALARS), dict(ROWS=64, CHUNK=512, DQ_MODE=mode, FINAL_KV=final, **SEL),
+            dict(num_warps=4, num_stages=3), f"DQ_MODE={mode},FINAL_KV={final}")
+      for mode, final in ((0, True), (1, True), (1, False), (2, False))],
     *[_case("selected_dq_sum_kernel", "selected_by_block", dict(BLOCKS="i32"), dict(num_rows="i32"),
             dict(H=12, G=2, DK=64, BLOCK_DK=64, N_SELECT=16, BLOCK_R=32, NUM_ADD=adds), label=f"NUM_ADD={adds}")
       for adds in (0, 1, 2)],

@@ -49,15 +49,15 @@ def segment_starts_kernel(SORTED, STARTS, num_entries, num_segments, BLOCK: tl.c
 @triton.jit
 def block_work_kernel(STARTS, WORK_SEG, WORK_CHUNK, num_segments, num_work, CHUNK: tl.constexpr,
                       BLOCK_S: tl.constexpr):
-    """One program: segment s's cdiv(count, CHUNK) chunks are consecutive work items, segment after segment
-    (count = starts[s + 1] - starts[s]); the work list's spare items (it is sized from shapes alone) get segment
-    -1."""
+    """One program: segment s's cdiv(count, CHUNK) chunks, at least one (an empty segment's item writes its
+    block's zero gradient), are consecutive work items, segment after segment (count = starts[s + 1] -
+    starts[s]); the work list's spare items (it is sized from shapes alone) get segment -1."""
     total = 0
     for s0 in range(0, num_segments, BLOCK_S):
         s = s0 + tl.arange(0, BLOCK_S)
         ok = s < num_segments
         count = tl.load(STARTS + s + 1, mask=ok, other=0) - tl.load(STARTS + s, mask=ok, other=0)
-        chunks = (count + CHUNK - 1) // CHUNK
+        chunks = tl.where(ok, tl.maximum((count + CHUNK - 1) // CHUNK, 1), 0)
         item = total + tl.cumsum(chunks, 0) - chunks  # the segment's first work item
         for c in range(0, tl.max(chunks, 0)):
             has = c < chunks

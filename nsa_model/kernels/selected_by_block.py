@@ -160,14 +160,20 @@ def selected_combine_kernel(O_PART, LSE2_PART, BLOCKS, O, LSE, num_rows, H: tl.c
 
 @triton.jit
 def selected_block_bwd_kernel(Q, K, V, DO, LSE, DELTA, ORDER, STARTS, WORK_SEG, WORK_CHUNK, DK_ACC, DV_ACC, DQ_OUT,
-                              T, num_blocks, scale, K_ROW, V_ROW,
+                              DK_OUT, DV_OUT, DONE, T, num_blocks, scale, K_ROW, V_ROW,
                               H: tl.constexpr, G: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
                               BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, SEL_BLOCK: tl.constexpr,
                               BLOCK_S: tl.constexpr, N_SELECT: tl.constexpr, ROWS: tl.constexpr,
-                              CHUNK: tl.constexpr, DQ_MODE: tl.constexpr,
+                              CHUNK: tl.constexpr, DQ_MODE: tl.constexpr, FINAL_KV: tl.constexpr,
                               DOT_PRECISION: tl.constexpr):
     """DQ_MODE: 0 no dQ (the query-driven variants compute it), 1 store each chooser's contribution at its slot
-    (DQ_OUT rows as the partials), 2 add it atomically into a float32 DQ_OUT [B, T, H, DK]."""
+    (DQ_OUT rows as the partials), 2 add it atomically into a float32 DQ_OUT [B, T, H, DK].
+
+    FINAL_KV: the block's dK, dV end in DK_OUT, DV_OUT (their dtype) instead of staying in the float32
+    accumulators for a cast launch after (0.4 ms per training step at T = 2048, kernels-notes.md v20). The work
+    list then has an item for every segment, so every key row is written (an unchosen block's with zeros). A
+    segment of one chunk stores its block directly; in a longer one each program adds into the accumulators and
+    counts itself done (DONE [segments] int32, zeroed), and the last one casts the sums."""
     HPG: tl.constexpr = H // G
     ENTRIES: tl.constexpr = ROWS // HPG
     seg, b, g, j, start, end = _work_item(WORK_SEG, WORK_CHUNK, STARTS, num_blocks, G, CHUNK)
@@ -202,8 +208,28 @@ def selected_block_bwd_kernel(Q, K, V, DO, LSE, DELTA, ORDER, STARTS, WORK_SEG, 
                 dq = tl.dot(ds.to(k.dtype), k, input_precision=DOT_PRECISION) * scale
                 tl.atomic_add(DQ_OUT + row_q[:, None] * DK + offs_dk[None, :], dq, mask=q_ok)
         dk = dk * scale
-        tl.atomic_add(DK_ACC + row_k[:, None] * DK + offs_dk[None, :], dk, mask=s_ok[:, None] & (offs_dk < DK)[None, :])
-        tl.atomic_add(DV_ACC + row_k[:, None] * DV + offs_dv[None, :], dv, mask=s_ok[:, None] & (offs_dv < DV)[None, :])
+        k_rows = row_k[:, None] * DK + offs_dk[None, :]
+        v_rows = row_k[:, None] * DV + offs_dv[None, :]
+        k_ok = s_ok[:, None] & (offs_dk < DK)[None, :]
+        v_ok = s_ok[:, None] & (offs_dv < DV)[None, :]
+        if FINAL_KV:
+            count = tl.load(STARTS + seg + 1) - tl.load(STARTS + seg)
+            if count <= CHUNK:  # the segment's only program
+                tl.store(DK_OUT + k_rows, dk.to(DK_OUT.dtype.element_ty), mask=k_ok)
+                tl.store(DV_OUT + v_rows, dv.to(DV_OUT.dtype.element_ty), mask=v_ok)
+            else:
+                tl.atomic_add(DK_ACC + k_rows, dk, mask=k_ok)
+                tl.atomic_add(DV_ACC + v_rows, dv, mask=v_ok)
+                tl.debug_barrier()  # every thread's adds are issued before the count says this program is done
+                done = tl.atomic_add(DONE + seg, 1, sem="acq_rel")
+                if done == (count + CHUNK - 1) // CHUNK - 1:  # the last: the others' adds are visible to it
+                    dk = tl.load(DK_ACC + k_rows, mask=k_ok, other=0.0, volatile=True)
+                    dv = tl.load(DV_ACC + v_rows, mask=v_ok, other=0.0, volatile=True)
+                    tl.store(DK_OUT + k_rows, dk.to(DK_OUT.dtype.element_ty), mask=k_ok)
+                    tl.store(DV_OUT + v_rows, dv.to(DV_OUT.dtype.element_ty), mask=v_ok)
+        else:
+            tl.atomic_add(DK_ACC + k_rows, dk, mask=k_ok)
+            tl.atomic_add(DV_ACC + v_rows, dv, mask=v_ok)
 
 
 @triton.jit

@@ -553,7 +553,8 @@ def block_work(blocks: torch.Tensor, num_blocks: int, chunk: int, shapes_only: b
     order [B*T*G*n] int32: flat slot ((b*T + t)*G + g)*n + i of each entry, sorted by segment s = (b*G + g) *
     num_blocks + block (query order inside a segment; -1 slots last); starts [S + 1] int32: segment s is
     order[starts[s]:starts[s+1]]; work_seg, work_chunk [W] int32: program p handles chunk work_chunk[p] (chunk
-    entries) of segment work_seg[p], or nothing where work_seg[p] = -1 (W is an upper bound: no host sync).
+    entries) of segment work_seg[p], or nothing where work_seg[p] = -1 (W is an upper bound: no host sync). An
+    empty segment has one item too, with no entries: the backward writes its block's zero dK, dV there.
     The keys, the sort, one pass over the sorted keys for the starts and one program for the work list
     (kernels/block_index.py; about 20 PyTorch launches before, v19). shapes_only: empty tensors of those shapes."""
     B, T, G, n = blocks.shape
@@ -670,9 +671,9 @@ def _selected_bwd(q, k, v, blocks, o, lse, index, do, sel_block: int, scale: flo
     common = dict(H=H, G=G, SEL_BLOCK=sel_block, BLOCK_S=_pow2(sel_block), N_SELECT=n, **_head_dims(q, v),
                   **_kv_strides(k, v))
     if kernel in BY_BLOCK_BACKWARD:
-        dq, dk_acc, dv_acc = _selected_by_block_bwd(q, k, v, blocks, do, lse, delta, tuple(index[:4]), common,
-                                                    scale, dq_add=dq_add)
-        return _with_prefix_bwd(q, k, v, do, lse, delta, dq, dk_acc, dv_acc, prefix, scale)
+        dq, dk, dv = _selected_by_block_bwd(q, k, v, blocks, do, lse, delta, tuple(index[:4]), common, scale,
+                                            dq_add=dq_add, final_kv=not prefix)
+        return (dq, dk, dv) if not prefix else _with_prefix_bwd(q, k, v, do, lse, delta, dq, dk, dv, prefix, scale)
     dq = torch.empty_like(q)
     if kernel == "tiled":
         union, count = index[:2]
@@ -686,13 +687,15 @@ def _selected_bwd(q, k, v, blocks, o, lse, index, do, sel_block: int, scale: flo
             q, k, v, blocks, do, lse, delta, dq, T, scale, HEADS_PAD=_pow2(hpg), **common, **_slc_launch())
     if config.slc_dkdv == "by_block":
         block_index = _by_block_index(blocks, sel_block, config)
-        _, dk_acc, dv_acc = _selected_by_block_bwd(q, k, v, blocks, do, lse, delta, block_index, common, scale,
-                                                   dq_mode=0)
+        _, dk, dv = _selected_by_block_bwd(q, k, v, blocks, do, lse, delta, block_index, common, scale, dq_mode=0,
+                                           final_kv=not prefix)
     else:
-        dk_acc, dv_acc = _selected_dkdv(q, k, v, do, lse, delta, blocks, sel_block, scale)
+        dk, dv = _selected_dkdv(q, k, v, do, lse, delta, blocks, sel_block, scale)
     for extra in dq_add or ():
         dq = dq.add_(extra)
-    return _with_prefix_bwd(q, k, v, do, lse, delta, dq, dk_acc, dv_acc, prefix, scale)
+    if config.slc_dkdv == "by_block" and not prefix:
+        return dq, dk, dv
+    return _with_prefix_bwd(q, k, v, do, lse, delta, dq, dk, dv, prefix, scale)
 
 
 def _with_prefix_bwd(q, k, v, do, lse, delta, dq, dk_acc, dv_acc, prefix: int, scale: float):
@@ -749,11 +752,13 @@ def _by_block_index(blocks, sel_block, config, shapes_only: bool = False):
     return block_work(blocks, triton.cdiv(blocks.shape[1], sel_block), config.slc_block_chunk, shapes_only)
 
 
-def _selected_by_block_bwd(q, k, v, blocks, do, lse, delta, index, common, scale, dq_mode=None, dq_add=None):
+def _selected_by_block_bwd(q, k, v, blocks, do, lse, delta, index, common, scale, dq_mode=None, dq_add=None,
+                           final_kv=False):
     """(dq or None, dk, dv) of the selected branch by key blocks: one fused kernel over the blocks' choosers, then
-    the dQ slot sum; dk and dv as float32 accumulators (the caller casts them). dq_mode 0 computes dK/dV only
-    (for the query-driven variants); None follows slc_dq. dq_add: one or two [B,T,H,Dk] tensors added into dq (the
-    other branches' dQ), by the slot sum where it runs."""
+    the dQ slot sum. dk and dv: with final_kv the gradients in k's and v's dtype, written by the kernel itself;
+    else float32 accumulators that the caller adds to and casts (the dense prefix). dq_mode 0 computes dK/dV
+    only (for the query-driven variants); None follows slc_dq. dq_add: one or two [B,T,H,Dk] tensors added into
+    dq (the other branches' dQ), by the slot sum where it runs."""
     order, starts, work_seg, work_chunk = index
     B, T, H, dk_dim = q.shape
     G, n = k.shape[2], blocks.shape[-1]
@@ -761,7 +766,16 @@ def _selected_by_block_bwd(q, k, v, blocks, do, lse, delta, index, common, scale
     num_blocks = triton.cdiv(T, common["SEL_BLOCK"])
     if dq_mode is None:
         dq_mode = 2 if c.slc_dq == "atomic" else 1
-    dk_acc, dv_acc = _fp32_accumulators(k, v)
+    num_segments = starts.numel() - 1
+    if final_kv:  # the accumulators and each segment's count of finished programs, zeroed by one fill
+        flat = torch.zeros(k.numel() + v.numel() + num_segments, dtype=torch.float32, device=k.device)
+        dk_acc, dv_acc = flat[:k.numel()].view(k.shape), flat[k.numel():k.numel() + v.numel()].view(v.shape)
+        done = flat[k.numel() + v.numel():].view(torch.int32)
+        dk_out = torch.empty(k.shape, dtype=k.dtype, device=k.device)  # contiguous, whatever k's layout
+        dv_out = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+    else:
+        dk_acc, dv_acc = _fp32_accumulators(k, v)
+        dk_out, dv_out, done = dk_acc, dv_acc, starts  # unread
     if dq_mode == 2:
         dq_out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     elif dq_mode == 1:
@@ -769,9 +783,9 @@ def _selected_by_block_bwd(q, k, v, blocks, do, lse, delta, index, common, scale
     else:
         dq_out = dk_acc  # not touched
     selected_block_bwd_kernel[(work_seg.numel(),)](
-        q, k, v, do, lse, delta, order, starts, work_seg, work_chunk, dk_acc, dv_acc, dq_out, T, num_blocks, scale,
-        ROWS=_block_rows(hpg, c), CHUNK=c.slc_block_chunk, DQ_MODE=dq_mode, **common,
-        num_warps=c.slc_block_warps, num_stages=c.slc_block_stages)
+        q, k, v, do, lse, delta, order, starts, work_seg, work_chunk, dk_acc, dv_acc, dq_out, dk_out, dv_out, done,
+        T, num_blocks, scale, ROWS=_block_rows(hpg, c), CHUNK=c.slc_block_chunk, DQ_MODE=dq_mode, FINAL_KV=final_kv,
+        **common, num_warps=c.slc_block_warps, num_stages=c.slc_block_stages)
     dq = None
     if dq_mode == 2:
         dq = dq_out.to(q.dtype)
@@ -787,7 +801,7 @@ def _selected_by_block_bwd(q, k, v, blocks, do, lse, delta, index, common, scale
     if dq is not None:
         for extra in dq_add or ():
             dq = dq.add_(extra)
-    return dq, dk_acc, dv_acc
+    return dq, dk_out, dv_out
 
 
 def _selected_dkdv(q, k, v, do, lse, delta, blocks, sel_block, scale):
