@@ -15,7 +15,8 @@ partials live at the query's own slot (ORDER maps a sorted entry back to its fla
 combining reads n contiguous rows and needs no second index.
 
 Backward: one fused kernel per block slice computes dK and dV (accumulated over its choosers, then added once
-into float32 buffers; slices of one block meet there) and each chooser's dQ contribution ds @ K, either stored
+into float32 buffers where slices of one block meet, the last slice casting the sums; a block of one slice stores
+its own, FINAL_KV) and each chooser's dQ contribution ds @ K, either stored
 at the chooser's slot (DQ_MODE 1; `selected_dq_sum_kernel` adds the n slots) or added atomically into a float32
 dQ (DQ_MODE 2). P and dP are computed once, where the query-driven path computes them twice (dQ kernel, dK/dV
 kernel). With DQ_MODE 0 it is the dK/dV kernel of the query-driven variants (slc_dkdv = "by_block").
