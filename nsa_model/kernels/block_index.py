@@ -1,7 +1,7 @@
 """The selected branch's indexes, built from the selections blocks [B, T, G, n] (int32, -1 for an empty slot).
 
-Each was a chain of PyTorch ops: about 35 small launches per layer call in the forward, 2.7 ms per training step
-of nsa-125m at T = 2048 besides the sort (kernels-notes.md, v19). Four kernels do their work now:
+Each was a chain of PyTorch ops: about 35 small launches per layer call in the forward, about 2.4 ms per
+training step of nsa-125m at T = 2048 besides the sort (kernels-notes.md, v19). Four kernels do their work now:
 
   segment_ids_kernel  each slot's segment s = (b * G + g) * num_blocks + block (num_segments for an empty slot),
                       the key of the stable sort that builds by_block's inverted index
@@ -37,7 +37,7 @@ def segment_starts_kernel(SORTED, STARTS, num_entries, num_segments, BLOCK: tl.c
     """starts[s] = the first position of SORTED (ascending, length num_entries) whose key is >= s, for s = 0 ..
     num_segments: one pass over the keys, each position e writing the segments from its predecessor's key + 1 up
     to its own (position num_entries stands past the end). A binary search per segment, in one program, took
-    34 us per layer call at 125M 16 x 2k (its 21 dependent loads), this 2 us."""
+    34 us per layer call at 125M 16 x 2k (its 21 dependent loads), this about 3 us."""
     e = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     cur = tl.load(SORTED + e, mask=e < num_entries, other=num_segments).to(tl.int32)
     prev = tl.load(SORTED + e - 1, mask=(e > 0) & (e <= num_entries), other=-1).to(tl.int32)

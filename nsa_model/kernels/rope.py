@@ -4,10 +4,9 @@ own tensor (forward), or each part's gradient into its columns of the projection
 A row is one (b, t, head): D values, rotated in pairs (i, i + D/2) by the angles of position t (Llama's
 rotate-half convention, nsa_model/rope.py) or copied as they are (the V parts). INVERSE turns by minus the
 angle (the backward of a rotation) and runs the other way, from the parts into Y. Each program handles BLOCK_T
-tokens of every part, so one launch does the whole split: a launch per part cost NSA's 8 parts about 1.8 ms
-per training step at T = 2048 over the data's own time, in the small launches' tails (kernels-notes.md, v19).
-Every value is read and written once, in place of a concatenation's masked kernel and its float32 buffers
-(v18).
+tokens of every part, so one launch does the whole split (a launch per part cost NSA's 8 parts 0.25 ms more per
+training step at T = 2048; the op is bandwidth-bound, kernels-notes.md v19). Every value is read and written
+once, in place of a concatenation's masked kernel and its float32 buffers (v18).
 
 Layouts: Y [B, T, width] with its rows y_sb, y_st elements apart and its columns contiguous; part i
 [B, T, HEADS[i], DIMS[i]] at b * sb[i] + t * st[i] + h * sh[i] elements (the last dimension contiguous), columns

@@ -685,17 +685,16 @@ def _selected_bwd(q, k, v, blocks, o, lse, index, do, sel_block: int, scale: flo
     else:
         selected_attn_bwd_dq_kernel[(T, B * G)](
             q, k, v, blocks, do, lse, delta, dq, T, scale, HEADS_PAD=_pow2(hpg), **common, **_slc_launch())
+    final_kv = config.slc_dkdv == "by_block" and not prefix  # dk, dv come out final (no accumulators to cast)
     if config.slc_dkdv == "by_block":
         block_index = _by_block_index(blocks, sel_block, config)
         _, dk, dv = _selected_by_block_bwd(q, k, v, blocks, do, lse, delta, block_index, common, scale, dq_mode=0,
-                                           final_kv=not prefix)
+                                           final_kv=final_kv)
     else:
         dk, dv = _selected_dkdv(q, k, v, do, lse, delta, blocks, sel_block, scale)
     for extra in dq_add or ():
         dq = dq.add_(extra)
-    if config.slc_dkdv == "by_block" and not prefix:
-        return dq, dk, dv
-    return _with_prefix_bwd(q, k, v, do, lse, delta, dq, dk, dv, prefix, scale)
+    return (dq, dk, dv) if final_kv else _with_prefix_bwd(q, k, v, do, lse, delta, dq, dk, dv, prefix, scale)
 
 
 def _with_prefix_bwd(q, k, v, do, lse, delta, dq, dk_acc, dv_acc, prefix: int, scale: float):
