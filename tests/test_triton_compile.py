@@ -54,9 +54,9 @@ CASES = [
             dict(RANGE, BLOCK_N=32, ACCUMULATE=False, TWO_RANGES=two), dict(num_warps=4, num_stages=3),
             f"TWO_RANGES={two}") for two in (True, False)],
     *[_case("range_attn_bwd_dkdv_kernel", "range_attention", dict(ROW_TERMS, **(ACCS if atomic else {})),
-            dict(q_chunk="i32", **RANGE_SCALARS), dict(RANGE, HEAD_SPLIT=split, ATOMIC=atomic, KEYS_AS_ROWS=rows),
-            dict(num_warps=4, num_stages=3), f"HEAD_SPLIT={split},ATOMIC={atomic},KEYS_AS_ROWS={rows}")
-      for split, atomic, rows in ((6, True, True), (1, False, True), (1, False, False))],
+            dict(q_chunk="i32", **RANGE_SCALARS), dict(RANGE, HEAD_SPLIT=split, ATOMIC=atomic),
+            dict(num_warps=4, num_stages=3), f"HEAD_SPLIT={split},ATOMIC={atomic}")
+      for split, atomic in ((6, True), (1, False))],
     _case("selected_attn_fwd_kernel", "selected_attention", dict(BLOCKS="i32", LSE="fp32"), SLC_SCALARS,
           dict(HEADS_PAD=8, **SEL), dict(num_warps=2, num_stages=2)),
     _case("selected_attn_bwd_dq_kernel", "selected_attention", dict(BLOCKS="i32", **ROW_TERMS), SLC_SCALARS,
@@ -73,11 +73,9 @@ CASES = [
     _case("selected_combine_kernel", "selected_by_block", dict(LSE2_PART="fp32", BLOCKS="i32", LSE="fp32"),
           dict(num_rows="i32"), dict(H=12, G=2, DV=64, BLOCK_DV=64, N_SELECT=16, BLOCK_R=32)),
     *[_case("selected_block_bwd_kernel", "selected_by_block", dict(BLOCK_INDEX, DONE="i32", **ROW_TERMS, **ACCS),
-            dict(num_blocks="i32", **SLC_SCALARS),
-            dict(ROWS=64, CHUNK=512, DQ_MODE=mode, FINAL_KV=final, KEYS_AS_ROWS=rows, **SEL),
-            dict(num_warps=4, num_stages=3), f"DQ_MODE={mode},FINAL_KV={final},KEYS_AS_ROWS={rows}")
-      for mode, final, rows in ((0, True, True), (1, True, True), (1, True, False), (1, False, True),
-                                (2, False, True))],
+            dict(num_blocks="i32", **SLC_SCALARS), dict(ROWS=64, CHUNK=512, DQ_MODE=mode, FINAL_KV=final, **SEL),
+            dict(num_warps=4, num_stages=3), f"DQ_MODE={mode},FINAL_KV={final}")
+      for mode, final in ((0, True), (1, True), (1, False), (2, False))],
     *[_case("selected_dq_sum_kernel", "selected_by_block", dict(BLOCKS="i32"), dict(num_rows="i32"),
             dict(H=12, G=2, DK=64, BLOCK_DK=64, N_SELECT=16, BLOCK_R=32, NUM_ADD=adds), label=f"NUM_ADD={adds}")
       for adds in (0, 1, 2)],

@@ -284,8 +284,6 @@ CORE_VARIANTS = {  # three with the dense prefix: its dK/dV by groups (tiled_by_
     # the others run the compressed and window branches' dQ as one two-range launch (range_pair "fused", with the
     # fused gates); this one, and tiled_torch_gates (whose branches get different d o_i), apart
     "by_block_ranges_apart": dict(slc_kernel="by_block", slc_block_rows=16, slc_block_chunk=8, range_pair="apart"),
-    # the dK/dV kernels' other form (S = Q K^T, P^T and dS^T transposed; the default computes S^T = K Q^T)
-    "by_block_query_rows": dict(slc_kernel="by_block", slc_block_rows=16, slc_block_chunk=8, dkdv_keys_as_rows=False),
 }
 
 

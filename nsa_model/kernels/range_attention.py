@@ -82,13 +82,6 @@ def _visible(offs_m, offs_n, key_stride, key_offset, window):
 
 
 @triton.jit
-def _visible_keys_rows(offs_n, offs_m, key_stride, key_offset, window):
-    """_visible transposed: [keys, queries]."""
-    rel = offs_m[None, :] - (offs_n[:, None] * key_stride + key_offset)
-    return (rel >= 0) & (rel < window)
-
-
-@triton.jit
 def _fwd_tiles(acc, m_i, l_i, q, K, V, K_ROW, V_ROW, b, g, offs_m, start, stop, hi, num_keys, qk_scale, key_stride,
                key_offset, window, G: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BLOCK_DK: tl.constexpr,
                BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr):
@@ -254,7 +247,7 @@ def range_attn_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, T, num_queries, num_ke
 def _dkdv_tiles(dk, dv, k, v, Q, DO, LSE, DELTA, b, h, offs_n, n_ok, start, stop, T, num_queries, qk_scale,
                 key_stride, key_offset, window, H: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
                 BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, MASKED: tl.constexpr,
-                KEYS_AS_ROWS: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                DOT_PRECISION: tl.constexpr):
     offs_dk = tl.arange(0, BLOCK_DK)
     offs_dv = tl.arange(0, BLOCK_DV)
     for start_m in range(start, stop, BLOCK_M):
@@ -269,33 +262,17 @@ def _dkdv_tiles(dk, dv, k, v, Q, DO, LSE, DELTA, b, h, offs_n, n_ok, start, stop
         else:  # a full query tile lies inside [0, num_queries)
             lse2 = tl.load(LSE + row_q) * LOG2E
             delta = tl.load(DELTA + row_q)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
         if MASKED:
             lse2 = tl.where(lse2 == float("-inf"), 0.0, lse2)
-        if KEYS_AS_ROWS:
-            # S^T = K Q^T: P^T and dS^T come out a key per row, the left operands of dV += P^T dO and
-            # dK += dS^T Q, which the matrix units take from registers. Computed as S = Q K^T, both would be
-            # transposed through shared memory first.
-            st = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION) * qk_scale
-            if MASKED:
-                vis = _visible_keys_rows(offs_n, offs_m, key_stride, key_offset, window) & n_ok[:, None] & m_ok[None, :]
-                pt = tl.where(vis, tl.exp2(st - lse2[None, :]), 0.0)
-            else:
-                pt = tl.exp2(st - lse2[None, :])  # every query of a full tile sees a key: its lse is finite
-            dv += tl.dot(pt.to(do.dtype), do, input_precision=DOT_PRECISION)
-            dpt = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
-            dst = pt * (dpt - delta[None, :])
-            dk += tl.dot(dst.to(q.dtype), q, input_precision=DOT_PRECISION)
+            vis = _visible(offs_m, offs_n, key_stride, key_offset, window) & n_ok[None, :] & m_ok[:, None]
+            p = tl.where(vis, tl.exp2(s - lse2[:, None]), 0.0)
         else:
-            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
-            if MASKED:
-                vis = _visible(offs_m, offs_n, key_stride, key_offset, window) & n_ok[None, :] & m_ok[:, None]
-                p = tl.where(vis, tl.exp2(s - lse2[:, None]), 0.0)
-            else:
-                p = tl.exp2(s - lse2[:, None])
-            dv += tl.dot(tl.trans(p).to(do.dtype), do, input_precision=DOT_PRECISION)
-            dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
-            ds = p * (dp - delta[:, None])
-            dk += tl.dot(tl.trans(ds).to(q.dtype), q, input_precision=DOT_PRECISION)
+            p = tl.exp2(s - lse2[:, None])  # every query of a full tile sees a key: its lse is finite
+        dv += tl.dot(tl.trans(p).to(do.dtype), do, input_precision=DOT_PRECISION)
+        dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
+        ds = p * (dp - delta[:, None])
+        dk += tl.dot(tl.trans(ds).to(q.dtype), q, input_precision=DOT_PRECISION)
     return dk, dv
 
 
@@ -304,7 +281,7 @@ def range_attn_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK_ACC, DV_ACC, T, num_q
                                key_stride, key_offset, window, q_chunk, K_ROW, V_ROW, H: tl.constexpr, G: tl.constexpr,
                                DK: tl.constexpr, DV: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
                                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_SPLIT: tl.constexpr,
-                               EDGE_SPLIT: tl.constexpr, ATOMIC: tl.constexpr, KEYS_AS_ROWS: tl.constexpr,
+                               EDGE_SPLIT: tl.constexpr, ATOMIC: tl.constexpr,
                                DOT_PRECISION: tl.constexpr):
     """One program per (key tile, slice of HPG / HEAD_SPLIT heads of a group, chunk of q_chunk of the queries
     that see the tile). HEAD_SPLIT = 1 and one chunk: the program loops over the whole group and stores (exact,
@@ -355,13 +332,13 @@ def range_attn_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK_ACC, DV_ACC, T, num_q
         h = first_head + head
         dk, dv = _dkdv_tiles(dk, dv, k, v, Q, DO, LSE, DELTA, b, h, offs_n, n_ok, t_lo, full_lo, T, num_queries,
                              qk_scale, key_stride, key_offset, window, H, DK, DV, BLOCK_DK, BLOCK_DV, BLOCK_M,
-                             True, KEYS_AS_ROWS, DOT_PRECISION)
+                             True, DOT_PRECISION)
         dk, dv = _dkdv_tiles(dk, dv, k, v, Q, DO, LSE, DELTA, b, h, offs_n, n_ok, full_lo, full_hi, T, num_queries,
                              qk_scale, key_stride, key_offset, window, H, DK, DV, BLOCK_DK, BLOCK_DV, BLOCK_M,
-                             False, KEYS_AS_ROWS, DOT_PRECISION)
+                             False, DOT_PRECISION)
         dk, dv = _dkdv_tiles(dk, dv, k, v, Q, DO, LSE, DELTA, b, h, offs_n, n_ok, full_hi, t_hi, T, num_queries,
                              qk_scale, key_stride, key_offset, window, H, DK, DV, BLOCK_DK, BLOCK_DV, BLOCK_M,
-                             True, KEYS_AS_ROWS, DOT_PRECISION)
+                             True, DOT_PRECISION)
     dk = dk * scale
     dk_ptrs = DK_ACC + row_k[:, None] * DK + offs_dk[None, :]
     dv_ptrs = DV_ACC + row_k[:, None] * DV + offs_dv[None, :]

@@ -166,7 +166,7 @@ def selected_block_bwd_kernel(Q, K, V, DO, LSE, DELTA, ORDER, STARTS, WORK_SEG, 
                               BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, SEL_BLOCK: tl.constexpr,
                               BLOCK_S: tl.constexpr, N_SELECT: tl.constexpr, ROWS: tl.constexpr,
                               CHUNK: tl.constexpr, DQ_MODE: tl.constexpr, FINAL_KV: tl.constexpr,
-                              KEYS_AS_ROWS: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                              DOT_PRECISION: tl.constexpr):
     """DQ_MODE: 0 no dQ (the query-driven variants compute it), 1 store each chooser's contribution at its slot
     (DQ_OUT rows as the partials), 2 add it atomically into a float32 DQ_OUT [B, T, H, DK].
 
@@ -195,23 +195,13 @@ def selected_block_bwd_kernel(Q, K, V, DO, LSE, DELTA, ORDER, STARTS, WORK_SEG, 
             lse2 = tl.load(LSE + row_q, mask=r_ok, other=0.0) * LOG2E
             lse2 = tl.where(lse2 == float("-inf"), 0.0, lse2)  # a query that sees no key: its p is masked anyway
             delta = tl.load(DELTA + row_q, mask=r_ok, other=0.0)
-            if KEYS_AS_ROWS:  # a key per row: P^T and dS^T feed dV and dK from registers (range_attention.py)
-                st = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION) * qk_scale
-                vis = s_ok[:, None] & r_ok[None, :] & (pos[:, None] <= t[None, :])
-                pt = tl.where(vis, tl.exp2(st - lse2[None, :]), 0.0)
-                dv += tl.dot(pt.to(do.dtype), do, input_precision=DOT_PRECISION)
-                dpt = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
-                dst = pt * (dpt - delta[None, :])
-                dk += tl.dot(dst.to(q.dtype), q, input_precision=DOT_PRECISION)
-                ds = tl.trans(dst)
-            else:
-                s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
-                vis = r_ok[:, None] & s_ok[None, :] & (pos[None, :] <= t[:, None])
-                p = tl.where(vis, tl.exp2(s - lse2[:, None]), 0.0)
-                dv += tl.dot(tl.trans(p).to(do.dtype), do, input_precision=DOT_PRECISION)
-                dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
-                ds = p * (dp - delta[:, None])
-                dk += tl.dot(tl.trans(ds).to(q.dtype), q, input_precision=DOT_PRECISION)
+            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+            vis = r_ok[:, None] & s_ok[None, :] & (pos[None, :] <= t[:, None])
+            p = tl.where(vis, tl.exp2(s - lse2[:, None]), 0.0)
+            dv += tl.dot(tl.trans(p).to(do.dtype), do, input_precision=DOT_PRECISION)
+            dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
+            ds = p * (dp - delta[:, None])
+            dk += tl.dot(tl.trans(ds).to(q.dtype), q, input_precision=DOT_PRECISION)
             if DQ_MODE == 1:
                 dq = tl.dot(ds.to(k.dtype), k, input_precision=DOT_PRECISION) * scale
                 tl.store(DQ_OUT + row_p[:, None] * DK + offs_dk[None, :], dq.to(DQ_OUT.dtype.element_ty), mask=q_ok)

@@ -57,7 +57,6 @@ RANGE_PAIR = ("fused", "apart")
 
 
 RANGE_TILE_FIELDS = ("range_fwd", "range_dq", "range_dkdv", "range_fwd_d64", "range_dq_d64", "range_dkdv_d64")
-BOOL_FIELDS = ("slc_dense_prefix", "dkdv_keys_as_rows")
 
 
 @dataclass(frozen=True)
@@ -98,7 +97,6 @@ class LaunchConfig:
     range_pair: str = "fused"  # one of RANGE_PAIR (kernels-notes.md, v17)
     slc_dense_prefix: bool = False  # selected branch: queries t < n * l' by the range kernels (_dense_prefix; v15)
     prefix_dkdv_group_programs: int = 512  # dense prefix dK/dV: one program per group from this many programs
-    dkdv_keys_as_rows: bool = True  # range and by_block dK/dV from S^T = K Q^T (no P^T, dS^T transposes; v21)
 
     def __post_init__(self) -> None:
         choices = {"slc_kernel": SELECTED_KERNELS, "gate_kernel": GATE_KERNELS, "range_kernel": RANGE_KERNELS,
@@ -107,11 +105,10 @@ class LaunchConfig:
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise ValueError(f"LaunchConfig.{name}: must be one of {allowed}, got {getattr(self, name)!r}")
-        for name in BOOL_FIELDS:
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"LaunchConfig.{name}: must be a bool, got {getattr(self, name)!r}")
+        if not isinstance(self.slc_dense_prefix, bool):
+            raise ValueError(f"LaunchConfig.slc_dense_prefix: must be a bool, got {self.slc_dense_prefix!r}")
         for f in dataclasses.fields(self):
-            if f.name in choices or f.name in RANGE_TILE_FIELDS or f.name in BOOL_FIELDS:
+            if f.name in choices or f.name in RANGE_TILE_FIELDS or f.name == "slc_dense_prefix":
                 continue
             value = getattr(self, f.name)
             low = 0 if f.name in ("select_chunk_splits", "slc_auto_tiled_fwd_blocks") else 1
@@ -358,8 +355,7 @@ def _range_dkdv_into(q, k, v, do, lse, delta, dk, dv, num_queries: int, num_key_
         range_attn_bwd_dkdv_kernel[(triton.cdiv(num_key_rows, launch["BLOCK_N"]), B * G * head_split,
                                     triton.cdiv(num_queries, q_chunk))](
             q, k, v, do, lse, delta, dk, dv, T, num_queries, num_keys, scale, key_stride, key_offset, window, q_chunk,
-            **_kv_strides(k, v), HEAD_SPLIT=head_split, ATOMIC=atomic, KEYS_AS_ROWS=_config.dkdv_keys_as_rows, H=H,
-            G=G, **_head_dims(q, v), **launch)
+            **_kv_strides(k, v), HEAD_SPLIT=head_split, ATOMIC=atomic, H=H, G=G, **_head_dims(q, v), **launch)
 
 
 def _range_pair_fused() -> bool:
@@ -788,7 +784,7 @@ def _selected_by_block_bwd(q, k, v, blocks, do, lse, delta, index, common, scale
     selected_block_bwd_kernel[(work_seg.numel(),)](
         q, k, v, do, lse, delta, order, starts, work_seg, work_chunk, dk_acc, dv_acc, dq_out, dk_out, dv_out, done,
         T, num_blocks, scale, ROWS=_block_rows(hpg, c), CHUNK=c.slc_block_chunk, DQ_MODE=dq_mode, FINAL_KV=final_kv,
-        KEYS_AS_ROWS=c.dkdv_keys_as_rows, **common, num_warps=c.slc_block_warps, num_stages=c.slc_block_stages)
+        **common, num_warps=c.slc_block_warps, num_stages=c.slc_block_stages)
     dq = None
     if dq_mode == 2:
         dq = dq_out.to(q.dtype)
