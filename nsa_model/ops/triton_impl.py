@@ -97,11 +97,6 @@ class LaunchConfig:
     range_pair: str = "fused"  # one of RANGE_PAIR (kernels-notes.md, v17)
     slc_dense_prefix: bool = False  # selected branch: queries t < n * l' by the range kernels (_dense_prefix; v15)
     prefix_dkdv_group_programs: int = 512  # dense prefix dK/dV: one program per group from this many programs
-    # Registers per thread allowed to the compiler (0: its own choice). At its choice the by_block backward takes
-    # 239 and the dK/dV kernel 255, which fits two programs (8 warps) on a multiprocessor (v22).
-    slc_block_fwd_maxnreg: int = 0
-    slc_block_bwd_maxnreg: int = 0
-    range_dkdv_maxnreg: int = 0
 
     def __post_init__(self) -> None:
         choices = {"slc_kernel": SELECTED_KERNELS, "gate_kernel": GATE_KERNELS, "range_kernel": RANGE_KERNELS,
@@ -116,8 +111,7 @@ class LaunchConfig:
             if f.name in choices or f.name in RANGE_TILE_FIELDS or f.name == "slc_dense_prefix":
                 continue
             value = getattr(self, f.name)
-            zero_ok = f.name in ("select_chunk_splits", "slc_auto_tiled_fwd_blocks") or f.name.endswith("_maxnreg")
-            low = 0 if zero_ok else 1
+            low = 0 if f.name in ("select_chunk_splits", "slc_auto_tiled_fwd_blocks") else 1
             if not isinstance(value, int) or value < low:
                 raise ValueError(f"LaunchConfig.{f.name}: must be an int >= {low}, got {value!r}")
         for name in RANGE_TILE_FIELDS:
@@ -198,13 +192,7 @@ def _range_launch(q: torch.Tensor, v: torch.Tensor, kernel: str) -> dict:
     d64 = "_d64" if max(q.shape[-1], v.shape[-1]) <= 64 else ""
     block_m, block_n, warps, stages = getattr(_config, f"range_{kernel}{d64}")
     return dict(BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages,
-                EDGE_SPLIT=_config.range_kernel == "split",
-                **_maxnreg(_config.range_dkdv_maxnreg if kernel == "dkdv" else 0))
-
-
-def _maxnreg(registers: int) -> dict:
-    """The launch option capping a kernel's registers per thread; none for 0 (the compiler's choice)."""
-    return {"maxnreg": registers} if registers > 0 else {}
+                EDGE_SPLIT=_config.range_kernel == "split")
 
 
 def _kv_rows(x: torch.Tensor) -> torch.Tensor:
@@ -752,7 +740,7 @@ def _selected_by_block_fwd(q, k, v, blocks, o, lse, index, common, scale):
     selected_block_fwd_kernel[(work_seg.numel(),)](
         q, k, v, order, starts, work_seg, work_chunk, o_part, lse2_part, T, num_blocks, scale,
         ROWS=_block_rows(hpg, c), CHUNK=c.slc_block_chunk, **common, num_warps=c.slc_block_warps,
-        num_stages=c.slc_block_stages, **_maxnreg(c.slc_block_fwd_maxnreg))
+        num_stages=c.slc_block_stages)
     rows = B * T * H
     selected_combine_kernel[(triton.cdiv(rows, _COMBINE_ROWS),)](
         o_part, lse2_part, blocks, o, lse, rows, H=H, G=G, DV=dv, BLOCK_DV=common["BLOCK_DV"], N_SELECT=n,
@@ -796,7 +784,7 @@ def _selected_by_block_bwd(q, k, v, blocks, do, lse, delta, index, common, scale
     selected_block_bwd_kernel[(work_seg.numel(),)](
         q, k, v, do, lse, delta, order, starts, work_seg, work_chunk, dk_acc, dv_acc, dq_out, dk_out, dv_out, done,
         T, num_blocks, scale, ROWS=_block_rows(hpg, c), CHUNK=c.slc_block_chunk, DQ_MODE=dq_mode, FINAL_KV=final_kv,
-        **common, num_warps=c.slc_block_warps, num_stages=c.slc_block_stages, **_maxnreg(c.slc_block_bwd_maxnreg))
+        **common, num_warps=c.slc_block_warps, num_stages=c.slc_block_stages)
     dq = None
     if dq_mode == 2:
         dq = dq_out.to(q.dtype)
