@@ -1,41 +1,91 @@
-"""Hardware counters of the NSA core's kernels: one NSA forward + backward, run under Nsight Compute.
+"""Hardware counters of the NSA core's kernels: one NSA forward + backward run under Nsight Compute, and a table.
 
-    ncu --clock-control none --profile-from-start off --kernel-name regex:'selected|range_attn' \
-        --section SpeedOfLight --section WarpStateStats -o report python3 bench/kernel_counters.py --shape 125m:4:8192
+    ncu --clock-control none --profile-from-start off --kernel-name regex:'selected|range_attn|gated_sum' \\
+        --section SpeedOfLight --section Occupancy --section WarpStateStats --section ComputeWorkloadAnalysis \\
+        -o report python3 bench/kernel_counters.py --shape 125m:4:8192
+    ncu --import report.ncu-rep --page raw --csv > report.csv
+    python3 bench/kernel_counters.py --table report.csv > counters.md
 
 The warm-up calls (Triton's compiles, the first launches) run before the profiler starts, so the report holds the
-kernels of exactly one call. bench/kernels.py times the same call; this says why a kernel takes its time (its
-DRAM and L2 traffic, its stall reasons), which timings alone cannot (kernels-notes.md, v22).
+kernels of exactly one call. bench/kernels.py times that call; the counters say why a kernel takes its time:
+how busy the matrix units and DRAM are, how many warps each multiprocessor holds and what stalls them
+(kernels-notes.md, v22).
 """
 
 from __future__ import annotations
 
 import argparse
+import csv
 import dataclasses
 import os
 import sys
 
-import torch
-
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench.kernels import PAPER_NSA, SHAPES, make_inputs  # noqa: E402
 from bench.launch import launch_overrides  # noqa: E402
-from nsa_model.ops import triton_impl as ti  # noqa: E402
+
+# (column, ncu metric, scale to the shown unit or None for a count/percent)
+COLUMNS = [
+    ("us", "gpu__time_duration.sum", {"ns": 1e-3, "nsecond": 1e-3, "us": 1.0, "usecond": 1.0, "ms": 1e3,
+                                        "msecond": 1e3}),
+    ("matrix units busy %", "sm__pipe_tensor_type_hmma_hgmma_qgmma_imma_igmma_bmma_bgmma_cycles_active."
+                            "avg.pct_of_peak_sustained_elapsed", None),
+    ("issue slots busy %", "sm__issue_active.avg.pct_of_peak_sustained_elapsed", None),
+    ("DRAM % of peak", "gpu__dram_throughput.avg.pct_of_peak_sustained_elapsed", None),
+    ("L2 hit %", "lts__t_sector_hit_rate.pct", None),
+    ("registers / thread", "launch__registers_per_thread", None),
+    ("warps / SM", "sm__warps_active.avg.per_cycle_active", None),
+    ("programs / SM by registers", "launch__occupancy_limit_registers", None),
+    ("by shared memory", "launch__occupancy_limit_shared_mem", None),
+    ("spill instructions", "sass__inst_executed_register_spilling", None),
+]
+STALL_PREFIX, STALL_SUFFIX = "smsp__average_warps_issue_stalled_", "_per_issue_active.ratio"
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--shape", default="125m:4:8192", help="family:B:T, family one of " + ", ".join(SHAPES))
-    ap.add_argument("--launch", action="append", default=[], metavar="NAME=VALUE",
-                    help="a LaunchConfig field to change for this run (repeatable)")
-    ap.add_argument("--warmup", type=int, default=2)
-    args = ap.parse_args()
+def _number(text: str) -> float | None:
+    try:
+        return float(text.replace(",", ""))
+    except ValueError:
+        return None
+
+
+def table(path: str) -> list[str]:
+    """Markdown rows, one per kernel launch of an `ncu --page raw --csv` export."""
+    rows = list(csv.reader(open(path)))
+    head_at = next((i for i, r in enumerate(rows) if r and r[0] == "ID"), None)
+    if head_at is None:
+        raise SystemExit(f"{path}: not an ncu raw CSV export (no 'ID' header row)")
+    head, units, data = rows[head_at], rows[head_at + 1], rows[head_at + 2:]
+    col = {h: i for i, h in enumerate(head)}
+    stalls = [h for h in head if h.startswith(STALL_PREFIX) and h.endswith(STALL_SUFFIX)]
+    out = ["| kernel | " + " | ".join(c for c, _, _ in COLUMNS) + " | top stalls (warps per issue) |",
+           "|---" * (len(COLUMNS) + 2) + "|"]
+    for r in data:
+        cells = []
+        for _, metric, scales in COLUMNS:
+            value = _number(r[col[metric]]) if metric in col else None
+            if value is not None and scales:
+                value *= scales.get(units[col[metric]], float("nan"))
+            cells.append("-" if value is None else f"{value:.4g}")
+        ranked = sorted(((_number(r[col[h]]) or 0.0, h[len(STALL_PREFIX):-len(STALL_SUFFIX)]) for h in stalls),
+                        reverse=True)[:4]
+        name = r[col["Kernel Name"]].split("(")[0]
+        out.append(f"| `{name}` | " + " | ".join(cells) + " | " + ", ".join(f"{n} {v:.2f}" for v, n in ranked)
+                   + " |")
+    return out
+
+
+def profiled_call(shape: str, launch: list[str], warmup: int) -> None:
+    import torch
+
+    from bench.kernels import PAPER_NSA, SHAPES, make_inputs
+    from nsa_model.ops import triton_impl as ti
+
     if not torch.cuda.is_available():
-        raise SystemExit("bench/kernel_counters.py needs a CUDA GPU")
-    family, B, T = args.shape.split(":")
+        raise SystemExit("bench/kernel_counters.py needs a CUDA GPU to profile (--table does not)")
+    family, B, T = shape.split(":")
     if family not in SHAPES:
         raise SystemExit(f"--shape: family must be one of {list(SHAPES)}, got {family!r}")
-    overrides = launch_overrides(args.launch)
+    overrides = launch_overrides(launch)
     if overrides:
         ti.set_launch_config(dataclasses.replace(ti.launch_config(), **overrides))
     s = SHAPES[family]
@@ -49,7 +99,7 @@ def main() -> None:
         for t in leaves:
             t.grad = None
 
-    for _ in range(args.warmup):
+    for _ in range(warmup):
         fwd_bwd()
     torch.cuda.synchronize()
     torch.cuda.cudart().cudaProfilerStart()
@@ -57,6 +107,21 @@ def main() -> None:
     torch.cuda.synchronize()
     torch.cuda.cudart().cudaProfilerStop()
     print(f"profiled one NSA forward + backward at {family} {B} x {T}", flush=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shape", default="125m:4:8192", help="family:B:T (bench/kernels.py's SHAPES)")
+    ap.add_argument("--launch", action="append", default=[], metavar="NAME=VALUE",
+                    help="a LaunchConfig field to change for this run (repeatable)")
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--table", nargs="+", metavar="CSV", help="print a markdown table of these ncu raw CSV exports")
+    args = ap.parse_args()
+    if args.table:
+        for path in args.table:
+            print("\n".join([f"`{os.path.basename(path)}`:", ""] + table(path) + [""]))
+        return
+    profiled_call(args.shape, args.launch, args.warmup)
 
 
 if __name__ == "__main__":
