@@ -1,15 +1,16 @@
 """Hardware counters of the NSA core's kernels: one NSA forward + backward run under Nsight Compute, and a table.
 
     ncu --clock-control none --profile-from-start off --kernel-name regex:'selected|range_attn|gated_sum' \\
-        --section SpeedOfLight --section Occupancy --section WarpStateStats --section ComputeWorkloadAnalysis \\
+        --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats --section Occupancy \\
+        --section LaunchStats --section ComputeWorkloadAnalysis --section SchedulerStats \\
         -o report python3 bench/kernel_counters.py --shape 125m:4:8192
     ncu --import report.ncu-rep --page raw --csv > report.csv
     python3 bench/kernel_counters.py --table report.csv > counters.md
 
-The warm-up calls (Triton's compiles, the first launches) run before the profiler starts, so the report holds the
-kernels of exactly one call. bench/kernels.py times that call; the counters say why a kernel takes its time:
-how busy the matrix units and DRAM are, how many warps each multiprocessor holds and what stalls them
-(kernels-notes.md, v22).
+The table reads metrics of those sections; one that a report lacks shows as "-". The warm-up calls (Triton's
+compiles, the first launches) run before the profiler starts, so the report holds the kernels of exactly one
+call. bench/kernels.py times that call; the counters say why a kernel takes its time: how busy the matrix units
+and DRAM are, how many warps each multiprocessor holds and what stalls them (kernels-notes.md, v22).
 """
 
 from __future__ import annotations
@@ -50,7 +51,8 @@ def _number(text: str) -> float | None:
 
 def table(path: str) -> list[str]:
     """Markdown rows, one per kernel launch of an `ncu --page raw --csv` export."""
-    rows = list(csv.reader(open(path)))
+    with open(path, newline="") as f:
+        rows = list(csv.reader(f))
     head_at = next((i for i, r in enumerate(rows) if r and r[0] == "ID"), None)
     if head_at is None:
         raise SystemExit(f"{path}: not an ncu raw CSV export (no 'ID' header row)")
@@ -64,7 +66,10 @@ def table(path: str) -> list[str]:
         for _, metric, scales in COLUMNS:
             value = _number(r[col[metric]]) if metric in col else None
             if value is not None and scales:
-                value *= scales.get(units[col[metric]], float("nan"))
+                unit = units[col[metric]]
+                if unit not in scales:
+                    raise SystemExit(f"{path}: {metric} in unit {unit!r}, not one of {sorted(scales)}")
+                value *= scales[unit]
             cells.append("-" if value is None else f"{value:.4g}")
         ranked = sorted(((_number(r[col[h]]) or 0.0, h[len(STALL_PREFIX):-len(STALL_SUFFIX)]) for h in stalls),
                         reverse=True)[:4]

@@ -16,10 +16,10 @@ _spec.loader.exec_module(kernel_counters)
 STALL = "smsp__average_warps_issue_stalled_{}_per_issue_active.ratio"
 
 
-def write_export(path, rows):
+def write_export(path, rows, time_unit="ms"):
     """An export as ncu writes it: a banner line, the metric names (after ID and Kernel Name), a units row."""
     metrics = [m for _, m, _ in kernel_counters.COLUMNS] + [STALL.format(s) for s in ("wait", "barrier", "gmma")]
-    units = ["ms"] + [""] * (len(metrics) - 1)
+    units = [time_unit] + [""] * (len(metrics) - 1)
     with open(path, "w", newline="") as f:
         f.write("==PROF== Connected to process 1\n")
         w = csv.writer(f)
@@ -49,4 +49,11 @@ def test_table_refuses_a_file_that_is_not_an_export(tmp_path):
     path = tmp_path / "report.csv"
     path.write_text("==ERROR== the profiler could not read the counters\n")
     with pytest.raises(SystemExit, match="not an ncu raw CSV export"):
+        kernel_counters.table(str(path))
+
+
+def test_table_refuses_a_time_unit_it_cannot_convert(tmp_path):
+    path = tmp_path / "report.csv"
+    write_export(path, [("k", {kernel_counters.COLUMNS[0][1]: "3"})], time_unit="cycle")
+    with pytest.raises(SystemExit, match="unit 'cycle'"):
         kernel_counters.table(str(path))
