@@ -527,6 +527,49 @@ def test_range_variants_match_reference(range_kernel, delta_kernel, dkdv_program
             assert rel_err(a.grad, r.grad) <= FP32_TOL, (branch, name)
 
 
+@pytest.mark.parametrize("range_kernel,Dv,expect_tma", [("split", 16, True), ("masked", 32, True),
+                                                        ("split", 24, False)])
+def test_range_kernels_read_tiles_through_descriptors_where_the_layout_allows(range_kernel, Dv, expect_tma,
+                                                                              monkeypatch):
+    """range_loads = "tma": the compressed and window kernels read q, do, k and v through tensor descriptors, which
+    load whole tiles unmasked: the rows past a sequence's end are the next sequence's (batch 2, T not a multiple
+    of a tile) and only the score and store masks keep them out. Two groups, so a head's columns start at
+    g * D. A head dim of 24 (a padded tile) takes the pointer loads instead; either way the result is the
+    reference's. The spy checks which loads ran."""
+    cfg = NSAConfig(cmp_block=8, cmp_stride=4, sel_block=8, n_selected=3, window=40)
+    B, T, H, G, Dk = 2, 150, 4, 2, 16
+    x = make_inputs(B, T, H, G, Dk, Dv, cfg, seed=31)
+    scale = Dk ** -0.5
+    launch = triton_impl.LaunchConfig(range_loads="tma", range_kernel=range_kernel,
+                                      **{f"range_{k}_d64": (32, 16, 4, 2) for k in ("fwd", "dq", "dkdv")})
+    seen = []
+    real_tiles = triton_impl._range_tiles
+
+    def spy(*args, **kwargs):
+        out = real_tiles(*args, **kwargs)
+        seen.append(out["TMA"])
+        return out
+
+    monkeypatch.setattr(triton_impl, "_range_tiles", spy)
+    for branch, (kn, vn) in {"cmp": ("k_cmp", "v_cmp"), "win": ("k_win", "v_win")}.items():
+        ref_in = [x[n].clone().requires_grad_() for n in ("q", kn, vn)]
+        tri_in = [x[n].float().to(DEVICE).requires_grad_() for n in ("q", kn, vn)]
+        with triton_impl.use_launch_config(launch):
+            if branch == "cmp":
+                o_ref, _ = reference.compressed_attention(*ref_in, cfg, scale)
+                o, _ = triton_impl.compressed_attention(*tri_in, cfg, scale)
+            else:
+                o_ref = reference.window_attention(*ref_in, cfg.window, scale)
+                o = triton_impl.window_attention(*tri_in, cfg.window, scale)
+            grad_out = torch.randn(o_ref.shape, generator=torch.Generator().manual_seed(32), dtype=torch.float64)
+            o_ref.backward(grad_out)
+            o.backward(grad_out.float().to(DEVICE))
+        assert rel_err(o, o_ref) <= FP32_TOL, branch
+        for name, a, r in zip(("dq", "dk", "dv"), tri_in, ref_in):
+            assert rel_err(a.grad, r.grad) <= FP32_TOL, (branch, name)
+    assert len(seen) == 6 and set(seen) == {expect_tma}  # forward, dQ and dK/dV of each branch
+
+
 # the second: more segments (1200) than block_work_kernel takes per step (1024)
 @pytest.mark.parametrize("B, T, G, n, num_blocks, chunk", [(2, 23, 3, 4, 6, 5), (2, 150, 2, 3, 300, 4)])
 def test_block_work_covers_every_choice_once(B, T, G, n, num_blocks, chunk):

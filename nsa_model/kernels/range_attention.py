@@ -24,6 +24,13 @@ compressed and window branches' dQ that way (ops/triton_impl.py, range_pair): ea
 loaded once for both, and one dQ is stored instead of two. The forward stays one range per launch: two ranges in
 one program ran slower on the H100 (kernels-notes.md, v17). dK/dV stays per range.
 
+TMA (constexpr): the q, do, k and v tiles come in through tensor descriptors (QD, DOD, KD, VD: 2-D row views,
+block = one tile) instead of pointer loads: Hopper's tensor memory accelerator copies a tile into shared memory
+without spending a register per element on addresses and masks (v23: the forward took 107 registers instead of
+168 and ran 8-20% faster). A descriptor zero-fills rows past the end of the whole tensor only; rows past a
+sequence's end belong to the next sequence and are finite, so every mask below that reads row or key bounds
+masks scores or stores, never relies on zero-filled inputs. Without TMA those arguments are unused.
+
 EDGE_SPLIT (constexpr): each program walks its tiles in three runs, masked / full / masked, where a full tile is
 one every (query, key) pair of which is visible and in bounds, so it skips the visibility mask, the bounds masks
 and the guard for rows with nothing visible. Only the tiles at the causal edge and the window's far edge need
@@ -76,23 +83,50 @@ def _load_rows(ptrs, row_ok, offs_d, D: tl.constexpr, BLOCK_D: tl.constexpr, MAS
 
 
 @triton.jit
+def _key_tile(K, V, KD, VD, K_ROW, V_ROW, b, g, start_n, n_ok, num_keys, DK: tl.constexpr, DV: tl.constexpr,
+              BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr, MASK_ROWS: tl.constexpr,
+              TMA: tl.constexpr):
+    """The k and v tiles of keys start_n .. start_n + BLOCK_N of (b, g); with TMA unmasked (see the header)."""
+    if TMA:
+        k = KD.load([b * num_keys + start_n, g * DK])
+        v = VD.load([b * num_keys + start_n, g * DV])
+    else:
+        offs_dk = tl.arange(0, BLOCK_DK)
+        offs_dv = tl.arange(0, BLOCK_DV)
+        tok = (b * num_keys + start_n + tl.arange(0, BLOCK_N)).to(tl.int64)
+        k = _load_rows(K + tok[:, None] * K_ROW + g * DK + offs_dk[None, :], n_ok, offs_dk, DK, BLOCK_DK, MASK_ROWS)
+        v = _load_rows(V + tok[:, None] * V_ROW + g * DV + offs_dv[None, :], n_ok, offs_dv, DV, BLOCK_DV, MASK_ROWS)
+    return k, v
+
+
+@triton.jit
+def _query_tile(Q, QD, row_q, m_ok, b, h, T, t_first, D: tl.constexpr, BLOCK_D: tl.constexpr,
+                MASK_ROWS: tl.constexpr, TMA: tl.constexpr):
+    """The [BLOCK_M, BLOCK_D] tile of q (or do) of queries t_first.. of (b, h); with TMA unmasked."""
+    if TMA:
+        x = QD.load([b * T + t_first, h * D])
+    else:
+        offs_d = tl.arange(0, BLOCK_D)
+        x = _load_rows(Q + row_q[:, None] * D + offs_d[None, :], m_ok, offs_d, D, BLOCK_D, MASK_ROWS)
+    return x
+
+
+@triton.jit
 def _visible(offs_m, offs_n, key_stride, key_offset, window):
     rel = offs_m[:, None] - (offs_n[None, :] * key_stride + key_offset)
     return (rel >= 0) & (rel < window)
 
 
 @triton.jit
-def _fwd_tiles(acc, m_i, l_i, q, K, V, K_ROW, V_ROW, b, g, offs_m, start, stop, hi, num_keys, qk_scale, key_stride,
-               key_offset, window, G: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BLOCK_DK: tl.constexpr,
-               BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    offs_dk = tl.arange(0, BLOCK_DK)
-    offs_dv = tl.arange(0, BLOCK_DV)
+def _fwd_tiles(acc, m_i, l_i, q, K, V, KD, VD, K_ROW, V_ROW, b, g, offs_m, start, stop, hi, num_keys, qk_scale,
+               key_stride, key_offset, window, G: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+               BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
+               TMA: tl.constexpr, DOT_PRECISION: tl.constexpr):
     for start_n in range(start, stop, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
-        tok = (b * num_keys + offs_n).to(tl.int64)
         n_ok = offs_n < hi
-        k = _load_rows(K + tok[:, None] * K_ROW + g * DK + offs_dk[None, :], n_ok, offs_dk, DK, BLOCK_DK, MASKED)
-        v = _load_rows(V + tok[:, None] * V_ROW + g * DV + offs_dv[None, :], n_ok, offs_dv, DV, BLOCK_DV, MASKED)
+        k, v = _key_tile(K, V, KD, VD, K_ROW, V_ROW, b, g, start_n, n_ok, num_keys, DK, DV, BLOCK_DK, BLOCK_DV,
+                         BLOCK_N, MASKED, TMA)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
         if MASKED:
             vis = _visible(offs_m, offs_n, key_stride, key_offset, window) & n_ok[None, :]
@@ -111,24 +145,23 @@ def _fwd_tiles(acc, m_i, l_i, q, K, V, K_ROW, V_ROW, b, g, offs_m, start, stop, 
 
 
 @triton.jit
-def range_attn_fwd_kernel(Q, K, V, O, LSE, T, num_queries, num_keys, scale, key_stride, key_offset, window,
-                          K_ROW, V_ROW,
+def range_attn_fwd_kernel(Q, K, V, QD, KD, VD, O, LSE, T, num_queries, num_keys, scale, key_stride, key_offset,
+                          window, K_ROW, V_ROW,
                           H: tl.constexpr, G: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
                           BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr,
-                          BLOCK_N: tl.constexpr, EDGE_SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                          BLOCK_N: tl.constexpr, EDGE_SPLIT: tl.constexpr, TMA: tl.constexpr,
+                          DOT_PRECISION: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = pid_bh // H
     h = pid_bh % H
     g = h // (H // G)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_dk = tl.arange(0, BLOCK_DK)
     offs_dv = tl.arange(0, BLOCK_DV)
     m_ok = offs_m < num_queries
     row_q = (b * T + offs_m).to(tl.int64) * H + h
-    q = tl.load(Q + row_q[:, None] * DK + offs_dk[None, :], mask=m_ok[:, None] & (offs_dk < DK)[None, :], other=0.0)
-
     t_first = pid_m * BLOCK_M
+    q = _query_tile(Q, QD, row_q, m_ok, b, h, T, t_first, DK, BLOCK_DK, True, TMA)
     t_last = tl.minimum(t_first + BLOCK_M, num_queries) - 1
     lo, mid_lo, mid_hi, hi = _key_tiles(t_first, t_last, key_stride, key_offset, window, num_keys, BLOCK_N,
                                         EDGE_SPLIT)
@@ -136,15 +169,15 @@ def range_attn_fwd_kernel(Q, K, V, O, LSE, T, num_queries, num_keys, scale, key_
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
-    acc, m_i, l_i = _fwd_tiles(acc, m_i, l_i, q, K, V, K_ROW, V_ROW, b, g, offs_m, lo, mid_lo, hi, num_keys,
+    acc, m_i, l_i = _fwd_tiles(acc, m_i, l_i, q, K, V, KD, VD, K_ROW, V_ROW, b, g, offs_m, lo, mid_lo, hi, num_keys,
                                qk_scale, key_stride, key_offset, window, G, DK, DV, BLOCK_DK, BLOCK_DV, BLOCK_N,
-                               True, DOT_PRECISION)
-    acc, m_i, l_i = _fwd_tiles(acc, m_i, l_i, q, K, V, K_ROW, V_ROW, b, g, offs_m, mid_lo, mid_hi, hi, num_keys,
+                               True, TMA, DOT_PRECISION)
+    acc, m_i, l_i = _fwd_tiles(acc, m_i, l_i, q, K, V, KD, VD, K_ROW, V_ROW, b, g, offs_m, mid_lo, mid_hi, hi, num_keys,
                                qk_scale, key_stride, key_offset, window, G, DK, DV, BLOCK_DK, BLOCK_DV, BLOCK_N,
-                               False, DOT_PRECISION)
-    acc, m_i, l_i = _fwd_tiles(acc, m_i, l_i, q, K, V, K_ROW, V_ROW, b, g, offs_m, mid_hi, hi, hi, num_keys,
+                               False, TMA, DOT_PRECISION)
+    acc, m_i, l_i = _fwd_tiles(acc, m_i, l_i, q, K, V, KD, VD, K_ROW, V_ROW, b, g, offs_m, mid_hi, hi, hi, num_keys,
                                qk_scale, key_stride, key_offset, window, G, DK, DV, BLOCK_DK, BLOCK_DV, BLOCK_N,
-                               True, DOT_PRECISION)
+                               True, TMA, DOT_PRECISION)
 
     has_key = l_i > 0
     l_safe = tl.where(has_key, l_i, 1.0)
@@ -156,18 +189,15 @@ def range_attn_fwd_kernel(Q, K, V, O, LSE, T, num_queries, num_keys, scale, key_
 
 
 @triton.jit
-def _dq_tiles(dq, q, do, lse2, delta, K, V, K_ROW, V_ROW, b, g, offs_m, start, stop, hi, num_keys, qk_scale,
-              key_stride, key_offset, window, G: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+def _dq_tiles(dq, q, do, lse2, delta, K, V, KD, VD, K_ROW, V_ROW, b, g, offs_m, start, stop, hi, num_keys,
+              qk_scale, key_stride, key_offset, window, G: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
               BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
-              DOT_PRECISION: tl.constexpr):
-    offs_dk = tl.arange(0, BLOCK_DK)
-    offs_dv = tl.arange(0, BLOCK_DV)
+              TMA: tl.constexpr, DOT_PRECISION: tl.constexpr):
     for start_n in range(start, stop, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
-        tok = (b * num_keys + offs_n).to(tl.int64)
         n_ok = offs_n < hi
-        k = _load_rows(K + tok[:, None] * K_ROW + g * DK + offs_dk[None, :], n_ok, offs_dk, DK, BLOCK_DK, MASKED)
-        v = _load_rows(V + tok[:, None] * V_ROW + g * DV + offs_dv[None, :], n_ok, offs_dv, DV, BLOCK_DV, MASKED)
+        k, v = _key_tile(K, V, KD, VD, K_ROW, V_ROW, b, g, start_n, n_ok, num_keys, DK, DV, BLOCK_DK, BLOCK_DV,
+                         BLOCK_N, MASKED, TMA)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
         p = tl.exp2(s - lse2[:, None])
         if MASKED:
@@ -180,10 +210,10 @@ def _dq_tiles(dq, q, do, lse2, delta, K, V, K_ROW, V_ROW, b, g, offs_m, start, s
 
 
 @triton.jit
-def _dq_range(dq, q, do, LSE, DELTA, K, V, K_ROW, V_ROW, b, g, offs_m, m_ok, row_q, t_first, t_last, num_keys,
-              qk_scale, key_stride, key_offset, window, G: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-              BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr, EDGE_SPLIT: tl.constexpr,
-              DOT_PRECISION: tl.constexpr):
+def _dq_range(dq, q, do, LSE, DELTA, K, V, KD, VD, K_ROW, V_ROW, b, g, offs_m, m_ok, row_q, t_first, t_last,
+              num_keys, qk_scale, key_stride, key_offset, window, G: tl.constexpr, DK: tl.constexpr,
+              DV: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr,
+              EDGE_SPLIT: tl.constexpr, TMA: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """dq plus the (unscaled) dQ of the loaded query tile over one range of keys, with that range's lse and delta."""
     # Rows with no visible key have lse = -inf; 0 instead keeps exp2(s - lse) finite (they are masked or padding).
     lse2 = tl.load(LSE + row_q, mask=m_ok, other=0.0) * LOG2E
@@ -191,23 +221,26 @@ def _dq_range(dq, q, do, LSE, DELTA, K, V, K_ROW, V_ROW, b, g, offs_m, m_ok, row
     delta = tl.load(DELTA + row_q, mask=m_ok, other=0.0)
     lo, mid_lo, mid_hi, hi = _key_tiles(t_first, t_last, key_stride, key_offset, window, num_keys, BLOCK_N,
                                         EDGE_SPLIT)
-    dq = _dq_tiles(dq, q, do, lse2, delta, K, V, K_ROW, V_ROW, b, g, offs_m, lo, mid_lo, hi, num_keys, qk_scale,
-                   key_stride, key_offset, window, G, DK, DV, BLOCK_DK, BLOCK_DV, BLOCK_N, True, DOT_PRECISION)
-    dq = _dq_tiles(dq, q, do, lse2, delta, K, V, K_ROW, V_ROW, b, g, offs_m, mid_lo, mid_hi, hi, num_keys, qk_scale,
-                   key_stride, key_offset, window, G, DK, DV, BLOCK_DK, BLOCK_DV, BLOCK_N, False, DOT_PRECISION)
-    dq = _dq_tiles(dq, q, do, lse2, delta, K, V, K_ROW, V_ROW, b, g, offs_m, mid_hi, hi, hi, num_keys, qk_scale,
-                   key_stride, key_offset, window, G, DK, DV, BLOCK_DK, BLOCK_DV, BLOCK_N, True, DOT_PRECISION)
+    dq = _dq_tiles(dq, q, do, lse2, delta, K, V, KD, VD, K_ROW, V_ROW, b, g, offs_m, lo, mid_lo, hi, num_keys,
+                   qk_scale, key_stride, key_offset, window, G, DK, DV, BLOCK_DK, BLOCK_DV, BLOCK_N, True, TMA,
+                   DOT_PRECISION)
+    dq = _dq_tiles(dq, q, do, lse2, delta, K, V, KD, VD, K_ROW, V_ROW, b, g, offs_m, mid_lo, mid_hi, hi, num_keys,
+                   qk_scale, key_stride, key_offset, window, G, DK, DV, BLOCK_DK, BLOCK_DV, BLOCK_N, False, TMA,
+                   DOT_PRECISION)
+    dq = _dq_tiles(dq, q, do, lse2, delta, K, V, KD, VD, K_ROW, V_ROW, b, g, offs_m, mid_hi, hi, hi, num_keys,
+                   qk_scale, key_stride, key_offset, window, G, DK, DV, BLOCK_DK, BLOCK_DV, BLOCK_N, True, TMA,
+                   DOT_PRECISION)
     return dq
 
 
 @triton.jit
-def range_attn_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, T, num_queries, num_keys, scale, key_stride,
-                             key_offset, window, K_ROW, V_ROW, K2, V2, LSE2, DELTA2, num_keys2, key_stride2,
-                             key_offset2, window2, K2_ROW, V2_ROW,
+def range_attn_bwd_dq_kernel(Q, K, V, DO, QD, KD, VD, DOD, K2D, V2D, LSE, DELTA, DQ, T, num_queries, num_keys,
+                             scale, key_stride, key_offset, window, K_ROW, V_ROW, K2, V2, LSE2, DELTA2, num_keys2,
+                             key_stride2, key_offset2, window2, K2_ROW, V2_ROW,
                              H: tl.constexpr, G: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
                              BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr,
                              BLOCK_N: tl.constexpr, EDGE_SPLIT: tl.constexpr, ACCUMULATE: tl.constexpr,
-                             TWO_RANGES: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                             TWO_RANGES: tl.constexpr, TMA: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """ACCUMULATE: add this dQ to what DQ holds (the selected branch's dense prefix adds into the core's dQ).
     TWO_RANGES: dQ is the sum over two ranges (the second with its own keys, lse and delta; the same do): the
     compressed and window branches' dQ from one load of each query tile and one store."""
@@ -218,23 +251,21 @@ def range_attn_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, T, num_queries, num_ke
     g = h // (H // G)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_dk = tl.arange(0, BLOCK_DK)
-    offs_dv = tl.arange(0, BLOCK_DV)
     m_ok = offs_m < num_queries
     row_q = (b * T + offs_m).to(tl.int64) * H + h
-    q = tl.load(Q + row_q[:, None] * DK + offs_dk[None, :], mask=m_ok[:, None] & (offs_dk < DK)[None, :], other=0.0)
-    do = tl.load(DO + row_q[:, None] * DV + offs_dv[None, :], mask=m_ok[:, None] & (offs_dv < DV)[None, :],
-                 other=0.0)
     t_first = pid_m * BLOCK_M
+    q = _query_tile(Q, QD, row_q, m_ok, b, h, T, t_first, DK, BLOCK_DK, True, TMA)
+    do = _query_tile(DO, DOD, row_q, m_ok, b, h, T, t_first, DV, BLOCK_DV, True, TMA)
     t_last = tl.minimum(t_first + BLOCK_M, num_queries) - 1
     qk_scale = scale * LOG2E
     dq = tl.zeros([BLOCK_M, BLOCK_DK], tl.float32)
-    dq = _dq_range(dq, q, do, LSE, DELTA, K, V, K_ROW, V_ROW, b, g, offs_m, m_ok, row_q, t_first, t_last, num_keys,
-                   qk_scale, key_stride, key_offset, window, G, DK, DV, BLOCK_DK, BLOCK_DV, BLOCK_N, EDGE_SPLIT,
-                   DOT_PRECISION)
+    dq = _dq_range(dq, q, do, LSE, DELTA, K, V, KD, VD, K_ROW, V_ROW, b, g, offs_m, m_ok, row_q, t_first, t_last,
+                   num_keys, qk_scale, key_stride, key_offset, window, G, DK, DV, BLOCK_DK, BLOCK_DV, BLOCK_N,
+                   EDGE_SPLIT, TMA, DOT_PRECISION)
     if TWO_RANGES:
-        dq = _dq_range(dq, q, do, LSE2, DELTA2, K2, V2, K2_ROW, V2_ROW, b, g, offs_m, m_ok, row_q, t_first, t_last,
-                       num_keys2, qk_scale, key_stride2, key_offset2, window2, G, DK, DV, BLOCK_DK, BLOCK_DV, BLOCK_N,
-                       EDGE_SPLIT, DOT_PRECISION)
+        dq = _dq_range(dq, q, do, LSE2, DELTA2, K2, V2, K2D, V2D, K2_ROW, V2_ROW, b, g, offs_m, m_ok, row_q,
+                       t_first, t_last, num_keys2, qk_scale, key_stride2, key_offset2, window2, G, DK, DV, BLOCK_DK,
+                       BLOCK_DV, BLOCK_N, EDGE_SPLIT, TMA, DOT_PRECISION)
     dq = dq * scale
     dq_ptrs = DQ + row_q[:, None] * DK + offs_dk[None, :]
     dq_ok = m_ok[:, None] & (offs_dk < DK)[None, :]
@@ -244,18 +275,16 @@ def range_attn_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, T, num_queries, num_ke
 
 
 @triton.jit
-def _dkdv_tiles(dk, dv, k, v, Q, DO, LSE, DELTA, b, h, offs_n, n_ok, start, stop, T, num_queries, qk_scale,
+def _dkdv_tiles(dk, dv, k, v, Q, DO, QD, DOD, LSE, DELTA, b, h, offs_n, n_ok, start, stop, T, num_queries, qk_scale,
                 key_stride, key_offset, window, H: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
                 BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, MASKED: tl.constexpr,
-                DOT_PRECISION: tl.constexpr):
-    offs_dk = tl.arange(0, BLOCK_DK)
-    offs_dv = tl.arange(0, BLOCK_DV)
+                TMA: tl.constexpr, DOT_PRECISION: tl.constexpr):
     for start_m in range(start, stop, BLOCK_M):
         offs_m = start_m + tl.arange(0, BLOCK_M)
         m_ok = offs_m < num_queries
         row_q = (b * T + offs_m).to(tl.int64) * H + h
-        q = _load_rows(Q + row_q[:, None] * DK + offs_dk[None, :], m_ok, offs_dk, DK, BLOCK_DK, MASKED)
-        do = _load_rows(DO + row_q[:, None] * DV + offs_dv[None, :], m_ok, offs_dv, DV, BLOCK_DV, MASKED)
+        q = _query_tile(Q, QD, row_q, m_ok, b, h, T, start_m, DK, BLOCK_DK, MASKED, TMA)
+        do = _query_tile(DO, DOD, row_q, m_ok, b, h, T, start_m, DV, BLOCK_DV, MASKED, TMA)
         if MASKED:
             lse2 = tl.load(LSE + row_q, mask=m_ok, other=0.0) * LOG2E
             delta = tl.load(DELTA + row_q, mask=m_ok, other=0.0)
@@ -277,12 +306,12 @@ def _dkdv_tiles(dk, dv, k, v, Q, DO, LSE, DELTA, b, h, offs_n, n_ok, start, stop
 
 
 @triton.jit
-def range_attn_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK_ACC, DV_ACC, T, num_queries, num_keys, scale,
-                               key_stride, key_offset, window, q_chunk, K_ROW, V_ROW, H: tl.constexpr, G: tl.constexpr,
-                               DK: tl.constexpr, DV: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
-                               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_SPLIT: tl.constexpr,
-                               EDGE_SPLIT: tl.constexpr, ATOMIC: tl.constexpr,
-                               DOT_PRECISION: tl.constexpr):
+def range_attn_bwd_dkdv_kernel(Q, K, V, DO, QD, KD, VD, DOD, LSE, DELTA, DK_ACC, DV_ACC, T, num_queries, num_keys,
+                               scale, key_stride, key_offset, window, q_chunk, K_ROW, V_ROW, H: tl.constexpr,
+                               G: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BLOCK_DK: tl.constexpr,
+                               BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                               HEAD_SPLIT: tl.constexpr, EDGE_SPLIT: tl.constexpr, ATOMIC: tl.constexpr,
+                               TMA: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """One program per (key tile, slice of HPG / HEAD_SPLIT heads of a group, chunk of q_chunk of the queries
     that see the tile). HEAD_SPLIT = 1 and one chunk: the program loops over the whole group and stores (exact,
     deterministic; right for the window branch, whose tiles see few queries). Otherwise (ATOMIC) the programs of
@@ -301,10 +330,8 @@ def range_attn_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK_ACC, DV_ACC, T, num_q
     n_ok = offs_n < num_keys
     tok = (b * num_keys + offs_n).to(tl.int64)
     row_k = tok * G + g  # the gradients' rows: dK and dV are contiguous
-    k = tl.load(K + tok[:, None] * K_ROW + g * DK + offs_dk[None, :], mask=n_ok[:, None] & (offs_dk < DK)[None, :],
-                other=0.0)
-    v = tl.load(V + tok[:, None] * V_ROW + g * DV + offs_dv[None, :], mask=n_ok[:, None] & (offs_dv < DV)[None, :],
-                other=0.0)
+    k, v = _key_tile(K, V, KD, VD, K_ROW, V_ROW, b, g, pid_n * BLOCK_N, n_ok, num_keys, DK, DV, BLOCK_DK, BLOCK_DV,
+                     BLOCK_N, True, TMA)
 
     # Queries that may see this tile: from its first key's position to its last key's position + window - 1.
     first_pos = pid_n * BLOCK_N * key_stride + key_offset
@@ -330,15 +357,15 @@ def range_attn_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK_ACC, DV_ACC, T, num_q
     dv = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
     for head in range(HEADS):
         h = first_head + head
-        dk, dv = _dkdv_tiles(dk, dv, k, v, Q, DO, LSE, DELTA, b, h, offs_n, n_ok, t_lo, full_lo, T, num_queries,
-                             qk_scale, key_stride, key_offset, window, H, DK, DV, BLOCK_DK, BLOCK_DV, BLOCK_M,
-                             True, DOT_PRECISION)
-        dk, dv = _dkdv_tiles(dk, dv, k, v, Q, DO, LSE, DELTA, b, h, offs_n, n_ok, full_lo, full_hi, T, num_queries,
-                             qk_scale, key_stride, key_offset, window, H, DK, DV, BLOCK_DK, BLOCK_DV, BLOCK_M,
-                             False, DOT_PRECISION)
-        dk, dv = _dkdv_tiles(dk, dv, k, v, Q, DO, LSE, DELTA, b, h, offs_n, n_ok, full_hi, t_hi, T, num_queries,
-                             qk_scale, key_stride, key_offset, window, H, DK, DV, BLOCK_DK, BLOCK_DV, BLOCK_M,
-                             True, DOT_PRECISION)
+        dk, dv = _dkdv_tiles(dk, dv, k, v, Q, DO, QD, DOD, LSE, DELTA, b, h, offs_n, n_ok, t_lo, full_lo, T,
+                             num_queries, qk_scale, key_stride, key_offset, window, H, DK, DV, BLOCK_DK, BLOCK_DV,
+                             BLOCK_M, True, TMA, DOT_PRECISION)
+        dk, dv = _dkdv_tiles(dk, dv, k, v, Q, DO, QD, DOD, LSE, DELTA, b, h, offs_n, n_ok, full_lo, full_hi, T,
+                             num_queries, qk_scale, key_stride, key_offset, window, H, DK, DV, BLOCK_DK, BLOCK_DV,
+                             BLOCK_M, False, TMA, DOT_PRECISION)
+        dk, dv = _dkdv_tiles(dk, dv, k, v, Q, DO, QD, DOD, LSE, DELTA, b, h, offs_n, n_ok, full_hi, t_hi, T,
+                             num_queries, qk_scale, key_stride, key_offset, window, H, DK, DV, BLOCK_DK, BLOCK_DV,
+                             BLOCK_M, True, TMA, DOT_PRECISION)
     dk = dk * scale
     dk_ptrs = DK_ACC + row_k[:, None] * DK + offs_dk[None, :]
     dv_ptrs = DV_ACC + row_k[:, None] * DV + offs_dv[None, :]

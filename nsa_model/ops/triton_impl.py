@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 import triton
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from nsa_model.config import NSAConfig
 from nsa_model.kernels.block_index import (block_work_kernel, segment_ids_kernel, segment_starts_kernel,
@@ -48,6 +49,9 @@ PARTIAL_DTYPES = ("fp32", "input")  # by_block: partial outputs and dQ contribut
 SELECTED_DQ = ("partial", "atomic")  # by_block dQ: per-slot contributions summed by a kernel, or fp32 atomics
 SELECTED_DKDV = ("inverted", "by_block")  # dK/dV of per_query/tiled: padded-heads kernel, or the by_block one
 GATE_KERNELS = ("torch", "fused")  # gated combination: eager PyTorch ops, or one Triton kernel each way
+# compressed/window tiles: read through tensor descriptors where the layout allows (_range_tiles; v23), or by
+# pointer loads
+RANGE_LOADS = ("tma", "pointer")
 RANGE_KERNELS = ("masked", "split")  # compressed/window: every tile masked (v4), or only the edge tiles (v5)
 DELTA_KERNELS = ("torch", "fused")  # backward row term sum(do * o): eager fp32 ops, or one Triton kernel
 WINDOW_DKDV = ("group", "head")  # window dK/dV: one program per key tile and group (stores) or per head (atomics)
@@ -92,6 +96,7 @@ class LaunchConfig:
     slc_tile_warps: int = 4
     gate_kernel: str = "fused"  # one of GATE_KERNELS
     range_kernel: str = "split"  # one of RANGE_KERNELS
+    range_loads: str = "tma"  # one of RANGE_LOADS
     delta_kernel: str = "fused"  # one of DELTA_KERNELS
     window_dkdv: str = "group"  # one of WINDOW_DKDV
     range_pair: str = "fused"  # one of RANGE_PAIR (kernels-notes.md, v17)
@@ -101,7 +106,8 @@ class LaunchConfig:
     def __post_init__(self) -> None:
         choices = {"slc_kernel": SELECTED_KERNELS, "gate_kernel": GATE_KERNELS, "range_kernel": RANGE_KERNELS,
                    "delta_kernel": DELTA_KERNELS, "window_dkdv": WINDOW_DKDV, "slc_partial": PARTIAL_DTYPES,
-                   "slc_dq": SELECTED_DQ, "slc_dkdv": SELECTED_DKDV, "range_pair": RANGE_PAIR}
+                   "slc_dq": SELECTED_DQ, "slc_dkdv": SELECTED_DKDV, "range_pair": RANGE_PAIR,
+                   "range_loads": RANGE_LOADS}
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise ValueError(f"LaunchConfig.{name}: must be one of {allowed}, got {getattr(self, name)!r}")
@@ -195,6 +201,32 @@ def _range_launch(q: torch.Tensor, v: torch.Tensor, kernel: str) -> dict:
                 EDGE_SPLIT=_config.range_kernel == "split")
 
 
+def _tma_device(x: torch.Tensor) -> bool:
+    """Hopper or later (the tensor memory accelerator), or the interpreter, which runs descriptors on the CPU."""
+    return INTERPRETED or (x.is_cuda and torch.cuda.get_device_capability(x.device)[0] >= 9)
+
+
+def _range_tiles(launch: dict, queries: dict[str, torch.Tensor], keys: dict[str, torch.Tensor]) -> dict:
+    """The tile arguments of a range kernel: TMA=True and a descriptor per tensor where range_loads = "tma" and
+    every tensor allows one, else TMA=False and the tensors themselves (unread). queries: name -> [B, T, H, D]
+    contiguous, read in [BLOCK_M, D] tiles; keys: name -> [B, N, G, D] as _kv_rows gives them, read in
+    [BLOCK_N, D] tiles. A descriptor needs what the copy engine needs: a head dim that is its own tile (a power
+    of two: a padded tile would read the next head's values, not zeros), 16-byte aligned rows and base, and a
+    non-empty tensor; tensors that miss one (head dim 192, no compressed token yet) take the pointer loads."""
+    tensors = {**queries, **keys}
+    usable = _config.range_loads == "tma" and all(
+        x.numel() > 0 and _pow2(x.shape[-1]) == x.shape[-1] and x.data_ptr() % 16 == 0
+        and (x.stride(1) * x.element_size()) % 16 == 0 and _tma_device(x) for x in tensors.values())
+    if not usable:
+        return dict(TMA=False, **tensors)
+    out = dict(TMA=True)
+    for name, x in tensors.items():
+        B, N, heads, D = x.shape
+        block = launch["BLOCK_M"] if name in queries else launch["BLOCK_N"]
+        out[name] = TensorDescriptor(x, [B * N, heads * D], [x.stride(1), 1], [block, D])
+    return out
+
+
 def _kv_rows(x: torch.Tensor) -> torch.Tensor:
     """K or V [B, N, G, D] in a layout the kernels read in place: each token's G x D values contiguous and the
     tokens evenly spaced over the whole batch, x.stride(1) elements apart (the kernels' K_ROW / V_ROW). One key
@@ -261,8 +293,9 @@ def _range_fwd_into(q, k, v, o, lse, num_queries: int, key_stride: int, key_offs
     num_keys, G = k.shape[1], k.shape[2]
     launch = _range_launch(q, v, "fwd")
     range_attn_fwd_kernel[(triton.cdiv(num_queries, launch["BLOCK_M"]), B * H)](
-        q, k, v, o, lse, T, num_queries, num_keys, scale, key_stride, key_offset, window, **_kv_strides(k, v), H=H,
-        G=G, **_head_dims(q, v), **launch)
+        q, k, v, O=o, LSE=lse, T=T, num_queries=num_queries, num_keys=num_keys, scale=scale, key_stride=key_stride,
+        key_offset=key_offset, window=window, **_kv_strides(k, v), H=H, G=G, **_head_dims(q, v), **launch,
+        **_range_tiles(launch, dict(QD=q), dict(KD=k, VD=v)))
 
 
 def _range_bwd(q, k, v, o, lse, do, key_stride: int, key_offset: int, window: int, scale: float, delta=None):
@@ -311,10 +344,18 @@ def _range_dq_into(q, k, v, do, lse, delta, dq, num_queries: int, key_stride: in
                                      else (k, v, lse, delta, key_stride, key_offset, window))
     k2, v2 = _kv_rows(k2), _kv_rows(v2)
     launch = _range_launch(q, v, "dq")
+    key_sets = dict(KD=k, VD=v) if second is None else dict(KD=k, VD=v, K2D=k2, V2D=v2)
+    tiles = _range_tiles(launch, dict(QD=q, DOD=do), key_sets)
+    tiles.setdefault("K2D", tiles["KD"])  # one range: unread
+    tiles.setdefault("V2D", tiles["VD"])
+    k2_shape1, k2_stride, v2_stride = k2.shape[1], k2.stride(1), v2.stride(1)
+    key_stride2, key_offset2, window2 = range2
     range_attn_bwd_dq_kernel[(triton.cdiv(num_queries, launch["BLOCK_M"]), B * H)](
-        q, k, v, do, lse, delta, dq, T, num_queries, num_keys, scale, key_stride, key_offset, window, k.stride(1),
-        v.stride(1), k2, v2, lse2, delta2, k2.shape[1], *range2, k2.stride(1), v2.stride(1), H=H, G=G,
-        **_head_dims(q, v), ACCUMULATE=accumulate, TWO_RANGES=second is not None, **launch)
+        q, k, v, do, LSE=lse, DELTA=delta, DQ=dq, T=T, num_queries=num_queries, num_keys=num_keys, scale=scale,
+        key_stride=key_stride, key_offset=key_offset, window=window, K_ROW=k.stride(1), V_ROW=v.stride(1), K2=k2,
+        V2=v2, LSE2=lse2, DELTA2=delta2, num_keys2=k2_shape1, key_stride2=key_stride2, key_offset2=key_offset2,
+        window2=window2, K2_ROW=k2_stride, V2_ROW=v2_stride, H=H, G=G, **_head_dims(q, v), ACCUMULATE=accumulate,
+        TWO_RANGES=second is not None, **launch, **tiles)
 
 
 def _range_dkdv_split(q, k, v, num_queries: int, window: int, prefix: bool = False) -> tuple[bool, int, int]:
@@ -354,8 +395,10 @@ def _range_dkdv_into(q, k, v, do, lse, delta, dk, dv, num_queries: int, num_key_
     if num_key_rows > 0 and num_queries > 0:
         range_attn_bwd_dkdv_kernel[(triton.cdiv(num_key_rows, launch["BLOCK_N"]), B * G * head_split,
                                     triton.cdiv(num_queries, q_chunk))](
-            q, k, v, do, lse, delta, dk, dv, T, num_queries, num_keys, scale, key_stride, key_offset, window, q_chunk,
-            **_kv_strides(k, v), HEAD_SPLIT=head_split, ATOMIC=atomic, H=H, G=G, **_head_dims(q, v), **launch)
+            q, k, v, do, LSE=lse, DELTA=delta, DK_ACC=dk, DV_ACC=dv, T=T, num_queries=num_queries, num_keys=num_keys,
+            scale=scale, key_stride=key_stride, key_offset=key_offset, window=window, q_chunk=q_chunk,
+            **_kv_strides(k, v), HEAD_SPLIT=head_split, ATOMIC=atomic, H=H, G=G, **_head_dims(q, v), **launch,
+            **_range_tiles(launch, dict(QD=q, DOD=do), dict(KD=k, VD=v)))
 
 
 def _range_pair_fused() -> bool:
