@@ -21,6 +21,10 @@ at the chooser's slot (DQ_MODE 1; `selected_dq_sum_kernel` adds the n slots) or 
 dQ (DQ_MODE 2). P and dP are computed once, where the query-driven path computes them twice (dQ kernel, dK/dV
 kernel). With DQ_MODE 0 it is the dK/dV kernel of the query-driven variants (slc_dkdv = "by_block").
 
+TMA (constexpr): the block's keys and values come in through tensor descriptors (KD, VD; range_attention.py says
+why), unmasked: rows past the block or the sequence are masked out of the scores. The choosers' query rows are
+a gather, which Hopper's copy engine does not do: they stay pointer loads.
+
 Work list: programs are (segment, chunk) pairs, a segment being the choosers of one (b, g, block) and a chunk
 CHUNK consecutive of them; WORK_SEG = -1 marks the spare programs of a static upper bound (no host sync).
 
@@ -52,8 +56,9 @@ def _work_item(WORK_SEG, WORK_CHUNK, STARTS, num_blocks, G: tl.constexpr, CHUNK:
 
 
 @triton.jit
-def _block_kv(K, V, K_ROW, V_ROW, b, g, j, T, G: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-              BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, SEL_BLOCK: tl.constexpr, BLOCK_S: tl.constexpr):
+def _block_kv(K, V, KD, VD, K_ROW, V_ROW, b, g, j, T, G: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+              BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, SEL_BLOCK: tl.constexpr, BLOCK_S: tl.constexpr,
+              TMA: tl.constexpr):
     offs_s = tl.arange(0, BLOCK_S)
     offs_dk = tl.arange(0, BLOCK_DK)
     offs_dv = tl.arange(0, BLOCK_DV)
@@ -61,10 +66,14 @@ def _block_kv(K, V, K_ROW, V_ROW, b, g, j, T, G: tl.constexpr, DK: tl.constexpr,
     s_ok = (offs_s < SEL_BLOCK) & (pos < T)
     tok = (b * T + pos).to(tl.int64)
     row_k = tok * G + g  # the gradients' rows: dK and dV are contiguous
-    k = tl.load(K + tok[:, None] * K_ROW + g * DK + offs_dk[None, :], mask=s_ok[:, None] & (offs_dk < DK)[None, :],
-                other=0.0)
-    v = tl.load(V + tok[:, None] * V_ROW + g * DV + offs_dv[None, :], mask=s_ok[:, None] & (offs_dv < DV)[None, :],
-                other=0.0)
+    if TMA:
+        k = KD.load([b * T + j * SEL_BLOCK, g * DK])
+        v = VD.load([b * T + j * SEL_BLOCK, g * DV])
+    else:
+        k = tl.load(K + tok[:, None] * K_ROW + g * DK + offs_dk[None, :],
+                    mask=s_ok[:, None] & (offs_dk < DK)[None, :], other=0.0)
+        v = tl.load(V + tok[:, None] * V_ROW + g * DV + offs_dv[None, :],
+                    mask=s_ok[:, None] & (offs_dv < DV)[None, :], other=0.0)
     return k, v, pos, s_ok, row_k
 
 
@@ -91,18 +100,18 @@ def _chooser_rows(ORDER, e0, end, b, g, T, H: tl.constexpr, G: tl.constexpr, N_S
 
 
 @triton.jit
-def selected_block_fwd_kernel(Q, K, V, ORDER, STARTS, WORK_SEG, WORK_CHUNK, O_PART, LSE2_PART, T, num_blocks, scale,
-                              K_ROW, V_ROW,
+def selected_block_fwd_kernel(Q, K, V, KD, VD, ORDER, STARTS, WORK_SEG, WORK_CHUNK, O_PART, LSE2_PART, T, num_blocks,
+                              scale, K_ROW, V_ROW,
                               H: tl.constexpr, G: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
                               BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, SEL_BLOCK: tl.constexpr,
                               BLOCK_S: tl.constexpr, N_SELECT: tl.constexpr, ROWS: tl.constexpr,
-                              CHUNK: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                              CHUNK: tl.constexpr, TMA: tl.constexpr, DOT_PRECISION: tl.constexpr):
     HPG: tl.constexpr = H // G
     ENTRIES: tl.constexpr = ROWS // HPG
     seg, b, g, j, start, end = _work_item(WORK_SEG, WORK_CHUNK, STARTS, num_blocks, G, CHUNK)
     if seg >= 0:
-        k, v, pos, s_ok, _ = _block_kv(K, V, K_ROW, V_ROW, b, g, j, T, G, DK, DV, BLOCK_DK, BLOCK_DV, SEL_BLOCK,
-                                       BLOCK_S)
+        k, v, pos, s_ok, _ = _block_kv(K, V, KD, VD, K_ROW, V_ROW, b, g, j, T, G, DK, DV, BLOCK_DK, BLOCK_DV,
+                                       SEL_BLOCK, BLOCK_S, TMA)
         offs_dk = tl.arange(0, BLOCK_DK)
         offs_dv = tl.arange(0, BLOCK_DV)
         qk_scale = scale * LOG2E
@@ -160,13 +169,13 @@ def selected_combine_kernel(O_PART, LSE2_PART, BLOCKS, O, LSE, num_rows, H: tl.c
 
 
 @triton.jit
-def selected_block_bwd_kernel(Q, K, V, DO, LSE, DELTA, ORDER, STARTS, WORK_SEG, WORK_CHUNK, DK_ACC, DV_ACC, DQ_OUT,
-                              DK_OUT, DV_OUT, DONE, T, num_blocks, scale, K_ROW, V_ROW,
+def selected_block_bwd_kernel(Q, K, V, KD, VD, DO, LSE, DELTA, ORDER, STARTS, WORK_SEG, WORK_CHUNK, DK_ACC, DV_ACC,
+                              DQ_OUT, DK_OUT, DV_OUT, DONE, T, num_blocks, scale, K_ROW, V_ROW,
                               H: tl.constexpr, G: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
                               BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, SEL_BLOCK: tl.constexpr,
                               BLOCK_S: tl.constexpr, N_SELECT: tl.constexpr, ROWS: tl.constexpr,
                               CHUNK: tl.constexpr, DQ_MODE: tl.constexpr, FINAL_KV: tl.constexpr,
-                              DOT_PRECISION: tl.constexpr):
+                              TMA: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """DQ_MODE: 0 no dQ (the query-driven variants compute it), 1 store each chooser's contribution at its slot
     (DQ_OUT rows as the partials), 2 add it atomically into a float32 DQ_OUT [B, T, H, DK].
 
@@ -179,8 +188,8 @@ def selected_block_bwd_kernel(Q, K, V, DO, LSE, DELTA, ORDER, STARTS, WORK_SEG, 
     ENTRIES: tl.constexpr = ROWS // HPG
     seg, b, g, j, start, end = _work_item(WORK_SEG, WORK_CHUNK, STARTS, num_blocks, G, CHUNK)
     if seg >= 0:
-        k, v, pos, s_ok, row_k = _block_kv(K, V, K_ROW, V_ROW, b, g, j, T, G, DK, DV, BLOCK_DK, BLOCK_DV, SEL_BLOCK,
-                                           BLOCK_S)
+        k, v, pos, s_ok, row_k = _block_kv(K, V, KD, VD, K_ROW, V_ROW, b, g, j, T, G, DK, DV, BLOCK_DK, BLOCK_DV,
+                                           SEL_BLOCK, BLOCK_S, TMA)
         offs_dk = tl.arange(0, BLOCK_DK)
         offs_dv = tl.arange(0, BLOCK_DV)
         qk_scale = scale * LOG2E

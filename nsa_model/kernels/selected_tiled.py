@@ -11,6 +11,10 @@ loading each block's keys and values once for the whole tile; a per-row membersh
 the row's query's choices?) and the causal mask decide which rows see it. Neighbouring queries of trained
 models choose mostly the same blocks, so the union stays near n; random inputs make it up to TILE_Q * n long.
 
+TMA (constexpr): each block's keys and values come in through tensor descriptors (KD, VD; range_attention.py
+says why), unmasked: rows past the block or the sequence are masked out of the scores (vis). The query tile
+packs (query, head) rows, not one strided run, so it stays a pointer load (once per program).
+
 dK/dV keep the inverted-index kernel of selected_attention.py (it already loads each key block once).
 
 Layouts (contiguous unless said): q [B, T, H, DK], k [B, T, G, DK] and v [B, T, G, DV] with tokens K_ROW / V_ROW
@@ -52,11 +56,30 @@ def _tile_choices(BLOCKS, b, g, t, T, G, N_SELECT: tl.constexpr, N_PAD: tl.const
 
 
 @triton.jit
-def selected_tiled_fwd_kernel(Q, K, V, BLOCKS, UNION, COUNT, O, LSE, T, num_tiles, scale, K_ROW, V_ROW,
+def _block_tile(K, V, KD, VD, K_ROW, V_ROW, b, g, blk, pos, s_ok, T, DK: tl.constexpr, DV: tl.constexpr,
+                BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, SEL_BLOCK: tl.constexpr, TMA: tl.constexpr):
+    """The keys and values of selection block blk of (b, g): [BLOCK_S, D] tiles, unmasked with TMA."""
+    if TMA:
+        k = KD.load([b * T + blk * SEL_BLOCK, g * DK])
+        v = VD.load([b * T + blk * SEL_BLOCK, g * DV])
+    else:
+        offs_dk = tl.arange(0, BLOCK_DK)
+        offs_dv = tl.arange(0, BLOCK_DV)
+        tok = (b * T + pos).to(tl.int64)
+        k = tl.load(K + tok[:, None] * K_ROW + g * DK + offs_dk[None, :], mask=s_ok[:, None] & (offs_dk < DK)[None, :],
+                    other=0.0)
+        v = tl.load(V + tok[:, None] * V_ROW + g * DV + offs_dv[None, :], mask=s_ok[:, None] & (offs_dv < DV)[None, :],
+                    other=0.0)
+    return k, v
+
+
+@triton.jit
+def selected_tiled_fwd_kernel(Q, K, V, KD, VD, BLOCKS, UNION, COUNT, O, LSE, T, num_tiles, scale, K_ROW, V_ROW,
                               H: tl.constexpr, G: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
                               BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, SEL_BLOCK: tl.constexpr,
                               BLOCK_S: tl.constexpr, N_SELECT: tl.constexpr, N_PAD: tl.constexpr,
-                              ROWS: tl.constexpr, TILE_Q: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                              ROWS: tl.constexpr, TILE_Q: tl.constexpr, TMA: tl.constexpr,
+                              DOT_PRECISION: tl.constexpr):
     HPG: tl.constexpr = H // G
     b, g, t, r_ok, row_q = _tile_rows(T, H, G, HPG, ROWS, TILE_Q)
     offs_s = tl.arange(0, BLOCK_S)
@@ -76,11 +99,8 @@ def selected_tiled_fwd_kernel(Q, K, V, BLOCKS, UNION, COUNT, O, LSE, T, num_tile
         member = tl.max((chosen == blk).to(tl.int32), axis=1) > 0
         pos = blk * SEL_BLOCK + offs_s
         s_ok = (offs_s < SEL_BLOCK) & (pos < T)
-        tok = (b * T + pos).to(tl.int64)
-        k = tl.load(K + tok[:, None] * K_ROW + g * DK + offs_dk[None, :], mask=s_ok[:, None] & (offs_dk < DK)[None, :],
-                    other=0.0)
-        v = tl.load(V + tok[:, None] * V_ROW + g * DV + offs_dv[None, :], mask=s_ok[:, None] & (offs_dv < DV)[None, :],
-                    other=0.0)
+        k, v = _block_tile(K, V, KD, VD, K_ROW, V_ROW, b, g, blk, pos, s_ok, T, DK, DV, BLOCK_DK, BLOCK_DV,
+                           SEL_BLOCK, TMA)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
         vis = (member & r_ok)[:, None] & s_ok[None, :] & (pos[None, :] <= t[:, None])
         s = tl.where(vis, s, float("-inf"))
@@ -102,12 +122,12 @@ def selected_tiled_fwd_kernel(Q, K, V, BLOCKS, UNION, COUNT, O, LSE, T, num_tile
 
 
 @triton.jit
-def selected_tiled_bwd_dq_kernel(Q, K, V, BLOCKS, UNION, COUNT, DO, LSE, DELTA, DQ, T, num_tiles, scale, K_ROW,
+def selected_tiled_bwd_dq_kernel(Q, K, V, KD, VD, BLOCKS, UNION, COUNT, DO, LSE, DELTA, DQ, T, num_tiles, scale, K_ROW,
                                  V_ROW,
                                  H: tl.constexpr, G: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
                                  BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, SEL_BLOCK: tl.constexpr,
                                  BLOCK_S: tl.constexpr, N_SELECT: tl.constexpr, N_PAD: tl.constexpr,
-                                 ROWS: tl.constexpr, TILE_Q: tl.constexpr,
+                                 ROWS: tl.constexpr, TILE_Q: tl.constexpr, TMA: tl.constexpr,
                                  DOT_PRECISION: tl.constexpr):
     HPG: tl.constexpr = H // G
     b, g, t, r_ok, row_q = _tile_rows(T, H, G, HPG, ROWS, TILE_Q)
@@ -130,11 +150,8 @@ def selected_tiled_bwd_dq_kernel(Q, K, V, BLOCKS, UNION, COUNT, DO, LSE, DELTA, 
         member = tl.max((chosen == blk).to(tl.int32), axis=1) > 0
         pos = blk * SEL_BLOCK + offs_s
         s_ok = (offs_s < SEL_BLOCK) & (pos < T)
-        tok = (b * T + pos).to(tl.int64)
-        k = tl.load(K + tok[:, None] * K_ROW + g * DK + offs_dk[None, :], mask=s_ok[:, None] & (offs_dk < DK)[None, :],
-                    other=0.0)
-        v = tl.load(V + tok[:, None] * V_ROW + g * DV + offs_dv[None, :], mask=s_ok[:, None] & (offs_dv < DV)[None, :],
-                    other=0.0)
+        k, v = _block_tile(K, V, KD, VD, K_ROW, V_ROW, b, g, blk, pos, s_ok, T, DK, DV, BLOCK_DK, BLOCK_DV,
+                           SEL_BLOCK, TMA)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
         vis = (member & r_ok)[:, None] & s_ok[None, :] & (pos[None, :] <= t[:, None])
         p = tl.where(vis, tl.exp2(s - lse2[:, None]), 0.0)

@@ -14,6 +14,9 @@ larger key means more important, and among equal importance the lower block inde
 N_PAD. Merge of a running list sorted descending with a chunk's top sorted ascending: the elementwise maximum
 holds the top N_PAD of their union (a bitonic split), which one more sort orders again.
 
+TMA (constexpr): the q and compressed-key tiles come in through tensor descriptors (QD, KCD), as in
+range_attention.py; rows they read past a sequence's end are masked out of the scores (vis).
+
 A compressed token that starts before the chunk overlaps at most the chunk's first block (l <= l'); its share
 is carried from the previous chunk (`carry`).
 """
@@ -34,12 +37,12 @@ def _overlap(piece, block, PIECES_PER_TOKEN: tl.constexpr, PIECES_PER_BLOCK: tl.
 
 
 @triton.jit
-def select_blocks_kernel(Q, KC, LSE, BLOCKS, T, num_cmp, scale,
+def select_blocks_kernel(Q, KC, QD, KCD, LSE, BLOCKS, T, num_cmp, scale,
                          H: tl.constexpr, G: tl.constexpr, DK: tl.constexpr, BLOCK_DK: tl.constexpr,
                          CMP_BLOCK: tl.constexpr, CMP_STRIDE: tl.constexpr, SEL_BLOCK: tl.constexpr,
                          N_SELECT: tl.constexpr, N_INIT: tl.constexpr, N_LOCAL: tl.constexpr,
                          BLOCK_M: tl.constexpr, N_PAD: tl.constexpr, CHUNK_SPLITS: tl.constexpr,
-                         TOK_PAD: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                         TOK_PAD: tl.constexpr, TMA: tl.constexpr, DOT_PRECISION: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_bg = tl.program_id(1)
     b = pid_bg // G
@@ -71,15 +74,21 @@ def select_blocks_kernel(Q, KC, LSE, BLOCKS, T, num_cmp, scale,
     for j0 in range(0, num_candidates, CHUNK_BLOCKS):
         tok = j0 * PIECES_PER_BLOCK + offs_i
         tok_ok = (offs_i < TOKENS_PER_CHUNK) & (tok < num_cmp)
-        row_k = (b * num_cmp + tok).to(tl.int64) * G + g
-        kc = tl.load(KC + row_k[:, None] * DK + offs_dk[None, :], mask=tok_ok[:, None] & (offs_dk < DK)[None, :],
-                     other=0.0)
+        if TMA:
+            kc = KCD.load([b * num_cmp + j0 * PIECES_PER_BLOCK, g * DK])
+        else:
+            row_k = (b * num_cmp + tok).to(tl.int64) * G + g
+            kc = tl.load(KC + row_k[:, None] * DK + offs_dk[None, :], mask=tok_ok[:, None] & (offs_dk < DK)[None, :],
+                         other=0.0)
         vis = (tok[None, :] < n_visible[:, None]) & tok_ok[None, :] & m_ok[:, None]
         p_sum = tl.zeros([BLOCK_M, TOK_PAD], tl.float32)
         for head in range(HPG):
             row_q = (b * T + offs_m).to(tl.int64) * H + g * HPG + head
-            q = tl.load(Q + row_q[:, None] * DK + offs_dk[None, :], mask=m_ok[:, None] & (offs_dk < DK)[None, :],
-                        other=0.0)
+            if TMA:
+                q = QD.load([b * T + pid_m * BLOCK_M, (g * HPG + head) * DK])
+            else:
+                q = tl.load(Q + row_q[:, None] * DK + offs_dk[None, :], mask=m_ok[:, None] & (offs_dk < DK)[None, :],
+                            other=0.0)
             lse = tl.load(LSE + row_q, mask=m_ok, other=0.0)
             s = tl.dot(q, tl.trans(kc), input_precision=DOT_PRECISION) * scale
             p_sum += tl.where(vis, tl.exp(s - lse[:, None]), 0.0)

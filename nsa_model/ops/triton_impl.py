@@ -207,14 +207,15 @@ def _tma_device(x: torch.Tensor) -> bool:
 
 
 def _range_tiles(launch: dict, queries: dict[str, torch.Tensor], keys: dict[str, torch.Tensor]) -> dict:
-    """The tile arguments of a range kernel: TMA=True and a descriptor per tensor where range_loads = "tma" and
-    every tensor allows one, else TMA=False and the tensors themselves (unread). queries: name -> [B, T, H, D]
-    contiguous, read in [BLOCK_M, D] tiles; keys: name -> [B, N, G, D] as _kv_rows gives them, read in
-    [BLOCK_N, D] tiles. A descriptor needs what the copy engine needs: a head dim that is its own tile (a power
-    of two: a padded tile would read the next head's values, not zeros), 16-byte aligned rows and base, and a
-    non-empty tensor; tensors that miss one (head dim 192, no compressed token yet) take the pointer loads."""
+    """The tile arguments of a range kernel (or the selection kernel): TMA=True and a descriptor per tensor where
+    range_loads = "tma" and every tensor allows one, else TMA=False and the tensors themselves (unread). queries:
+    name -> [B, T, H, D] contiguous, read in [BLOCK_M, D] tiles; keys: name -> [B, N, G, D] as _kv_rows gives
+    them, read in [BLOCK_N, D] tiles. A descriptor needs what the copy engine needs: a head dim that is its own
+    tile (a power of two: a padded tile would read the next head's values, not zeros), tiles of at most 256
+    rows, 16-byte aligned rows and base, and a non-empty tensor; tensors that miss one (head dim 192, no
+    compressed token yet) take the pointer loads."""
     tensors = {**queries, **keys}
-    usable = _config.range_loads == "tma" and all(
+    usable = _config.range_loads == "tma" and max(launch["BLOCK_M"], launch["BLOCK_N"]) <= 256 and all(
         x.numel() > 0 and _pow2(x.shape[-1]) == x.shape[-1] and x.data_ptr() % 16 == 0
         and (x.stride(1) * x.element_size()) % 16 == 0 and _tma_device(x) for x in tensors.values())
     if not usable:
@@ -465,12 +466,14 @@ def select_blocks(q, k_cmp, lse, cfg: NSAConfig, scale: float):
     splits = _config.select_chunk_splits
     blocks = torch.empty(B, T, G, n, dtype=torch.int32, device=q.device)
     bm = _config.select_block_m
+    tok_pad = _pow2((n_pad << splits) * (cfg.sel_block // cfg.cmp_stride))
+    tiles = _range_tiles(dict(BLOCK_M=bm, BLOCK_N=tok_pad), dict(QD=q), dict(KCD=k_cmp))
     select_blocks_kernel[(triton.cdiv(T, bm), B * G)](
-        q, k_cmp, lse, blocks, T, num_cmp, scale, H=H, G=G, DK=q.shape[-1], BLOCK_DK=_pow2(q.shape[-1]),
+        q, k_cmp, LSE=lse, BLOCKS=blocks, T=T, num_cmp=num_cmp, scale=scale, H=H, G=G, DK=q.shape[-1],
+        BLOCK_DK=_pow2(q.shape[-1]),
         CMP_BLOCK=cfg.cmp_block, CMP_STRIDE=cfg.cmp_stride, SEL_BLOCK=cfg.sel_block, N_SELECT=n,
         N_INIT=cfg.n_init_blocks, N_LOCAL=cfg.n_local_blocks, BLOCK_M=bm, N_PAD=n_pad, CHUNK_SPLITS=splits,
-        TOK_PAD=_pow2((n_pad << splits) * (cfg.sel_block // cfg.cmp_stride)), DOT_PRECISION=_dot_precision(q.dtype),
-        num_warps=_config.select_warps)
+        TOK_PAD=tok_pad, DOT_PRECISION=_dot_precision(q.dtype), num_warps=_config.select_warps, **tiles)
     return blocks
 
 
@@ -651,15 +654,20 @@ def _selected_fwd(q, k, v, blocks, sel_block: int, scale: float, prefix: int = 0
         # tiled_by_block saves by_block's work list for its backward; the unions serve the forward alone
         union, count = index if kernel == "tiled" else tile_block_union(blocks, tile_q, triton.cdiv(T, sel_block))
         selected_tiled_fwd_kernel[(union.shape[1], B * G)](
-            q, k, v, blocks, union, count, o, lse, T, union.shape[1], scale, N_PAD=triton.next_power_of_2(n),
-            ROWS=rows, TILE_Q=tile_q, **common, num_warps=_config.slc_tile_warps,
-            num_stages=_config.slc_stages)
+            q, k, v, BLOCKS=blocks, UNION=union, COUNT=count, O=o, LSE=lse, T=T, num_tiles=union.shape[1],
+            scale=scale, N_PAD=triton.next_power_of_2(n), ROWS=rows, TILE_Q=tile_q, **common,
+            num_warps=_config.slc_tile_warps, num_stages=_config.slc_stages, **_block_tiles(rows, common, k, v))
     else:
         selected_attn_fwd_kernel[(T, B * G)](
             q, k, v, blocks, o, lse, T, scale, HEADS_PAD=_pow2(H // G), **common, **_slc_launch())
     if prefix:  # ... and the range kernel fills them: causal attention over keys 0..t
         _range_fwd_into(q, k, v, o, lse, prefix, *_prefix_range(T), scale)
     return o, lse, kernel, index
+
+
+def _block_tiles(rows: int, common: dict, k: torch.Tensor, v: torch.Tensor) -> dict:
+    """The key-block tile arguments of the tiled selected kernels (TMA and descriptors, or not: _range_tiles)."""
+    return _range_tiles(dict(BLOCK_M=rows, BLOCK_N=common["BLOCK_S"]), {}, dict(KD=k, VD=v))
 
 
 def _dense_prefix(T: int, n: int, sel_block: int) -> int:
@@ -722,9 +730,10 @@ def _selected_bwd(q, k, v, blocks, o, lse, index, do, sel_block: int, scale: flo
         union, count = index[:2]
         rows, tile_q = _selected_tile(hpg)
         selected_tiled_bwd_dq_kernel[(union.shape[1], B * G)](
-            q, k, v, blocks, union, count, do, lse, delta, dq, T, union.shape[1], scale,
-            N_PAD=triton.next_power_of_2(n), ROWS=rows, TILE_Q=tile_q, **common,
-            num_warps=config.slc_tile_warps, num_stages=config.slc_stages)
+            q, k, v, BLOCKS=blocks, UNION=union, COUNT=count, DO=do, LSE=lse, DELTA=delta, DQ=dq, T=T,
+            num_tiles=union.shape[1], scale=scale, N_PAD=triton.next_power_of_2(n), ROWS=rows, TILE_Q=tile_q,
+            **common, num_warps=config.slc_tile_warps, num_stages=config.slc_stages,
+            **_block_tiles(rows, common, k, v))
     else:
         selected_attn_bwd_dq_kernel[(T, B * G)](
             q, k, v, blocks, do, lse, delta, dq, T, scale, HEADS_PAD=_pow2(hpg), **common, **_slc_launch())
@@ -781,9 +790,10 @@ def _selected_by_block_fwd(q, k, v, blocks, o, lse, index, common, scale):
     o_part = torch.empty(slots, dv, dtype=_partial_dtype(q, c), device=q.device)
     lse2_part = torch.empty(slots, dtype=torch.float32, device=q.device)
     selected_block_fwd_kernel[(work_seg.numel(),)](
-        q, k, v, order, starts, work_seg, work_chunk, o_part, lse2_part, T, num_blocks, scale,
-        ROWS=_block_rows(hpg, c), CHUNK=c.slc_block_chunk, **common, num_warps=c.slc_block_warps,
-        num_stages=c.slc_block_stages)
+        q, k, v, ORDER=order, STARTS=starts, WORK_SEG=work_seg, WORK_CHUNK=work_chunk, O_PART=o_part,
+        LSE2_PART=lse2_part, T=T, num_blocks=num_blocks, scale=scale, ROWS=_block_rows(hpg, c),
+        CHUNK=c.slc_block_chunk, **common, num_warps=c.slc_block_warps, num_stages=c.slc_block_stages,
+        **_block_tiles(_block_rows(hpg, c), common, k, v))
     rows = B * T * H
     selected_combine_kernel[(triton.cdiv(rows, _COMBINE_ROWS),)](
         o_part, lse2_part, blocks, o, lse, rows, H=H, G=G, DV=dv, BLOCK_DV=common["BLOCK_DV"], N_SELECT=n,
@@ -825,9 +835,11 @@ def _selected_by_block_bwd(q, k, v, blocks, do, lse, delta, index, common, scale
     else:
         dq_out = dk_acc  # not touched
     selected_block_bwd_kernel[(work_seg.numel(),)](
-        q, k, v, do, lse, delta, order, starts, work_seg, work_chunk, dk_acc, dv_acc, dq_out, dk_out, dv_out, done,
-        T, num_blocks, scale, ROWS=_block_rows(hpg, c), CHUNK=c.slc_block_chunk, DQ_MODE=dq_mode, FINAL_KV=final_kv,
-        **common, num_warps=c.slc_block_warps, num_stages=c.slc_block_stages)
+        q, k, v, DO=do, LSE=lse, DELTA=delta, ORDER=order, STARTS=starts, WORK_SEG=work_seg, WORK_CHUNK=work_chunk,
+        DK_ACC=dk_acc, DV_ACC=dv_acc, DQ_OUT=dq_out, DK_OUT=dk_out, DV_OUT=dv_out, DONE=done, T=T,
+        num_blocks=num_blocks, scale=scale, ROWS=_block_rows(hpg, c), CHUNK=c.slc_block_chunk, DQ_MODE=dq_mode,
+        FINAL_KV=final_kv, **common, num_warps=c.slc_block_warps, num_stages=c.slc_block_stages,
+        **_block_tiles(_block_rows(hpg, c), common, k, v))
     dq = None
     if dq_mode == 2:
         dq = dq_out.to(q.dtype)
