@@ -23,11 +23,11 @@ LOG2E = tl.constexpr(1.4426950408889634)
 
 
 @triton.jit
-def selected_attn_fwd_kernel(Q, K, V, BLOCKS, O, LSE, T, scale, K_ROW, V_ROW,
+def selected_attn_fwd_kernel(Q, K, V, KD, VD, BLOCKS, O, LSE, T, scale, K_ROW, V_ROW,
                              H: tl.constexpr, G: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
                              BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, SEL_BLOCK: tl.constexpr,
                              BLOCK_S: tl.constexpr, N_SELECT: tl.constexpr, HEADS_PAD: tl.constexpr,
-                             DOT_PRECISION: tl.constexpr):
+                             TMA: tl.constexpr, DOT_PRECISION: tl.constexpr):
     t = tl.program_id(0)
     pid_bg = tl.program_id(1)
     b = pid_bg // G
@@ -54,9 +54,13 @@ def selected_attn_fwd_kernel(Q, K, V, BLOCKS, O, LSE, T, scale, K_ROW, V_ROW,
         blk = tl.load(BLOCKS + block_row + i)
         first = blk * SEL_BLOCK
         s_ok = (offs_s < tl.minimum(SEL_BLOCK, t - first + 1)) & (blk >= 0)  # in the block, at or before t
-        row0 = (b * T + first).to(tl.int64)
-        k = tl.load(k_ptrs + row0 * K_ROW, mask=s_ok[:, None] & (offs_dk < DK)[None, :], other=0.0)
-        v = tl.load(v_ptrs + row0 * V_ROW, mask=s_ok[:, None] & (offs_dv < DV)[None, :], other=0.0)
+        if TMA:  # unmasked: keys past t, past the block or of block -1 are masked out of the scores
+            k = KD.load([b * T + first, g * DK])
+            v = VD.load([b * T + first, g * DV])
+        else:
+            row0 = (b * T + first).to(tl.int64)
+            k = tl.load(k_ptrs + row0 * K_ROW, mask=s_ok[:, None] & (offs_dk < DK)[None, :], other=0.0)
+            v = tl.load(v_ptrs + row0 * V_ROW, mask=s_ok[:, None] & (offs_dv < DV)[None, :], other=0.0)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
         s = tl.where(s_ok[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -77,11 +81,11 @@ def selected_attn_fwd_kernel(Q, K, V, BLOCKS, O, LSE, T, scale, K_ROW, V_ROW,
 
 
 @triton.jit
-def selected_attn_bwd_dq_kernel(Q, K, V, BLOCKS, DO, LSE, DELTA, DQ, T, scale, K_ROW, V_ROW,
+def selected_attn_bwd_dq_kernel(Q, K, V, KD, VD, BLOCKS, DO, LSE, DELTA, DQ, T, scale, K_ROW, V_ROW,
                                 H: tl.constexpr, G: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
                                 BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, SEL_BLOCK: tl.constexpr,
                                 BLOCK_S: tl.constexpr, N_SELECT: tl.constexpr, HEADS_PAD: tl.constexpr,
-                                DOT_PRECISION: tl.constexpr):
+                                TMA: tl.constexpr, DOT_PRECISION: tl.constexpr):
     t = tl.program_id(0)
     pid_bg = tl.program_id(1)
     b = pid_bg // G
@@ -108,9 +112,13 @@ def selected_attn_bwd_dq_kernel(Q, K, V, BLOCKS, DO, LSE, DELTA, DQ, T, scale, K
         blk = tl.load(BLOCKS + block_row + i)
         first = blk * SEL_BLOCK
         s_ok = (offs_s < tl.minimum(SEL_BLOCK, t - first + 1)) & (blk >= 0)
-        row0 = (b * T + first).to(tl.int64)
-        k = tl.load(k_ptrs + row0 * K_ROW, mask=s_ok[:, None] & (offs_dk < DK)[None, :], other=0.0)
-        v = tl.load(v_ptrs + row0 * V_ROW, mask=s_ok[:, None] & (offs_dv < DV)[None, :], other=0.0)
+        if TMA:  # unmasked: keys past t, past the block or of block -1 are masked out of the scores
+            k = KD.load([b * T + first, g * DK])
+            v = VD.load([b * T + first, g * DV])
+        else:
+            row0 = (b * T + first).to(tl.int64)
+            k = tl.load(k_ptrs + row0 * K_ROW, mask=s_ok[:, None] & (offs_dk < DK)[None, :], other=0.0)
+            v = tl.load(v_ptrs + row0 * V_ROW, mask=s_ok[:, None] & (offs_dv < DV)[None, :], other=0.0)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
         p = tl.where(s_ok[None, :] & h_ok[:, None], tl.exp2(s - lse2[:, None]), 0.0)
         dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)

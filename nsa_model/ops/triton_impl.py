@@ -659,14 +659,15 @@ def _selected_fwd(q, k, v, blocks, sel_block: int, scale: float, prefix: int = 0
             num_warps=_config.slc_tile_warps, num_stages=_config.slc_stages, **_block_tiles(rows, common, k, v))
     else:
         selected_attn_fwd_kernel[(T, B * G)](
-            q, k, v, blocks, o, lse, T, scale, HEADS_PAD=_pow2(H // G), **common, **_slc_launch())
+            q, k, v, BLOCKS=blocks, O=o, LSE=lse, T=T, scale=scale, HEADS_PAD=_pow2(H // G), **common, **_slc_launch(),
+            **_block_tiles(_pow2(H // G), common, k, v))
     if prefix:  # ... and the range kernel fills them: causal attention over keys 0..t
         _range_fwd_into(q, k, v, o, lse, prefix, *_prefix_range(T), scale)
     return o, lse, kernel, index
 
 
 def _block_tiles(rows: int, common: dict, k: torch.Tensor, v: torch.Tensor) -> dict:
-    """The key-block tile arguments of the tiled selected kernels (TMA and descriptors, or not: _range_tiles)."""
+    """The key-block tile arguments of the selected kernels (TMA and descriptors, or not: _range_tiles)."""
     return _range_tiles(dict(BLOCK_M=rows, BLOCK_N=common["BLOCK_S"]), {}, dict(KD=k, VD=v))
 
 
@@ -736,7 +737,8 @@ def _selected_bwd(q, k, v, blocks, o, lse, index, do, sel_block: int, scale: flo
             **_block_tiles(rows, common, k, v))
     else:
         selected_attn_bwd_dq_kernel[(T, B * G)](
-            q, k, v, blocks, do, lse, delta, dq, T, scale, HEADS_PAD=_pow2(hpg), **common, **_slc_launch())
+            q, k, v, BLOCKS=blocks, DO=do, LSE=lse, DELTA=delta, DQ=dq, T=T, scale=scale, HEADS_PAD=_pow2(hpg),
+            **common, **_slc_launch(), **_block_tiles(_pow2(hpg), common, k, v))
     final_kv = config.slc_dkdv == "by_block" and not prefix  # dk, dv come out final (no accumulators to cast)
     if config.slc_dkdv == "by_block":
         block_index = _by_block_index(blocks, sel_block, config)
