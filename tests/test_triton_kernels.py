@@ -109,11 +109,11 @@ def test_nsa_matches_reference(case):
         assert rel_err(tri_in[name].grad, ref_in[name].grad) <= FP32_TOL, name
 
 
-@pytest.mark.parametrize("chunk_splits", [0, 1, 2])
-def test_selection_across_chunks_matches_reference(chunk_splits):
+@pytest.mark.parametrize("chunk_splits,loads", [(0, "tma"), (1, "tma"), (2, "tma"), (0, "pointer")])
+def test_selection_across_chunks_matches_reference(chunk_splits, loads):
     """More blocks than one chunk of the selection kernel (8, 16 or 32 blocks: n_pad = 8 times 2^splits): the
     running top-n merge, the halving of a chunk to its top n_pad, and the carry of compressed tokens that straddle
-    a chunk boundary must give the reference's sets."""
+    a chunk boundary must give the reference's sets; with tiles through descriptors or by pointer loads."""
     cfg = NSAConfig(cmp_block=16, cmp_stride=8, sel_block=16, n_selected=5, window=16, n_init_blocks=2)
     B, T, H, G, Dk = 1, 560, 2, 1, 16
     inputs = make_inputs(B, T, H, G, Dk, Dk, cfg, seed=3)
@@ -124,7 +124,7 @@ def test_selection_across_chunks_matches_reference(chunk_splits):
     _, lse = triton_impl.compressed_attention(q.float().to(DEVICE), k_cmp.float().to(DEVICE),
                                               v_cmp.float().to(DEVICE), cfg, scale)
     assert rel_err(lse[:, cfg.cmp_block - 1:], lse_ref[:, cfg.cmp_block - 1:]) <= FP32_TOL
-    with triton_impl.use_launch_config(triton_impl.LaunchConfig(select_chunk_splits=chunk_splits)):
+    with triton_impl.use_launch_config(triton_impl.LaunchConfig(select_chunk_splits=chunk_splits, range_loads=loads)):
         blocks = triton_impl.select_blocks(q.float().to(DEVICE), k_cmp.float().to(DEVICE), lse, cfg, scale)
     assert same_block_sets(blocks, blocks_ref)
     # Invariant 4 directly: |S| = min(n, |C(t)|) and the forced blocks are in S.
@@ -233,12 +233,12 @@ SELECTED_VARIANTS = {
 
 
 @pytest.mark.parametrize("variant", list(SELECTED_VARIANTS))
-@pytest.mark.parametrize("structured", [False, True])
-def test_selected_variants_match_reference(variant, structured):
+@pytest.mark.parametrize("structured,loads", [(False, "tma"), (True, "tma"), (False, "pointer")])
+def test_selected_variants_match_reference(variant, structured, loads):
     """Every selected-attention variant (per query; per tile of queries walking the union of their blocks; per
     key block over its choosers, with dQ by slot sums or atomics), forward and all three gradients, on random
     choices (large unions, -1 padding, blocks after t) and on structured ones (neighbouring queries share most
-    blocks, as in trained models)."""
+    blocks, as in trained models); each block's keys through descriptors or by pointer loads."""
     cfg = NSAConfig(cmp_block=8, cmp_stride=4, sel_block=8, n_selected=3, window=8)
     B, T, H, G, Dk, Dv = 2, 43, 6, 2, 16, 32
     x = make_inputs(B, T, H, G, Dk, Dv, cfg, seed=11)
@@ -263,7 +263,7 @@ def test_selected_variants_match_reference(variant, structured):
     grad_out = torch.randn_like(o_ref)
     o_ref.backward(grad_out)
     tri_in = [x[n].float().to(DEVICE).requires_grad_() for n in ("q", "k_slc", "v_slc")]
-    launch = triton_impl.LaunchConfig(dkdv_rows=32, dkdv_chunk=64, **SELECTED_VARIANTS[variant])
+    launch = triton_impl.LaunchConfig(dkdv_rows=32, dkdv_chunk=64, range_loads=loads, **SELECTED_VARIANTS[variant])
     with triton_impl.use_launch_config(launch):
         o = triton_impl.selected_attention(*tri_in, blocks.to(DEVICE), cfg, scale)
         o.backward(grad_out.float().to(DEVICE))
@@ -485,6 +485,30 @@ def test_core_bwd_in_half_precision_gives_zero_query_and_key_grads_where_each_so
         assert tri_in[name].grad.float().abs().max().item() <= 1e-5 * dv_size, name
 
 
+def check_range_branches(x: dict, cfg: NSAConfig, scale: float, launch, grad_seed: int) -> None:
+    """The compressed and window branches under `launch` against the reference: output, lse (-inf in both where
+    a query sees no compressed token yet) and the gradients of q, k and v."""
+    for branch, (kn, vn) in {"cmp": ("k_cmp", "v_cmp"), "win": ("k_win", "v_win")}.items():
+        ref_in = [x[n].clone().requires_grad_() for n in ("q", kn, vn)]
+        tri_in = [x[n].float().to(DEVICE).requires_grad_() for n in ("q", kn, vn)]
+        with triton_impl.use_launch_config(launch):
+            if branch == "cmp":
+                o_ref, lse_ref = reference.compressed_attention(*ref_in, cfg, scale)
+                o, lse = triton_impl.compressed_attention(*tri_in, cfg, scale)
+                seen = cfg.cmp_block - 1
+                assert torch.isinf(lse[:, :seen]).all() and rel_err(lse[:, seen:], lse_ref[:, seen:]) <= FP32_TOL
+            else:
+                o_ref = reference.window_attention(*ref_in, cfg.window, scale)
+                o = triton_impl.window_attention(*tri_in, cfg.window, scale)
+            grad_out = torch.randn(o_ref.shape, generator=torch.Generator().manual_seed(grad_seed),
+                                   dtype=torch.float64)
+            o_ref.backward(grad_out)
+            o.backward(grad_out.float().to(DEVICE))
+        assert rel_err(o, o_ref) <= FP32_TOL, branch
+        for name, a, r in zip(("dq", "dk", "dv"), tri_in, ref_in):
+            assert rel_err(a.grad, r.grad) <= FP32_TOL, (branch, name)
+
+
 SQUARE_16 = {"fwd": (16, 16), "dq": (16, 16), "dkdv": (16, 16)}
 MIXED_TILES = {"fwd": (32, 16), "dq": (16, 32), "dkdv": (32, 16)}  # each kernel its own tiles, none square
 
@@ -506,25 +530,7 @@ def test_range_variants_match_reference(range_kernel, delta_kernel, dkdv_program
     launch = triton_impl.LaunchConfig(**{f"range_{k}_d64": (*t, 4, 2) for k, t in tiles.items()},
                                       range_kernel=range_kernel, delta_kernel=delta_kernel,
                                       range_dkdv_programs=dkdv_programs, window_dkdv=window_dkdv)
-    branches = {"cmp": ("k_cmp", "v_cmp"), "win": ("k_win", "v_win")}
-    for branch, (kn, vn) in branches.items():
-        ref_in = [x[n].clone().requires_grad_() for n in ("q", kn, vn)]
-        tri_in = [x[n].float().to(DEVICE).requires_grad_() for n in ("q", kn, vn)]
-        with triton_impl.use_launch_config(launch):
-            if branch == "cmp":
-                o_ref, lse_ref = reference.compressed_attention(*ref_in, cfg, scale)
-                o, lse = triton_impl.compressed_attention(*tri_in, cfg, scale)
-                seen = cfg.cmp_block - 1  # earlier queries see no compressed token: lse -inf in both
-                assert torch.isinf(lse[:, :seen]).all() and rel_err(lse[:, seen:], lse_ref[:, seen:]) <= FP32_TOL
-            else:
-                o_ref = reference.window_attention(*ref_in, cfg.window, scale)
-                o = triton_impl.window_attention(*tri_in, cfg.window, scale)
-            grad_out = torch.randn(o_ref.shape, generator=torch.Generator().manual_seed(16), dtype=torch.float64)
-            o_ref.backward(grad_out)
-            o.backward(grad_out.float().to(DEVICE))
-        assert rel_err(o, o_ref) <= FP32_TOL, branch
-        for name, a, r in zip(("dq", "dk", "dv"), tri_in, ref_in):
-            assert rel_err(a.grad, r.grad) <= FP32_TOL, (branch, name)
+    check_range_branches(x, cfg, scale, launch, grad_seed=16)
 
 
 @pytest.mark.parametrize("range_kernel,Dv,expect_tma", [("split", 16, True), ("masked", 32, True),
@@ -551,22 +557,7 @@ def test_range_kernels_read_tiles_through_descriptors_where_the_layout_allows(ra
         return out
 
     monkeypatch.setattr(triton_impl, "_range_tiles", spy)
-    for branch, (kn, vn) in {"cmp": ("k_cmp", "v_cmp"), "win": ("k_win", "v_win")}.items():
-        ref_in = [x[n].clone().requires_grad_() for n in ("q", kn, vn)]
-        tri_in = [x[n].float().to(DEVICE).requires_grad_() for n in ("q", kn, vn)]
-        with triton_impl.use_launch_config(launch):
-            if branch == "cmp":
-                o_ref, _ = reference.compressed_attention(*ref_in, cfg, scale)
-                o, _ = triton_impl.compressed_attention(*tri_in, cfg, scale)
-            else:
-                o_ref = reference.window_attention(*ref_in, cfg.window, scale)
-                o = triton_impl.window_attention(*tri_in, cfg.window, scale)
-            grad_out = torch.randn(o_ref.shape, generator=torch.Generator().manual_seed(32), dtype=torch.float64)
-            o_ref.backward(grad_out)
-            o.backward(grad_out.float().to(DEVICE))
-        assert rel_err(o, o_ref) <= FP32_TOL, branch
-        for name, a, r in zip(("dq", "dk", "dv"), tri_in, ref_in):
-            assert rel_err(a.grad, r.grad) <= FP32_TOL, (branch, name)
+    check_range_branches(x, cfg, scale, launch, grad_seed=32)
     assert len(seen) == 6 and set(seen) == {expect_tma}  # forward, dQ and dK/dV of each branch
 
 

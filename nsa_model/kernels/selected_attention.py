@@ -18,6 +18,7 @@ import triton
 import triton.language as tl
 
 from nsa_model.kernels.selected_by_block import _block_kv
+from nsa_model.kernels.selected_tiled import _block_tile
 
 LOG2E = tl.constexpr(1.4426950408889634)
 
@@ -46,21 +47,14 @@ def selected_attn_fwd_kernel(Q, K, V, KD, VD, BLOCKS, O, LSE, T, scale, K_ROW, V
     m_i = tl.full([HEADS_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([HEADS_PAD], tl.float32)
     acc = tl.zeros([HEADS_PAD, BLOCK_DV], tl.float32)
-    # Key rows of a block relative to its first key; the block's own offset is added per step (int64).
-    k_ptrs = K + offs_s[:, None] * K_ROW + g * DK + offs_dk[None, :]
-    v_ptrs = V + offs_s[:, None] * V_ROW + g * DV + offs_dv[None, :]
     for i in range(N_SELECT):
         # No branch on the block id (-1: fewer than n blocks exist) so the loop stays software-pipelined.
         blk = tl.load(BLOCKS + block_row + i)
         first = blk * SEL_BLOCK
         s_ok = (offs_s < tl.minimum(SEL_BLOCK, t - first + 1)) & (blk >= 0)  # in the block, at or before t
-        if TMA:  # unmasked: keys past t, past the block or of block -1 are masked out of the scores
-            k = KD.load([b * T + first, g * DK])
-            v = VD.load([b * T + first, g * DV])
-        else:
-            row0 = (b * T + first).to(tl.int64)
-            k = tl.load(k_ptrs + row0 * K_ROW, mask=s_ok[:, None] & (offs_dk < DK)[None, :], other=0.0)
-            v = tl.load(v_ptrs + row0 * V_ROW, mask=s_ok[:, None] & (offs_dv < DV)[None, :], other=0.0)
+        # with TMA unmasked: keys past t, past the block or of block -1 are masked out of the scores
+        k, v = _block_tile(K, V, KD, VD, K_ROW, V_ROW, b, g, blk, first + offs_s, s_ok, T, DK, DV, BLOCK_DK, BLOCK_DV,
+                           SEL_BLOCK, TMA)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
         s = tl.where(s_ok[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -106,19 +100,13 @@ def selected_attn_bwd_dq_kernel(Q, K, V, KD, VD, BLOCKS, DO, LSE, DELTA, DQ, T, 
 
     qk_scale = scale * LOG2E
     dq = tl.zeros([HEADS_PAD, BLOCK_DK], tl.float32)
-    k_ptrs = K + offs_s[:, None] * K_ROW + g * DK + offs_dk[None, :]
-    v_ptrs = V + offs_s[:, None] * V_ROW + g * DV + offs_dv[None, :]
     for i in range(N_SELECT):
         blk = tl.load(BLOCKS + block_row + i)
         first = blk * SEL_BLOCK
         s_ok = (offs_s < tl.minimum(SEL_BLOCK, t - first + 1)) & (blk >= 0)
-        if TMA:  # unmasked: keys past t, past the block or of block -1 are masked out of the scores
-            k = KD.load([b * T + first, g * DK])
-            v = VD.load([b * T + first, g * DV])
-        else:
-            row0 = (b * T + first).to(tl.int64)
-            k = tl.load(k_ptrs + row0 * K_ROW, mask=s_ok[:, None] & (offs_dk < DK)[None, :], other=0.0)
-            v = tl.load(v_ptrs + row0 * V_ROW, mask=s_ok[:, None] & (offs_dv < DV)[None, :], other=0.0)
+        # with TMA unmasked: keys past t, past the block or of block -1 are masked out of the scores
+        k, v = _block_tile(K, V, KD, VD, K_ROW, V_ROW, b, g, blk, first + offs_s, s_ok, T, DK, DV, BLOCK_DK, BLOCK_DV,
+                           SEL_BLOCK, TMA)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
         p = tl.where(s_ok[None, :] & h_ok[:, None], tl.exp2(s - lse2[:, None]), 0.0)
         dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
