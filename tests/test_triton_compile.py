@@ -42,40 +42,56 @@ def _case(name, module, pointers, scalars, constexprs, options=WARPS4, label="")
                         id=f"{name}[{label}]" if label else name)
 
 
+def _tma_cases(name, module, pointers, scalars, constexprs, options=WARPS4, label="", descs=None):
+    """The kernel with TMA = True, its tile arguments tensor descriptors of the block rows in descs (head dim
+    64, bf16), and with TMA = False, those arguments plain pointers (unread), as the launchers pass them."""
+    with_desc = dict(pointers, **{arg: f"tensordesc<bf16[{rows}, 64]>" for arg, rows in descs.items()})
+    return [_case(name, module, ptrs, scalars, dict(constexprs, TMA=tma), options,
+                  ",".join(x for x in (label, f"TMA={tma}") if x))
+            for tma, ptrs in ((True, with_desc), (False, pointers))]
+
+
 CASES = [
-    _case("select_blocks_kernel", "selection", dict(LSE="fp32", BLOCKS="i32"),
-          dict(T="i32", num_cmp="i32", scale="fp32"),
-          dict(H=12, G=2, DK=64, BLOCK_DK=64, CMP_BLOCK=32, CMP_STRIDE=16, SEL_BLOCK=64, N_SELECT=16, N_INIT=1,
-               N_LOCAL=2, BLOCK_M=64, N_PAD=16, CHUNK_SPLITS=0, TOK_PAD=64, DOT_PRECISION="tf32")),
-    _case("range_attn_fwd_kernel", "range_attention", dict(LSE="fp32"), RANGE_SCALARS, RANGE),
-    *[_case("range_attn_bwd_dq_kernel", "range_attention", dict(LSE2="fp32", DELTA2="fp32", **ROW_TERMS),
-            dict(num_keys2="i32", key_stride2="i32", key_offset2="i32", window2="i32", K2_ROW="i32", V2_ROW="i32",
-                 **RANGE_SCALARS),
-            dict(RANGE, BLOCK_N=32, ACCUMULATE=False, TWO_RANGES=two), dict(num_warps=4, num_stages=3),
-            f"TWO_RANGES={two}") for two in (True, False)],
-    *[_case("range_attn_bwd_dkdv_kernel", "range_attention", dict(ROW_TERMS, **(ACCS if atomic else {})),
-            dict(q_chunk="i32", **RANGE_SCALARS), dict(RANGE, HEAD_SPLIT=split, ATOMIC=atomic),
-            dict(num_warps=4, num_stages=3), f"HEAD_SPLIT={split},ATOMIC={atomic}")
-      for split, atomic in ((6, True), (1, False))],
-    _case("selected_attn_fwd_kernel", "selected_attention", dict(BLOCKS="i32", LSE="fp32"), SLC_SCALARS,
-          dict(HEADS_PAD=8, **SEL), dict(num_warps=2, num_stages=2)),
-    _case("selected_attn_bwd_dq_kernel", "selected_attention", dict(BLOCKS="i32", **ROW_TERMS), SLC_SCALARS,
-          dict(HEADS_PAD=8, **SEL), dict(num_warps=2, num_stages=2)),
+    *_tma_cases("select_blocks_kernel", "selection", dict(LSE="fp32", BLOCKS="i32"),
+                dict(T="i32", num_cmp="i32", scale="fp32"),
+                dict(H=12, G=2, DK=64, BLOCK_DK=64, CMP_BLOCK=32, CMP_STRIDE=16, SEL_BLOCK=64, N_SELECT=16, N_INIT=1,
+                     N_LOCAL=2, BLOCK_M=64, N_PAD=16, CHUNK_SPLITS=0, TOK_PAD=64, DOT_PRECISION="tf32"),
+                descs=dict(QD=64, KCD=64)),
+    *_tma_cases("range_attn_fwd_kernel", "range_attention", dict(LSE="fp32"), RANGE_SCALARS, RANGE,
+                descs=dict(QD=64, KD=64, VD=64)),
+    *[c for two in (True, False) for c in _tma_cases(
+        "range_attn_bwd_dq_kernel", "range_attention", dict(LSE2="fp32", DELTA2="fp32", **ROW_TERMS),
+        dict(num_keys2="i32", key_stride2="i32", key_offset2="i32", window2="i32", K2_ROW="i32", V2_ROW="i32",
+             **RANGE_SCALARS),
+        dict(RANGE, BLOCK_N=32, ACCUMULATE=False, TWO_RANGES=two), dict(num_warps=4, num_stages=3),
+        f"TWO_RANGES={two}", descs=dict(QD=64, DOD=64, KD=32, VD=32, K2D=32, V2D=32))],
+    *[c for split, atomic in ((6, True), (1, False)) for c in _tma_cases(
+        "range_attn_bwd_dkdv_kernel", "range_attention", dict(ROW_TERMS, **(ACCS if atomic else {})),
+        dict(q_chunk="i32", **RANGE_SCALARS), dict(RANGE, HEAD_SPLIT=split, ATOMIC=atomic),
+        dict(num_warps=4, num_stages=3), f"HEAD_SPLIT={split},ATOMIC={atomic}",
+        descs=dict(QD=64, DOD=64, KD=64, VD=64))],
+    *_tma_cases("selected_attn_fwd_kernel", "selected_attention", dict(BLOCKS="i32", LSE="fp32"), SLC_SCALARS,
+                dict(HEADS_PAD=8, **SEL), dict(num_warps=2, num_stages=2), descs=dict(KD=64, VD=64)),
+    *_tma_cases("selected_attn_bwd_dq_kernel", "selected_attention", dict(BLOCKS="i32", **ROW_TERMS), SLC_SCALARS,
+                dict(HEADS_PAD=8, **SEL), dict(num_warps=2, num_stages=2), descs=dict(KD=64, VD=64)),
     _case("selected_attn_bwd_dkdv_kernel", "selected_attention",
           dict(QUERY_OF_ENTRY="i32", STARTS="i64", **ROW_TERMS, **ACCS), dict(num_blocks="i32", **SLC_SCALARS),
           dict({k: v for k, v in SEL.items() if k != "N_SELECT"}, HEADS_PAD=8, ENTRIES=8, CHUNK=256)),
-    _case("selected_tiled_fwd_kernel", "selected_tiled", dict(BLOCKS="i32", UNION="i32", COUNT="i32", LSE="fp32"),
-          dict(num_tiles="i32", **SLC_SCALARS), dict(N_PAD=16, ROWS=64, TILE_Q=10, **SEL)),
-    _case("selected_tiled_bwd_dq_kernel", "selected_tiled", dict(BLOCKS="i32", UNION="i32", COUNT="i32", **ROW_TERMS),
-          dict(num_tiles="i32", **SLC_SCALARS), dict(N_PAD=16, ROWS=64, TILE_Q=10, **SEL)),
-    _case("selected_block_fwd_kernel", "selected_by_block", dict(LSE2_PART="fp32", **BLOCK_INDEX),
-          dict(num_blocks="i32", **SLC_SCALARS), dict(ROWS=64, CHUNK=512, **SEL), dict(num_warps=4, num_stages=3)),
+    *_tma_cases("selected_tiled_fwd_kernel", "selected_tiled",
+                dict(BLOCKS="i32", UNION="i32", COUNT="i32", LSE="fp32"), dict(num_tiles="i32", **SLC_SCALARS),
+                dict(N_PAD=16, ROWS=64, TILE_Q=10, **SEL), descs=dict(KD=64, VD=64)),
+    *_tma_cases("selected_tiled_bwd_dq_kernel", "selected_tiled",
+                dict(BLOCKS="i32", UNION="i32", COUNT="i32", **ROW_TERMS), dict(num_tiles="i32", **SLC_SCALARS),
+                dict(N_PAD=16, ROWS=64, TILE_Q=10, **SEL), descs=dict(KD=64, VD=64)),
+    *_tma_cases("selected_block_fwd_kernel", "selected_by_block", dict(LSE2_PART="fp32", **BLOCK_INDEX),
+                dict(num_blocks="i32", **SLC_SCALARS), dict(ROWS=64, CHUNK=512, **SEL),
+                dict(num_warps=4, num_stages=3), descs=dict(KD=64, VD=64)),
     _case("selected_combine_kernel", "selected_by_block", dict(LSE2_PART="fp32", BLOCKS="i32", LSE="fp32"),
           dict(num_rows="i32"), dict(H=12, G=2, DV=64, BLOCK_DV=64, N_SELECT=16, BLOCK_R=32)),
-    *[_case("selected_block_bwd_kernel", "selected_by_block", dict(BLOCK_INDEX, DONE="i32", **ROW_TERMS, **ACCS),
-            dict(num_blocks="i32", **SLC_SCALARS), dict(ROWS=64, CHUNK=512, DQ_MODE=mode, FINAL_KV=final, **SEL),
-            dict(num_warps=4, num_stages=3), f"DQ_MODE={mode},FINAL_KV={final}")
-      for mode, final in ((0, True), (1, True), (1, False), (2, False))],
+    *[c for mode, final in ((0, True), (1, True), (1, False), (2, False)) for c in _tma_cases(
+        "selected_block_bwd_kernel", "selected_by_block", dict(BLOCK_INDEX, DONE="i32", **ROW_TERMS, **ACCS),
+        dict(num_blocks="i32", **SLC_SCALARS), dict(ROWS=64, CHUNK=512, DQ_MODE=mode, FINAL_KV=final, **SEL),
+        dict(num_warps=4, num_stages=3), f"DQ_MODE={mode},FINAL_KV={final}", descs=dict(KD=64, VD=64))],
     *[_case("selected_dq_sum_kernel", "selected_by_block", dict(BLOCKS="i32"), dict(num_rows="i32"),
             dict(H=12, G=2, DK=64, BLOCK_DK=64, N_SELECT=16, BLOCK_R=32, NUM_ADD=adds), label=f"NUM_ADD={adds}")
       for adds in (0, 1, 2)],
@@ -113,9 +129,12 @@ for arg in fn.arg_names:
     elif arg in scalars:  # a list: a tuple argument of such scalars
         kind = scalars[arg]
         signature[arg] = tuple(kind) if isinstance(kind, list) else kind
-    else:  # a list: a tuple of pointers
+    else:  # a list: a tuple of pointers; a tensor descriptor by its type
         kind = pointers.get(arg, "bf16")
-        signature[arg] = tuple("*" + k for k in kind) if isinstance(kind, list) else "*" + kind
+        if isinstance(kind, list):
+            signature[arg] = tuple("*" + k for k in kind)
+        else:
+            signature[arg] = kind if kind.startswith("tensordesc") else "*" + kind
 constexprs = {k: tuple(v) if isinstance(v, list) else v for k, v in constexprs.items()}  # JSON gave lists
 kernel = triton.compile(ASTSource(fn, signature, constexprs), target=GPUTarget("cuda", 90, 32), options=options)
 print(len(kernel.asm["cubin"]))
