@@ -49,8 +49,8 @@ PARTIAL_DTYPES = ("fp32", "input")  # by_block: partial outputs and dQ contribut
 SELECTED_DQ = ("partial", "atomic")  # by_block dQ: per-slot contributions summed by a kernel, or fp32 atomics
 SELECTED_DKDV = ("inverted", "by_block")  # dK/dV of per_query/tiled: padded-heads kernel, or the by_block one
 GATE_KERNELS = ("torch", "fused")  # gated combination: eager PyTorch ops, or one Triton kernel each way
-# compressed/window tiles: read through tensor descriptors where the layout allows (_range_tiles; v23), or by
-# pointer loads
+# contiguous tiles (the range and selection kernels' q, do, k, v; the selected kernels' key blocks): through
+# tensor descriptors where the layout allows (_range_tiles; v23), or by pointer loads
 RANGE_LOADS = ("tma", "pointer")
 RANGE_KERNELS = ("masked", "split")  # compressed/window: every tile masked (v4), or only the edge tiles (v5)
 DELTA_KERNELS = ("torch", "fused")  # backward row term sum(do * o): eager fp32 ops, or one Triton kernel
@@ -349,14 +349,12 @@ def _range_dq_into(q, k, v, do, lse, delta, dq, num_queries: int, key_stride: in
     tiles = _range_tiles(launch, dict(QD=q, DOD=do), key_sets)
     tiles.setdefault("K2D", tiles["KD"])  # one range: unread
     tiles.setdefault("V2D", tiles["VD"])
-    k2_shape1, k2_stride, v2_stride = k2.shape[1], k2.stride(1), v2.stride(1)
-    key_stride2, key_offset2, window2 = range2
     range_attn_bwd_dq_kernel[(triton.cdiv(num_queries, launch["BLOCK_M"]), B * H)](
         q, k, v, do, LSE=lse, DELTA=delta, DQ=dq, T=T, num_queries=num_queries, num_keys=num_keys, scale=scale,
         key_stride=key_stride, key_offset=key_offset, window=window, K_ROW=k.stride(1), V_ROW=v.stride(1), K2=k2,
-        V2=v2, LSE2=lse2, DELTA2=delta2, num_keys2=k2_shape1, key_stride2=key_stride2, key_offset2=key_offset2,
-        window2=window2, K2_ROW=k2_stride, V2_ROW=v2_stride, H=H, G=G, **_head_dims(q, v), ACCUMULATE=accumulate,
-        TWO_RANGES=second is not None, **launch, **tiles)
+        V2=v2, LSE2=lse2, DELTA2=delta2, num_keys2=k2.shape[1], key_stride2=range2[0], key_offset2=range2[1],
+        window2=range2[2], K2_ROW=k2.stride(1), V2_ROW=v2.stride(1), H=H, G=G, **_head_dims(q, v),
+        ACCUMULATE=accumulate, TWO_RANGES=second is not None, **launch, **tiles)
 
 
 def _range_dkdv_split(q, k, v, num_queries: int, window: int, prefix: bool = False) -> tuple[bool, int, int]:
