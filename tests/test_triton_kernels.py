@@ -549,14 +549,14 @@ def test_range_kernels_read_tiles_through_descriptors_where_the_layout_allows(ra
     launch = triton_impl.LaunchConfig(range_loads="tma", range_kernel=range_kernel,
                                       **{f"range_{k}_d64": (32, 16, 4, 2) for k in ("fwd", "dq", "dkdv")})
     seen = []
-    real_tiles = triton_impl._range_tiles
+    real_tiles = triton_impl._tile_args
 
     def spy(*args, **kwargs):
         out = real_tiles(*args, **kwargs)
         seen.append(out["TMA"])
         return out
 
-    monkeypatch.setattr(triton_impl, "_range_tiles", spy)
+    monkeypatch.setattr(triton_impl, "_tile_args", spy)
     check_range_branches(x, cfg, scale, launch, grad_seed=32)
     assert len(seen) == 6 and set(seen) == {expect_tma}  # forward, dQ and dK/dV of each branch
 

@@ -27,7 +27,7 @@ one program ran slower on the H100 (kernels-notes.md, v17). dK/dV stays per rang
 TMA (constexpr): the q, do, k and v tiles come in through tensor descriptors (QD, DOD, KD, VD: 2-D row views,
 block = one tile) instead of pointer loads: Hopper's tensor memory accelerator copies a tile into shared memory
 without spending a register per element on addresses and masks (v23: the forward took 107 registers instead of
-168 and ran 8-20% faster). A descriptor zero-fills rows past the end of the whole tensor only; rows past a
+168 and ran 12-20% faster). A descriptor zero-fills rows past the end of the whole tensor only; rows past a
 sequence's end belong to the next sequence and are finite, so every mask below that reads row or key bounds
 masks scores or stores, never relies on zero-filled inputs. Without TMA those arguments are unused.
 

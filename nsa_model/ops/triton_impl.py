@@ -50,7 +50,7 @@ SELECTED_DQ = ("partial", "atomic")  # by_block dQ: per-slot contributions summe
 SELECTED_DKDV = ("inverted", "by_block")  # dK/dV of per_query/tiled: padded-heads kernel, or the by_block one
 GATE_KERNELS = ("torch", "fused")  # gated combination: eager PyTorch ops, or one Triton kernel each way
 # contiguous tiles (the range and selection kernels' q, do, k, v; the selected kernels' key blocks): through
-# tensor descriptors where the layout allows (_range_tiles; v23), or by pointer loads
+# tensor descriptors where the layout allows (_tile_args; v23), or by pointer loads
 RANGE_LOADS = ("tma", "pointer")
 RANGE_KERNELS = ("masked", "split")  # compressed/window: every tile masked (v4), or only the edge tiles (v5)
 DELTA_KERNELS = ("torch", "fused")  # backward row term sum(do * o): eager fp32 ops, or one Triton kernel
@@ -206,11 +206,11 @@ def _tma_device(x: torch.Tensor) -> bool:
     return INTERPRETED or (x.is_cuda and torch.cuda.get_device_capability(x.device)[0] >= 9)
 
 
-def _range_tiles(launch: dict, queries: dict[str, torch.Tensor], keys: dict[str, torch.Tensor]) -> dict:
-    """The tile arguments of a range kernel (or the selection kernel): TMA=True and a descriptor per tensor where
-    range_loads = "tma" and every tensor allows one, else TMA=False and the tensors themselves (unread). queries:
-    name -> [B, T, H, D] contiguous, read in [BLOCK_M, D] tiles; keys: name -> [B, N, G, D] as _kv_rows gives
-    them, read in [BLOCK_N, D] tiles. A descriptor needs what the copy engine needs: a head dim that is its own
+def _tile_args(launch: dict, queries: dict[str, torch.Tensor], keys: dict[str, torch.Tensor]) -> dict:
+    """The tile arguments of a kernel with a TMA switch (range, selection, selected): TMA=True and a descriptor per
+    tensor where range_loads = "tma" and every tensor allows one, else TMA=False and the tensors themselves
+    (unread). queries: name -> [B, T, H, D] contiguous, read in [BLOCK_M, D] tiles; keys: name -> [B, N, G, D]
+    as _kv_rows gives them, read in [BLOCK_N, D] tiles. A descriptor needs what the copy engine needs: a head dim that is its own
     tile (a power of two: a padded tile would read the next head's values, not zeros), tiles of at most 256
     rows, 16-byte aligned rows and base, and a non-empty tensor; tensors that miss one (head dim 192, no
     compressed token yet) take the pointer loads."""
@@ -296,7 +296,7 @@ def _range_fwd_into(q, k, v, o, lse, num_queries: int, key_stride: int, key_offs
     range_attn_fwd_kernel[(triton.cdiv(num_queries, launch["BLOCK_M"]), B * H)](
         q, k, v, O=o, LSE=lse, T=T, num_queries=num_queries, num_keys=num_keys, scale=scale, key_stride=key_stride,
         key_offset=key_offset, window=window, **_kv_strides(k, v), H=H, G=G, **_head_dims(q, v), **launch,
-        **_range_tiles(launch, dict(QD=q), dict(KD=k, VD=v)))
+        **_tile_args(launch, dict(QD=q), dict(KD=k, VD=v)))
 
 
 def _range_bwd(q, k, v, o, lse, do, key_stride: int, key_offset: int, window: int, scale: float, delta=None):
@@ -346,7 +346,7 @@ def _range_dq_into(q, k, v, do, lse, delta, dq, num_queries: int, key_stride: in
     k2, v2 = _kv_rows(k2), _kv_rows(v2)
     launch = _range_launch(q, v, "dq")
     key_sets = dict(KD=k, VD=v) if second is None else dict(KD=k, VD=v, K2D=k2, V2D=v2)
-    tiles = _range_tiles(launch, dict(QD=q, DOD=do), key_sets)
+    tiles = _tile_args(launch, dict(QD=q, DOD=do), key_sets)
     tiles.setdefault("K2D", tiles["KD"])  # one range: unread
     tiles.setdefault("V2D", tiles["VD"])
     range_attn_bwd_dq_kernel[(triton.cdiv(num_queries, launch["BLOCK_M"]), B * H)](
@@ -397,7 +397,7 @@ def _range_dkdv_into(q, k, v, do, lse, delta, dk, dv, num_queries: int, num_key_
             q, k, v, do, LSE=lse, DELTA=delta, DK_ACC=dk, DV_ACC=dv, T=T, num_queries=num_queries, num_keys=num_keys,
             scale=scale, key_stride=key_stride, key_offset=key_offset, window=window, q_chunk=q_chunk,
             **_kv_strides(k, v), HEAD_SPLIT=head_split, ATOMIC=atomic, H=H, G=G, **_head_dims(q, v), **launch,
-            **_range_tiles(launch, dict(QD=q, DOD=do), dict(KD=k, VD=v)))
+            **_tile_args(launch, dict(QD=q, DOD=do), dict(KD=k, VD=v)))
 
 
 def _range_pair_fused() -> bool:
@@ -465,7 +465,7 @@ def select_blocks(q, k_cmp, lse, cfg: NSAConfig, scale: float):
     blocks = torch.empty(B, T, G, n, dtype=torch.int32, device=q.device)
     bm = _config.select_block_m
     tok_pad = _pow2((n_pad << splits) * (cfg.sel_block // cfg.cmp_stride))
-    tiles = _range_tiles(dict(BLOCK_M=bm, BLOCK_N=tok_pad), dict(QD=q), dict(KCD=k_cmp))
+    tiles = _tile_args(dict(BLOCK_M=bm, BLOCK_N=tok_pad), dict(QD=q), dict(KCD=k_cmp))
     select_blocks_kernel[(triton.cdiv(T, bm), B * G)](
         q, k_cmp, LSE=lse, BLOCKS=blocks, T=T, num_cmp=num_cmp, scale=scale, H=H, G=G, DK=q.shape[-1],
         BLOCK_DK=_pow2(q.shape[-1]),
@@ -665,8 +665,8 @@ def _selected_fwd(q, k, v, blocks, sel_block: int, scale: float, prefix: int = 0
 
 
 def _block_tiles(rows: int, common: dict, k: torch.Tensor, v: torch.Tensor) -> dict:
-    """The key-block tile arguments of the selected kernels (TMA and descriptors, or not: _range_tiles)."""
-    return _range_tiles(dict(BLOCK_M=rows, BLOCK_N=common["BLOCK_S"]), {}, dict(KD=k, VD=v))
+    """The key-block tile arguments of the selected kernels (TMA and descriptors, or not: _tile_args)."""
+    return _tile_args(dict(BLOCK_M=rows, BLOCK_N=common["BLOCK_S"]), {}, dict(KD=k, VD=v))
 
 
 def _dense_prefix(T: int, n: int, sel_block: int) -> int:
