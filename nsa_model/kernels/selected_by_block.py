@@ -84,19 +84,48 @@ def _chooser_rows(ORDER, e0, end, b, g, T, H: tl.constexpr, G: tl.constexpr, N_S
 
     Index arithmetic stays in int32 (ORDER is int32, so flat slots fit) with constexpr divisors, which compile to
     multiply-shifts: a 64-bit division per row costs about as much as a step's matrix work."""
-    HPG: tl.constexpr = H // G
+    flat, r_ok = _chooser_flat(ORDER, e0, end, H // G, ROWS)
+    t, row_q, row_p = _chooser_decode(flat, b, g, T, H, G, N_SELECT, ROWS)
+    return r_ok, t, row_q, row_p
+
+
+@triton.jit
+def _chooser_flat(ORDER, e0, end, HPG: tl.constexpr, ROWS: tl.constexpr):
+    """(flat slot, row ok) of rows (chooser e0 + r // HPG, head r % HPG): ((b * T + t) * G + g) * N_SELECT + i."""
     ENTRIES: tl.constexpr = ROWS // HPG
-    offs_r = tl.arange(0, ROWS)
-    slot = offs_r // HPG
-    head = offs_r % HPG
+    slot = tl.arange(0, ROWS) // HPG
     entry = e0 + slot
     r_ok = (slot < ENTRIES) & (entry < end)
-    flat = tl.load(ORDER + entry, mask=r_ok, other=0)  # ((b * T + t) * G + g) * N_SELECT + i, int32
+    return tl.load(ORDER + entry, mask=r_ok, other=0), r_ok
+
+
+@triton.jit
+def _chooser_decode(flat, b, g, T, H: tl.constexpr, G: tl.constexpr, N_SELECT: tl.constexpr, ROWS: tl.constexpr):
+    """(query t, row in [B*T*H], row in the partials) of _chooser_flat's rows."""
+    HPG: tl.constexpr = H // G
+    head = tl.arange(0, ROWS) % HPG
     bt = flat // (G * N_SELECT)
     t = bt - b * T
     row_q = bt.to(tl.int64) * H + (g * HPG + head)
     row_p = flat.to(tl.int64) * HPG + head
-    return r_ok, t, row_q, row_p
+    return t, row_q, row_p
+
+
+@triton.jit
+def _chooser_bwd_tiles(Q, DO, LSE, DELTA, flat, r_ok, b, g, T, H: tl.constexpr, G: tl.constexpr, DK: tl.constexpr,
+                       DV: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, N_SELECT: tl.constexpr,
+                       ROWS: tl.constexpr):
+    """(t, row_q, row_p, q, do, lse2, delta) of the backward's rows (_chooser_flat's)."""
+    t, row_q, row_p = _chooser_decode(flat, b, g, T, H, G, N_SELECT, ROWS)
+    offs_dk = tl.arange(0, BLOCK_DK)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    q = tl.load(Q + row_q[:, None] * DK + offs_dk[None, :], mask=r_ok[:, None] & (offs_dk < DK)[None, :], other=0.0)
+    do = tl.load(DO + row_q[:, None] * DV + offs_dv[None, :], mask=r_ok[:, None] & (offs_dv < DV)[None, :],
+                 other=0.0)
+    lse2 = tl.load(LSE + row_q, mask=r_ok, other=0.0) * LOG2E
+    lse2 = tl.where(lse2 == float("-inf"), 0.0, lse2)  # a query that sees no key: its p is masked anyway
+    delta = tl.load(DELTA + row_q, mask=r_ok, other=0.0)
+    return t, row_q, row_p, q, do, lse2, delta
 
 
 @triton.jit
@@ -105,7 +134,8 @@ def selected_block_fwd_kernel(Q, K, V, KD, VD, ORDER, STARTS, WORK_SEG, WORK_CHU
                               H: tl.constexpr, G: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
                               BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, SEL_BLOCK: tl.constexpr,
                               BLOCK_S: tl.constexpr, N_SELECT: tl.constexpr, ROWS: tl.constexpr,
-                              CHUNK: tl.constexpr, TMA: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                              CHUNK: tl.constexpr, TMA: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                              PREFETCH: tl.constexpr = False):
     HPG: tl.constexpr = H // G
     ENTRIES: tl.constexpr = ROWS // HPG
     seg, b, g, j, start, end = _work_item(WORK_SEG, WORK_CHUNK, STARTS, num_blocks, G, CHUNK)
@@ -115,10 +145,22 @@ def selected_block_fwd_kernel(Q, K, V, KD, VD, ORDER, STARTS, WORK_SEG, WORK_CHU
         offs_dk = tl.arange(0, BLOCK_DK)
         offs_dv = tl.arange(0, BLOCK_DV)
         qk_scale = scale * LOG2E
-        for e0 in range(start, end, ENTRIES):
-            r_ok, t, row_q, row_p = _chooser_rows(ORDER, e0, end, b, g, T, H, G, N_SELECT, ROWS)
+        if PREFETCH:  # step e0's rows and query tile were loaded in the step before (see PREFETCH above)
+            flat, r_ok = _chooser_flat(ORDER, start, end, HPG, ROWS)
+            t, row_q, row_p = _chooser_decode(flat, b, g, T, H, G, N_SELECT, ROWS)
             q = tl.load(Q + row_q[:, None] * DK + offs_dk[None, :], mask=r_ok[:, None] & (offs_dk < DK)[None, :],
                         other=0.0)
+            flat_n, r_ok_n = _chooser_flat(ORDER, start + ENTRIES, end, HPG, ROWS)
+        for e0 in tl.range(start, end, ENTRIES, num_stages=1 if PREFETCH else None):
+            if PREFETCH:
+                flat_nn, r_ok_nn = _chooser_flat(ORDER, e0 + 2 * ENTRIES, end, HPG, ROWS)
+                t_n, row_q_n, row_p_n = _chooser_decode(flat_n, b, g, T, H, G, N_SELECT, ROWS)
+                q_n = tl.load(Q + row_q_n[:, None] * DK + offs_dk[None, :],
+                              mask=r_ok_n[:, None] & (offs_dk < DK)[None, :], other=0.0)
+            else:
+                r_ok, t, row_q, row_p = _chooser_rows(ORDER, e0, end, b, g, T, H, G, N_SELECT, ROWS)
+                q = tl.load(Q + row_q[:, None] * DK + offs_dk[None, :], mask=r_ok[:, None] & (offs_dk < DK)[None, :],
+                            other=0.0)
             s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
             vis = r_ok[:, None] & s_ok[None, :] & (pos[None, :] <= t[:, None])
             s = tl.where(vis, s, float("-inf"))
@@ -132,6 +174,9 @@ def selected_block_fwd_kernel(Q, K, V, KD, VD, ORDER, STARTS, WORK_SEG, WORK_CHU
             tl.store(O_PART + row_p[:, None] * DV + offs_dv[None, :], (acc / l_safe[:, None]).to(O_PART.dtype.element_ty),
                      mask=r_ok[:, None] & (offs_dv < DV)[None, :])
             tl.store(LSE2_PART + row_p, tl.where(has_key, m_safe + tl.log2(l_safe), float("-inf")), mask=r_ok)
+            if PREFETCH:
+                r_ok, t, row_q, row_p, q = r_ok_n, t_n, row_q_n, row_p_n, q_n
+                flat_n, r_ok_n = flat_nn, r_ok_nn
 
 
 @triton.jit
@@ -175,7 +220,7 @@ def selected_block_bwd_kernel(Q, K, V, KD, VD, DO, LSE, DELTA, ORDER, STARTS, WO
                               BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, SEL_BLOCK: tl.constexpr,
                               BLOCK_S: tl.constexpr, N_SELECT: tl.constexpr, ROWS: tl.constexpr,
                               CHUNK: tl.constexpr, DQ_MODE: tl.constexpr, FINAL_KV: tl.constexpr,
-                              TMA: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                              TMA: tl.constexpr, DOT_PRECISION: tl.constexpr, PREFETCH: tl.constexpr = False):
     """DQ_MODE: 0 no dQ (the query-driven variants compute it), 1 store each chooser's contribution at its slot
     (DQ_OUT rows as the partials), 2 add it atomically into a float32 DQ_OUT [B, T, H, DK].
 
@@ -195,15 +240,22 @@ def selected_block_bwd_kernel(Q, K, V, KD, VD, DO, LSE, DELTA, ORDER, STARTS, WO
         qk_scale = scale * LOG2E
         dk = tl.zeros([BLOCK_S, BLOCK_DK], tl.float32)
         dv = tl.zeros([BLOCK_S, BLOCK_DV], tl.float32)
-        for e0 in range(start, end, ENTRIES):
-            r_ok, t, row_q, row_p = _chooser_rows(ORDER, e0, end, b, g, T, H, G, N_SELECT, ROWS)
+        if PREFETCH:  # as in the forward
+            flat, r_ok = _chooser_flat(ORDER, start, end, HPG, ROWS)
+            t, row_q, row_p, q, do, lse2, delta = _chooser_bwd_tiles(Q, DO, LSE, DELTA, flat, r_ok, b, g, T, H, G,
+                                                                     DK, DV, BLOCK_DK, BLOCK_DV, N_SELECT, ROWS)
+            flat_n, r_ok_n = _chooser_flat(ORDER, start + ENTRIES, end, HPG, ROWS)
+        for e0 in tl.range(start, end, ENTRIES, num_stages=1 if PREFETCH else None):
+            if PREFETCH:
+                flat_nn, r_ok_nn = _chooser_flat(ORDER, e0 + 2 * ENTRIES, end, HPG, ROWS)
+                t_n, row_q_n, row_p_n, q_n, do_n, lse2_n, delta_n = _chooser_bwd_tiles(
+                    Q, DO, LSE, DELTA, flat_n, r_ok_n, b, g, T, H, G, DK, DV, BLOCK_DK, BLOCK_DV, N_SELECT, ROWS)
+            else:
+                flat, r_ok = _chooser_flat(ORDER, e0, end, HPG, ROWS)
+                t, row_q, row_p, q, do, lse2, delta = _chooser_bwd_tiles(Q, DO, LSE, DELTA, flat, r_ok, b, g, T, H,
+                                                                         G, DK, DV, BLOCK_DK, BLOCK_DV, N_SELECT,
+                                                                         ROWS)
             q_ok = r_ok[:, None] & (offs_dk < DK)[None, :]
-            q = tl.load(Q + row_q[:, None] * DK + offs_dk[None, :], mask=q_ok, other=0.0)
-            do = tl.load(DO + row_q[:, None] * DV + offs_dv[None, :], mask=r_ok[:, None] & (offs_dv < DV)[None, :],
-                         other=0.0)
-            lse2 = tl.load(LSE + row_q, mask=r_ok, other=0.0) * LOG2E
-            lse2 = tl.where(lse2 == float("-inf"), 0.0, lse2)  # a query that sees no key: its p is masked anyway
-            delta = tl.load(DELTA + row_q, mask=r_ok, other=0.0)
             s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
             vis = r_ok[:, None] & s_ok[None, :] & (pos[None, :] <= t[:, None])
             p = tl.where(vis, tl.exp2(s - lse2[:, None]), 0.0)
@@ -217,6 +269,9 @@ def selected_block_bwd_kernel(Q, K, V, KD, VD, DO, LSE, DELTA, ORDER, STARTS, WO
             elif DQ_MODE == 2:
                 dq = tl.dot(ds.to(k.dtype), k, input_precision=DOT_PRECISION) * scale
                 tl.atomic_add(DQ_OUT + row_q[:, None] * DK + offs_dk[None, :], dq, mask=q_ok)
+            if PREFETCH:
+                r_ok, t, row_q, row_p, q, do, lse2, delta = r_ok_n, t_n, row_q_n, row_p_n, q_n, do_n, lse2_n, delta_n
+                flat_n, r_ok_n = flat_nn, r_ok_nn
         dk = dk * scale
         k_rows = row_k[:, None] * DK + offs_dk[None, :]
         v_rows = row_k[:, None] * DV + offs_dv[None, :]

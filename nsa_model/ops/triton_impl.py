@@ -61,6 +61,7 @@ RANGE_PAIR = ("fused", "apart")
 
 
 RANGE_TILE_FIELDS = ("range_fwd", "range_dq", "range_dkdv", "range_fwd_d64", "range_dq_d64", "range_dkdv_d64")
+BOOL_FIELDS = ("slc_dense_prefix", "slc_block_prefetch")
 
 
 @dataclass(frozen=True)
@@ -89,6 +90,9 @@ class LaunchConfig:
     slc_block_chunk: int = 512  # by_block: choosers per program (v8 sweep: 512 beat 256 by 3% at 32k, tie at 2k)
     slc_block_warps: int = 4
     slc_block_stages: int = 3  # v6c: 3 beat 2 at every 125M shape (4 ties 3)
+    slc_block_prefetch: bool = False  # by_block: each step loads the next step's rows itself (v24)
+    slc_block_fwd_maxnreg: int = 0  # by_block forward: registers per thread at most (0: the compiler's choice)
+    slc_block_bwd_maxnreg: int = 0  # by_block backward: the same
     slc_partial: str = "input"  # one of PARTIAL_DTYPES
     slc_dq: str = "partial"  # one of SELECTED_DQ
     slc_dkdv: str = "by_block"  # one of SELECTED_DKDV
@@ -111,13 +115,15 @@ class LaunchConfig:
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise ValueError(f"LaunchConfig.{name}: must be one of {allowed}, got {getattr(self, name)!r}")
-        if not isinstance(self.slc_dense_prefix, bool):
-            raise ValueError(f"LaunchConfig.slc_dense_prefix: must be a bool, got {self.slc_dense_prefix!r}")
+        for name in BOOL_FIELDS:
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"LaunchConfig.{name}: must be a bool, got {getattr(self, name)!r}")
         for f in dataclasses.fields(self):
-            if f.name in choices or f.name in RANGE_TILE_FIELDS or f.name == "slc_dense_prefix":
+            if f.name in choices or f.name in RANGE_TILE_FIELDS or f.name in BOOL_FIELDS:
                 continue
             value = getattr(self, f.name)
-            low = 0 if f.name in ("select_chunk_splits", "slc_auto_tiled_fwd_blocks") else 1
+            low = 0 if f.name in ("select_chunk_splits", "slc_auto_tiled_fwd_blocks", "slc_block_fwd_maxnreg",
+                                  "slc_block_bwd_maxnreg") else 1
             if not isinstance(value, int) or value < low:
                 raise ValueError(f"LaunchConfig.{f.name}: must be an int >= {low}, got {value!r}")
         for name in RANGE_TILE_FIELDS:
@@ -664,6 +670,12 @@ def _selected_fwd(q, k, v, blocks, sel_block: int, scale: float, prefix: int = 0
     return o, lse, kernel, index
 
 
+def _maxnreg(limit: int) -> dict:
+    """The launch option that caps registers per thread, where one is set: a program of 4 warps at <= 168
+    registers leaves room for three per multiprocessor."""
+    return dict(maxnreg=limit) if limit else {}
+
+
 def _block_tiles(rows: int, common: dict, k: torch.Tensor, v: torch.Tensor) -> dict:
     """The key-block tile arguments of the selected kernels (TMA and descriptors, or not: _tile_args)."""
     return _tile_args(dict(BLOCK_M=rows, BLOCK_N=common["BLOCK_S"]), {}, dict(KD=k, VD=v))
@@ -792,7 +804,8 @@ def _selected_by_block_fwd(q, k, v, blocks, o, lse, index, common, scale):
     selected_block_fwd_kernel[(work_seg.numel(),)](
         q, k, v, ORDER=order, STARTS=starts, WORK_SEG=work_seg, WORK_CHUNK=work_chunk, O_PART=o_part,
         LSE2_PART=lse2_part, T=T, num_blocks=num_blocks, scale=scale, ROWS=_block_rows(hpg, c),
-        CHUNK=c.slc_block_chunk, **common, num_warps=c.slc_block_warps, num_stages=c.slc_block_stages,
+        CHUNK=c.slc_block_chunk, PREFETCH=c.slc_block_prefetch, **common, num_warps=c.slc_block_warps,
+        num_stages=c.slc_block_stages, **_maxnreg(c.slc_block_fwd_maxnreg),
         **_block_tiles(_block_rows(hpg, c), common, k, v))
     rows = B * T * H
     selected_combine_kernel[(triton.cdiv(rows, _COMBINE_ROWS),)](
@@ -838,7 +851,8 @@ def _selected_by_block_bwd(q, k, v, blocks, do, lse, delta, index, common, scale
         q, k, v, DO=do, LSE=lse, DELTA=delta, ORDER=order, STARTS=starts, WORK_SEG=work_seg, WORK_CHUNK=work_chunk,
         DK_ACC=dk_acc, DV_ACC=dv_acc, DQ_OUT=dq_out, DK_OUT=dk_out, DV_OUT=dv_out, DONE=done, T=T,
         num_blocks=num_blocks, scale=scale, ROWS=_block_rows(hpg, c), CHUNK=c.slc_block_chunk, DQ_MODE=dq_mode,
-        FINAL_KV=final_kv, **common, num_warps=c.slc_block_warps, num_stages=c.slc_block_stages,
+        FINAL_KV=final_kv, PREFETCH=c.slc_block_prefetch, **common, num_warps=c.slc_block_warps,
+        num_stages=c.slc_block_stages, **_maxnreg(c.slc_block_bwd_maxnreg),
         **_block_tiles(_block_rows(hpg, c), common, k, v))
     dq = None
     if dq_mode == 2:
