@@ -228,7 +228,8 @@ SELECTED_VARIANTS = {
     "by_block16_partial": dict(slc_kernel="by_block", slc_block_rows=16, slc_block_chunk=8),
     "by_block64_atomic": dict(slc_kernel="by_block", slc_block_rows=64, slc_block_chunk=16, slc_dq="atomic"),
     # each step loads the next step's choosers (and the backward its do, lse and delta rows) ahead of its own work
-    "by_block16_prefetch": dict(slc_kernel="by_block", slc_block_rows=16, slc_block_chunk=16, slc_block_prefetch=True),
+    "by_block16_no_prefetch": dict(slc_kernel="by_block", slc_block_rows=16, slc_block_chunk=16,
+                                   slc_block_prefetch_dims=0),
     # tiled's forward (its lse feeds by_block's backward), by_block's backward over the saved work list
     "tiled_by_block": dict(slc_kernel="tiled_by_block", slc_tile_rows=16, slc_block_rows=16, slc_block_chunk=8),
 }
@@ -279,7 +280,8 @@ CORE_VARIANTS = {  # three with the dense prefix: its dK/dV by groups (tiled_by_
     "tiled_torch_gates": dict(slc_kernel="tiled", slc_tile_rows=64, gate_kernel="torch"),
     "by_block_partial": dict(slc_kernel="by_block", slc_block_rows=16, slc_block_chunk=8),
     "by_block_atomic": dict(slc_kernel="by_block", slc_block_rows=16, slc_block_chunk=8, slc_dq="atomic"),
-    "by_block_prefetch": dict(slc_kernel="by_block", slc_block_rows=16, slc_block_chunk=16, slc_block_prefetch=True),
+    "by_block_no_prefetch": dict(slc_kernel="by_block", slc_block_rows=16, slc_block_chunk=16,
+                                 slc_block_prefetch_dims=0),
     "tiled_by_block": dict(slc_kernel="tiled_by_block", slc_tile_rows=16, slc_block_rows=16, slc_block_chunk=8,
                            slc_dense_prefix=True, prefix_dkdv_group_programs=1),
     "by_block_dense_prefix": dict(slc_kernel="by_block", slc_block_rows=16, slc_block_chunk=8,

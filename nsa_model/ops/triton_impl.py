@@ -61,7 +61,7 @@ RANGE_PAIR = ("fused", "apart")
 
 
 RANGE_TILE_FIELDS = ("range_fwd", "range_dq", "range_dkdv", "range_fwd_d64", "range_dq_d64", "range_dkdv_d64")
-BOOL_FIELDS = ("slc_dense_prefix", "slc_block_prefetch")
+BOOL_FIELDS = ("slc_dense_prefix",)
 
 
 @dataclass(frozen=True)
@@ -90,9 +90,8 @@ class LaunchConfig:
     slc_block_chunk: int = 512  # by_block: choosers per program (v8 sweep: 512 beat 256 by 3% at 32k, tie at 2k)
     slc_block_warps: int = 4
     slc_block_stages: int = 3  # v6c: 3 beat 2 at every 125M shape (4 ties 3)
-    slc_block_prefetch: bool = False  # by_block: each step loads the next step's rows itself (v24)
-    slc_block_fwd_maxnreg: int = 0  # by_block forward: registers per thread at most (0: the compiler's choice)
-    slc_block_bwd_maxnreg: int = 0  # by_block backward: the same
+    slc_block_prefetch_dims: int = 64  # by_block: prefetch the next step's rows at head dims up to this (0: off; v24)
+    slc_block_fwd_maxnreg: int = 168  # by_block forward with prefetch: registers per thread at most (3 programs/SM)
     slc_partial: str = "input"  # one of PARTIAL_DTYPES
     slc_dq: str = "partial"  # one of SELECTED_DQ
     slc_dkdv: str = "by_block"  # one of SELECTED_DKDV
@@ -122,8 +121,8 @@ class LaunchConfig:
             if f.name in choices or f.name in RANGE_TILE_FIELDS or f.name in BOOL_FIELDS:
                 continue
             value = getattr(self, f.name)
-            low = 0 if f.name in ("select_chunk_splits", "slc_auto_tiled_fwd_blocks", "slc_block_fwd_maxnreg",
-                                  "slc_block_bwd_maxnreg") else 1
+            low = 0 if f.name in ("select_chunk_splits", "slc_auto_tiled_fwd_blocks",
+                                  "slc_block_prefetch_dims") else 1
             if not isinstance(value, int) or value < low:
                 raise ValueError(f"LaunchConfig.{f.name}: must be an int >= {low}, got {value!r}")
         for name in RANGE_TILE_FIELDS:
@@ -670,10 +669,11 @@ def _selected_fwd(q, k, v, blocks, sel_block: int, scale: float, prefix: int = 0
     return o, lse, kernel, index
 
 
-def _maxnreg(limit: int) -> dict:
-    """The launch option that caps registers per thread, where one is set: a program of 4 warps at <= 168
-    registers leaves room for three per multiprocessor."""
-    return dict(maxnreg=limit) if limit else {}
+def _block_prefetch(q: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether the by_block kernels load each step's chooser rows a step ahead, into registers (PREFETCH in
+    kernels/selected_by_block.py). At head dim 64 that took 7-12% off both kernels on the H100 (v24); at 128 the
+    prefetched tiles do not fit: the backward at paper 8k went from 1.43 to 2.27 ms."""
+    return max(q.shape[-1], v.shape[-1]) <= _config.slc_block_prefetch_dims
 
 
 def _block_tiles(rows: int, common: dict, k: torch.Tensor, v: torch.Tensor) -> dict:
@@ -804,8 +804,8 @@ def _selected_by_block_fwd(q, k, v, blocks, o, lse, index, common, scale):
     selected_block_fwd_kernel[(work_seg.numel(),)](
         q, k, v, ORDER=order, STARTS=starts, WORK_SEG=work_seg, WORK_CHUNK=work_chunk, O_PART=o_part,
         LSE2_PART=lse2_part, T=T, num_blocks=num_blocks, scale=scale, ROWS=_block_rows(hpg, c),
-        CHUNK=c.slc_block_chunk, PREFETCH=c.slc_block_prefetch, **common, num_warps=c.slc_block_warps,
-        num_stages=c.slc_block_stages, **_maxnreg(c.slc_block_fwd_maxnreg),
+        CHUNK=c.slc_block_chunk, PREFETCH=_block_prefetch(q, v), **common, num_warps=c.slc_block_warps,
+        num_stages=c.slc_block_stages, **(dict(maxnreg=c.slc_block_fwd_maxnreg) if _block_prefetch(q, v) else {}),
         **_block_tiles(_block_rows(hpg, c), common, k, v))
     rows = B * T * H
     selected_combine_kernel[(triton.cdiv(rows, _COMBINE_ROWS),)](
@@ -851,8 +851,8 @@ def _selected_by_block_bwd(q, k, v, blocks, do, lse, delta, index, common, scale
         q, k, v, DO=do, LSE=lse, DELTA=delta, ORDER=order, STARTS=starts, WORK_SEG=work_seg, WORK_CHUNK=work_chunk,
         DK_ACC=dk_acc, DV_ACC=dv_acc, DQ_OUT=dq_out, DK_OUT=dk_out, DV_OUT=dv_out, DONE=done, T=T,
         num_blocks=num_blocks, scale=scale, ROWS=_block_rows(hpg, c), CHUNK=c.slc_block_chunk, DQ_MODE=dq_mode,
-        FINAL_KV=final_kv, PREFETCH=c.slc_block_prefetch, **common, num_warps=c.slc_block_warps,
-        num_stages=c.slc_block_stages, **_maxnreg(c.slc_block_bwd_maxnreg),
+        FINAL_KV=final_kv, PREFETCH=_block_prefetch(q, v), **common, num_warps=c.slc_block_warps,
+        num_stages=c.slc_block_stages,
         **_block_tiles(_block_rows(hpg, c), common, k, v))
     dq = None
     if dq_mode == 2:
