@@ -289,6 +289,9 @@ CORE_VARIANTS = {  # three with the dense prefix: its dK/dV by groups (tiled_by_
     # the others run the compressed and window branches' dQ as one two-range launch (range_pair "fused", with the
     # fused gates); this one, and tiled_torch_gates (whose branches get different d o_i), apart
     "by_block_ranges_apart": dict(slc_kernel="by_block", slc_block_rows=16, slc_block_chunk=8, range_pair="apart"),
+    # the atomics add into the two ranges' dQ, summed in float32 beforehand
+    "by_block_atomic_ranges_apart": dict(slc_kernel="by_block", slc_block_rows=16, slc_block_chunk=8, slc_dq="atomic",
+                                         range_pair="apart"),
 }
 
 

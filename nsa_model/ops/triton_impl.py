@@ -841,8 +841,12 @@ def _selected_by_block_bwd(q, k, v, blocks, do, lse, delta, index, common, scale
     else:
         dk_acc, dv_acc = _fp32_accumulators(k, v)
         dk_out, dv_out, done = dk_acc, dv_acc, starts  # unread
-    if dq_mode == 2:
-        dq_out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    if dq_mode == 2:  # the atomics add into the other branches' dQ, summed in float32 (no zero fill, no add after)
+        dq_out = (dq_add[0].to(torch.float32, copy=True) if dq_add else
+                  torch.zeros(q.shape, dtype=torch.float32, device=q.device))
+        for extra in (dq_add or ())[1:]:
+            dq_out += extra
+        dq_add = None
     elif dq_mode == 1:
         dq_out = torch.empty(B * T * G * n * hpg, dk_dim, dtype=_partial_dtype(q, c), device=q.device)
     else:
