@@ -275,6 +275,43 @@ def test_selected_variants_match_reference(variant, structured, loads):
         assert rel_err(a.grad, r.grad) <= FP32_TOL, name
 
 
+@pytest.mark.parametrize("rows,chunk", [(16, 7), (16, 16), (64, 16)])
+@pytest.mark.parametrize("prefetch_dims", [64, 0])
+def test_by_block_steps_skip_the_mask_only_where_every_chooser_sees_the_whole_block(rows, chunk, prefetch_dims):
+    """With the selection block as wide as the kernels' key tile (16), a by_block step whose choosers all sit at
+    or after its block's last key runs without the causal mask. Each query chooses its own block and up to two
+    earlier ones, so a block's chooser list starts with its own queries (masked) and goes on with later ones.
+    Steps of 5 or 21 choosers in chunks of 7 or 16 start on many positions of a block, among them its last two
+    queries (the mask's edge); the sequence's last block is partial. Forward and the three gradients against the reference."""
+    cfg = NSAConfig(cmp_block=8, cmp_stride=4, sel_block=16, n_selected=3, window=8)
+    B, T, H, G, Dk, Dv = 2, 75, 6, 2, 16, 32
+    x = make_inputs(B, T, H, G, Dk, Dv, cfg, seed=31)
+    gen = torch.Generator().manual_seed(32)
+    current = torch.arange(T) // cfg.sel_block
+    rows_of_blocks = []
+    for _ in range(B * G):
+        per_query = []
+        for t in range(T):
+            earlier = torch.randperm(int(current[t]), generator=gen)[:2].tolist() if current[t] else []
+            per_query.append([int(current[t])] + earlier + [-1] * (2 - len(earlier)))
+        rows_of_blocks.append(per_query)
+    blocks = torch.tensor(rows_of_blocks, dtype=torch.int32).view(B, G, T, 3).transpose(1, 2).contiguous()
+    scale = Dk ** -0.5
+    ref_in = [x[n].clone().requires_grad_() for n in ("q", "k_slc", "v_slc")]
+    o_ref = reference.selected_attention(*ref_in, blocks.long(), cfg, scale)
+    grad_out = torch.randn_like(o_ref)
+    o_ref.backward(grad_out)
+    tri_in = [x[n].float().to(DEVICE).requires_grad_() for n in ("q", "k_slc", "v_slc")]
+    launch = triton_impl.LaunchConfig(slc_kernel="by_block", slc_block_rows=rows, slc_block_chunk=chunk,
+                                      slc_block_prefetch_dims=prefetch_dims)
+    with triton_impl.use_launch_config(launch):
+        o = triton_impl.selected_attention(*tri_in, blocks.to(DEVICE), cfg, scale)
+        o.backward(grad_out.float().to(DEVICE))
+    assert rel_err(o, o_ref) <= FP32_TOL
+    for name, a, r in zip(("dq", "dk", "dv"), tri_in, ref_in):
+        assert rel_err(a.grad, r.grad) <= FP32_TOL, name
+
+
 CORE_VARIANTS = {  # three with the dense prefix: its dK/dV by groups (tiled_by_block) and by heads
     "per_query": dict(slc_kernel="per_query", slc_dkdv="inverted", slc_dense_prefix=True),
     "tiled_torch_gates": dict(slc_kernel="tiled", slc_tile_rows=64, gate_kernel="torch"),
