@@ -282,7 +282,8 @@ def test_by_block_steps_skip_the_mask_only_where_every_chooser_sees_the_whole_bl
     or after its block's last key runs without the causal mask. Each query chooses its own block and up to two
     earlier ones, so a block's chooser list starts with its own queries (masked) and goes on with later ones.
     Steps of 5 or 21 choosers in chunks of 7 or 16 start on many positions of a block, among them its last two
-    queries (the mask's edge); the sequence's last block is partial. Forward and the three gradients against the reference."""
+    queries (the mask's edge); the sequence's last block is partial. Forward and the three gradients against the
+    reference (the backward always masks)."""
     cfg = NSAConfig(cmp_block=8, cmp_stride=4, sel_block=16, n_selected=3, window=8)
     B, T, H, G, Dk, Dv = 2, 75, 6, 2, 16, 32
     x = make_inputs(B, T, H, G, Dk, Dv, cfg, seed=31)
