@@ -121,6 +121,16 @@ def _sees_whole_block(t, r_ok, j, T, SEL_BLOCK: tl.constexpr, BLOCK_S: tl.conste
 
 
 @triton.jit
+def _visible(t, r_ok, pos, s_ok, SEL_BLOCK: tl.constexpr, BLOCK_S: tl.constexpr):
+    """[rows, keys] mask of the keys each chooser row sees. With the block as wide as the tile, pos <= t alone does:
+    t < T keeps out keys past the sequence, and rows past the chooser list are zero rows (q, do, lse and delta
+    loaded as 0) whose results are not stored and which add nothing to dK and dV."""
+    if SEL_BLOCK == BLOCK_S:
+        return pos[None, :] <= t[:, None]
+    return r_ok[:, None] & s_ok[None, :] & (pos[None, :] <= t[:, None])
+
+
+@triton.jit
 def _chooser_bwd_tiles(Q, DO, LSE, DELTA, flat, r_ok, b, g, T, H: tl.constexpr, G: tl.constexpr, DK: tl.constexpr,
                        DV: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, N_SELECT: tl.constexpr,
                        ROWS: tl.constexpr):
@@ -172,7 +182,7 @@ def selected_block_fwd_kernel(Q, K, V, KD, VD, ORDER, STARTS, WORK_SEG, WORK_CHU
                             other=0.0)
             s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
             if not _sees_whole_block(t, r_ok, j, T, SEL_BLOCK, BLOCK_S):
-                s = tl.where(r_ok[:, None] & s_ok[None, :] & (pos[None, :] <= t[:, None]), s, float("-inf"))
+                s = tl.where(_visible(t, r_ok, pos, s_ok, SEL_BLOCK, BLOCK_S), s, float("-inf"))
             m = tl.max(s, axis=1)
             m_safe = tl.where(m == float("-inf"), 0.0, m)  # a chooser that sees none of the block (block after t)
             p = tl.exp2(s - m_safe[:, None])
@@ -268,8 +278,7 @@ def selected_block_bwd_kernel(Q, K, V, KD, VD, DO, LSE, DELTA, ORDER, STARTS, WO
             s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
             # Always masked: the unmasked branch the forward takes (_sees_whole_block) made this kernel 6-12% slower
             # on the H100 (v24), as a branch around part of the elementwise work.
-            vis = r_ok[:, None] & s_ok[None, :] & (pos[None, :] <= t[:, None])
-            p = tl.where(vis, tl.exp2(s - lse2[:, None]), 0.0)
+            p = tl.where(_visible(t, r_ok, pos, s_ok, SEL_BLOCK, BLOCK_S), tl.exp2(s - lse2[:, None]), 0.0)
             dv += tl.dot(tl.trans(p).to(do.dtype), do, input_precision=DOT_PRECISION)
             dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
             ds = p * (dp - delta[:, None])
