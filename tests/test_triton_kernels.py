@@ -195,6 +195,12 @@ def test_bad_inputs_are_refused():
         triton_impl.LaunchConfig(gate_kernel="fast")
     with pytest.raises(ValueError, match="LaunchConfig.range_kernel"):
         triton_impl.LaunchConfig(range_kernel="edge")
+    with pytest.raises(ValueError, match="LaunchConfig.slc_dense_prefix: must be a bool"):
+        triton_impl.LaunchConfig(slc_dense_prefix=1)
+    with pytest.raises(ValueError, match="LaunchConfig.slc_block_prefetch_dims: must be an int >= 0"):
+        triton_impl.LaunchConfig(slc_block_prefetch_dims=-64)
+    with pytest.raises(ValueError, match="LaunchConfig.slc_block_fwd_maxnreg: must be an int >= 1"):
+        triton_impl.LaunchConfig(slc_block_fwd_maxnreg=0)
     with pytest.raises(ValueError, match="blocks: expected int32"):
         q = x["q"].float().to(DEVICE)
         triton_impl.selected_attention(q, x["k_slc"].float().to(DEVICE), x["v_slc"].float().to(DEVICE),

@@ -25,6 +25,13 @@ TMA (constexpr): the block's keys and values come in through tensor descriptors 
 why), unmasked: rows past the block or the sequence are masked out of the scores. The choosers' query rows are
 a gather, which Hopper's copy engine does not do: they stay pointer loads.
 
+PREFETCH (constexpr): each step loads the next step's chooser rows (and query tile; in the backward also do, lse and
+delta) into registers before its own matrix work, and the chooser index two steps ahead, so the gather's latency
+hides behind a step of work. Triton's pipeliner, given this loop, issues those loads after the step's matrix work
+and waits for them at the top of the next: a gather's full latency on every step (its sm_90 code, kernels-notes
+v24). 7-12% off both kernels at head dim 64 on the H100. The launchers take it up to head dim 64 only: at 128 the
+backward's prefetched tiles do not fit in registers (1.43 -> 2.27 ms at paper 8k).
+
 Work list: programs are (segment, chunk) pairs, a segment being the choosers of one (b, g, block) and a chunk
 CHUNK consecutive of them; WORK_SEG = -1 marks the spare programs of a static upper bound (no host sync).
 
@@ -78,18 +85,6 @@ def _block_kv(K, V, KD, VD, K_ROW, V_ROW, b, g, j, T, G: tl.constexpr, DK: tl.co
 
 
 @triton.jit
-def _chooser_rows(ORDER, e0, end, b, g, T, H: tl.constexpr, G: tl.constexpr, N_SELECT: tl.constexpr,
-                  ROWS: tl.constexpr):
-    """For rows (chooser e0 + r // HPG, head r % HPG): (row ok, query t, row in [B*T*H], row in the partials).
-
-    Index arithmetic stays in int32 (ORDER is int32, so flat slots fit) with constexpr divisors, which compile to
-    multiply-shifts: a 64-bit division per row costs about as much as a step's matrix work."""
-    flat, r_ok = _chooser_flat(ORDER, e0, end, H // G, ROWS)
-    t, row_q, row_p = _chooser_decode(flat, b, g, T, H, G, N_SELECT, ROWS)
-    return r_ok, t, row_q, row_p
-
-
-@triton.jit
 def _chooser_flat(ORDER, e0, end, HPG: tl.constexpr, ROWS: tl.constexpr):
     """(flat slot, row ok) of rows (chooser e0 + r // HPG, head r % HPG): ((b * T + t) * G + g) * N_SELECT + i."""
     ENTRIES: tl.constexpr = ROWS // HPG
@@ -101,7 +96,10 @@ def _chooser_flat(ORDER, e0, end, HPG: tl.constexpr, ROWS: tl.constexpr):
 
 @triton.jit
 def _chooser_decode(flat, b, g, T, H: tl.constexpr, G: tl.constexpr, N_SELECT: tl.constexpr, ROWS: tl.constexpr):
-    """(query t, row in [B*T*H], row in the partials) of _chooser_flat's rows."""
+    """(query t, row in [B*T*H], row in the partials) of _chooser_flat's rows.
+
+    Index arithmetic stays in int32 (ORDER is int32, so flat slots fit) with constexpr divisors, which compile to
+    multiply-shifts: a 64-bit division per row costs about as much as a step's matrix work."""
     HPG: tl.constexpr = H // G
     head = tl.arange(0, ROWS) % HPG
     bt = flat // (G * N_SELECT)
@@ -164,7 +162,7 @@ def selected_block_fwd_kernel(Q, K, V, KD, VD, ORDER, STARTS, WORK_SEG, WORK_CHU
         offs_dk = tl.arange(0, BLOCK_DK)
         offs_dv = tl.arange(0, BLOCK_DV)
         qk_scale = scale * LOG2E
-        if PREFETCH:  # step e0's rows and query tile were loaded in the step before (see PREFETCH above)
+        if PREFETCH:  # step e0's rows and query tile come from the step before (module docstring)
             flat, r_ok = _chooser_flat(ORDER, start, end, HPG, ROWS)
             t, row_q, row_p = _chooser_decode(flat, b, g, T, H, G, N_SELECT, ROWS)
             q = tl.load(Q + row_q[:, None] * DK + offs_dk[None, :], mask=r_ok[:, None] & (offs_dk < DK)[None, :],
@@ -177,7 +175,8 @@ def selected_block_fwd_kernel(Q, K, V, KD, VD, ORDER, STARTS, WORK_SEG, WORK_CHU
                 q_n = tl.load(Q + row_q_n[:, None] * DK + offs_dk[None, :],
                               mask=r_ok_n[:, None] & (offs_dk < DK)[None, :], other=0.0)
             else:
-                r_ok, t, row_q, row_p = _chooser_rows(ORDER, e0, end, b, g, T, H, G, N_SELECT, ROWS)
+                flat, r_ok = _chooser_flat(ORDER, e0, end, HPG, ROWS)
+                t, row_q, row_p = _chooser_decode(flat, b, g, T, H, G, N_SELECT, ROWS)
                 q = tl.load(Q + row_q[:, None] * DK + offs_dk[None, :], mask=r_ok[:, None] & (offs_dk < DK)[None, :],
                             other=0.0)
             s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
@@ -190,8 +189,8 @@ def selected_block_fwd_kernel(Q, K, V, KD, VD, ORDER, STARTS, WORK_SEG, WORK_CHU
             acc = tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
             has_key = l_i > 0
             l_safe = tl.where(has_key, l_i, 1.0)
-            tl.store(O_PART + row_p[:, None] * DV + offs_dv[None, :], (acc / l_safe[:, None]).to(O_PART.dtype.element_ty),
-                     mask=r_ok[:, None] & (offs_dv < DV)[None, :])
+            tl.store(O_PART + row_p[:, None] * DV + offs_dv[None, :],
+                     (acc / l_safe[:, None]).to(O_PART.dtype.element_ty), mask=r_ok[:, None] & (offs_dv < DV)[None, :])
             tl.store(LSE2_PART + row_p, tl.where(has_key, m_safe + tl.log2(l_safe), float("-inf")), mask=r_ok)
             if PREFETCH:
                 r_ok, t, row_q, row_p, q = r_ok_n, t_n, row_q_n, row_p_n, q_n
