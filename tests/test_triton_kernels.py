@@ -265,14 +265,18 @@ def test_selected_variants_match_reference(variant, structured, loads):
     if not structured:
         others = torch.where(torch.rand(others.shape, generator=gen) < 0.2, -1, others)
     blocks = torch.cat([current, others], dim=-1)
-    blocks = blocks.to(torch.int32)
-    scale = Dk ** -0.5
+    check_selected_against_reference(x, blocks.to(torch.int32), cfg, triton_impl.LaunchConfig(
+        dkdv_rows=32, dkdv_chunk=64, range_loads=loads, **SELECTED_VARIANTS[variant]))
+
+
+def check_selected_against_reference(x, blocks, cfg, launch):
+    """The selected branch under `launch`, forward and the gradients of q, k and v, against the reference's."""
+    scale = x["q"].shape[-1] ** -0.5
     ref_in = [x[n].clone().requires_grad_() for n in ("q", "k_slc", "v_slc")]
     o_ref = reference.selected_attention(*ref_in, blocks.long(), cfg, scale)
     grad_out = torch.randn_like(o_ref)
     o_ref.backward(grad_out)
     tri_in = [x[n].float().to(DEVICE).requires_grad_() for n in ("q", "k_slc", "v_slc")]
-    launch = triton_impl.LaunchConfig(dkdv_rows=32, dkdv_chunk=64, range_loads=loads, **SELECTED_VARIANTS[variant])
     with triton_impl.use_launch_config(launch):
         o = triton_impl.selected_attention(*tri_in, blocks.to(DEVICE), cfg, scale)
         o.backward(grad_out.float().to(DEVICE))
@@ -303,20 +307,8 @@ def test_by_block_steps_skip_the_mask_only_where_every_chooser_sees_the_whole_bl
             per_query.append([int(current[t])] + earlier + [-1] * (2 - len(earlier)))
         rows_of_blocks.append(per_query)
     blocks = torch.tensor(rows_of_blocks, dtype=torch.int32).view(B, G, T, 3).transpose(1, 2).contiguous()
-    scale = Dk ** -0.5
-    ref_in = [x[n].clone().requires_grad_() for n in ("q", "k_slc", "v_slc")]
-    o_ref = reference.selected_attention(*ref_in, blocks.long(), cfg, scale)
-    grad_out = torch.randn_like(o_ref)
-    o_ref.backward(grad_out)
-    tri_in = [x[n].float().to(DEVICE).requires_grad_() for n in ("q", "k_slc", "v_slc")]
-    launch = triton_impl.LaunchConfig(slc_kernel="by_block", slc_block_rows=rows, slc_block_chunk=chunk,
-                                      slc_block_prefetch_dims=prefetch_dims)
-    with triton_impl.use_launch_config(launch):
-        o = triton_impl.selected_attention(*tri_in, blocks.to(DEVICE), cfg, scale)
-        o.backward(grad_out.float().to(DEVICE))
-    assert rel_err(o, o_ref) <= FP32_TOL
-    for name, a, r in zip(("dq", "dk", "dv"), tri_in, ref_in):
-        assert rel_err(a.grad, r.grad) <= FP32_TOL, name
+    check_selected_against_reference(x, blocks, cfg, triton_impl.LaunchConfig(
+        slc_kernel="by_block", slc_block_rows=rows, slc_block_chunk=chunk, slc_block_prefetch_dims=prefetch_dims))
 
 
 CORE_VARIANTS = {  # three with the dense prefix: its dK/dV by groups (tiled_by_block) and by heads

@@ -44,6 +44,8 @@ flat slot * HPG + head), lse/delta [B, T, H] fp32.
 import triton
 import triton.language as tl
 
+from nsa_model.kernels.selected_tiled import _backward_rows
+
 
 LOG2E = tl.constexpr(1.4426950408889634)
 
@@ -134,14 +136,8 @@ def _chooser_bwd_tiles(Q, DO, LSE, DELTA, flat, r_ok, b, g, T, H: tl.constexpr, 
                        ROWS: tl.constexpr):
     """(t, row_q, row_p, q, do, lse2, delta) of the backward's rows (_chooser_flat's)."""
     t, row_q, row_p = _chooser_decode(flat, b, g, T, H, G, N_SELECT, ROWS)
-    offs_dk = tl.arange(0, BLOCK_DK)
-    offs_dv = tl.arange(0, BLOCK_DV)
-    q = tl.load(Q + row_q[:, None] * DK + offs_dk[None, :], mask=r_ok[:, None] & (offs_dk < DK)[None, :], other=0.0)
-    do = tl.load(DO + row_q[:, None] * DV + offs_dv[None, :], mask=r_ok[:, None] & (offs_dv < DV)[None, :],
-                 other=0.0)
-    lse2 = tl.load(LSE + row_q, mask=r_ok, other=0.0) * LOG2E
+    q, do, lse2, delta = _backward_rows(Q, DO, LSE, DELTA, row_q, r_ok, DK, DV, BLOCK_DK, BLOCK_DV)
     lse2 = tl.where(lse2 == float("-inf"), 0.0, lse2)  # a query that sees no key: its p is masked anyway
-    delta = tl.load(DELTA + row_q, mask=r_ok, other=0.0)
     return t, row_q, row_p, q, do, lse2, delta
 
 

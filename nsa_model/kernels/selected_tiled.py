@@ -74,6 +74,21 @@ def _block_tile(K, V, KD, VD, K_ROW, V_ROW, b, g, blk, pos, s_ok, T, DK: tl.cons
 
 
 @triton.jit
+def _backward_rows(Q, DO, LSE, DELTA, row_q, r_ok, DK: tl.constexpr, DV: tl.constexpr, BLOCK_DK: tl.constexpr,
+                   BLOCK_DV: tl.constexpr):
+    """(q, do, lse in log2 units, delta) of the rows row_q of [B*T*H] (zeros where not r_ok): what a backward
+    step reads per query row."""
+    offs_dk = tl.arange(0, BLOCK_DK)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    q = tl.load(Q + row_q[:, None] * DK + offs_dk[None, :], mask=r_ok[:, None] & (offs_dk < DK)[None, :], other=0.0)
+    do = tl.load(DO + row_q[:, None] * DV + offs_dv[None, :], mask=r_ok[:, None] & (offs_dv < DV)[None, :],
+                 other=0.0)
+    lse2 = tl.load(LSE + row_q, mask=r_ok, other=0.0) * LOG2E
+    delta = tl.load(DELTA + row_q, mask=r_ok, other=0.0)
+    return q, do, lse2, delta
+
+
+@triton.jit
 def selected_tiled_fwd_kernel(Q, K, V, KD, VD, BLOCKS, UNION, COUNT, O, LSE, T, num_tiles, scale, K_ROW, V_ROW,
                               H: tl.constexpr, G: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
                               BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, SEL_BLOCK: tl.constexpr,
@@ -133,12 +148,7 @@ def selected_tiled_bwd_dq_kernel(Q, K, V, KD, VD, BLOCKS, UNION, COUNT, DO, LSE,
     b, g, t, r_ok, row_q = _tile_rows(T, H, G, HPG, ROWS, TILE_Q)
     offs_s = tl.arange(0, BLOCK_S)
     offs_dk = tl.arange(0, BLOCK_DK)
-    offs_dv = tl.arange(0, BLOCK_DV)
-    q = tl.load(Q + row_q[:, None] * DK + offs_dk[None, :], mask=r_ok[:, None] & (offs_dk < DK)[None, :], other=0.0)
-    do = tl.load(DO + row_q[:, None] * DV + offs_dv[None, :], mask=r_ok[:, None] & (offs_dv < DV)[None, :],
-                 other=0.0)
-    lse2 = tl.load(LSE + row_q, mask=r_ok, other=0.0) * LOG2E
-    delta = tl.load(DELTA + row_q, mask=r_ok, other=0.0)
+    q, do, lse2, delta = _backward_rows(Q, DO, LSE, DELTA, row_q, r_ok, DK, DV, BLOCK_DK, BLOCK_DV)
     chosen = _tile_choices(BLOCKS, b, g, t, T, G, N_SELECT, N_PAD)
     tile_row = (b * num_tiles + tl.program_id(0)).to(tl.int64) * G + g
     count = tl.load(COUNT + tile_row)
