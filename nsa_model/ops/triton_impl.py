@@ -89,7 +89,7 @@ class LaunchConfig:
     slc_block_rows: int = 64  # by_block: matrix rows (choosers x heads, unpadded) per step
     slc_block_chunk: int = 512  # by_block: choosers per program (v8 sweep: 512 beat 256 by 3% at 32k, tie at 2k)
     slc_block_warps: int = 4
-    slc_block_stages: int = 3  # v6c: 3 beat 2 at every 125M shape (4 ties 3)
+    slc_block_stages: int = 3  # where by_block does not prefetch; v6c: 3 beat 2 at every 125M shape (4 ties 3)
     slc_block_prefetch_dims: int = 64  # by_block: prefetch the next step's rows at head dims up to this (0: off; v24)
     slc_block_fwd_maxnreg: int = 168  # by_block forward with prefetch: registers per thread at most (3 programs/SM)
     slc_partial: str = "input"  # one of PARTIAL_DTYPES
@@ -801,11 +801,12 @@ def _selected_by_block_fwd(q, k, v, blocks, o, lse, index, common, scale):
     slots = B * T * G * n * hpg
     o_part = torch.empty(slots, dv, dtype=_partial_dtype(q, c), device=q.device)
     lse2_part = torch.empty(slots, dtype=torch.float32, device=q.device)
+    prefetch = _block_prefetch(q, v)
     selected_block_fwd_kernel[(work_seg.numel(),)](
         q, k, v, ORDER=order, STARTS=starts, WORK_SEG=work_seg, WORK_CHUNK=work_chunk, O_PART=o_part,
         LSE2_PART=lse2_part, T=T, num_blocks=num_blocks, scale=scale, ROWS=_block_rows(hpg, c),
-        CHUNK=c.slc_block_chunk, PREFETCH=_block_prefetch(q, v), **common, num_warps=c.slc_block_warps,
-        num_stages=c.slc_block_stages, **(dict(maxnreg=c.slc_block_fwd_maxnreg) if _block_prefetch(q, v) else {}),
+        CHUNK=c.slc_block_chunk, PREFETCH=prefetch, **common, num_warps=c.slc_block_warps,
+        num_stages=c.slc_block_stages, **(dict(maxnreg=c.slc_block_fwd_maxnreg) if prefetch else {}),
         **_block_tiles(_block_rows(hpg, c), common, k, v))
     rows = B * T * H
     selected_combine_kernel[(triton.cdiv(rows, _COMBINE_ROWS),)](
