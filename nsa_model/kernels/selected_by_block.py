@@ -131,6 +131,16 @@ def _visible(t, r_ok, pos, s_ok, SEL_BLOCK: tl.constexpr, BLOCK_S: tl.constexpr)
 
 
 @triton.jit
+def _chooser_fwd_tiles(Q, flat, r_ok, b, g, T, H: tl.constexpr, G: tl.constexpr, DK: tl.constexpr,
+                       BLOCK_DK: tl.constexpr, N_SELECT: tl.constexpr, ROWS: tl.constexpr):
+    """(t, row_q, row_p, q) of the forward's rows (_chooser_flat's): the query tile is a gather of their rows."""
+    t, row_q, row_p = _chooser_decode(flat, b, g, T, H, G, N_SELECT, ROWS)
+    offs_dk = tl.arange(0, BLOCK_DK)
+    q = tl.load(Q + row_q[:, None] * DK + offs_dk[None, :], mask=r_ok[:, None] & (offs_dk < DK)[None, :], other=0.0)
+    return t, row_q, row_p, q
+
+
+@triton.jit
 def _chooser_bwd_tiles(Q, DO, LSE, DELTA, flat, r_ok, b, g, T, H: tl.constexpr, G: tl.constexpr, DK: tl.constexpr,
                        DV: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, N_SELECT: tl.constexpr,
                        ROWS: tl.constexpr):
@@ -155,26 +165,20 @@ def selected_block_fwd_kernel(Q, K, V, KD, VD, ORDER, STARTS, WORK_SEG, WORK_CHU
     if seg >= 0:
         k, v, pos, s_ok, _ = _block_kv(K, V, KD, VD, K_ROW, V_ROW, b, g, j, T, G, DK, DV, BLOCK_DK, BLOCK_DV,
                                        SEL_BLOCK, BLOCK_S, TMA)
-        offs_dk = tl.arange(0, BLOCK_DK)
         offs_dv = tl.arange(0, BLOCK_DV)
         qk_scale = scale * LOG2E
         if PREFETCH:  # step e0's rows and query tile come from the step before (module docstring)
             flat, r_ok = _chooser_flat(ORDER, start, end, HPG, ROWS)
-            t, row_q, row_p = _chooser_decode(flat, b, g, T, H, G, N_SELECT, ROWS)
-            q = tl.load(Q + row_q[:, None] * DK + offs_dk[None, :], mask=r_ok[:, None] & (offs_dk < DK)[None, :],
-                        other=0.0)
+            t, row_q, row_p, q = _chooser_fwd_tiles(Q, flat, r_ok, b, g, T, H, G, DK, BLOCK_DK, N_SELECT, ROWS)
             flat_n, r_ok_n = _chooser_flat(ORDER, start + ENTRIES, end, HPG, ROWS)
         for e0 in tl.range(start, end, ENTRIES, num_stages=1 if PREFETCH else None):
             if PREFETCH:
                 flat_nn, r_ok_nn = _chooser_flat(ORDER, e0 + 2 * ENTRIES, end, HPG, ROWS)
-                t_n, row_q_n, row_p_n = _chooser_decode(flat_n, b, g, T, H, G, N_SELECT, ROWS)
-                q_n = tl.load(Q + row_q_n[:, None] * DK + offs_dk[None, :],
-                              mask=r_ok_n[:, None] & (offs_dk < DK)[None, :], other=0.0)
+                t_n, row_q_n, row_p_n, q_n = _chooser_fwd_tiles(Q, flat_n, r_ok_n, b, g, T, H, G, DK, BLOCK_DK,
+                                                                N_SELECT, ROWS)
             else:
                 flat, r_ok = _chooser_flat(ORDER, e0, end, HPG, ROWS)
-                t, row_q, row_p = _chooser_decode(flat, b, g, T, H, G, N_SELECT, ROWS)
-                q = tl.load(Q + row_q[:, None] * DK + offs_dk[None, :], mask=r_ok[:, None] & (offs_dk < DK)[None, :],
-                            other=0.0)
+                t, row_q, row_p, q = _chooser_fwd_tiles(Q, flat, r_ok, b, g, T, H, G, DK, BLOCK_DK, N_SELECT, ROWS)
             s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
             if not _sees_whole_block(t, r_ok, j, T, SEL_BLOCK, BLOCK_S):
                 s = tl.where(_visible(t, r_ok, pos, s_ok, SEL_BLOCK, BLOCK_S), s, float("-inf"))
