@@ -73,7 +73,7 @@ CASES = [
     *_tma_cases("selected_attn_fwd_kernel", "selected_attention", dict(BLOCKS="i32", LSE="fp32"), SLC_SCALARS,
                 dict(HEADS_PAD=8, **SEL), dict(num_warps=2, num_stages=2), descs=dict(KD=64, VD=64)),
     *_tma_cases("selected_attn_bwd_dq_kernel", "selected_attention", dict(BLOCKS="i32", **ROW_TERMS), SLC_SCALARS,
-                dict(HEADS_PAD=8, **SEL), dict(num_warps=2, num_stages=2), descs=dict(KD=64, VD=64)),
+                dict(HEADS_PAD=8, ACCUMULATE=True, **SEL), dict(num_warps=2, num_stages=2), descs=dict(KD=64, VD=64)),
     _case("selected_attn_bwd_dkdv_kernel", "selected_attention",
           dict(QUERY_OF_ENTRY="i32", STARTS="i64", **ROW_TERMS, **ACCS), dict(num_blocks="i32", **SLC_SCALARS),
           dict({k: v for k, v in SEL.items() if k != "N_SELECT"}, HEADS_PAD=8, ENTRIES=8, CHUNK=256)),
@@ -82,7 +82,7 @@ CASES = [
                 dict(N_PAD=16, ROWS=64, TILE_Q=10, **SEL), descs=dict(KD=64, VD=64)),
     *_tma_cases("selected_tiled_bwd_dq_kernel", "selected_tiled",
                 dict(BLOCKS="i32", UNION="i32", COUNT="i32", **ROW_TERMS), dict(num_tiles="i32", **SLC_SCALARS),
-                dict(N_PAD=16, ROWS=64, TILE_Q=10, **SEL), descs=dict(KD=64, VD=64)),
+                dict(N_PAD=16, ROWS=64, TILE_Q=10, ACCUMULATE=True, **SEL), descs=dict(KD=64, VD=64)),
     *[c for prefetch in (True, False) for c in _tma_cases(
         "selected_block_fwd_kernel", "selected_by_block", dict(LSE2_PART="fp32", **BLOCK_INDEX),
         dict(num_blocks="i32", **SLC_SCALARS), dict(ROWS=64, CHUNK=512, PREFETCH=prefetch, **SEL),

@@ -314,6 +314,9 @@ def test_by_block_steps_skip_the_mask_only_where_every_chooser_sees_the_whole_bl
 CORE_VARIANTS = {  # three with the dense prefix: its dK/dV by groups (tiled_by_block) and by heads
     "per_query": dict(slc_kernel="per_query", slc_dkdv="inverted", slc_dense_prefix=True),
     "tiled_torch_gates": dict(slc_kernel="tiled", slc_tile_rows=64, gate_kernel="torch"),
+    # the paper shapes' variant: tiled dQ adding into the two ranges' dQ (ACCUMULATE), by_block's dK/dV
+    "tiled_dkdv_by_block": dict(slc_kernel="tiled", slc_tile_rows=16, slc_dkdv="by_block", slc_block_rows=16,
+                                slc_block_chunk=8),
     "by_block_partial": dict(slc_kernel="by_block", slc_block_rows=16, slc_block_chunk=8),
     "by_block_atomic": dict(slc_kernel="by_block", slc_block_rows=16, slc_block_chunk=8, slc_dq="atomic"),
     "by_block_no_prefetch": dict(slc_kernel="by_block", slc_block_rows=16, slc_block_chunk=16,

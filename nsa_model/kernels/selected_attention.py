@@ -79,7 +79,8 @@ def selected_attn_bwd_dq_kernel(Q, K, V, KD, VD, BLOCKS, DO, LSE, DELTA, DQ, T, 
                                 H: tl.constexpr, G: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
                                 BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, SEL_BLOCK: tl.constexpr,
                                 BLOCK_S: tl.constexpr, N_SELECT: tl.constexpr, HEADS_PAD: tl.constexpr,
-                                TMA: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                                TMA: tl.constexpr, DOT_PRECISION: tl.constexpr, ACCUMULATE: tl.constexpr = False):
+    """ACCUMULATE: add this dQ to what DQ holds (the other branches' dQ), in float32 before the store."""
     t = tl.program_id(0)
     pid_bg = tl.program_id(1)
     b = pid_bg // G
@@ -113,8 +114,11 @@ def selected_attn_bwd_dq_kernel(Q, K, V, KD, VD, BLOCKS, DO, LSE, DELTA, DQ, T, 
         ds = p * (dp - delta[:, None])
         dq += tl.dot(ds.to(k.dtype), k, input_precision=DOT_PRECISION)
     dq = dq * scale
-    tl.store(DQ + row_q[:, None] * DK + offs_dk[None, :], dq.to(DQ.dtype.element_ty),
-             mask=h_ok[:, None] & (offs_dk < DK)[None, :])
+    dq_ptrs = DQ + row_q[:, None] * DK + offs_dk[None, :]
+    dq_ok = h_ok[:, None] & (offs_dk < DK)[None, :]
+    if ACCUMULATE:
+        dq += tl.load(dq_ptrs, mask=dq_ok, other=0.0).to(tl.float32)
+    tl.store(dq_ptrs, dq.to(DQ.dtype.element_ty), mask=dq_ok)
 
 
 @triton.jit

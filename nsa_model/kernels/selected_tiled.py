@@ -143,7 +143,9 @@ def selected_tiled_bwd_dq_kernel(Q, K, V, KD, VD, BLOCKS, UNION, COUNT, DO, LSE,
                                  BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, SEL_BLOCK: tl.constexpr,
                                  BLOCK_S: tl.constexpr, N_SELECT: tl.constexpr, N_PAD: tl.constexpr,
                                  ROWS: tl.constexpr, TILE_Q: tl.constexpr, TMA: tl.constexpr,
-                                 DOT_PRECISION: tl.constexpr):
+                                 DOT_PRECISION: tl.constexpr, ACCUMULATE: tl.constexpr = False):
+    """ACCUMULATE: DQ holds the other branches' dQ, and this branch's is added to it in float32 before the one
+    store (no add pass after, which read and wrote a q-sized tensor more)."""
     HPG: tl.constexpr = H // G
     b, g, t, r_ok, row_q = _tile_rows(T, H, G, HPG, ROWS, TILE_Q)
     offs_s = tl.arange(0, BLOCK_S)
@@ -169,5 +171,8 @@ def selected_tiled_bwd_dq_kernel(Q, K, V, KD, VD, BLOCKS, UNION, COUNT, DO, LSE,
         ds = p * (dp - delta[:, None])
         dq += tl.dot(ds.to(k.dtype), k, input_precision=DOT_PRECISION)
     dq = dq * scale
-    tl.store(DQ + row_q[:, None] * DK + offs_dk[None, :], dq.to(DQ.dtype.element_ty),
-             mask=r_ok[:, None] & (offs_dk < DK)[None, :])
+    dq_ptrs = DQ + row_q[:, None] * DK + offs_dk[None, :]
+    dq_ok = r_ok[:, None] & (offs_dk < DK)[None, :]
+    if ACCUMULATE:
+        dq += tl.load(dq_ptrs, mask=dq_ok, other=0.0).to(tl.float32)
+    tl.store(dq_ptrs, dq.to(DQ.dtype.element_ty), mask=dq_ok)

@@ -80,6 +80,9 @@ class LaunchConfig:
     select_warps: int = 4
     slc_warps: int = 2  # selected attention forward and dQ (2 beat 4 in the v2 sweep on H100)
     slc_stages: int = 2
+    # the tiled forward's stages at head dims > 64 (v25; v24 measured 3 stages at paper 8k: 1.515 -> 1.422 ms,
+    # while at head dim 64 they lost, 0.418 -> 0.485 at 16 x 2k, and the tiled dQ lost at both)
+    slc_tile_fwd_stages_d128: int = 3
     dkdv_rows: int = 64  # rows (choosers x heads) per step of the selected dK/dV kernel
     dkdv_chunk: int = 256  # choosers of one block handled by one program
     dkdv_warps: int = 4
@@ -659,7 +662,7 @@ def _selected_fwd(q, k, v, blocks, sel_block: int, scale: float, prefix: int = 0
         selected_tiled_fwd_kernel[(union.shape[1], B * G)](
             q, k, v, BLOCKS=blocks, UNION=union, COUNT=count, O=o, LSE=lse, T=T, num_tiles=union.shape[1],
             scale=scale, N_PAD=triton.next_power_of_2(n), ROWS=rows, TILE_Q=tile_q, **common,
-            num_warps=_config.slc_tile_warps, num_stages=_config.slc_stages, **_block_tiles(rows, common, k, v))
+            num_warps=_config.slc_tile_warps, num_stages=_tiled_fwd_stages(q, v), **_block_tiles(rows, common, k, v))
     else:
         selected_attn_fwd_kernel[(T, B * G)](
             q, k, v, BLOCKS=blocks, O=o, LSE=lse, T=T, scale=scale, HEADS_PAD=_pow2(H // G), **common, **_slc_launch(),
@@ -667,6 +670,10 @@ def _selected_fwd(q, k, v, blocks, sel_block: int, scale: float, prefix: int = 0
     if prefix:  # ... and the range kernel fills them: causal attention over keys 0..t
         _range_fwd_into(q, k, v, o, lse, prefix, *_prefix_range(T), scale)
     return o, lse, kernel, index
+
+
+def _tiled_fwd_stages(q: torch.Tensor, v: torch.Tensor) -> int:
+    return _config.slc_stages if max(q.shape[-1], v.shape[-1]) <= 64 else _config.slc_tile_fwd_stages_d128
 
 
 def _block_prefetch(q: torch.Tensor, v: torch.Tensor) -> bool:
@@ -723,7 +730,8 @@ def _selected_bwd(q, k, v, blocks, o, lse, index, do, sel_block: int, scale: flo
                   dq_add=None, prefix: int = 0):
     """(dq, dk, dv) of _selected_fwd, under the launch config its forward ran with (the caller pins it); index
     is the forward's (_selected_index), possibly followed by unused empty slots; delta as in _range_bwd;
-    dq_add: one or two [B,T,H,Dk] tensors added into dq (folded into by_block's dQ slot sum)."""
+    dq_add: one or two [B,T,H,Dk] tensors added into dq (folded into by_block's dQ slot sum; the query-driven
+    dQ kernels add the first in place, so it must be the caller's own scratch, and it is returned as dq)."""
     q, k, v, blocks, do = q.contiguous(), _kv_rows(k), _kv_rows(v), blocks.contiguous(), do.contiguous()
     B, T, H, _ = q.shape
     G, n = k.shape[2], blocks.shape[-1]
@@ -736,19 +744,22 @@ def _selected_bwd(q, k, v, blocks, o, lse, index, do, sel_block: int, scale: flo
         dq, dk, dv = _selected_by_block_bwd(q, k, v, blocks, do, lse, delta, tuple(index[:4]), common, scale,
                                             dq_add=dq_add, final_kv=not prefix)
         return (dq, dk, dv) if not prefix else _with_prefix_bwd(q, k, v, do, lse, delta, dq, dk, dv, prefix, scale)
-    dq = torch.empty_like(q)
+    # The first of the other branches' dQ becomes dq: the kernel adds into it (ACCUMULATE), no pass after.
+    adds = list(dq_add or ())
+    accumulate = bool(adds)
+    dq = _dq_scratch(adds.pop(0), q) if adds else torch.empty_like(q)
     if kernel == "tiled":
         union, count = index[:2]
         rows, tile_q = _selected_tile(hpg)
         selected_tiled_bwd_dq_kernel[(union.shape[1], B * G)](
             q, k, v, BLOCKS=blocks, UNION=union, COUNT=count, DO=do, LSE=lse, DELTA=delta, DQ=dq, T=T,
             num_tiles=union.shape[1], scale=scale, N_PAD=triton.next_power_of_2(n), ROWS=rows, TILE_Q=tile_q,
-            **common, num_warps=config.slc_tile_warps, num_stages=config.slc_stages,
+            **common, num_warps=config.slc_tile_warps, num_stages=config.slc_stages, ACCUMULATE=accumulate,
             **_block_tiles(rows, common, k, v))
     else:
         selected_attn_bwd_dq_kernel[(T, B * G)](
             q, k, v, BLOCKS=blocks, DO=do, LSE=lse, DELTA=delta, DQ=dq, T=T, scale=scale, HEADS_PAD=_pow2(hpg),
-            **common, **_slc_launch(), **_block_tiles(_pow2(hpg), common, k, v))
+            ACCUMULATE=accumulate, **common, **_slc_launch(), **_block_tiles(_pow2(hpg), common, k, v))
     final_kv = config.slc_dkdv == "by_block" and not prefix  # dk, dv come out final (no accumulators to cast)
     if config.slc_dkdv == "by_block":
         block_index = _by_block_index(blocks, sel_block, config)
@@ -756,9 +767,17 @@ def _selected_bwd(q, k, v, blocks, o, lse, index, do, sel_block: int, scale: flo
                                            final_kv=final_kv)
     else:
         dk, dv = _selected_dkdv(q, k, v, do, lse, delta, blocks, sel_block, scale)
-    for extra in dq_add or ():
+    for extra in adds:
         dq = dq.add_(extra)
     return (dq, dk, dv) if final_kv else _with_prefix_bwd(q, k, v, do, lse, delta, dq, dk, dv, prefix, scale)
+
+
+def _dq_scratch(dq: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """dq, another branch's dQ, as the tensor a dQ kernel adds into: q's shape, dtype and contiguous layout."""
+    if dq.shape != q.shape or dq.dtype != q.dtype or not dq.is_contiguous():
+        raise ValueError(f"dq_add: expected a contiguous {q.dtype} {tuple(q.shape)} tensor to add into, got "
+                         f"{dq.dtype} {tuple(dq.shape)} strides {dq.stride()}")
+    return dq
 
 
 def _with_prefix_bwd(q, k, v, do, lse, delta, dq, dk_acc, dv_acc, prefix: int, scale: float):
