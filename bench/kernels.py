@@ -219,11 +219,22 @@ def bench(fn, grads=()):
     return triton.testing.do_bench(fn, warmup=25, rep=100, grad_to_none=list(grads), return_mode="median")
 
 
-def bench_graph(fn):
+def bench_graph(fn, grads=()):
     """Median ms of fn captured once as a CUDA graph and replayed: the GPU time without the host's launch cost,
-    as training under CUDA graphs (compile_mode reduce-overhead) runs the NSA core. Gradients accumulate into
-    the leaves' existing .grad between replays, which does not change the work."""
-    return triton.testing.do_bench_cudagraph(fn, rep=100, return_mode="median")
+    as training under CUDA graphs (compile_mode reduce-overhead) runs the NSA core. The leaves' .grad is reset
+    to None before each call inside the graph (grad_to_none), as in the eager timing: accumulating into an
+    existing .grad adds an elementwise pass per input that is no part of attention, and a larger one for dense,
+    whose K/V are repeated to every head (v25: 0.10 ms of NSA's 3.86 at 125m 4 x 8k, 0.15 of cuDNN's)."""
+    return triton.testing.do_bench_cudagraph(fn, rep=100, grad_to_none=list(grads) or None, return_mode="median")
+
+
+def fresh_grads(fn, leaves):
+    """fn with the leaves' gradients reset to None first: what the profiled pieces time, as the timings do."""
+    def call():
+        for t in leaves:
+            t.grad = None
+        fn()
+    return call
 
 
 def peak_mib(fn):
@@ -265,7 +276,7 @@ def time_config(family, B, T, cfg, have_fla, sections=SECTIONS):
     }
     row["nsa_fb_ms"] = bench(nsa_fb, leaves)
     try:
-        row["nsa_fb_graph_ms"] = bench_graph(nsa_fb)
+        row["nsa_fb_graph_ms"] = bench_graph(nsa_fb, leaves)
     except Exception as e:  # recorded; the eager timings stand on their own
         traceback.print_exc()
         row["nsa_graph_error"] = repr(e)[:300]
@@ -274,7 +285,7 @@ def time_config(family, B, T, cfg, have_fla, sections=SECTIONS):
     for name, fn in pieces.items():
         row[name + "_ms"] = bench(fn, leaves)
         # the eager wall time above is launch-bound at small shapes; this is what the GPU spends on the piece
-        row[name + "_gpu_ms"] = gpu_kernel_ms(fn)
+        row[name + "_gpu_ms"] = gpu_kernel_ms(fresh_grads(fn, leaves))
     if "selected" in sections:
         try:
             row.update(time_selected_variants(x, blocks, do, cfg, scale, nsa_fb, leaves))
@@ -284,7 +295,7 @@ def time_config(family, B, T, cfg, have_fla, sections=SECTIONS):
     if "range" in sections:
         row.update(time_range_variants(pieces, nsa_fb, leaves))
     if "profile" in sections:
-        row["kernel_ms"] = kernel_breakdown(nsa_fb)
+        row["kernel_ms"] = kernel_breakdown(fresh_grads(nsa_fb, leaves))
 
     # dense: SDPA with K/V repeated to all heads, [B, H, T, D] as its documentation takes them
     qd = x["q"].detach().transpose(1, 2).contiguous().requires_grad_()
@@ -300,7 +311,7 @@ def time_config(family, B, T, cfg, have_fla, sections=SECTIONS):
             row[f"dense_{label}_fb_ms"] = bench(dense_fb, [qd, kd, vd])
             row[f"dense_{label}_fb_peak_mib"] = peak_mib(dense_fb)
             if label == "cudnn":
-                row["dense_cudnn_fb_graph_ms"] = bench_graph(dense_fb)
+                row["dense_cudnn_fb_graph_ms"] = bench_graph(dense_fb, [qd, kd, vd])
         except Exception as e:  # a backend the build lacks is reported, not hidden
             row[f"dense_{label}_error"] = repr(e)[:300]
 
@@ -592,11 +603,7 @@ def time_pieces(family, B, T, cfg, group):
             ti.selected_attention(x["q"], x["k_slc"], x["v_slc"], blocks, cfg, scale).backward(do)
     leaves = list(x.values())
 
-    def fn_fresh():  # gradients from nothing each call, as do_bench's grad_to_none gives
-        for t in leaves:
-            t.grad = None
-        fn()
-    return bench(fn, leaves), gpu_kernel_ms(fn_fresh)
+    return bench(fn, leaves), gpu_kernel_ms(fresh_grads(fn, leaves))
 
 
 TIMINGS = [("paper", 1, 8192), ("paper", 1, 16384), ("paper", 1, 32768), ("paper", 1, 65536),

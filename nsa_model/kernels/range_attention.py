@@ -312,15 +312,21 @@ def range_attn_bwd_dkdv_kernel(Q, K, V, DO, QD, KD, VD, DOD, LSE, DELTA, DK_ACC,
                                BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                                HEAD_SPLIT: tl.constexpr, EDGE_SPLIT: tl.constexpr, ATOMIC: tl.constexpr,
                                TMA: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """One program per (key tile, slice of HPG / HEAD_SPLIT heads of a group, chunk of q_chunk of the queries
+    """One program per (slice of HPG / HEAD_SPLIT heads of a group, key tile, chunk of q_chunk of the queries
     that see the tile). HEAD_SPLIT = 1 and one chunk: the program loops over the whole group and stores (exact,
     deterministic; right for the window branch, whose tiles see few queries). Otherwise (ATOMIC) the programs of
     a key tile meet by float32 atomic adds: one head per program and the query axis in chunks keep the
-    compressed branch's tiles, the first of which is seen by every query, spread over the whole GPU."""
+    compressed branch's tiles, the first of which is seen by every query, spread over the whole GPU.
+
+    The head slices are the grid's first axis, which the GPU dispatches fastest, and key tiles the second: every
+    program of tile 0 starts before any of tile 1. In the compressed branch (and the causal dense prefix) the
+    early tiles see the most queries, so the longest programs start first and the last wave holds the shortest
+    ones (longest-first scheduling), where tiles first left a long program of the last head slices running
+    alone at the end."""
     HPG: tl.constexpr = H // G
     HEADS: tl.constexpr = HPG // HEAD_SPLIT
-    pid_n = tl.program_id(0)
-    pid_bgs = tl.program_id(1)
+    pid_bgs = tl.program_id(0)
+    pid_n = tl.program_id(1)
     b = pid_bgs // (G * HEAD_SPLIT)
     g = (pid_bgs // HEAD_SPLIT) % G
     first_head = g * HPG + (pid_bgs % HEAD_SPLIT) * HEADS

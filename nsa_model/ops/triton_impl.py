@@ -400,7 +400,7 @@ def _range_dkdv_into(q, k, v, do, lse, delta, dk, dv, num_queries: int, num_key_
     atomic, head_split, q_chunk = _range_dkdv_split(q, k, v, num_queries, window, prefix=prefix)
     atomic = atomic or prefix
     if num_key_rows > 0 and num_queries > 0:
-        range_attn_bwd_dkdv_kernel[(triton.cdiv(num_key_rows, launch["BLOCK_N"]), B * G * head_split,
+        range_attn_bwd_dkdv_kernel[(B * G * head_split, triton.cdiv(num_key_rows, launch["BLOCK_N"]),
                                     triton.cdiv(num_queries, q_chunk))](
             q, k, v, do, LSE=lse, DELTA=delta, DK_ACC=dk, DV_ACC=dv, T=T, num_queries=num_queries, num_keys=num_keys,
             scale=scale, key_stride=key_stride, key_offset=key_offset, window=window, q_chunk=q_chunk,
