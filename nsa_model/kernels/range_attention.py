@@ -112,6 +112,15 @@ def _query_tile(Q, QD, row_q, m_ok, b, h, T, t_first, D: tl.constexpr, BLOCK_D: 
 
 
 @triton.jit
+def _query_tile_index():
+    """The query tile of a forward or dQ program: the grid's first axis reversed. The GPU dispatches that axis
+    first, and in the compressed branch (and the causal dense prefix) a later tile sees more keys, so its
+    programs start longest first and the last wave holds the shortest (longest-first scheduling). The window
+    branch's tiles are all alike."""
+    return tl.num_programs(0) - 1 - tl.program_id(0)
+
+
+@triton.jit
 def _visible(offs_m, offs_n, key_stride, key_offset, window):
     rel = offs_m[:, None] - (offs_n[None, :] * key_stride + key_offset)
     return (rel >= 0) & (rel < window)
@@ -151,7 +160,7 @@ def range_attn_fwd_kernel(Q, K, V, QD, KD, VD, O, LSE, T, num_queries, num_keys,
                           BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr,
                           BLOCK_N: tl.constexpr, EDGE_SPLIT: tl.constexpr, TMA: tl.constexpr,
                           DOT_PRECISION: tl.constexpr):
-    pid_m = tl.program_id(0)
+    pid_m = _query_tile_index()
     pid_bh = tl.program_id(1)
     b = pid_bh // H
     h = pid_bh % H
@@ -244,7 +253,7 @@ def range_attn_bwd_dq_kernel(Q, K, V, DO, QD, KD, VD, DOD, K2D, V2D, LSE, DELTA,
     """ACCUMULATE: add this dQ to what DQ holds (the selected branch's dense prefix adds into the core's dQ).
     TWO_RANGES: dQ is the sum over two ranges (the second with its own keys, lse and delta; the same do): the
     compressed and window branches' dQ from one load of each query tile and one store."""
-    pid_m = tl.program_id(0)
+    pid_m = _query_tile_index()
     pid_bh = tl.program_id(1)
     b = pid_bh // H
     h = pid_bh % H
@@ -321,8 +330,8 @@ def range_attn_bwd_dkdv_kernel(Q, K, V, DO, QD, KD, VD, DOD, LSE, DELTA, DK_ACC,
     The head slices are the grid's first axis, which the GPU dispatches fastest, and key tiles the second: every
     program of tile 0 starts before any of tile 1. In the compressed branch (and the causal dense prefix) the
     early tiles see the most queries, so the longest programs start first and the last wave holds the shortest
-    ones (longest-first scheduling), where tiles first left a long program of the last head slices running
-    alone at the end."""
+    ones (longest-first scheduling). Tiles first, the long programs of the last head slices ran on alone at the
+    end: 32.8 ms at paper 1 x 64k against 26.3 now (v25)."""
     HPG: tl.constexpr = H // G
     HEADS: tl.constexpr = HPG // HEAD_SPLIT
     pid_bgs = tl.program_id(0)
