@@ -224,7 +224,8 @@ def bench_graph(fn, grads=()):
     as training under CUDA graphs (compile_mode reduce-overhead) runs the NSA core. The leaves' .grad is reset
     to None before each call inside the graph (grad_to_none), as in the eager timing: accumulating into an
     existing .grad adds an elementwise pass per input that is no part of attention, and a larger one for dense,
-    whose K/V are repeated to every head (v25: 0.10 ms of NSA's 3.86 at 125m 4 x 8k, 0.15 of cuDNN's)."""
+    whose K/V are repeated to every head (v25: about 0.10 ms of NSA's 3.86 at 125m 4 x 8k and 0.13 of cuDNN's
+    3.70; 0.18 and 0.38 at paper 8k)."""
     return triton.testing.do_bench_cudagraph(fn, rep=100, grad_to_none=list(grads) or None, return_mode="median")
 
 
