@@ -201,6 +201,10 @@ def test_bad_inputs_are_refused():
         triton_impl.LaunchConfig(slc_block_prefetch_dims=-64)
     with pytest.raises(ValueError, match="LaunchConfig.slc_block_fwd_maxnreg: must be an int >= 1"):
         triton_impl.LaunchConfig(slc_block_fwd_maxnreg=0)
+    with pytest.raises(ValueError, match="LaunchConfig.slc_tile_fwd_stages_d128: must be an int >= 1"):
+        triton_impl.LaunchConfig(slc_tile_fwd_stages_d128=0)
+    with pytest.raises(ValueError, match=r"dq_add: expected a contiguous torch.float32 \(1, 16, 2, 16\) tensor"):
+        triton_impl._dq_scratch(torch.zeros(1, 2, 16, 16).transpose(1, 2), torch.zeros(1, 16, 2, 16))
     with pytest.raises(ValueError, match="blocks: expected int32"):
         q = x["q"].float().to(DEVICE)
         triton_impl.selected_attention(q, x["k_slc"].float().to(DEVICE), x["v_slc"].float().to(DEVICE),

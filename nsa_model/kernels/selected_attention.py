@@ -101,7 +101,7 @@ def selected_attn_bwd_dq_kernel(Q, K, V, KD, VD, BLOCKS, DO, LSE, DELTA, DQ, T, 
 
     dq_ptrs = DQ + row_q[:, None] * DK + offs_dk[None, :]
     dq_ok = h_ok[:, None] & (offs_dk < DK)[None, :]
-    if ACCUMULATE:  # loaded before the loop: at its end the load's latency showed (+0.16 ms at paper 8k, v25)
+    if ACCUMULATE:  # loaded before the loop, where its latency hides (as in the tiled dQ kernel, v25)
         dq_in = tl.load(dq_ptrs, mask=dq_ok, other=0.0)
     qk_scale = scale * LOG2E
     dq = tl.zeros([HEADS_PAD, BLOCK_DK], tl.float32)

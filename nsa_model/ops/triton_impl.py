@@ -673,6 +673,7 @@ def _selected_fwd(q, k, v, blocks, sel_block: int, scale: float, prefix: int = 0
 
 
 def _tiled_fwd_stages(q: torch.Tensor, v: torch.Tensor) -> int:
+    """Pipeline stages of the tiled forward (its dQ keeps slc_stages)."""
     return _config.slc_stages if max(q.shape[-1], v.shape[-1]) <= 64 else _config.slc_tile_fwd_stages_d128
 
 
