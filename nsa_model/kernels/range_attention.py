@@ -113,10 +113,10 @@ def _query_tile(Q, QD, row_q, m_ok, b, h, T, t_first, D: tl.constexpr, BLOCK_D: 
 
 @triton.jit
 def _query_tile_index():
-    """The query tile of a forward or dQ program: the grid's first axis reversed. The GPU dispatches that axis
-    first, and in the compressed branch (and the causal dense prefix) a later tile sees more keys, so its
-    programs start longest first and the last wave holds the shortest (longest-first scheduling). The window
-    branch's tiles are all alike."""
+    """The query tile of a forward, dQ or selection program: the grid's first axis reversed. The GPU dispatches
+    that axis first, and in the compressed branch, the selection (and the causal dense prefix) a later tile sees
+    more keys, so its programs start longest first and the last wave holds the shortest (longest-first
+    scheduling; the selection at 125m 1 x 32k 0.739 -> 0.586 ms, v25). The window branch's tiles are all alike."""
     return tl.num_programs(0) - 1 - tl.program_id(0)
 
 

@@ -24,6 +24,8 @@ is carried from the previous chunk (`carry`).
 import triton
 import triton.language as tl
 
+from nsa_model.kernels.range_attention import _query_tile_index
+
 INF_BITS = tl.constexpr(0x7F800000)  # float32 +inf as int32
 INDEX_MAX = tl.constexpr(2147483647)
 
@@ -43,9 +45,7 @@ def select_blocks_kernel(Q, KC, QD, KCD, LSE, BLOCKS, T, num_cmp, scale,
                          N_SELECT: tl.constexpr, N_INIT: tl.constexpr, N_LOCAL: tl.constexpr,
                          BLOCK_M: tl.constexpr, N_PAD: tl.constexpr, CHUNK_SPLITS: tl.constexpr,
                          TOK_PAD: tl.constexpr, TMA: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    # Query tiles in reverse dispatch order: a later tile walks more blocks, so the longest programs start first
-    # and the last wave holds the shortest (longest-first; range_attention.py, v25).
-    pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
+    pid_m = _query_tile_index()  # reversed: a later tile walks more blocks, so the longest programs start first
     pid_bg = tl.program_id(1)
     b = pid_bg // G
     g = pid_bg % G
