@@ -37,41 +37,38 @@ def test_bf16_matches_float64_reference(index):
     assert max(errors.values()) <= bench.BF16_TOL, errors
 
 
-@pytest.mark.parametrize("mode", ["early", "late"])
-def test_core_on_two_streams_matches_one_stream_eager_and_in_a_cuda_graph(mode):
+def test_core_on_two_streams_matches_one_stream_eager_and_in_a_cuda_graph():
     """side_stream runs the window forward and the range dK/dV on a second stream (ops/triton_impl.py, _Beside):
     the output and every gradient must equal the one-stream run's, called eagerly and replayed as a CUDA graph
-    (the graph joins both streams' launches). The by_block shape (125m, 2 x 4096) puts both start points inside
-    the selected branch. Gradients from atomics differ in summation order only: within 1e-3 of the norm."""
+    (the graph joins both streams' launches), at a shape where by_block runs (125m, 2 x 4096). Gradients from
+    atomics differ in summation order only: within 1e-3 of the norm."""
     bench = _bench_module()
     ti = bench.ti
     cfg = bench.PAPER_NSA
-    x = bench.make_inputs(2, 4096, 12, 2, 64, 64, cfg, torch.bfloat16, seed=3)
-    leaves = [x[n].requires_grad_() for n in bench.NAMES]
-    do = torch.randn(2, 4096, 12, 64, device="cuda", dtype=torch.bfloat16)
+    # All of it off the legacy default stream: autograd keeps the stream each leaf was first used on and waits on
+    # it at the end of a backward, which a capture may not do with the default stream (pytorch/pytorch#164302).
+    with torch.cuda.stream(torch.cuda.Stream()):
+        x = bench.make_inputs(2, 4096, 12, 2, 64, 64, cfg, torch.bfloat16, seed=3)
+        leaves = [x[n].requires_grad_() for n in bench.NAMES]
+        do = torch.randn(2, 4096, 12, 64, device="cuda", dtype=torch.bfloat16)
 
-    def call():
-        o = ti.nsa_attention(*leaves, cfg, scale=0.125)
-        return [o, *torch.autograd.grad(o, leaves, do)]
+        def call():
+            o = ti.nsa_attention(*leaves, cfg, scale=0.125)
+            return [o, *torch.autograd.grad(o, leaves, do)]
 
-    with ti.use_launch_config(ti.LaunchConfig(side_stream="off")):
-        expected = call()
-    with ti.use_launch_config(ti.LaunchConfig(side_stream=mode)):
-        eager = call()
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):  # warm-up off the capture stream, as torch.cuda.graphs asks
-            call()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            replayed = call()
-        for t in replayed:
-            t.zero_()
-        graph.replay()
-    torch.cuda.synchronize()
+        with ti.use_launch_config(ti.LaunchConfig(side_stream=False)):
+            expected = call()
+        with ti.use_launch_config(ti.LaunchConfig(side_stream=True)):
+            eager = call()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                replayed = call()
+            for t in replayed:
+                t.zero_()
+            graph.replay()
+        torch.cuda.synchronize()
     for name, want, got_eager, got_graph in zip(("o", *bench.NAMES), expected, eager, replayed):
         for got in (got_eager, got_graph):
             err = ((got.float() - want.float()).norm() / want.float().norm()).item()
-            assert err <= 1e-3, (mode, name, err)
+            assert err <= 1e-3, (name, err)
     assert torch.equal(eager[0], expected[0])  # the forward has no atomics: the same bits

@@ -203,7 +203,7 @@ def test_bad_inputs_are_refused():
         triton_impl.LaunchConfig(slc_block_fwd_maxnreg=0)
     with pytest.raises(ValueError, match="LaunchConfig.slc_tile_fwd_stages_d128: must be an int >= 1"):
         triton_impl.LaunchConfig(slc_tile_fwd_stages_d128=0)
-    with pytest.raises(ValueError, match="LaunchConfig.side_stream"):
+    with pytest.raises(ValueError, match="LaunchConfig.side_stream: must be a bool"):
         triton_impl.LaunchConfig(side_stream="both")
     with pytest.raises(ValueError, match=r"dq_add: expected a contiguous torch.float32 \(1, 16, 2, 16\) tensor"):
         triton_impl._dq_scratch(torch.zeros(1, 2, 16, 16).transpose(1, 2), torch.zeros(1, 16, 2, 16))
@@ -230,21 +230,19 @@ def test_auto_picks_the_selected_variant_from_static_shapes():
         triton_impl.LaunchConfig(slc_auto_tiled_fwd_blocks=-1)
 
 
-@pytest.mark.parametrize("mode, runs_at_once", [("early", True), ("late", False), ("off", False)])
-def test_work_beside_the_selected_branch_starts_when_its_mode_says_and_runs_once(mode, runs_at_once):
-    """_Beside: "early" starts the work when it is made, "late" and "off" where the selected branch calls start()
-    (on CPU tensors, as off a GPU in every mode, in order on the current stream); result() gives its output."""
+@pytest.mark.parametrize("side_stream", [True, False])
+def test_work_beside_the_selected_branch_runs_once_where_its_result_is_asked_for_off_a_gpu(side_stream):
+    """_Beside off CUDA (as the interpreter runs) keeps one stream: the work runs when result() is called, once,
+    and result() gives what it returned. tests/test_triton_gpu.py checks the second stream on the GPU."""
     calls = []
 
     def work():
         calls.append(len(calls))
         return torch.ones(2), (torch.zeros(3),)
 
-    with triton_impl.use_launch_config(triton_impl.LaunchConfig(side_stream=mode)):
+    with triton_impl.use_launch_config(triton_impl.LaunchConfig(side_stream=side_stream)):
         beside = triton_impl._Beside(torch.device("cpu"), work)
-        assert calls == ([0] if runs_at_once else [])
-        beside.start()
-        beside.start()
+        assert calls == []
         out, (zeros,) = beside.result()
     assert calls == [0]
     assert torch.equal(out, torch.ones(2)) and torch.equal(zeros, torch.zeros(3))

@@ -58,11 +58,10 @@ WINDOW_DKDV = ("group", "head")  # window dK/dV: one program per key tile and gr
 # nsa::core's compressed and window branches: their dQ as one two-range launch (each query tile and do loaded once,
 # one dQ for both; with the fused gate kernel only, whose backward gives both branches the same do), or apart
 RANGE_PAIR = ("fused", "apart")
-SIDE_STREAM = ("off", "early", "late")
 
 
 RANGE_TILE_FIELDS = ("range_fwd", "range_dq", "range_dkdv", "range_fwd_d64", "range_dq_d64", "range_dkdv_d64")
-BOOL_FIELDS = ("slc_dense_prefix",)
+BOOL_FIELDS = ("slc_dense_prefix", "side_stream")
 
 
 @dataclass(frozen=True)
@@ -109,13 +108,13 @@ class LaunchConfig:
     range_pair: str = "fused"  # one of RANGE_PAIR (kernels-notes.md, v17)
     slc_dense_prefix: bool = False  # selected branch: queries t < n * l' by the range kernels (_dense_prefix; v15)
     prefix_dkdv_group_programs: int = 512  # dense prefix dK/dV: one program per group from this many programs
-    side_stream: str = "early"  # one of SIDE_STREAM: when nsa::core's window / range dK/dV work starts (_Beside)
+    side_stream: bool = True  # nsa::core's window forward and range dK/dV on a second CUDA stream (_Beside; v26)
 
     def __post_init__(self) -> None:
         choices = {"slc_kernel": SELECTED_KERNELS, "gate_kernel": GATE_KERNELS, "range_kernel": RANGE_KERNELS,
                    "delta_kernel": DELTA_KERNELS, "window_dkdv": WINDOW_DKDV, "slc_partial": PARTIAL_DTYPES,
                    "slc_dq": SELECTED_DQ, "slc_dkdv": SELECTED_DKDV, "range_pair": RANGE_PAIR,
-                   "range_loads": RANGE_LOADS, "side_stream": SIDE_STREAM}
+                   "range_loads": RANGE_LOADS}
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise ValueError(f"LaunchConfig.{name}: must be one of {allowed}, got {getattr(self, name)!r}")
@@ -629,10 +628,10 @@ def _partial_dtype(x: torch.Tensor, config: LaunchConfig) -> torch.dtype:
 _COMBINE_ROWS = 32  # (b, t, h) rows per program of the combine and dQ-sum kernels
 
 
-def _selected_fwd(q, k, v, blocks, sel_block: int, scale: float, prefix: int = 0, beside: _Beside | None = None):
+def _selected_fwd(q, k, v, blocks, sel_block: int, scale: float, prefix: int = 0):
     """(o, lse, kernel, index) of the selected branch: the variant that ran and the index its backward reuses.
     prefix: the first queries to run as dense causal attention (_dense_prefix); only for blocks from NSA's own
-    selection, where it is exact. beside: work started before by_block's combine (_Beside)."""
+    selection, where it is exact."""
     q, k, v, blocks = q.contiguous(), _kv_rows(k), _kv_rows(v), blocks.contiguous()
     B, T, H, _ = q.shape
     G, n = k.shape[2], blocks.shape[-1]
@@ -644,7 +643,7 @@ def _selected_fwd(q, k, v, blocks, sel_block: int, scale: float, prefix: int = 0
     blocks = _blocks_past_prefix(blocks, prefix)  # the selected kernels leave the prefix's rows empty
     index = _selected_index(blocks, sel_block, kernel, H // G)
     if kernel == "by_block":
-        _selected_by_block_fwd(q, k, v, blocks, o, lse, index, common, scale, beside)
+        _selected_by_block_fwd(q, k, v, blocks, o, lse, index, common, scale)
     elif kernel in ("tiled", "tiled_by_block"):
         rows, tile_q = _selected_tile(H // G)
         # tiled_by_block saves by_block's work list for its backward; the unions serve the forward alone
@@ -718,12 +717,11 @@ def _selected_index(blocks, sel_block: int, kernel: str, hpg: int,
 
 
 def _selected_bwd(q, k, v, blocks, o, lse, index, do, sel_block: int, scale: float, kernel: str, delta=None,
-                  dq_add=None, prefix: int = 0, beside: _Beside | None = None):
+                  dq_add=None, prefix: int = 0):
     """(dq, dk, dv) of _selected_fwd, under the launch config its forward ran with (the caller pins it); index
     is the forward's (_selected_index), possibly followed by unused empty slots; delta as in _range_bwd;
     dq_add: one or two [B,T,H,Dk] tensors added into dq (folded into by_block's dQ slot sum; the query-driven
-    dQ kernels add the first in place, so it must be the caller's own scratch, and it is returned as dq);
-    beside: work started before by_block's dQ slot sum (_Beside)."""
+    dQ kernels add the first in place, so it must be the caller's own scratch, and it is returned as dq)."""
     q, k, v, blocks, do = q.contiguous(), _kv_rows(k), _kv_rows(v), blocks.contiguous(), do.contiguous()
     B, T, H, _ = q.shape
     G, n = k.shape[2], blocks.shape[-1]
@@ -734,7 +732,7 @@ def _selected_bwd(q, k, v, blocks, o, lse, index, do, sel_block: int, scale: flo
                   **_kv_strides(k, v))
     if kernel in BY_BLOCK_BACKWARD:
         dq, dk, dv = _selected_by_block_bwd(q, k, v, blocks, do, lse, delta, tuple(index[:4]), common, scale,
-                                            dq_add=dq_add, final_kv=not prefix, beside=beside)
+                                            dq_add=dq_add, final_kv=not prefix)
         return (dq, dk, dv) if not prefix else _with_prefix_bwd(q, k, v, do, lse, delta, dq, dk, dv, prefix, scale)
     # The first of the other branches' dQ becomes dq: the kernel adds into it (ACCUMULATE), no pass after.
     adds = list(dq_add or ())
@@ -802,9 +800,8 @@ class _SelectedAttention(torch.autograd.Function):
         return dq, dk, dv, None, None, None
 
 
-def _selected_by_block_fwd(q, k, v, blocks, o, lse, index, common, scale, beside: _Beside | None = None):
-    """Forward of the by_block variant into o and lse, over the work list `index` (_by_block_index); beside
-    starts before the combine, the DRAM-bound pass it can overlap."""
+def _selected_by_block_fwd(q, k, v, blocks, o, lse, index, common, scale):
+    """Forward of the by_block variant into o and lse, over the work list `index` (_by_block_index)."""
     B, T, H, _ = q.shape
     G, n, dv = k.shape[2], blocks.shape[-1], v.shape[-1]
     hpg, c = H // G, _config
@@ -820,8 +817,6 @@ def _selected_by_block_fwd(q, k, v, blocks, o, lse, index, common, scale, beside
         CHUNK=c.slc_block_chunk, PREFETCH=prefetch, **common, num_warps=c.slc_block_warps,
         num_stages=c.slc_block_stages, **(dict(maxnreg=c.slc_block_fwd_maxnreg) if prefetch else {}),
         **_block_tiles(_block_rows(hpg, c), common, k, v))
-    if beside is not None:
-        beside.start()
     rows = B * T * H
     selected_combine_kernel[(triton.cdiv(rows, _COMBINE_ROWS),)](
         o_part, lse2_part, blocks, o, lse, rows, H=H, G=G, DV=dv, BLOCK_DV=common["BLOCK_DV"], N_SELECT=n,
@@ -833,12 +828,12 @@ def _by_block_index(blocks, sel_block, config, shapes_only: bool = False):
 
 
 def _selected_by_block_bwd(q, k, v, blocks, do, lse, delta, index, common, scale, dq_mode=None, dq_add=None,
-                           final_kv=False, beside: _Beside | None = None):
+                           final_kv=False):
     """(dq or None, dk, dv) of the selected branch by key blocks: one fused kernel over the blocks' choosers, then
     the dQ slot sum. dk and dv: with final_kv the gradients in k's and v's dtype, written by the kernel itself;
     else float32 accumulators that the caller adds to and casts (the dense prefix). dq_mode 0 computes dK/dV
     only (for the query-driven variants); None follows slc_dq. dq_add: one or two [B,T,H,Dk] tensors added into
-    dq (the other branches' dQ), by the slot sum where it runs. beside starts before the slot sum."""
+    dq (the other branches' dQ), by the slot sum where it runs."""
     order, starts, work_seg, work_chunk = index
     B, T, H, dk_dim = q.shape
     G, n = k.shape[2], blocks.shape[-1]
@@ -873,8 +868,6 @@ def _selected_by_block_bwd(q, k, v, blocks, do, lse, delta, index, common, scale
         FINAL_KV=final_kv, PREFETCH=_block_prefetch(q, v), **common, num_warps=c.slc_block_warps,
         num_stages=c.slc_block_stages,
         **_block_tiles(_block_rows(hpg, c), common, k, v))
-    if beside is not None:
-        beside.start()
     dq = None
     if dq_mode == 2:
         dq = dq_out.to(q.dtype)
@@ -1026,40 +1019,32 @@ class _Beside:
 
     The attention kernels are latency-bound with two or three programs per multiprocessor, and the combine and
     the dQ slot sum are bound by DRAM (kernels-notes.md, v22): one queue leaves the tail of every kernel and the
-    memory passes' idle matrix units unused. With side_stream "early" the work starts at once on a second CUDA
-    stream, ordered after what the current stream has queued; "late" when the selected branch calls start(),
-    just before its memory-bound pass; "off" (and off CUDA) it runs in order on the current stream there.
-    result() makes the current stream wait for the work and gives what `work` returned. Inside a CUDA graph
-    capture the two streams become two branches of the graph."""
+    memory passes' idle matrix units unused. With side_stream the work starts at once on a second CUDA stream,
+    ordered after what the current stream has queued (v26: about 0.1 ms of 3.74 at 125m 4 x 8k). result() makes
+    the current stream wait for it and gives what `work` returned; without side_stream, or off CUDA, the work
+    runs there, in order on the current stream. Inside a CUDA graph capture the two streams become two branches
+    of the graph."""
 
     _streams: dict[int, torch.cuda.Stream] = {}
 
     def __init__(self, device: torch.device, work) -> None:
-        self.work, self.device, self.out, self.stream = work, device, None, None
-        if _config.side_stream == "early":
-            self.start()
-
-    def start(self) -> None:
-        if self.out is not None:
-            return
-        if _config.side_stream == "off" or self.device.type != "cuda":
-            self.out = self.work()
-            return
-        main = torch.cuda.current_stream(self.device)
-        if self.device.index not in self._streams:
-            self._streams[self.device.index] = torch.cuda.Stream(self.device)
-        self.stream = self._streams[self.device.index]
-        self.stream.wait_stream(main)
-        with torch.cuda.stream(self.stream):
-            self.out = self.work()
+        self.work, self.out, self.stream = work, None, None
+        if _config.side_stream and device.type == "cuda":
+            main = torch.cuda.current_stream(device)
+            if device.index not in self._streams:
+                self._streams[device.index] = torch.cuda.Stream(device)
+            self.stream = self._streams[device.index]
+            self.stream.wait_stream(main)
+            with torch.cuda.stream(self.stream):
+                self.out = work()
 
     def result(self):
-        self.start()
-        if self.stream is not None:
-            main = torch.cuda.current_stream(self.device)
-            main.wait_stream(self.stream)
-            for t in torch.utils._pytree.tree_leaves(self.out):
-                t.record_stream(main)  # made on the second stream: freed only after main's uses
+        if self.stream is None:
+            return self.work()
+        main = torch.cuda.current_stream(self.stream.device)
+        main.wait_stream(self.stream)
+        for t in torch.utils._pytree.tree_leaves(self.out):
+            t.record_stream(main)  # made on the second stream: its memory is reused only after main's uses
         return self.out
 
 
@@ -1088,7 +1073,7 @@ def _core(q: torch.Tensor, k_slc: torch.Tensor, v_slc: torch.Tensor, k_win: torc
     o_cmp, lse_cmp = _range_fwd(q, k_cmp, v_cmp, *_cmp_range(cmp_block, cmp_stride, T), scale)
     blocks = select_blocks(q, k_cmp, lse_cmp, cfg, scale)
     o_slc, lse_slc, _, index = _selected_fwd(q, k_slc, v_slc, blocks, sel_block, scale,
-                                             prefix=_dense_prefix(T, n_selected, sel_block), beside=win)
+                                             prefix=_dense_prefix(T, n_selected, sel_block))
     o_win, lse_win = win.result()
     o = _gated_fwd(gates, o_cmp, o_slc, o_win)
     return [o, blocks, o_cmp, lse_cmp, o_slc, lse_slc, o_win, lse_win, *_padded_index(index, q.device)]
@@ -1142,7 +1127,7 @@ def _core_bwd(do: torch.Tensor, q: torch.Tensor, k_slc: torch.Tensor, v_slc: tor
     # The selected branch's backward adds the other two branches' dQ into its own (by_block: in its slot sum).
     dq, dk_slc, dv_slc = _selected_bwd(q, k_slc, v_slc, blocks, o_slc, lse_slc, index, d_slc, sel_block, scale,
                                        kernel, delta=delta_slc, dq_add=tuple(dq_add),
-                                       prefix=_dense_prefix(T, blocks.shape[-1], sel_block), beside=range_dkdv)
+                                       prefix=_dense_prefix(T, blocks.shape[-1], sel_block))
     (dk_cmp, dv_cmp), (dk_win, dv_win) = range_dkdv.result()
     return [dq, dk_slc, dv_slc, dk_win, dv_win, dk_cmp, dv_cmp, dgates]
 
