@@ -231,21 +231,21 @@ def test_auto_picks_the_selected_variant_from_static_shapes():
 
 
 @pytest.mark.parametrize("side_stream", [True, False])
-def test_work_beside_the_selected_branch_runs_once_where_its_result_is_asked_for_off_a_gpu(side_stream):
-    """_Beside off CUDA (as the interpreter runs) keeps one stream: the work runs when result() is called, once,
-    and result() gives what it returned. tests/test_triton_gpu.py checks the second stream on the GPU."""
+def test_work_beside_the_selected_branch_runs_once_at_the_join_off_a_gpu(side_stream):
+    """_Beside off CUDA (as the interpreter runs) keeps one stream: the work runs at join(), once.
+    tests/test_triton_gpu.py checks the second stream on the GPU."""
+    out = torch.zeros(3)
     calls = []
 
     def work():
         calls.append(len(calls))
-        return torch.ones(2), (torch.zeros(3),)
+        out.add_(1)
 
     with triton_impl.use_launch_config(triton_impl.LaunchConfig(side_stream=side_stream)):
         beside = triton_impl._Beside(torch.device("cpu"), work)
         assert calls == []
-        out, (zeros,) = beside.result()
-    assert calls == [0]
-    assert torch.equal(out, torch.ones(2)) and torch.equal(zeros, torch.zeros(3))
+        beside.join()
+    assert calls == [0] and torch.equal(out, torch.ones(3))
 
 
 SELECTED_VARIANTS = {

@@ -288,10 +288,15 @@ def _range_fwd(q, k, v, key_stride: int, key_offset: int, window: int, scale: fl
     """(o, lse) of attention over a range of keys: query t sees key j iff 0 <= t - (j*key_stride + key_offset)
     < window (kernels/range_attention.py)."""
     q = q.contiguous()
-    o = torch.empty(*q.shape[:3], v.shape[-1], dtype=q.dtype, device=q.device)
-    lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
+    o, lse = _range_outputs(q, v)
     _range_fwd_into(q, k, v, o, lse, q.shape[1], key_stride, key_offset, window, scale)
     return o, lse
+
+
+def _range_outputs(q, v) -> tuple[torch.Tensor, torch.Tensor]:
+    """Empty o [B, T, H, Dv] (q's dtype) and lse [B, T, H] (float32) of _range_fwd."""
+    return (torch.empty(*q.shape[:3], v.shape[-1], dtype=q.dtype, device=q.device),
+            torch.empty(q.shape[:3], dtype=torch.float32, device=q.device))
 
 
 def _range_fwd_into(q, k, v, o, lse, num_queries: int, key_stride: int, key_offset: int, window: int,
@@ -319,15 +324,19 @@ def _range_bwd(q, k, v, o, lse, do, key_stride: int, key_offset: int, window: in
 
 def _range_dkdv(q, k, v, do, lse, delta, key_stride: int, key_offset: int, window: int, scale: float):
     """(dk, dv) of _range_fwd from every query (q, do contiguous; k, v as _kv_rows gives them)."""
-    T = q.shape[1]
-    atomic, _, _ = _range_dkdv_split(q, k, v, T, window)
-    if atomic:  # programs add into fp32 accumulators, cast once at the end
-        dk, dv = _fp32_accumulators(k, v)
-    else:  # one program stores each key row once, in the input dtype: no zero fill, no cast
-        dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
-        dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
-    _range_dkdv_into(q, k, v, do, lse, delta, dk, dv, T, k.shape[1], key_stride, key_offset, window, scale)
+    dk, dv = _range_dkdv_outputs(q, k, v, window)
+    _range_dkdv_into(q, k, v, do, lse, delta, dk, dv, q.shape[1], k.shape[1], key_stride, key_offset, window, scale)
     return dk.to(k.dtype), dv.to(v.dtype)
+
+
+def _range_dkdv_outputs(q, k, v, window: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """What _range_dkdv_into writes dK, dV into: float32 accumulators where programs add (atomic), to be cast once
+    at the end; else empty tensors in k's and v's dtype, each key row stored once (no zero fill, no cast)."""
+    atomic, _, _ = _range_dkdv_split(q, k, v, q.shape[1], window)
+    if atomic:
+        return _fp32_accumulators(k, v)
+    return (torch.empty(k.shape, dtype=k.dtype, device=k.device),
+            torch.empty(v.shape, dtype=v.dtype, device=v.device))
 
 
 def _range_dq_into(q, k, v, do, lse, delta, dq, num_queries: int, key_stride: int, key_offset: int, window: int,
@@ -1020,15 +1029,18 @@ class _Beside:
     The attention kernels are latency-bound with two or three programs per multiprocessor, and the combine and
     the dQ slot sum are bound by DRAM (kernels-notes.md, v22): one queue leaves the tail of every kernel and the
     memory passes' idle matrix units unused. With side_stream the work starts at once on a second CUDA stream,
-    ordered after what the current stream has queued (v26: about 0.1 ms of 3.74 at 125m 4 x 8k). result() makes
-    the current stream wait for it and gives what `work` returned; without side_stream, or off CUDA, the work
-    runs there, in order on the current stream. Inside a CUDA graph capture the two streams become two branches
-    of the graph."""
+    ordered after what the current stream has queued (v26: about 0.1 ms of 3.74 at 125m 4 x 8k); join() makes the
+    current stream wait for it. Without side_stream, or off CUDA, join() runs it there, in order.
+
+    The work writes into tensors the caller allocated on the current stream, so nothing the second stream
+    allocates outlives the work: its own temporaries go back to its pool in its own order, and no tensor needs
+    record_stream (whose deferred frees cost the eager path, v26). Inside a CUDA graph capture the two streams
+    become two branches of the graph."""
 
     _streams: dict[int, torch.cuda.Stream] = {}
 
     def __init__(self, device: torch.device, work) -> None:
-        self.work, self.out, self.stream = work, None, None
+        self.work, self.stream = work, None
         if _config.side_stream and device.type == "cuda":
             main = torch.cuda.current_stream(device)
             if device.index not in self._streams:
@@ -1036,16 +1048,13 @@ class _Beside:
             self.stream = self._streams[device.index]
             self.stream.wait_stream(main)
             with torch.cuda.stream(self.stream):
-                self.out = work()
+                work()
 
-    def result(self):
+    def join(self) -> None:
         if self.stream is None:
-            return self.work()
-        main = torch.cuda.current_stream(self.stream.device)
-        main.wait_stream(self.stream)
-        for t in torch.utils._pytree.tree_leaves(self.out):
-            t.record_stream(main)  # made on the second stream: its memory is reused only after main's uses
-        return self.out
+            self.work()
+        else:
+            torch.cuda.current_stream(self.stream.device).wait_stream(self.stream)
 
 
 def _empty_index(device) -> torch.Tensor:
@@ -1069,12 +1078,15 @@ def _core(q: torch.Tensor, k_slc: torch.Tensor, v_slc: torch.Tensor, k_win: torc
     """[o, blocks, o_cmp, lse_cmp, o_slc, lse_slc, o_win, lse_win, *index (4 slots)]."""
     cfg = _core_nsa_config(cmp_block, cmp_stride, sel_block, n_selected, window, n_init_blocks, n_local_blocks)
     T = q.shape[1]
-    win = _Beside(q.device, lambda: _range_fwd(q, k_win, v_win, *_win_range(window, T), scale))
+    q = q.contiguous()
+    o_win, lse_win = _range_outputs(q, v_win)
+    win = _Beside(q.device, lambda: _range_fwd_into(q, k_win, v_win, o_win, lse_win, T, *_win_range(window, T),
+                                                    scale))
     o_cmp, lse_cmp = _range_fwd(q, k_cmp, v_cmp, *_cmp_range(cmp_block, cmp_stride, T), scale)
     blocks = select_blocks(q, k_cmp, lse_cmp, cfg, scale)
     o_slc, lse_slc, _, index = _selected_fwd(q, k_slc, v_slc, blocks, sel_block, scale,
                                              prefix=_dense_prefix(T, n_selected, sel_block))
-    o_win, lse_win = win.result()
+    win.join()
     o = _gated_fwd(gates, o_cmp, o_slc, o_win)
     return [o, blocks, o_cmp, lse_cmp, o_slc, lse_slc, o_win, lse_win, *_padded_index(index, q.device)]
 
@@ -1116,7 +1128,9 @@ def _core_bwd(do: torch.Tensor, q: torch.Tensor, k_slc: torch.Tensor, v_slc: tor
     cmp = (q, _kv_rows(k_cmp), _kv_rows(v_cmp), d_cmp, lse_cmp, delta_cmp, *_cmp_range(cmp_block, cmp_stride, T))
     win = (q, _kv_rows(k_win), _kv_rows(v_win), d_win, lse_win, delta_win, *_win_range(window, T))
     # dK/dV of the compressed and window branches feed nothing else here: beside the dQ kernels.
-    range_dkdv = _Beside(q.device, lambda: (_range_dkdv(*cmp, scale), _range_dkdv(*win, scale)))
+    dkdv = [_range_dkdv_outputs(q, r[1], r[2], r[-1]) for r in (cmp, win)]
+    range_dkdv = _Beside(q.device, lambda: [_range_dkdv_into(*r[:6], dk, dv, T, r[1].shape[1], *r[6:], scale)
+                                            for r, (dk, dv) in zip((cmp, win), dkdv)])
     if _range_pair_fused():  # d_cmp = d_win = do: one dQ launch for both branches
         dq_add = [torch.empty_like(q)]
         _range_dq_into(*cmp[:6], dq_add[0], T, *cmp[6:], scale, second=(*win[1:3], *win[4:]))
@@ -1128,7 +1142,9 @@ def _core_bwd(do: torch.Tensor, q: torch.Tensor, k_slc: torch.Tensor, v_slc: tor
     dq, dk_slc, dv_slc = _selected_bwd(q, k_slc, v_slc, blocks, o_slc, lse_slc, index, d_slc, sel_block, scale,
                                        kernel, delta=delta_slc, dq_add=tuple(dq_add),
                                        prefix=_dense_prefix(T, blocks.shape[-1], sel_block))
-    (dk_cmp, dv_cmp), (dk_win, dv_win) = range_dkdv.result()
+    range_dkdv.join()
+    (dk_cmp, dv_cmp), (dk_win, dv_win) = [(dk.to(r[1].dtype), dv.to(r[2].dtype))  # accumulators: cast
+                                          for r, (dk, dv) in zip((cmp, win), dkdv)]
     return [dq, dk_slc, dv_slc, dk_win, dv_win, dk_cmp, dv_cmp, dgates]
 
 
