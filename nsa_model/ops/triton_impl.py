@@ -726,12 +726,11 @@ def _selected_index(blocks, sel_block: int, kernel: str, hpg: int,
 
 
 def _selected_bwd(q, k, v, blocks, o, lse, index, do, sel_block: int, scale: float, kernel: str, delta=None,
-                  dq_add=None, prefix: int = 0, dq_add_ready=None):
+                  dq_add=None, prefix: int = 0):
     """(dq, dk, dv) of _selected_fwd, under the launch config its forward ran with (the caller pins it); index
     is the forward's (_selected_index), possibly followed by unused empty slots; delta as in _range_bwd;
     dq_add: one or two [B,T,H,Dk] tensors added into dq (folded into by_block's dQ slot sum; the query-driven
-    dQ kernels add the first in place, so it must be the caller's own scratch, and it is returned as dq);
-    dq_add_ready: called before the first launch that reads dq_add (the caller's wait for whoever writes it)."""
+    dQ kernels add the first in place, so it must be the caller's own scratch, and it is returned as dq)."""
     q, k, v, blocks, do = q.contiguous(), _kv_rows(k), _kv_rows(v), blocks.contiguous(), do.contiguous()
     B, T, H, _ = q.shape
     G, n = k.shape[2], blocks.shape[-1]
@@ -742,14 +741,12 @@ def _selected_bwd(q, k, v, blocks, o, lse, index, do, sel_block: int, scale: flo
                   **_kv_strides(k, v))
     if kernel in BY_BLOCK_BACKWARD:
         dq, dk, dv = _selected_by_block_bwd(q, k, v, blocks, do, lse, delta, tuple(index[:4]), common, scale,
-                                            dq_add=dq_add, final_kv=not prefix, dq_add_ready=dq_add_ready)
+                                            dq_add=dq_add, final_kv=not prefix)
         return (dq, dk, dv) if not prefix else _with_prefix_bwd(q, k, v, do, lse, delta, dq, dk, dv, prefix, scale)
     # The first of the other branches' dQ becomes dq: the kernel adds into it (ACCUMULATE), no pass after.
     adds = list(dq_add or ())
     accumulate = bool(adds)
     dq = _dq_scratch(adds.pop(0), q) if adds else torch.empty_like(q)
-    if dq_add_ready is not None:
-        dq_add_ready()
     if kernel == "tiled":
         union, count = index[:2]
         rows, tile_q = _selected_tile(hpg)
@@ -840,12 +837,12 @@ def _by_block_index(blocks, sel_block, config, shapes_only: bool = False):
 
 
 def _selected_by_block_bwd(q, k, v, blocks, do, lse, delta, index, common, scale, dq_mode=None, dq_add=None,
-                           final_kv=False, dq_add_ready=None):
+                           final_kv=False):
     """(dq or None, dk, dv) of the selected branch by key blocks: one fused kernel over the blocks' choosers, then
     the dQ slot sum. dk and dv: with final_kv the gradients in k's and v's dtype, written by the kernel itself;
     else float32 accumulators that the caller adds to and casts (the dense prefix). dq_mode 0 computes dK/dV
     only (for the query-driven variants); None follows slc_dq. dq_add: one or two [B,T,H,Dk] tensors added into
-    dq (the other branches' dQ), by the slot sum where it runs; dq_add_ready as in _selected_bwd."""
+    dq (the other branches' dQ), by the slot sum where it runs."""
     order, starts, work_seg, work_chunk = index
     B, T, H, dk_dim = q.shape
     G, n = k.shape[2], blocks.shape[-1]
@@ -864,8 +861,6 @@ def _selected_by_block_bwd(q, k, v, blocks, do, lse, delta, index, common, scale
         dk_acc, dv_acc = _fp32_accumulators(k, v)
         dk_out, dv_out, done = dk_acc, dv_acc, starts  # unread
     if dq_mode == 2:  # the atomics add into the other branches' dQ, summed in float32 (no zero fill, no add after)
-        if dq_add_ready is not None:
-            dq_add_ready()
         dq_out = (dq_add[0].to(torch.float32, copy=True) if dq_add else
                   torch.zeros(q.shape, dtype=torch.float32, device=q.device))
         for extra in (dq_add or ())[1:]:
@@ -882,8 +877,6 @@ def _selected_by_block_bwd(q, k, v, blocks, do, lse, delta, index, common, scale
         FINAL_KV=final_kv, PREFETCH=_block_prefetch(q, v), **common, num_warps=c.slc_block_warps,
         num_stages=c.slc_block_stages,
         **_block_tiles(_block_rows(hpg, c), common, k, v))
-    if dq_add_ready is not None:
-        dq_add_ready()  # the slot sum reads dq_add
     dq = None
     if dq_mode == 2:
         dq = dq_out.to(q.dtype)
@@ -1047,7 +1040,7 @@ class _Beside:
     _streams: dict[int, torch.cuda.Stream] = {}
 
     def __init__(self, device: torch.device, work) -> None:
-        self.work, self.stream, self.joined = work, None, False
+        self.work, self.stream = work, None
         if _config.side_stream and device.type == "cuda":
             main = torch.cuda.current_stream(device)
             if device.index not in self._streams:
@@ -1058,10 +1051,6 @@ class _Beside:
                 work()
 
     def join(self) -> None:
-        """Once the first time; later calls do nothing."""
-        if self.joined:
-            return
-        self.joined = True
         if self.stream is None:
             self.work()
         else:
@@ -1138,26 +1127,22 @@ def _core_bwd(do: torch.Tensor, q: torch.Tensor, k_slc: torch.Tensor, v_slc: tor
     q, d_cmp, d_win = q.contiguous(), d_cmp.contiguous(), d_win.contiguous()
     cmp = (q, _kv_rows(k_cmp), _kv_rows(v_cmp), d_cmp, lse_cmp, delta_cmp, *_cmp_range(cmp_block, cmp_stride, T))
     win = (q, _kv_rows(k_win), _kv_rows(v_win), d_win, lse_win, delta_win, *_win_range(window, T))
-    pair = _range_pair_fused()  # d_cmp = d_win = do: one dQ launch for both branches
-    dq_add = [torch.empty_like(q) for _ in range(1 if pair else 2)]
+    # dK/dV of the compressed and window branches feed nothing else here: beside the dQ kernels.
     dkdv = [_range_dkdv_outputs(q, r[1], r[2], r[-1]) for r in (cmp, win)]
-
-    def range_bwd():  # the compressed and window branches' dQ, then their dK/dV
-        if pair:
-            _range_dq_into(*cmp[:6], dq_add[0], T, *cmp[6:], scale, second=(*win[1:3], *win[4:]))
-        else:
-            for r, dq_range in zip((cmp, win), dq_add):
-                _range_dq_into(*r[:6], dq_range, T, *r[6:], scale)
-        for r, (dk, dv) in zip((cmp, win), dkdv):
-            _range_dkdv_into(*r[:6], dk, dv, T, r[1].shape[1], *r[6:], scale)
-
-    # They need nothing from the selected branch, which needs their dQ only where it adds it into its own (by_block:
-    # in its slot sum): they run beside its kernels up to there.
-    ranges = _Beside(q.device, range_bwd)
+    range_dkdv = _Beside(q.device, lambda: [_range_dkdv_into(*r[:6], dk, dv, T, r[1].shape[1], *r[6:], scale)
+                                            for r, (dk, dv) in zip((cmp, win), dkdv)])
+    if _range_pair_fused():  # d_cmp = d_win = do: one dQ launch for both branches
+        dq_add = [torch.empty_like(q)]
+        _range_dq_into(*cmp[:6], dq_add[0], T, *cmp[6:], scale, second=(*win[1:3], *win[4:]))
+    else:
+        dq_add = [torch.empty_like(q), torch.empty_like(q)]
+        for (_, k, v, d, *rest), dq_range in zip((cmp, win), dq_add):
+            _range_dq_into(q, k, v, d, *rest[:2], dq_range, T, *rest[2:], scale)
+    # The selected branch's backward adds the other two branches' dQ into its own (by_block: in its slot sum).
     dq, dk_slc, dv_slc = _selected_bwd(q, k_slc, v_slc, blocks, o_slc, lse_slc, index, d_slc, sel_block, scale,
                                        kernel, delta=delta_slc, dq_add=tuple(dq_add),
-                                       prefix=_dense_prefix(T, blocks.shape[-1], sel_block), dq_add_ready=ranges.join)
-    ranges.join()
+                                       prefix=_dense_prefix(T, blocks.shape[-1], sel_block))
+    range_dkdv.join()
     (dk_cmp, dv_cmp), (dk_win, dv_win) = [(dk.to(r[1].dtype), dv.to(r[2].dtype))  # accumulators: cast
                                           for r, (dk, dv) in zip((cmp, win), dkdv)]
     return [dq, dk_slc, dv_slc, dk_win, dv_win, dk_cmp, dv_cmp, dgates]
