@@ -76,7 +76,9 @@ class LaunchConfig:
     range_dkdv_d64: tuple[int, int, int, int] = (64, 64, 4, 3)  # v8 sweep: -8% at 32k
     select_block_m: int = 64  # query tile of the selection kernel
     select_chunk_splits: int = 0  # selection walks chunks of n_pad * 2**this blocks (see kernels/selection.py)
-    range_dkdv_programs: int = 2048  # compressed dK/dV: split the query axis until about this many programs
+    # compressed dK/dV: split the query axis until about this many programs (v26f: beside the selected branch on the
+    # second stream, 1024 beat 2048 by 0.05 ms at 125m 4 x 8k and 16 x 2k, a tie at paper 64k; 512 lost 0.9 ms there)
+    range_dkdv_programs: int = 1024
     select_warps: int = 4
     slc_warps: int = 2  # selected attention forward and dQ (2 beat 4 in the v2 sweep on H100)
     slc_stages: int = 2
