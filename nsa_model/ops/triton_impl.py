@@ -1036,8 +1036,7 @@ class _Beside:
 
     The work writes into tensors the caller allocated on the current stream, so nothing the second stream
     allocates outlives the work: its own temporaries go back to its pool in its own order, and no tensor needs
-    record_stream (whose deferred frees cost the eager path, v26). Inside a CUDA graph capture the two streams
-    become two branches of the graph."""
+    record_stream. Inside a CUDA graph capture the two streams become two branches of the graph."""
 
     _streams: dict[int, torch.cuda.Stream] = {}
 
