@@ -1,11 +1,13 @@
 """What the compiled training forward keeps for the backward, per layer, NSA against dense, at real shapes, on a CPU.
 
-    python bench/saved_activations.py --preset nsa-125m --seq-lens 2048,8192,32768 [--micro-tokens 32768]
+    python bench/saved_activations.py --preset nsa-125m --seq-lens 2048,8192,32768 [--micro-tokens 32768] \
+        [--recompute nsa[,dense]]
 
 torch.compile traces the model under bf16 autocast with fake tensors. AOT autograd splits the graph the way
 inductor does (inductor's decompositions, the min-cut partitioner). The forward graph's outputs beyond the loss
 are the tensors saved for the backward. Their bytes are summed, each storage once (views of one tensor count
-once), for a model of one layer and one of two. The difference is one layer's share; the rest belongs to the
+once; the graph's inputs, parameters among them, not at all: they are in memory anyway), for a model of one
+layer and one of two. The difference is one layer's share; the rest belongs to the
 embedding and the head. The compiler then stops before anything runs, so no kernel executes and the 125M model at
 T = 32768 takes seconds.
 
@@ -58,6 +60,8 @@ def saved_for_backward(model: torch.nn.Module, tokens: torch.Tensor) -> Saved:
             value = node.meta.get("val") if isinstance(node, torch.fx.Node) else None
             if not isinstance(value, torch.Tensor) or value.dim() == 0:  # the loss, symbolic sizes
                 continue
+            if node.op == "placeholder":  # a parameter, buffer or input: in memory whether saved or not
+                continue
             storage = value.untyped_storage()
             if storage._cdata in storages:
                 continue
@@ -81,24 +85,27 @@ def saved_for_backward(model: torch.nn.Module, tokens: torch.Tensor) -> Saved:
     return found["saved"]
 
 
-def _model(preset: str, seq_len: int, layers: int) -> torch.nn.Module:
+def _model(preset: str, seq_len: int, layers: int, recompute: bool) -> torch.nn.Module:
     cfg = get_preset(preset).replace(max_seq_len=seq_len, n_layers=layers)
     with torch.device("meta"):  # parameters without memory; to_empty gives them (uninitialised) CPU storage
-        model = Transformer(cfg, backend="triton" if cfg.attention == "nsa" else "auto")
+        model = Transformer(cfg, backend="triton" if cfg.attention == "nsa" else "auto",
+                            attention_recompute=recompute)
     return model.to_empty(device="cpu")
 
 
-def per_layer(preset: str, seq_len: int, batch: int) -> dict:
-    """Saved bytes of one layer (2-layer model minus 1-layer model) and of the rest, with the per-layer sites.
-    An NSA preset needs the Triton backend importable for CPU tensors (TRITON_INTERPRET=1 before its import)."""
+def per_layer(preset: str, seq_len: int, batch: int, recompute: bool = False) -> dict:
+    """Saved bytes of one layer (2-layer model minus 1-layer model) and of the rest, with the per-layer sites;
+    recompute: the model's attention_recompute. An NSA preset needs the Triton backend importable for CPU
+    tensors (TRITON_INTERPRET=1 before its import)."""
     from nsa_model.ops import triton_impl
 
     tokens = torch.zeros(batch, seq_len, dtype=torch.long)
     with triton_impl.use_launch_config(triton_impl.LaunchConfig()):  # the GPU's config (index sizes follow it)
-        one, two = (saved_for_backward(_model(preset, seq_len, n), tokens) for n in (1, 2))
+        one, two = (saved_for_backward(_model(preset, seq_len, n, recompute), tokens) for n in (1, 2))
     sites = collections.Counter(two.by_site)
     sites.subtract(one.by_site)
-    return {"preset": preset, "seq_len": seq_len, "batch": batch, "layer_bytes": two.total_bytes - one.total_bytes,
+    return {"preset": preset, "seq_len": seq_len, "batch": batch, "recompute": recompute,
+            "layer_bytes": two.total_bytes - one.total_bytes,
             "rest_bytes": 2 * one.total_bytes - two.total_bytes,
             "layer_sites": dict(sorted(((k, v) for k, v in sites.items() if v), key=lambda kv: -kv[1]))}
 
@@ -108,7 +115,8 @@ def markdown(meta: dict, rows: list[dict]) -> str:
     lines = [f"# Saved activations per layer, NSA vs dense (traced on the CPU), {meta['date']}", "",
              f"commit {meta['commit']}, torch {meta['torch']}, preset {meta['preset']} ({meta['layers']} layers), "
              f"micro-batches of {meta['micro_tokens']} tokens, bf16 autocast; inductor's decompositions and min-cut "
-             "partitioner. Bytes of the tensors the compiled forward saves for the backward (each storage once).", "",
+             "partitioner. Bytes of the tensors the compiled forward saves for the backward (each storage once). "
+             f"attention_recompute: {', '.join(meta.get('recompute') or []) or 'neither model'}.", "",
              "| T | batch | NSA MiB / layer | dense MiB / layer | NSA - dense per layer | x layers | NSA / dense, "
              "all layers |", "|---|---|---|---|---|---|---|"]
     by_t: dict[int, dict] = {}
@@ -136,7 +144,12 @@ def main() -> None:
     ap.add_argument("--micro-tokens", type=int, default=32768, help="tokens per micro-batch (batch = this / T)")
     ap.add_argument("--out", default="bench/results")
     ap.add_argument("--suffix", default="")
+    ap.add_argument("--recompute", default="", help="comma-separated: the models (nsa, dense) traced with "
+                                                     "attention_recompute")
     args = ap.parse_args()
+    recompute = [x for x in args.recompute.split(",") if x]
+    if set(recompute) - {"nsa", "dense"}:
+        raise SystemExit(f"--recompute: unknown {sorted(set(recompute) - {'nsa', 'dense'})}; use nsa, dense")
     # The Triton backend checks that its inputs can run: CUDA tensors, or CPU ones under Triton's interpreter.
     # Nothing runs here (the tracing uses fake tensors), but the check must pass on CPU tensors, so the
     # interpreter's switch is set before the backend is first imported.
@@ -144,12 +157,13 @@ def main() -> None:
     rows = []
     for t in (int(x) for x in args.seq_lens.split(",")):
         for attention, preset in (("nsa", args.preset), ("dense", f"{args.preset}-dense")):
-            row = per_layer(preset, t, max(1, args.micro_tokens // t))
+            row = per_layer(preset, t, max(1, args.micro_tokens // t), attention in recompute)
             rows.append({"attention": attention, **row})
             print(json.dumps({k: v for k, v in rows[-1].items() if k != "layer_sites"}), flush=True)
     now = dt.datetime.now(dt.timezone.utc)
     meta = {"date": now.strftime("%Y-%m-%d %H:%M UTC"), "commit": git_commit(), "torch": torch.__version__,
-            "preset": args.preset, "layers": get_preset(args.preset).n_layers, "micro_tokens": args.micro_tokens}
+            "preset": args.preset, "layers": get_preset(args.preset).n_layers, "micro_tokens": args.micro_tokens,
+            "recompute": recompute}
     stem = Path(args.out) / f"saved-activations-{now.strftime('%Y-%m-%d')}{args.suffix}"
     stem.parent.mkdir(parents=True, exist_ok=True)
     stem.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))

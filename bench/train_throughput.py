@@ -8,6 +8,9 @@ to a JSONL file, and the first interval (start-up, torch.compile) is left out of
 
     # GPU (one worker, bf16, compiled), issue 9's lengths:
     python bench/train_throughput.py --config configs/bench-train-gpu.yaml --seq-lens 2048,8192,32768
+    # T=32768 with NSA's attention module recomputing its projections in the backward (less memory):
+    python bench/train_throughput.py --config configs/bench-train-gpu.yaml --seq-lens 32768 \
+        --nsa-set train.attention_recompute=true
     # CPU smoke of the same path on the tiny preset:
     python bench/train_throughput.py --config configs/bench-train-cpu.yaml --seq-lens 64,128 \
         --tokens-per-step 1024 --micro-tokens 512 --warmup 2 --measure 4
@@ -149,7 +152,9 @@ def markdown(meta: dict[str, Any], runs: dict[tuple[str, int], dict[str, Any]], 
     lines = [f"# Training throughput, NSA vs dense: {meta['device']}, {meta['date']}", "",
              f"commit {meta['commit']}, torch {meta['torch']}, preset {meta['preset']}, {meta['tokens_per_step']} "
              f"tokens per optimizer step (micro-batches of {meta['micro_tokens']} tokens), {meta['warmup']} warm-up "
-             f"steps excluded, {meta['measure']} measured; config {meta['config']}; {meta['compile_note']}", "",
+             f"steps excluded, {meta['measure']} measured; config {meta['config']}; {meta['compile_note']}"
+             + "".join(f"; {kind} only: {', '.join(meta[f'{kind}_overrides'])}" for kind in ("nsa", "dense")
+                       if meta.get(f"{kind}_overrides")), "",
              "| attention | T | tokens/s | MFU | step s | data wait | peak MiB allocated / reserved | last loss |",
              "|---|---|---|---|---|---|---|---|"]
     for (attn, T), r in sorted(runs.items(), key=lambda kv: (kv[0][1], kv[0][0] != "nsa")):
@@ -210,6 +215,7 @@ def write_results(args, base, runs: dict[tuple[str, int], dict[str, Any]]) -> st
     preset = (base.raw.get("model") or {}).get("preset", "tiny")
     meta = {"device": name, "date": now.strftime("%Y-%m-%d %H:%M UTC"), "commit": args.commit or git_commit(),
             "torch": torch.__version__, "preset": preset, "config": args.config, "overrides": args.set,
+            "nsa_overrides": args.nsa_set, "dense_overrides": args.dense_set,
             "tokens_per_step": args.tokens_per_step, "micro_tokens": args.micro_tokens, "warmup": args.warmup,
             "measure": args.measure,
             "compile_note": (f"torch.compile (mode {base.train.compile_mode}) of the whole model, one graph: the Triton "
@@ -238,10 +244,22 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=3, help="steps left out (start-up, compile); also the report cadence")
     p.add_argument("--measure", type=int, default=6, help="measured steps (a multiple of --warmup)")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="more config overrides")
+    p.add_argument("--nsa-set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                   help="overrides of the NSA runs only (printed in the results' header)")
+    p.add_argument("--dense-set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                   help="overrides of the dense runs only (printed in the results' header)")
     p.add_argument("--commit", default=None, help="commit to record (default: git rev-parse of this checkout)")
     p.add_argument("--out", default=str(Path(__file__).parent / "results"), help="results folder")
     p.add_argument("--tag", default="", help="suffix of the results file names")
     return p.parse_args(argv)
+
+
+def job_overrides(args: argparse.Namespace, preset: str, kind: str, seq_len: int, storage: str) -> list[str]:
+    """All overrides of one run: --set, then --nsa-set or --dense-set for its kind, then the run's own."""
+    own = args.nsa_set if kind == "nsa" else args.dense_set
+    return args.set + own + run_overrides(preset=preset, attention=kind, seq_len=seq_len,
+                                          tokens_per_step=args.tokens_per_step, micro_tokens=args.micro_tokens,
+                                          warmup=args.warmup, measure=args.measure, storage=storage)
 
 
 def main(argv=None) -> int:
@@ -261,10 +279,7 @@ def main(argv=None) -> int:
     jobs = {}  # every config is built (and its fields checked) before anything runs
     for T in seq_lens:
         for kind in kinds:
-            overrides = run_overrides(preset=preset, attention=kind, seq_len=T, tokens_per_step=args.tokens_per_step,
-                                      micro_tokens=args.micro_tokens, warmup=args.warmup, measure=args.measure,
-                                      storage=storage)
-            jobs[(kind, T)] = load_job_config(args.config, args.set + overrides)
+            jobs[(kind, T)] = load_job_config(args.config, job_overrides(args, preset, kind, T, storage))
     ray.init(address="local", include_dashboard=False)
     runs: dict[tuple[str, int], dict[str, Any]] = {}
     for (kind, T), job in jobs.items():

@@ -5,10 +5,12 @@ Both take x [B, T, dim] and return [B, T, dim], with the same constructor, so th
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from nsa_model import ops
 from nsa_model.config import ModelConfig, NSAConfig
@@ -76,6 +78,25 @@ def rotate_and_split(y: torch.Tensor, rope: RotaryEmbedding, heads: list[int], h
     return parts
 
 
+def _keep_only(prefixes: tuple[str, ...], ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    """Selective checkpointing policy: keep the outputs of the ops named by `prefixes`, recompute the rest."""
+    name = op.name() if hasattr(op, "name") else str(op)
+    return CheckpointPolicy.MUST_SAVE if name.startswith(prefixes) else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def recompute_around(core_ops: tuple[str, ...], fn, *args):
+    """fn(*args) keeping for the backward only its inputs and what the ops named core_ops return; everything else
+    (the q/k/v projection and its RoPE above all) is computed again in the backward from the inputs.
+
+    Attention modules use it for `recompute`: their projections are cheap to run again (one GEMM) and large to
+    keep (q and every K/V set, [B, T, heads, D] each), while the attention core is the costly part and keeps its
+    own results. Under torch.compile the policy becomes the partitioner's recompute tags."""
+    if not torch.is_grad_enabled():
+        return fn(*args)
+    return checkpoint(fn, *args, use_reentrant=False,
+                      context_fn=partial(create_selective_checkpoint_contexts, partial(_keep_only, core_ops)))
+
+
 class Compressor(nn.Module):
     """phi of paper Eq. 7: maps each block of l raw vectors (stride d) to one compressed vector.
 
@@ -93,14 +114,15 @@ class Compressor(nn.Module):
         elif kind != "avg":
             raise ValueError(f"Compressor.kind: must be 'avg' or 'mlp', got {kind!r}")
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """[B, T, G, D] -> [B, Tc, G, D] with Tc = floor((T - l)/d) + 1 (0 when T < l)."""
+    def forward(self, x: torch.Tensor, checkpointed: bool = True) -> torch.Tensor:
+        """[B, T, G, D] -> [B, Tc, G, D] with Tc = floor((T - l)/d) + 1 (0 when T < l). checkpointed=False: the
+        caller recomputes this call in its backward anyway (recompute_around), so no checkpoint of its own."""
         B, T, G, D = x.shape
         if T < self.block:  # static shape: no compressed token exists yet
             return x.new_zeros(B, 0, G, D)
         if self.kind == "avg":
             return self._blocks(x).mean(dim=-1)
-        if torch.is_grad_enabled():
+        if checkpointed and torch.is_grad_enabled():
             # Kept for the backward, fc1's input would be l*D values per compressed token (l/d = 2 copies of x).
             # Recomputed from x (kept anyway) it costs one small MLP: 273 MiB less peak memory on nsa-125m at 64k
             # tokens per step in default compile mode. The checkpoint starts at x, not at its unfold view: a saved
@@ -127,13 +149,18 @@ class NSAAttention(nn.Module):
     After each forward, `stats` holds detached on-device statistics of that call (no host sync; read them
     when logging): gate means per branch (cmp, slc, win), the mean number of selected blocks per query, and
     the mean distance in blocks between a query's block and its selected blocks.
+
+    recompute: the backward computes the projection, RoPE, the gates, phi and the compressed and window branch
+    outputs again instead of keeping them; kept are x, the core's log-sum-exps, selections and its selected branch
+    output (nsa-125m at 32k tokens: about 190 MiB less per layer; kernels-notes.md, v27).
     """
 
     STATS = ("gate_cmp", "gate_slc", "gate_win", "sel_blocks", "sel_distance")
+    CORE_OPS = ("nsa::core",)  # what recompute keeps (on the naive and torch backends: nothing, all is recomputed)
 
-    def __init__(self, cfg: ModelConfig, backend: str = "auto") -> None:
+    def __init__(self, cfg: ModelConfig, backend: str = "auto", recompute: bool = False) -> None:
         super().__init__()
-        self.cfg, self.nsa, self.backend = cfg, cfg.nsa, check_backend(backend)
+        self.cfg, self.nsa, self.backend, self.recompute = cfg, cfg.nsa, check_backend(backend), recompute
         ops.preload(self.backend)
         H, G, Dk, Dv = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.dv
         self.kv_sets = 1 if cfg.shared_kv else len(BRANCHES)
@@ -151,20 +178,32 @@ class NSAAttention(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, _ = x.shape
         H, Dv = self.cfg.n_heads, self.cfg.dv
+        if self.recompute:
+            o, gates, blocks = recompute_around(self.CORE_OPS, self._attend, x)
+        else:
+            o, gates, blocks = self._attend(x)
+        self._record_stats(gates, blocks)
+        return self.wo(o.reshape(B, T, H * Dv))
+
+    def _attend(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(o [B, T, H, Dv], gates [B, T, H, 3], blocks) for x [B, T, dim]."""
+        B, T, _ = x.shape
         # RoPE on the raw keys first: compression and selection work on rotated keys (spec).
         q, *kv, gate_logits = project_qkv(x, self.wq, self.wk, self.wv, self.rope, self.cfg, self.kv_sets,
                                           self.backend, gate=self.gate)
         k_cmp, k_slc, k_win = kv[:3] if self.kv_sets > 1 else kv[:1] * 3
         v_cmp, v_slc, v_win = kv[3:] if self.kv_sets > 1 else kv[1:] * 3
-        gates = torch.sigmoid(gate_logits).view(B, T, H, len(BRANCHES))
+        gates = torch.sigmoid(gate_logits).view(B, T, self.cfg.n_heads, len(BRANCHES))
+        own_checkpoint = not self.recompute
+        k_cmp, v_cmp = self.phi_k(k_cmp, own_checkpoint), self.phi_v(v_cmp, own_checkpoint)
         # On the triton backend the core is one custom op (nsa::core): torch.compile traces through it.
-        o, blocks = ops.nsa_attention(q, k_slc, v_slc, k_win, v_win, self.phi_k(k_cmp), self.phi_v(v_cmp), gates,
-                                      self.nsa, backend=self.backend, return_blocks=True)
-        self._record_stats(gates, blocks)
-        return self.wo(o.reshape(B, T, H * Dv))
+        o, blocks = ops.nsa_attention(q, k_slc, v_slc, k_win, v_win, k_cmp, v_cmp, gates, self.nsa,
+                                      backend=self.backend, return_blocks=True, recompute=self.recompute)
+        return o, gates, blocks
 
     @torch.no_grad()
     def _record_stats(self, gates: torch.Tensor, blocks: torch.Tensor) -> None:
+        gates = gates.detach()
         valid = blocks >= 0
         query_block = torch.arange(blocks.shape[1], device=blocks.device)[None, :, None, None] // self.nsa.sel_block
         distance = torch.where(valid, query_block - blocks, torch.zeros_like(blocks)).float()
@@ -175,12 +214,16 @@ class NSAAttention(nn.Module):
 
 
 class DenseAttention(nn.Module):
-    """Causal grouped-query attention through PyTorch SDPA, the baseline NSA is compared against."""
+    """Causal grouped-query attention through PyTorch SDPA, the baseline NSA is compared against.
 
-    def __init__(self, cfg: ModelConfig, backend: str = "auto") -> None:
+    recompute: the backward computes the projection and RoPE again; kept are x and SDPA's own results."""
+
+    CORE_OPS = ("aten::_scaled_dot_product",)  # every SDPA kernel op (flash, cuDNN, efficient, math, CPU)
+
+    def __init__(self, cfg: ModelConfig, backend: str = "auto", recompute: bool = False) -> None:
         super().__init__()
         # SDPA picks its own attention kernel; the backend runs RoPE and the q/k/v split (project_qkv)
-        self.cfg, self.backend = cfg, check_backend(backend)
+        self.cfg, self.backend, self.recompute = cfg, check_backend(backend), recompute
         ops.preload(self.backend)
         H, G, Dk, Dv = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.dv
         self.wq = nn.Linear(cfg.dim, H * Dk, bias=False)
@@ -191,12 +234,17 @@ class DenseAttention(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, _ = x.shape
-        H, G, Dv = self.cfg.n_heads, self.cfg.n_kv_heads, self.cfg.dv
+        o = recompute_around(self.CORE_OPS, self._attend, x) if self.recompute else self._attend(x)
+        return self.wo(o.transpose(1, 2).reshape(B, T, self.cfg.n_heads * self.cfg.dv))
+
+    def _attend(self, x: torch.Tensor) -> torch.Tensor:
+        """o [B, H, T, Dv] for x [B, T, dim]."""
+        H, G = self.cfg.n_heads, self.cfg.n_kv_heads
         q, k, v = (t.transpose(1, 2) for t in project_qkv(x, self.wq, self.wk, self.wv, self.rope, self.cfg, 1,
                                                            self.backend))
-        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=G != H)
-        return self.wo(o.transpose(1, 2).reshape(B, T, H * Dv))
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=G != H)
 
 
-def build_attention(cfg: ModelConfig, backend: str = "auto") -> nn.Module:
-    return NSAAttention(cfg, backend) if cfg.attention == "nsa" else DenseAttention(cfg, backend)
+def build_attention(cfg: ModelConfig, backend: str = "auto", recompute: bool = False) -> nn.Module:
+    kind = NSAAttention if cfg.attention == "nsa" else DenseAttention
+    return kind(cfg, backend, recompute)

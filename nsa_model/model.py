@@ -31,10 +31,10 @@ class SwiGLU(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig, backend: str) -> None:
+    def __init__(self, cfg: ModelConfig, backend: str, attention_recompute: bool = False) -> None:
         super().__init__()
         self.attn_norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
-        self.attn = build_attention(cfg, backend)
+        self.attn = build_attention(cfg, backend, recompute=attention_recompute)
         self.ffn_norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
         self.ffn = SwiGLU(cfg.dim, cfg.ffn_dim)
 
@@ -44,13 +44,20 @@ class Block(nn.Module):
 
 
 class Transformer(nn.Module):
-    def __init__(self, cfg: ModelConfig, *, backend: str = "auto", activation_checkpointing: bool = False) -> None:
+    def __init__(self, cfg: ModelConfig, *, backend: str = "auto", activation_checkpointing: bool = False,
+                 attention_recompute: bool = False) -> None:
+        """activation_checkpointing: each block keeps only its input and runs again in the backward.
+        attention_recompute: each attention module keeps only its input and its attention core's results, and
+        recomputes its projections in the backward (attention.recompute_around); the lesser trade of the two."""
         super().__init__()
         if not isinstance(cfg, ModelConfig):
             raise TypeError(f"Transformer: cfg must be a ModelConfig, got {type(cfg).__name__}")
+        if activation_checkpointing and attention_recompute:
+            raise ValueError("Transformer: activation_checkpointing already recomputes the whole block; "
+                             "attention_recompute inside it would only add work")
         self.cfg, self.activation_checkpointing = cfg, activation_checkpointing
         self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.dim)
-        self.blocks = nn.ModuleList(Block(cfg, backend) for _ in range(cfg.n_layers))
+        self.blocks = nn.ModuleList(Block(cfg, backend, attention_recompute) for _ in range(cfg.n_layers))
         self.norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
         self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:

@@ -30,3 +30,22 @@ def test_one_nsa_layer_saves_its_branch_outputs_and_each_kv_set_once(monkeypatch
     assert kv_sets == 2 * 3 * B * T * G * D * 2
     assert nsa["layer_bytes"] - dense["layer_bytes"] >= branch_outputs + kv_sets - 2 * B * T * G * D * 2
     assert nsa["rest_bytes"] == dense["rest_bytes"] > B * T * cfg.vocab_size * 2  # the head: bf16 logits and more
+
+
+def test_with_attention_recompute_an_nsa_layer_keeps_no_kv_set_and_one_branch_output_and_less_than_dense(
+        monkeypatch):
+    """attention_recompute: the compiled NSA forward keeps no q or K/V set out of nsa::rope_split and of the
+    core's branch outputs only the selected one; at the tiny preset a layer then keeps less than a dense layer
+    (at nsa-125m T = 32768: kernels-notes.md v27)."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    from nsa_model import get_preset
+
+    cfg = get_preset("tiny")
+    B, T, H, G, D = 2, 64, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+    kept = saved_activations.per_layer("tiny", T, B)
+    recomputed = saved_activations.per_layer("tiny", T, B, recompute=True)
+    dense = saved_activations.per_layer("tiny-dense", T, B)
+    branch_output, kv_set = (f"<built-in function getitem> ({B}, {T}, {h}, {D}) bfloat16" for h in (H, G))
+    assert recomputed["layer_sites"].get(branch_output) == B * T * H * D * 2  # o_slc only
+    assert kv_set in kept["layer_sites"] and kv_set not in recomputed["layer_sites"]
+    assert recomputed["layer_bytes"] < dense["layer_bytes"] < kept["layer_bytes"]

@@ -86,3 +86,16 @@ def test_run_overrides_keep_tokens_per_step_equal():
     with pytest.raises(ValueError, match="multiples of T"):
         tt.run_overrides(preset="p", attention="nsa", seq_len=3000, tokens_per_step=65536, micro_tokens=32768,
                          warmup=3, measure=6, storage="/tmp/x")
+
+
+def test_per_kind_overrides_reach_only_their_kind_and_the_header_names_them():
+    args = tt.parse_args(["--config", "c.yaml", "--set", "train.lr=1e-3", "--nsa-set", "train.attention_recompute=true"])
+    nsa, dense = (tt.job_overrides(args, "nsa-125m", kind, 2048, "/tmp/x") for kind in ("nsa", "dense"))
+    assert nsa[:2] == ["train.lr=1e-3", "train.attention_recompute=true"] and "model.preset=nsa-125m" in nsa
+    assert "train.attention_recompute=true" not in dense and dense[0] == "train.lr=1e-3"
+    runs = {("nsa", 2048): run(80.0, 10.0), ("dense", 2048): run(100.0, 10.0)}
+    meta = {"device": "d", "date": "x", "commit": "c", "torch": "t", "preset": "p", "tokens_per_step": 1,
+            "micro_tokens": 1, "warmup": 1, "measure": 1, "config": "f", "compile_note": "n",
+            "nsa_overrides": args.nsa_set, "dense_overrides": args.dense_set}
+    header = tt.markdown(meta, runs, tt.compare(runs)).splitlines()[2]
+    assert header.endswith("; nsa only: train.attention_recompute=true")

@@ -731,10 +731,12 @@ def test_fused_gated_sum_matches_torch():
         assert rel_err(a.grad, r.grad) <= FP32_TOL, name
 
 
-def test_compiled_model_with_the_triton_core_is_one_graph_and_matches_eager(monkeypatch):
+@pytest.mark.parametrize("attention_recompute", [False, True])
+def test_compiled_model_with_the_triton_core_is_one_graph_and_matches_eager(attention_recompute, monkeypatch):
     """The Triton core is one custom op (nsa::core, with nsa::core_bwd): torch.compile traces a whole NSA model,
     core included, with fullgraph=True (no graph break anywhere: one graph per forward, the head and its fp32
-    logits compiled too), and the compiled model's loss and gradients are the eager model's."""
+    logits compiled too), and the compiled model's loss and gradients are the eager model's. With
+    attention_recompute too (selective checkpointing inside the compiled graph)."""
     from nsa_model import ModelConfig, Transformer
 
     if not ON_GPU:
@@ -742,12 +744,13 @@ def test_compiled_model_with_the_triton_core_is_one_graph_and_matches_eager(monk
     cfg = ModelConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, max_seq_len=32,
                       attention="nsa", nsa=NSAConfig(cmp_block=4, cmp_stride=2, sel_block=4, n_selected=3, window=6))
     torch.manual_seed(0)
-    model = Transformer(cfg, backend="triton").to(DEVICE)
+    model = Transformer(cfg, backend="triton", attention_recompute=attention_recompute).to(DEVICE)
     x = torch.randint(0, 64, (2, 33), generator=torch.Generator().manual_seed(0)).to(DEVICE)
     explained = torch._dynamo.explain(model)(x[:, :-1], x[:, 1:])
     assert explained.graph_count == 1 and explained.graph_break_count == 0, explained.break_reasons
-    core_calls = [n for n in explained.graphs[0].graph.nodes
-                  if n.target in (torch.ops.nsa.core, torch.ops.nsa.core.default)]
+    # with attention_recompute the cores sit in the checkpointed regions' subgraphs
+    core_calls = [n for m in explained.graphs[0].modules() if isinstance(m, torch.fx.GraphModule)
+                  for n in m.graph.nodes if n.target in (torch.ops.nsa.core, torch.ops.nsa.core.default)]
     assert len(core_calls) == cfg.n_layers
     _, loss = model(x[:, :-1], x[:, 1:])
     loss.backward()
@@ -759,6 +762,57 @@ def test_compiled_model_with_the_triton_core_is_one_graph_and_matches_eager(monk
     assert torch.allclose(loss_c, loss, rtol=1e-5)
     for n, p in model.named_parameters():
         assert p.grad is not None and torch.allclose(p.grad, eager[n], rtol=1e-4, atol=1e-6), n
+
+
+@pytest.mark.parametrize("attention_recompute", [False, True])
+def test_attention_recompute_runs_the_projection_again_and_the_core_once(attention_recompute, monkeypatch):
+    """attention_recompute keeps nsa::core's results and recomputes the rest of the attention module: the core's
+    forward runs once per layer and step, the q/k/v split and RoPE (nsa::rope_split) twice, eagerly and in the
+    graphs torch.compile builds (no core in the backward graph, one rope_split per layer there). The results are
+    the same either way (test_compiled_model_with_the_triton_core_is_one_graph_and_matches_eager)."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    from nsa_model import ModelConfig, Transformer
+
+    if not ON_GPU:
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    cfg = ModelConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, max_seq_len=32,
+                      attention="nsa", nsa=NSAConfig(cmp_block=4, cmp_stride=2, sel_block=4, n_selected=3, window=6))
+    torch.manual_seed(0)
+    model = Transformer(cfg, backend="triton", attention_recompute=attention_recompute).to(DEVICE)
+    x = torch.randint(0, 64, (2, 33), generator=torch.Generator().manual_seed(0)).to(DEVICE)
+    runs = {"core": 0, "rope_split": 0}
+    selected_fwd, rope_launch = triton_impl._selected_fwd, triton_impl._rope_launch
+
+    def count(name, fn, when=lambda *a, **k: True):
+        def counted(*args, **kwargs):
+            runs[name] += when(*args, **kwargs)
+            return fn(*args, **kwargs)
+        return counted
+
+    monkeypatch.setattr(triton_impl, "_selected_fwd", count("core", selected_fwd))
+    monkeypatch.setattr(triton_impl, "_rope_launch", count("rope_split", rope_launch,
+                                                           lambda *a, inverse: not inverse))
+    model(x[:, :-1], x[:, 1:])[1].backward()
+    assert runs == {"core": cfg.n_layers, "rope_split": cfg.n_layers * (2 if attention_recompute else 1)}
+
+    graphs = {}
+
+    def recorder(kind):
+        def compile_graph(gm, example_inputs):
+            graphs[kind] = [n.target for n in gm.graph.nodes if n.op == "call_function"]
+            return make_boxed_func(gm.forward)
+        return compile_graph
+
+    torch._dynamo.reset()
+    backend = aot_autograd(fw_compiler=recorder("forward"), bw_compiler=recorder("backward"))
+    torch.compile(model, backend=backend, fullgraph=True)(x[:, :-1], x[:, 1:])[1].backward()
+    calls = {kind: {op: sum(t in (op, op.default) for t in targets)
+                    for op in (torch.ops.nsa.core, torch.ops.nsa.rope_split)} for kind, targets in graphs.items()}
+    assert calls["forward"] == {torch.ops.nsa.core: cfg.n_layers, torch.ops.nsa.rope_split: cfg.n_layers}
+    assert calls["backward"] == {torch.ops.nsa.core: 0,
+                                 torch.ops.nsa.rope_split: cfg.n_layers if attention_recompute else 0}
 
 
 def _may_overlap_itself(x: torch.Tensor) -> bool:
@@ -809,17 +863,42 @@ def test_compiled_nsa_step_gives_cuda_graphs_no_self_overlapping_input(monkeypat
     assert _may_overlap_itself(torch.zeros(2, 9, 3).unfold(1, 4, 2))  # the check itself sees an unfold's windows
 
 
-def test_core_op_passes_torch_library_opcheck(monkeypatch):
+@pytest.mark.parametrize("recompute", [False, True])
+def test_core_op_passes_torch_library_opcheck(recompute, monkeypatch):
     """torch.library.opcheck: nsa::core's schema, fake (shape) implementation, autograd registration and
-    aot_dispatch agree with what the op really does."""
+    aot_dispatch agree with what the op really does, with and without recompute."""
     if not ON_GPU:
         monkeypatch.setenv("TRITON_INTERPRET", "1")
     cfg = NSAConfig(cmp_block=4, cmp_stride=2, sel_block=4, n_selected=3, window=6)
     x = make_inputs(1, 13, 4, 2, 8, 8, cfg, seed=3, dtype=torch.float32)
     args = [t.to(DEVICE).requires_grad_(True) for t in x.values()]
     args += [cfg.cmp_block, cfg.cmp_stride, cfg.sel_block, cfg.n_selected, cfg.window, cfg.n_init_blocks,
-             cfg.n_local_blocks, 0.3]
+             cfg.n_local_blocks, 0.3, recompute]
     torch.library.opcheck(torch.ops.nsa.core.default, args)
+
+
+def test_core_with_recompute_keeps_no_range_outputs_and_gives_the_same_results_bit_for_bit():
+    """recompute: nsa::core returns empty o_cmp and o_win (nothing of theirs is kept for the backward) and its
+    backward runs their forward kernels again, on the same inputs: output and all eight gradients are those of the
+    core that keeps them, bit for bit, and both match the float64 reference."""
+    cfg = NSAConfig(cmp_block=8, cmp_stride=4, sel_block=8, n_selected=3, window=8)
+    B, T, H, G, Dk, Dv = 1, 29, 6, 2, 16, 32
+    inputs = make_inputs(B, T, H, G, Dk, Dv, cfg, seed=22)
+    scale = Dk ** -0.5
+    o_ref, ref_in, grad_out = reference_with_grads(inputs, cfg, scale)
+    results = {}
+    for recompute in (False, True):
+        tri_in = {n: x.float().to(DEVICE).requires_grad_() for n, x in inputs.items()}
+        outs = torch.ops.nsa.core(*tri_in.values(), cfg.cmp_block, cfg.cmp_stride, cfg.sel_block, cfg.n_selected,
+                                  cfg.window, cfg.n_init_blocks, cfg.n_local_blocks, scale, recompute)
+        o_cmp, o_win = outs[2], outs[6]
+        assert (o_cmp.numel() == 0 and o_win.numel() == 0) == recompute
+        outs[0].backward(grad_out.float().to(DEVICE))
+        results[recompute] = [outs[0]] + [tri_in[n].grad for n in NAMES]
+    for name, kept, recomputed, ref in zip(("o",) + NAMES, results[False], results[True],
+                                           [o_ref] + [ref_in[n].grad for n in NAMES]):
+        assert torch.equal(kept, recomputed), name
+        assert rel_err(recomputed, ref) <= FP32_TOL, name
 
 
 def test_only_the_core_ops_output_carries_a_gradient():
@@ -830,7 +909,7 @@ def test_only_the_core_ops_output_carries_a_gradient():
     x = make_inputs(1, 13, 4, 2, 8, 8, cfg, seed=3, dtype=torch.float32)
     args = [t.to(DEVICE).requires_grad_(True) for t in x.values()]
     outs = torch.ops.nsa.core(*args, cfg.cmp_block, cfg.cmp_stride, cfg.sel_block, cfg.n_selected, cfg.window,
-                              cfg.n_init_blocks, cfg.n_local_blocks, 0.3)
+                              cfg.n_init_blocks, cfg.n_local_blocks, 0.3, False)
     assert outs[0].requires_grad
     assert [i for i, t in enumerate(outs) if t.requires_grad] == [0]
     outs[0].sum().backward()

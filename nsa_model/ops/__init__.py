@@ -11,7 +11,7 @@ Every backend module exposes the same pieces, with the same meaning:
   select_blocks(q, k_cmp, lse, cfg, scale)          -> blocks [B,T,G,n] int32, -1 where fewer than n exist
   selected_attention(q, k, v, blocks, cfg, scale)   -> o [B,T,H,Dv]
   window_attention(q, k, v, window, scale)          -> o [B,T,H,Dv]
-  nsa_attention(q, k_slc, v_slc, k_win, v_win, k_cmp, v_cmp, gates, cfg, scale, return_blocks)
+  nsa_attention(q, k_slc, v_slc, k_win, v_win, k_cmp, v_cmp, gates, cfg, scale, return_blocks[, recompute])
 """
 
 from __future__ import annotations
@@ -73,12 +73,18 @@ def _default_scale(q: torch.Tensor, scale: float | None) -> float:
 
 
 def nsa_attention(q, k_slc, v_slc, k_win, v_win, k_cmp, v_cmp, gates, cfg: NSAConfig, *,
-                  scale: float | None = None, backend: str = "auto", return_blocks: bool = False):
-    """NSA of NSA_SPEC.md: o [B,T,H,Dv], or (o, blocks [B,T,G,n]) with return_blocks=True."""
+                  scale: float | None = None, backend: str = "auto", return_blocks: bool = False,
+                  recompute: bool = False):
+    """NSA of NSA_SPEC.md: o [B,T,H,Dv], or (o, blocks [B,T,G,n]) with return_blocks=True.
+
+    recompute trades time for memory, never results: the triton backend then keeps two [B,T,H,Dv] branch outputs
+    less for the backward, which computes them again. The naive and torch backends are differentiated by autograd,
+    which keeps what their ops save: for them it changes nothing."""
     check_shapes(q, k_slc, v_slc, k_win, v_win, k_cmp, v_cmp, gates, cfg)
-    mod = backend_module(backend, q)
-    return mod.nsa_attention(q, k_slc, v_slc, k_win, v_win, k_cmp, v_cmp, gates, cfg,
-                             scale=_default_scale(q, scale), return_blocks=return_blocks)
+    name = resolve_backend(backend, q)
+    extra = {"recompute": recompute} if name == "triton" else {}
+    return backend_module(name, q).nsa_attention(q, k_slc, v_slc, k_win, v_win, k_cmp, v_cmp, gates, cfg,
+                                                 scale=_default_scale(q, scale), return_blocks=return_blocks, **extra)
 
 
 def compressed_attention(q, k_cmp, v_cmp, cfg: NSAConfig, *, scale=None, backend="auto"):

@@ -1075,8 +1075,9 @@ def _core_nsa_config(cmp_block, cmp_stride, sel_block, n_selected, window, n_ini
 def _core(q: torch.Tensor, k_slc: torch.Tensor, v_slc: torch.Tensor, k_win: torch.Tensor, v_win: torch.Tensor,
           k_cmp: torch.Tensor, v_cmp: torch.Tensor, gates: torch.Tensor, cmp_block: int, cmp_stride: int,
           sel_block: int, n_selected: int, window: int, n_init_blocks: int, n_local_blocks: int,
-          scale: float) -> list[torch.Tensor]:
-    """[o, blocks, o_cmp, lse_cmp, o_slc, lse_slc, o_win, lse_win, *index (4 slots)]."""
+          scale: float, recompute: bool) -> list[torch.Tensor]:
+    """[o, blocks, o_cmp, lse_cmp, o_slc, lse_slc, o_win, lse_win, *index (4 slots)]. With recompute, o_cmp and
+    o_win are empty: nsa::core_bwd computes them again (_recomputed_ranges)."""
     cfg = _core_nsa_config(cmp_block, cmp_stride, sel_block, n_selected, window, n_init_blocks, n_local_blocks)
     T = q.shape[1]
     q = q.contiguous()
@@ -1089,12 +1090,14 @@ def _core(q: torch.Tensor, k_slc: torch.Tensor, v_slc: torch.Tensor, k_win: torc
                                              prefix=_dense_prefix(T, n_selected, sel_block))
     win.join()
     o = _gated_fwd(gates, o_cmp, o_slc, o_win)
+    if recompute:
+        o_cmp, o_win = _empty_range_output(q), _empty_range_output(q)
     return [o, blocks, o_cmp, lse_cmp, o_slc, lse_slc, o_win, lse_win, *_padded_index(index, q.device)]
 
 
 @_core.register_fake
 def _core_fake(q, k_slc, v_slc, k_win, v_win, k_cmp, v_cmp, gates, cmp_block, cmp_stride, sel_block, n_selected,
-               window, n_init_blocks, n_local_blocks, scale):
+               window, n_init_blocks, n_local_blocks, scale, recompute):
     B, T, H, _ = q.shape
     G, dv = k_slc.shape[2], v_slc.shape[-1]
     out = q.new_empty(B, T, H, dv)
@@ -1102,18 +1105,40 @@ def _core_fake(q, k_slc, v_slc, k_win, v_win, k_cmp, v_cmp, gates, cmp_block, cm
     blocks = q.new_empty(B, T, G, n_selected, dtype=torch.int32)
     kernel = selected_kernel(H // G, triton.cdiv(T, sel_block), n_selected)
     index = _selected_index(blocks, sel_block, kernel, H // G, shapes_only=True)
-    return [out, blocks, out.new_empty(out.shape), lse, out.new_empty(out.shape), lse.new_empty(lse.shape),
-            out.new_empty(out.shape), lse.new_empty(lse.shape), *_padded_index(index, q.device)]
+    o_range = (lambda: _empty_range_output(q)) if recompute else (lambda: out.new_empty(out.shape))
+    return [out, blocks, o_range(), lse, out.new_empty(out.shape), lse.new_empty(lse.shape), o_range(),
+            lse.new_empty(lse.shape), *_padded_index(index, q.device)]
+
+
+def _empty_range_output(q: torch.Tensor) -> torch.Tensor:
+    """What nsa::core returns for o_cmp and o_win when its backward recomputes them."""
+    return q.new_empty(0)
+
+
+def _recomputed_ranges(q, k_win, v_win, k_cmp, v_cmp, cmp_block: int, cmp_stride: int, window: int,
+                       scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """o_cmp and o_win as nsa::core's forward computed them: the same kernels on the same inputs (bit for bit;
+    none of them adds atomically), the window's beside the compressed as in the forward."""
+    T = q.shape[1]
+    o_win, lse_win = _range_outputs(q, v_win)
+    win = _Beside(q.device, lambda: _range_fwd_into(q, k_win, v_win, o_win, lse_win, T, *_win_range(window, T),
+                                                    scale))
+    o_cmp, _ = _range_fwd(q, k_cmp, v_cmp, *_cmp_range(cmp_block, cmp_stride, T), scale)
+    win.join()
+    return o_cmp, o_win
 
 
 @torch.library.custom_op("nsa::core_bwd", mutates_args=())
 def _core_bwd(do: torch.Tensor, q: torch.Tensor, k_slc: torch.Tensor, v_slc: torch.Tensor, k_win: torch.Tensor,
               v_win: torch.Tensor, k_cmp: torch.Tensor, v_cmp: torch.Tensor, gates: torch.Tensor,
               saved: list[torch.Tensor], cmp_block: int, cmp_stride: int, sel_block: int, window: int,
-              scale: float, kernel: str) -> list[torch.Tensor]:
+              scale: float, kernel: str, recompute: bool) -> list[torch.Tensor]:
     """[dq, dk_slc, dv_slc, dk_win, dv_win, dk_cmp, dv_cmp, dgates] of nsa::core; saved = its outputs 1..."""
     blocks, o_cmp, lse_cmp, o_slc, lse_slc, o_win, lse_win, *index = saved
     T = q.shape[1]
+    q = q.contiguous()
+    if recompute:
+        o_cmp, o_win = _recomputed_ranges(q, k_win, v_win, k_cmp, v_cmp, cmp_block, cmp_stride, window, scale)
     # The gate backward also sums each branch's row term while it has do and o_i in registers, so no branch reads
     # them again for it. With the fused gate kernel the d_i = g_i * do are not formed at all: each branch's
     # backward runs on do with lse_i - ln g_i (three [B, T, H, Dv] writes and their memory saved, no gate work in
@@ -1151,13 +1176,13 @@ def _core_bwd(do: torch.Tensor, q: torch.Tensor, k_slc: torch.Tensor, v_slc: tor
 
 @_core_bwd.register_fake
 def _core_bwd_fake(do, q, k_slc, v_slc, k_win, v_win, k_cmp, v_cmp, gates, saved, cmp_block, cmp_stride, sel_block,
-                   window, scale, kernel):
+                   window, scale, kernel, recompute):
     return [x.new_empty(x.shape) for x in (q, k_slc, v_slc, k_win, v_win, k_cmp, v_cmp, gates)]
 
 
 def _core_setup_context(ctx, inputs, output):
     q, k_slc, v_slc, k_win, v_win, k_cmp, v_cmp, gates, cmp_block, cmp_stride, sel_block, n_selected, window, \
-        _n_init, _n_local, scale = inputs
+        _n_init, _n_local, scale, recompute = inputs
     ctx.save_for_backward(q, k_slc, v_slc, k_win, v_win, k_cmp, v_cmp, gates, *output[1:])
     # Only o carries a gradient. Without this autograd (and AOTAutograd's tangents under torch.compile) would fill
     # a zero gradient for each of the other 11 outputs at every backward: three [B, T, H, Dv] branch outputs among
@@ -1165,6 +1190,7 @@ def _core_setup_context(ctx, inputs, output):
     ctx.mark_non_differentiable(*output[1:])
     ctx.set_materialize_grads(False)
     ctx.params = (cmp_block, cmp_stride, sel_block, window, scale)
+    ctx.recompute = recompute
     H, G = q.shape[2], k_slc.shape[2]
     # The backward runs the variant and launch config the forward ran with.
     ctx.kernel = selected_kernel(H // G, triton.cdiv(q.shape[1], sel_block), n_selected)
@@ -1176,19 +1202,21 @@ def _core_backward(ctx, grads):
     do = grads[0]  # the other outputs are selections and what the backward reads: no gradient flows through them
     with use_launch_config(ctx.config):
         dq, dk_slc, dv_slc, dk_win, dv_win, dk_cmp, dv_cmp, dgates = torch.ops.nsa.core_bwd(
-            do, q, k_slc, v_slc, k_win, v_win, k_cmp, v_cmp, gates, saved, *ctx.params, ctx.kernel)
-    return dq, dk_slc, dv_slc, dk_win, dv_win, dk_cmp, dv_cmp, dgates, *(None,) * 8
+            do, q, k_slc, v_slc, k_win, v_win, k_cmp, v_cmp, gates, saved, *ctx.params, ctx.kernel, ctx.recompute)
+    return dq, dk_slc, dv_slc, dk_win, dv_win, dk_cmp, dv_cmp, dgates, *(None,) * 9
 
 
 _core.register_autograd(_core_backward, setup_context=_core_setup_context)
 
 
 def nsa_attention(q, k_slc, v_slc, k_win, v_win, k_cmp, v_cmp, gates, cfg: NSAConfig, *, scale: float,
-                  return_blocks: bool = False):
+                  return_blocks: bool = False, recompute: bool = False):
+    """recompute: keep the selected branch's output for the backward but not the compressed and window branches'
+    (2 x [B, T, H, Dv]); the backward runs their forward kernels again (kernels-notes.md, v27)."""
     _check_inputs(q=q, k_slc=k_slc, v_slc=v_slc, k_win=k_win, v_win=v_win, k_cmp=k_cmp, v_cmp=v_cmp, gates=gates)
     o, blocks, *_ = torch.ops.nsa.core(q, k_slc, v_slc, k_win, v_win, k_cmp, v_cmp, gates, cfg.cmp_block,
                                        cfg.cmp_stride, cfg.sel_block, cfg.n_selected, cfg.window, cfg.n_init_blocks,
-                                       cfg.n_local_blocks, float(scale))
+                                       cfg.n_local_blocks, float(scale), bool(recompute))
     return (o, blocks) if return_blocks else o
 
 

@@ -76,7 +76,10 @@ class TrainConfig:
     # torch.compile mode: "reduce-overhead" replays the compiled forward and backward as CUDA graphs (no host
     # launch cost per kernel; one GPU worker only, see __post_init__)
     compile_mode: Literal["default", "reduce-overhead"] = "default"
-    activation_checkpointing: bool = False
+    activation_checkpointing: bool = False  # each block recomputed in the backward from its input
+    # each attention module recomputes its projections in the backward, keeping its input and its attention
+    # core's results (NSA: also its compressed and window outputs); less memory for less time than the above
+    attention_recompute: bool = False
     # --- batch and length, in blocks and optimizer steps
     global_batch: int = 8  # blocks per optimizer step, over all ranks and accumulation micro-steps
     micro_batch: int = 4  # blocks per rank per forward
@@ -124,9 +127,11 @@ class TrainConfig:
         for name in ("seed", "warmup_steps", "val_every", "checkpoint_every", "max_failures"):
             v = getattr(self, name)
             _require(_is_int(v) and v >= 0, f"train.{name}", f"must be an int >= 0, got {v!r}")
-        for name in ("use_gpu", "compile", "activation_checkpointing"):
+        for name in ("use_gpu", "compile", "activation_checkpointing", "attention_recompute"):
             v = getattr(self, name)
             _require(isinstance(v, bool), f"train.{name}", f"must be a bool, got {v!r}")
+        _require(not (self.activation_checkpointing and self.attention_recompute), "train.attention_recompute",
+                 "pick one: train.activation_checkpointing already recomputes the whole block, attention included")
         _require(self.parallelism in ("ddp", "fsdp", "allreduce"), "train.parallelism",
                  f"must be 'ddp', 'fsdp' or 'allreduce', got {self.parallelism!r}")
         _require(self.compile_mode in ("default", "reduce-overhead"), "train.compile_mode",

@@ -71,7 +71,8 @@ def build_model(job, device: torch.device) -> tuple[torch.nn.Module, torch.nn.Mo
 
     t: TrainConfig = job.train
     torch.manual_seed(t.seed)
-    bare = Transformer(job.model, activation_checkpointing=t.activation_checkpointing).to(device)
+    bare = Transformer(job.model, activation_checkpointing=t.activation_checkpointing,
+                       attention_recompute=t.attention_recompute).to(device)
     if t.parallelism == "fsdp":
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
