@@ -76,8 +76,9 @@ def test_core_on_two_streams_matches_one_stream_eager_and_in_a_cuda_graph():
 
 def test_attention_recompute_keeps_less_by_what_it_recomputes_and_gives_the_same_gradients():
     """One nsa-125m layer at 8k tokens in bf16 on the GPU: with recompute the memory held between forward and
-    backward drops by at least q, the six K/V sets and the compressed and window outputs (nine [T, heads, 64]
-    bf16 tensors: 48 MiB), and output and gradients are bit for bit those of the layer that keeps them."""
+    backward drops by at least q, the six K/V sets and the compressed and window outputs (48 MiB), the output is
+    bit for bit that of the layer that keeps them, and the gradients are too up to the order of atomic adds (the
+    dK/dV kernels of the compressed and window branches add across programs)."""
     from nsa_model import get_preset
     from nsa_model.attention import NSAAttention
 
@@ -100,4 +101,4 @@ def test_attention_recompute_keeps_less_by_what_it_recomputes_and_gives_the_same
     assert held_kept - held_less >= T * (3 * H + 6 * G) * D * 2, (held_kept, held_less)
     assert torch.equal(out_kept, out_less)
     for name, grad in grads_kept.items():
-        assert torch.equal(grad, grads_less[name]), name
+        assert ((grad - grads_less[name]).norm() / grad.norm()).item() <= 1e-3, name

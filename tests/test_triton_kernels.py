@@ -877,10 +877,11 @@ def test_core_op_passes_torch_library_opcheck(recompute, monkeypatch):
     torch.library.opcheck(torch.ops.nsa.core.default, args)
 
 
-def test_core_with_recompute_keeps_no_range_outputs_and_gives_the_same_results_bit_for_bit():
+def test_core_with_recompute_keeps_no_range_outputs_and_gives_the_same_results():
     """recompute: nsa::core returns empty o_cmp and o_win (nothing of theirs is kept for the backward) and its
     backward runs their forward kernels again, on the same inputs: output and all eight gradients are those of the
-    core that keeps them, bit for bit, and both match the float64 reference."""
+    core that keeps them, bit for bit (on a GPU, up to the order of the dK/dV kernels' atomic adds), and both
+    match the float64 reference."""
     cfg = NSAConfig(cmp_block=8, cmp_stride=4, sel_block=8, n_selected=3, window=8)
     B, T, H, G, Dk, Dv = 1, 29, 6, 2, 16, 32
     inputs = make_inputs(B, T, H, G, Dk, Dv, cfg, seed=22)
@@ -897,7 +898,10 @@ def test_core_with_recompute_keeps_no_range_outputs_and_gives_the_same_results_b
         results[recompute] = [outs[0]] + [tri_in[n].grad for n in NAMES]
     for name, kept, recomputed, ref in zip(("o",) + NAMES, results[False], results[True],
                                            [o_ref] + [ref_in[n].grad for n in NAMES]):
-        assert torch.equal(kept, recomputed), name
+        if ON_GPU and name != "o":
+            assert rel_err(recomputed, kept) <= 1e-6, name
+        else:
+            assert torch.equal(kept, recomputed), name
         assert rel_err(recomputed, ref) <= FP32_TOL, name
 
 
