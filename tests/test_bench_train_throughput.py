@@ -89,7 +89,8 @@ def test_run_overrides_keep_tokens_per_step_equal():
 
 
 def test_per_kind_overrides_reach_only_their_kind_and_the_header_names_them():
-    args = tt.parse_args(["--config", "c.yaml", "--set", "train.lr=1e-3", "--nsa-set", "train.attention_recompute=true"])
+    args = tt.parse_args(["--config", "c.yaml", "--set", "train.lr=1e-3",
+                          "--nsa-set", "train.attention_recompute=true"])
     nsa, dense = (tt.job_overrides(args, "nsa-125m", kind, 2048, "/tmp/x") for kind in ("nsa", "dense"))
     assert nsa[:2] == ["train.lr=1e-3", "train.attention_recompute=true"] and "model.preset=nsa-125m" in nsa
     assert "train.attention_recompute=true" not in dense and dense[0] == "train.lr=1e-3"

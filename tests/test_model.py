@@ -320,3 +320,41 @@ def test_phi_keeps_no_unfolded_blocks_for_the_backward_and_its_gradients_stand(m
     assert fc1_input in kept_shapes  # what the recompute leaves out
     for a, b in zip(grads, kept_grads):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("attention", ["nsa", "dense"])
+def test_attention_recompute_gives_the_same_gradients_and_runs_sdpa_once(attention):
+    """attention_recompute changes what the backward keeps, never what it computes: loss and gradients are those of
+    the model that keeps everything (the torch backend here; the Triton core's own recompute is tested in
+    test_triton_kernels.py). Dense keeps SDPA's results: its forward op runs once per layer, not again in the
+    backward."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class CountSDPA(TorchDispatchMode):
+        calls = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = func.name()
+            self.calls += name.startswith("aten::_scaled_dot_product") and "backward" not in name
+            return func(*args, **(kwargs or {}))
+
+    cfg = small_cfg(attention)
+    x = tokens(cfg, 2, 24)
+    results = []
+    for recompute in (False, True):
+        torch.manual_seed(0)
+        model = Transformer(cfg, attention_recompute=recompute)
+        with CountSDPA() as counter:
+            loss = model(x[:, :-1], x[:, 1:])[1]
+            loss.backward()
+        results.append((loss.detach(), {n: p.grad for n, p in model.named_parameters()}, counter.calls))
+    (loss, grads, calls), (loss_rc, grads_rc, calls_rc) = results
+    assert torch.equal(loss, loss_rc)
+    for n in grads:
+        assert torch.equal(grads[n], grads_rc[n]), n
+    assert calls == calls_rc == (cfg.n_layers if attention == "dense" else 0)
+
+
+def test_attention_recompute_and_activation_checkpointing_exclude_each_other():
+    with pytest.raises(ValueError, match="activation_checkpointing already recomputes the whole block"):
+        Transformer(small_cfg(), activation_checkpointing=True, attention_recompute=True)

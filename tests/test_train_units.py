@@ -337,6 +337,9 @@ def test_overrides_parse_yaml_values_and_nested_model_fields():
     (["train.compile_mode=reduce-overhead", "train.compile=true", "train.use_gpu=true"],
      r"train.compile_mode: 'reduce-overhead' \(CUDA graphs\) on 2 workers needs train.parallelism=allreduce"),
     (["train.parallelism=zero"], "train.parallelism: must be 'ddp', 'fsdp' or 'allreduce'"),
+    (["train.attention_recompute=sometimes"], "train.attention_recompute: must be a bool"),
+    (["train.attention_recompute=true", "train.activation_checkpointing=true"],
+     "train.attention_recompute: pick one: train.activation_checkpointing already recomputes the whole block"),
 ])
 def test_config_errors_name_the_field(overrides, message):
     with pytest.raises(ValueError, match=message):
