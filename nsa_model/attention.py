@@ -152,7 +152,7 @@ class NSAAttention(nn.Module):
 
     recompute: the backward computes the projection, RoPE, the gates, phi and the compressed and window branch
     outputs again instead of keeping them; kept are x, the core's log-sum-exps, selections and its selected branch
-    output (nsa-125m at 32k tokens: about 190 MiB less per layer; kernels-notes.md, v27).
+    output (nsa-125m at 32k tokens: about 240 MiB less per layer; kernels-notes.md, v27).
     """
 
     STATS = ("gate_cmp", "gate_slc", "gate_win", "sel_blocks", "sel_distance")
@@ -203,7 +203,6 @@ class NSAAttention(nn.Module):
 
     @torch.no_grad()
     def _record_stats(self, gates: torch.Tensor, blocks: torch.Tensor) -> None:
-        gates = gates.detach()
         valid = blocks >= 0
         query_block = torch.arange(blocks.shape[1], device=blocks.device)[None, :, None, None] // self.nsa.sel_block
         distance = torch.where(valid, query_block - blocks, torch.zeros_like(blocks)).float()

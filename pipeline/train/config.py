@@ -77,8 +77,8 @@ class TrainConfig:
     # launch cost per kernel; one GPU worker only, see __post_init__)
     compile_mode: Literal["default", "reduce-overhead"] = "default"
     activation_checkpointing: bool = False  # each block recomputed in the backward from its input
-    # each attention module recomputes its projections in the backward, keeping its input and its attention
-    # core's results (NSA: also its compressed and window outputs); less memory for less time than the above
+    # each attention module keeps only its input and its attention core's results for the backward and recomputes
+    # the rest (projections, RoPE; NSA's compressed and window outputs): saves less than the above, costs less time
     attention_recompute: bool = False
     # --- batch and length, in blocks and optimizer steps
     global_batch: int = 8  # blocks per optimizer step, over all ranks and accumulation micro-steps
