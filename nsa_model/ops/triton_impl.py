@@ -1081,10 +1081,8 @@ def _core(q: torch.Tensor, k_slc: torch.Tensor, v_slc: torch.Tensor, k_win: torc
     cfg = _core_nsa_config(cmp_block, cmp_stride, sel_block, n_selected, window, n_init_blocks, n_local_blocks)
     T = q.shape[1]
     q = q.contiguous()
-    o_win, lse_win = _range_outputs(q, v_win)
-    win = _Beside(q.device, lambda: _range_fwd_into(q, k_win, v_win, o_win, lse_win, T, *_win_range(window, T),
-                                                    scale))
-    o_cmp, lse_cmp = _range_fwd(q, k_cmp, v_cmp, *_cmp_range(cmp_block, cmp_stride, T), scale)
+    (o_cmp, lse_cmp), (o_win, lse_win), win = _range_forwards(q, k_win, v_win, k_cmp, v_cmp, cmp_block, cmp_stride,
+                                                              window, scale)
     blocks = select_blocks(q, k_cmp, lse_cmp, cfg, scale)
     o_slc, lse_slc, _, index = _selected_fwd(q, k_slc, v_slc, blocks, sel_block, scale,
                                              prefix=_dense_prefix(T, n_selected, sel_block))
@@ -1115,15 +1113,22 @@ def _empty_range_output(q: torch.Tensor) -> torch.Tensor:
     return q.new_empty(0)
 
 
-def _recomputed_ranges(q, k_win, v_win, k_cmp, v_cmp, cmp_block: int, cmp_stride: int, window: int,
-                       scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """o_cmp and o_win as nsa::core's forward computed them: the same kernels on the same inputs (bit for bit;
-    none of them adds atomically), the window's beside the compressed as in the forward."""
+def _range_forwards(q, k_win, v_win, k_cmp, v_cmp, cmp_block: int, cmp_stride: int, window: int, scale: float):
+    """((o_cmp, lse_cmp), (o_win, lse_win), win) of q (contiguous): the compressed branch in order, the window's
+    started beside it; its results are there once win.join() has run."""
     T = q.shape[1]
     o_win, lse_win = _range_outputs(q, v_win)
     win = _Beside(q.device, lambda: _range_fwd_into(q, k_win, v_win, o_win, lse_win, T, *_win_range(window, T),
                                                     scale))
-    o_cmp, _ = _range_fwd(q, k_cmp, v_cmp, *_cmp_range(cmp_block, cmp_stride, T), scale)
+    return _range_fwd(q, k_cmp, v_cmp, *_cmp_range(cmp_block, cmp_stride, T), scale), (o_win, lse_win), win
+
+
+def _recomputed_ranges(q, k_win, v_win, k_cmp, v_cmp, cmp_block: int, cmp_stride: int, window: int,
+                       scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """o_cmp and o_win as nsa::core's forward computed them: the same kernels on the same inputs (bit for bit;
+    none of them adds atomically)."""
+    (o_cmp, _), (o_win, _), win = _range_forwards(q, k_win, v_win, k_cmp, v_cmp, cmp_block, cmp_stride, window,
+                                                  scale)
     win.join()
     return o_cmp, o_win
 
