@@ -1155,7 +1155,7 @@ def _core_bwd(do: torch.Tensor, q: torch.Tensor, k_slc: torch.Tensor, v_slc: tor
     else:
         dgates, d_cmp, d_slc, d_win, delta = _gated_bwd(gates, o_cmp, o_slc, o_win, do, with_delta=True)
     delta_cmp, delta_slc, delta_win = delta
-    q, d_cmp, d_win = q.contiguous(), d_cmp.contiguous(), d_win.contiguous()
+    d_cmp, d_win = d_cmp.contiguous(), d_win.contiguous()
     cmp = (q, _kv_rows(k_cmp), _kv_rows(v_cmp), d_cmp, lse_cmp, delta_cmp, *_cmp_range(cmp_block, cmp_stride, T))
     win = (q, _kv_rows(k_win), _kv_rows(v_win), d_win, lse_win, delta_win, *_win_range(window, T))
     # dK/dV of the compressed and window branches feed nothing else here: beside the dQ kernels.
