@@ -355,12 +355,6 @@ CORE_VARIANTS = {  # three with the dense prefix: its dK/dV by groups (tiled_by_
     # the atomics add into the two ranges' dQ, summed in float32 beforehand
     "by_block_atomic_ranges_apart": dict(slc_kernel="by_block", slc_block_rows=16, slc_block_chunk=8, slc_dq="atomic",
                                          range_pair="apart"),
-    # by_block with its local blocks inside (the others leave them to the range kernels, _local_blocks), and with
-    # them outside on 16-wide range tiles, so that the local range spans several tiles
-    "by_block_local_inside": dict(slc_kernel="by_block", slc_block_rows=16, slc_block_chunk=8,
-                                  slc_local_range=False),
-    "by_block_local_small_tiles": dict(slc_kernel="by_block", slc_block_rows=16, slc_block_chunk=8,
-                                       **{f"range_{k}_d64": (16, 16, 4, 2) for k in ("fwd", "dq", "dkdv")}),
 }
 
 
@@ -411,9 +405,9 @@ def test_core_runs_queries_that_select_every_visible_block_as_dense_causal_atten
         monkeypatch.setattr(triton_impl, name, spy)
     real_index = triton_impl._selected_index
     monkeypatch.setattr(triton_impl, "_selected_index",
-                        lambda blocks, *a, **kw: seen_blocks.append(blocks.clone()) or real_index(blocks, *a, **kw))
+                        lambda blocks, *a: seen_blocks.append(blocks.clone()) or real_index(blocks, *a))
     launch = triton_impl.LaunchConfig(slc_kernel="by_block", slc_block_rows=16, slc_block_chunk=8,
-                                      slc_dense_prefix=dense_prefix, slc_local_range=False)
+                                      slc_dense_prefix=dense_prefix)
     with triton_impl.use_launch_config(launch):
         o, blocks = triton_impl.nsa_attention(*x.values(), cfg, scale=Dk ** -0.5, return_blocks=True)
         o.sum().backward()
@@ -428,47 +422,6 @@ def test_core_runs_queries_that_select_every_visible_block_as_dense_causal_atten
         assert torch.equal(seen_blocks[-1], blocks)
     visible = torch.arange(T, device=blocks.device).view(1, T, 1, 1) // cfg.sel_block
     assert ((blocks[:, :prefix] >= 0).sum(-1) == visible[:, :prefix, :, 0] + 1).all()  # the premise
-
-
-@pytest.mark.parametrize("kernel,local_range", [("by_block", True), ("tiled_by_block", True), ("by_block", False)])
-def test_core_leaves_the_local_blocks_to_the_range_kernels(kernel, local_range, monkeypatch):
-    """With slc_local_range the keys of each query's local blocks go through the range kernels with ALIGN = l'
-    (by_block: forward, dQ and dK/dV; tiled_by_block, whose tiled forward takes every block: dQ and dK/dV), and
-    by_block's index leaves those slots out; the output and gradients do not change. The variant tests check the
-    values against the reference."""
-    cfg = NSAConfig(cmp_block=8, cmp_stride=4, sel_block=8, n_selected=4, window=8)
-    B, T, H, G, Dk, Dv = 2, 45, 4, 2, 16, 16
-    x = make_inputs(B, T, H, G, Dk, Dv, cfg, seed=41)
-    calls, locals_seen = [], []
-    for name in ("_range_fwd_into", "_range_dq_into", "_range_dkdv_into"):
-        def spy(*args, _name=name, _real=getattr(triton_impl, name), **kwargs):
-            if args[1].data_ptr() == k_slc_ptr[0]:  # the selected branch's keys
-                calls.append((_name, kwargs.get("align", 1)))
-            return _real(*args, **kwargs)
-        monkeypatch.setattr(triton_impl, name, spy)
-    real_index = triton_impl._selected_index
-    monkeypatch.setattr(triton_impl, "_selected_index",
-                        lambda *a, **kw: locals_seen.append(kw.get("local", 0)) or real_index(*a, **kw))
-    results = {}
-    for local in (local_range, not local_range):
-        tri_in = {n: t.float().to(DEVICE).requires_grad_() for n, t in x.items()}
-        k_slc_ptr = [tri_in["k_slc"].data_ptr()]
-        calls.clear()
-        launch = triton_impl.LaunchConfig(slc_kernel=kernel, slc_tile_rows=16, slc_block_rows=16, slc_block_chunk=8,
-                                          slc_local_range=local)
-        with triton_impl.use_launch_config(launch):
-            o = triton_impl.nsa_attention(*tri_in.values(), cfg, scale=Dk ** -0.5)
-            o.backward(torch.randn(o.shape, generator=torch.Generator().manual_seed(42)).to(DEVICE))
-        results[local] = [o] + [tri_in[n].grad for n in NAMES]
-        if local == local_range:
-            got = sorted(calls)
-    expected = [("_range_dkdv_into", cfg.sel_block), ("_range_dq_into", cfg.sel_block)]
-    if kernel == "by_block":
-        expected.append(("_range_fwd_into", cfg.sel_block))
-    assert got == (expected if local_range else [])
-    assert locals_seen[0] == (cfg.n_local_blocks if local_range else 0)
-    for name, a, b in zip(("o",) + NAMES, results[True], results[False]):
-        assert rel_err(a, b) <= FP32_TOL, name
 
 
 @pytest.mark.parametrize("gate_kernel", ["fused", "torch"])
@@ -651,49 +604,6 @@ def test_range_variants_match_reference(range_kernel, delta_kernel, dkdv_program
     check_range_branches(x, cfg, scale, launch, grad_seed=16)
 
 
-def local_blocks(B: int, T: int, G: int, sel_block: int, n_local: int) -> torch.Tensor:
-    """[B, T, G, n_local] int32: each query's own block and the n_local - 1 before it (-1 before block 0)."""
-    ids = (torch.arange(T) // sel_block)[:, None] - torch.arange(n_local)[None, :]
-    return torch.where(ids >= 0, ids, -1).to(torch.int32).view(1, T, 1, n_local).expand(B, T, G, n_local).contiguous()
-
-
-@pytest.mark.parametrize("sel_block,n_local,tiles,range_kernel", [
-    (8, 2, SQUARE_16, "split"), (32, 2, MIXED_TILES, "split"), (32, 2, SQUARE_16, "split"),
-    (24, 2, SQUARE_16, "split"), (8, 3, MIXED_TILES, "masked"), (16, 1, SQUARE_16, "split"),
-    (32, 4, SQUARE_16, "split")])  # the last: a window of 128 >= T, the compressed branch's split dK/dV (atomics)
-def test_range_kernels_with_a_block_aligned_window_attend_over_the_local_blocks(sel_block, n_local, tiles,
-                                                                                range_kernel):
-    """With ALIGN = l' the range kernels attend over each query's local blocks, the keys by_block leaves to them
-    (_local_blocks). Judge: the reference's selected attention given exactly those blocks; output and the three
-    gradients (dQ and dK/dV read the forward's lse). l' below, at, above and across the 16- and 32-wide tiles (24);
-    T a multiple of none."""
-    B, T, H, G, Dk, Dv = 2, 101, 4, 2, 16, 24
-    cfg = NSAConfig(cmp_block=8, cmp_stride=4, sel_block=sel_block, n_selected=n_local + 1, window=8,
-                    n_local_blocks=n_local)
-    x = make_inputs(B, T, H, G, Dk, Dv, cfg, seed=31)
-    scale = Dk ** -0.5
-    ref_in = [x[n].clone().requires_grad_() for n in ("q", "k_slc", "v_slc")]
-    o_ref = reference.selected_attention(*ref_in, local_blocks(B, T, G, sel_block, n_local), cfg, scale)
-    grad_out = torch.randn(o_ref.shape, generator=torch.Generator().manual_seed(32), dtype=torch.float64)
-    o_ref.backward(grad_out)
-    q, k, v = (x[n].float().to(DEVICE) for n in ("q", "k_slc", "v_slc"))
-    do = grad_out.float().to(DEVICE)
-    local = (*triton_impl._local_range(n_local, sel_block), scale)
-    launch = triton_impl.LaunchConfig(**{f"range_{k}_d64": (*t, 4, 2) for k, t in tiles.items()},
-                                      range_kernel=range_kernel, range_dkdv_programs=64)
-    with triton_impl.use_launch_config(launch):
-        o, lse = triton_impl._range_outputs(q, v)
-        triton_impl._range_fwd_into(q, k, v, o, lse, T, *local, align=sel_block)
-        delta = (do * o).sum(-1)
-        dq = torch.empty_like(q)
-        triton_impl._range_dq_into(q, k, v, do, lse, delta, dq, T, *local, align=sel_block)
-        dk, dv = triton_impl._range_dkdv_outputs(q, k, v, local[2])
-        triton_impl._range_dkdv_into(q, k, v, do, lse, delta, dk, dv, T, T, *local, align=sel_block)
-    assert rel_err(o, o_ref) <= FP32_TOL
-    for name, got, r in zip(("dq", "dk", "dv"), (dq, dk, dv), ref_in):
-        assert rel_err(got, r.grad) <= FP32_TOL, name
-
-
 @pytest.mark.parametrize("range_kernel,Dv,expect_tma", [("split", 16, True), ("masked", 32, True),
                                                         ("split", 24, False)])
 def test_range_kernels_read_tiles_through_descriptors_where_the_layout_allows(range_kernel, Dv, expect_tma,
@@ -722,22 +632,16 @@ def test_range_kernels_read_tiles_through_descriptors_where_the_layout_allows(ra
     assert len(seen) == 6 and set(seen) == {expect_tma}  # forward, dQ and dK/dV of each branch
 
 
-# the second: more segments (1200) than block_work_kernel takes per step (1024); the third leaves out each query's
-# two local blocks of 4 positions (_local_blocks: the range kernels take them)
-@pytest.mark.parametrize("B, T, G, n, num_blocks, chunk, local, sel_block", [
-    (2, 23, 3, 4, 6, 5, 0, 1), (2, 150, 2, 3, 300, 4, 0, 1), (2, 23, 3, 4, 6, 5, 2, 4)])
-def test_block_work_covers_every_choice_once(B, T, G, n, num_blocks, chunk, local, sel_block):
+# the second: more segments (1200) than block_work_kernel takes per step (1024)
+@pytest.mark.parametrize("B, T, G, n, num_blocks, chunk", [(2, 23, 3, 4, 6, 5), (2, 150, 2, 3, 300, 4)])
+def test_block_work_covers_every_choice_once(B, T, G, n, num_blocks, chunk):
     """The by_block index: every valid slot appears once, in its (b, g, block) segment, in query order; the work
-    list hands each segment's entries to programs in chunks, each entry to exactly one program, spares marked -1.
-    With local > 0 a slot is valid only if its block lies before the query's local blocks."""
+    list hands each segment's entries to programs in chunks, each entry to exactly one program, spares marked -1."""
     gen = torch.Generator().manual_seed(17)
     blocks = torch.randint(-1, num_blocks, (B, T, G, n), generator=gen, dtype=torch.int32)
-    index = triton_impl.block_work(blocks.to(DEVICE), num_blocks, chunk, local=local, sel_block=sel_block)
+    index = triton_impl.block_work(blocks.to(DEVICE), num_blocks, chunk)
     order, starts, work_seg, work_chunk = (x.cpu() for x in index)
-    query = torch.arange(T).view(1, T, 1, 1)
-    kept = (blocks >= 0) & (blocks <= query // sel_block - local) if local else blocks >= 0
-    valid = int(kept.sum())
-    assert 0 < valid < int((blocks >= 0).sum()) or not local
+    valid = int((blocks >= 0).sum())
     assert int(starts[-1]) == valid
     assert order.dtype == starts.dtype == work_seg.dtype == work_chunk.dtype == torch.int32  # no cast launches
     flat = blocks.flatten().long()
@@ -752,7 +656,7 @@ def test_block_work_covers_every_choice_once(B, T, G, n, num_blocks, chunk, loca
         covered = sorted(int(c) for s, c in zip(work_seg.tolist(), work_chunk.tolist()) if s == seg)
         assert covered == list(range(max(1, -(-entries.numel() // chunk))))  # an empty segment: one item too
         seen[entries] += 1
-    assert torch.equal(seen, kept.flatten().long())
+    assert torch.equal(seen, (flat >= 0).long())
     assert (work_seg >= -1).all() and int((work_seg >= 0).sum()) == sum(
         max(1, -(-int(starts[s + 1] - starts[s]) // chunk)) for s in range(B * G * num_blocks))
 

@@ -22,19 +22,13 @@ ABSENT = tl.constexpr(2 ** 31 - 1)  # a union's padding: after every block id
 
 @triton.jit
 def segment_ids_kernel(BLOCKS, SEG, num_entries, T, num_blocks, num_segments, G: tl.constexpr, N: tl.constexpr,
-                       BLOCK: tl.constexpr, SEL_BLOCK: tl.constexpr = 1, LOCAL: tl.constexpr = 0):
-    """LOCAL > 0: the query's own block and the LOCAL - 1 before it count as empty slots (their keys go through
-    the range kernels, ops/triton_impl.py `_local_blocks`)."""
+                       BLOCK: tl.constexpr):
     e = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     ok = e < num_entries
     block = tl.load(BLOCKS + e, mask=ok, other=-1)
     g = (e // N) % G
     b = e // (T * (G * N))
-    used = block >= 0
-    if LOCAL > 0:
-        t = (e // (G * N)) % T
-        used = used & (block <= t // SEL_BLOCK - LOCAL)
-    seg = tl.where(used, block + (b * G + g) * num_blocks, num_segments)
+    seg = tl.where(block >= 0, block + (b * G + g) * num_blocks, num_segments)
     tl.store(SEG + e, seg.to(SEG.dtype.element_ty), mask=ok)
 
 

@@ -7,12 +7,6 @@ Key j stands at position j * key_stride + key_offset and query t sees it iff
   compressed branch: key_stride = d, key_offset = l - 1 (compressed token j ends there), window = T (no lower bound)
   window branch:     key_stride = 1, key_offset = 0, window = w
 
-ALIGN (constexpr, 1 by default) counts the window back from the last position of t's block of ALIGN positions
-instead of from t, so the lower edge is block-aligned: t sees position p iff p <= t and
-(t // ALIGN) * ALIGN + ALIGN - 1 - p < window. The selected branch's local blocks (the query's own and the
-n_local - 1 before it, which NSA always selects) are that range with ALIGN = l' and window = n_local * l'
-(ops/triton_impl.py, `_local_blocks`).
-
 Only queries t < num_queries (<= T) are computed: T is the sequence length, the pitch of the query rows. The
 selected branch runs its dense prefix (queries that select every block they can see) through these kernels with
 num_queries < T (ops/triton_impl.py, `_dense_prefix`).
@@ -53,19 +47,19 @@ LOG2E = tl.constexpr(1.4426950408889634)
 
 @triton.jit
 def _key_tiles(t_first, t_last, key_stride, key_offset, window, num_keys, BLOCK_N: tl.constexpr,
-               EDGE_SPLIT: tl.constexpr, ALIGN: tl.constexpr):
+               EDGE_SPLIT: tl.constexpr):
     """(lo, mid_lo, mid_hi, hi): queries t_first..t_last may see keys [lo, hi) (lo rounded down to a tile);
     the tiles of [mid_lo, mid_hi) are seen whole by every one of them."""
     hi = (t_last - key_offset + key_stride) // key_stride
     hi = tl.minimum(tl.maximum(hi, 0), num_keys)
-    x = _window_anchor(t_first, ALIGN) - window - key_offset
+    x = t_first - window - key_offset
     lo = tl.where(x >= 0, x // key_stride + 1, 0)
     lo = (lo // BLOCK_N) * BLOCK_N
     if EDGE_SPLIT:
         # full keys: position <= t_first (causal for the first query), t_last - position < window (the last one)
         c = t_first - key_offset
         full_hi = tl.minimum(tl.where(c >= 0, c // key_stride + 1, 0), hi)
-        y = _window_anchor(t_last, ALIGN) - key_offset - window
+        y = t_last - key_offset - window
         full_lo = tl.where(y >= 0, y // key_stride + 1, 0)
         mid_lo = tl.minimum(lo + tl.cdiv(tl.maximum(full_lo - lo, 0), BLOCK_N) * BLOCK_N, hi)
         mid_hi = mid_lo + (tl.maximum(full_hi - mid_lo, 0) // BLOCK_N) * BLOCK_N
@@ -127,26 +121,16 @@ def _query_tile_index():
 
 
 @triton.jit
-def _window_anchor(t, ALIGN: tl.constexpr):
-    """Where query t's window ends, counting back window positions from it: t itself, or with ALIGN the last
-    position of t's block of ALIGN (the selected branch's local blocks, whose lower edge is block-aligned)."""
-    if ALIGN == 1:
-        return t
-    return (t // ALIGN) * ALIGN + ALIGN - 1
-
-
-@triton.jit
-def _visible(offs_m, offs_n, key_stride, key_offset, window, ALIGN: tl.constexpr):
-    pos = offs_n[None, :] * key_stride + key_offset
-    rel = offs_m[:, None] - pos
-    return (rel >= 0) & (_window_anchor(offs_m, ALIGN)[:, None] - pos < window)
+def _visible(offs_m, offs_n, key_stride, key_offset, window):
+    rel = offs_m[:, None] - (offs_n[None, :] * key_stride + key_offset)
+    return (rel >= 0) & (rel < window)
 
 
 @triton.jit
 def _fwd_tiles(acc, m_i, l_i, q, K, V, KD, VD, K_ROW, V_ROW, b, g, offs_m, start, stop, hi, num_keys, qk_scale,
                key_stride, key_offset, window, G: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
                BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
-               TMA: tl.constexpr, DOT_PRECISION: tl.constexpr, ALIGN: tl.constexpr):
+               TMA: tl.constexpr, DOT_PRECISION: tl.constexpr):
     for start_n in range(start, stop, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         n_ok = offs_n < hi
@@ -154,7 +138,7 @@ def _fwd_tiles(acc, m_i, l_i, q, K, V, KD, VD, K_ROW, V_ROW, b, g, offs_m, start
                          BLOCK_N, MASKED, TMA)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
         if MASKED:
-            vis = _visible(offs_m, offs_n, key_stride, key_offset, window, ALIGN) & n_ok[None, :]
+            vis = _visible(offs_m, offs_n, key_stride, key_offset, window) & n_ok[None, :]
             s = tl.where(vis, s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, axis=1))
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet stay zeros
@@ -175,7 +159,7 @@ def range_attn_fwd_kernel(Q, K, V, QD, KD, VD, O, LSE, T, num_queries, num_keys,
                           H: tl.constexpr, G: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
                           BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr,
                           BLOCK_N: tl.constexpr, EDGE_SPLIT: tl.constexpr, TMA: tl.constexpr,
-                          DOT_PRECISION: tl.constexpr, ALIGN: tl.constexpr = 1):
+                          DOT_PRECISION: tl.constexpr):
     pid_m = _query_tile_index()
     pid_bh = tl.program_id(1)
     b = pid_bh // H
@@ -189,20 +173,20 @@ def range_attn_fwd_kernel(Q, K, V, QD, KD, VD, O, LSE, T, num_queries, num_keys,
     q = _query_tile(Q, QD, row_q, m_ok, b, h, T, t_first, DK, BLOCK_DK, True, TMA)
     t_last = tl.minimum(t_first + BLOCK_M, num_queries) - 1
     lo, mid_lo, mid_hi, hi = _key_tiles(t_first, t_last, key_stride, key_offset, window, num_keys, BLOCK_N,
-                                        EDGE_SPLIT, ALIGN)
+                                        EDGE_SPLIT)
     qk_scale = scale * LOG2E
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
     acc, m_i, l_i = _fwd_tiles(acc, m_i, l_i, q, K, V, KD, VD, K_ROW, V_ROW, b, g, offs_m, lo, mid_lo, hi, num_keys,
                                qk_scale, key_stride, key_offset, window, G, DK, DV, BLOCK_DK, BLOCK_DV, BLOCK_N,
-                               True, TMA, DOT_PRECISION, ALIGN)
+                               True, TMA, DOT_PRECISION)
     acc, m_i, l_i = _fwd_tiles(acc, m_i, l_i, q, K, V, KD, VD, K_ROW, V_ROW, b, g, offs_m, mid_lo, mid_hi, hi, num_keys,
                                qk_scale, key_stride, key_offset, window, G, DK, DV, BLOCK_DK, BLOCK_DV, BLOCK_N,
-                               False, TMA, DOT_PRECISION, ALIGN)
+                               False, TMA, DOT_PRECISION)
     acc, m_i, l_i = _fwd_tiles(acc, m_i, l_i, q, K, V, KD, VD, K_ROW, V_ROW, b, g, offs_m, mid_hi, hi, hi, num_keys,
                                qk_scale, key_stride, key_offset, window, G, DK, DV, BLOCK_DK, BLOCK_DV, BLOCK_N,
-                               True, TMA, DOT_PRECISION, ALIGN)
+                               True, TMA, DOT_PRECISION)
 
     has_key = l_i > 0
     l_safe = tl.where(has_key, l_i, 1.0)
@@ -217,7 +201,7 @@ def range_attn_fwd_kernel(Q, K, V, QD, KD, VD, O, LSE, T, num_queries, num_keys,
 def _dq_tiles(dq, q, do, lse2, delta, K, V, KD, VD, K_ROW, V_ROW, b, g, offs_m, start, stop, hi, num_keys,
               qk_scale, key_stride, key_offset, window, G: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
               BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
-              TMA: tl.constexpr, DOT_PRECISION: tl.constexpr, ALIGN: tl.constexpr):
+              TMA: tl.constexpr, DOT_PRECISION: tl.constexpr):
     for start_n in range(start, stop, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         n_ok = offs_n < hi
@@ -226,7 +210,7 @@ def _dq_tiles(dq, q, do, lse2, delta, K, V, KD, VD, K_ROW, V_ROW, b, g, offs_m, 
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
         p = tl.exp2(s - lse2[:, None])
         if MASKED:
-            vis = _visible(offs_m, offs_n, key_stride, key_offset, window, ALIGN) & n_ok[None, :]
+            vis = _visible(offs_m, offs_n, key_stride, key_offset, window) & n_ok[None, :]
             p = tl.where(vis, p, 0.0)
         dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
         ds = p * (dp - delta[:, None])
@@ -238,23 +222,23 @@ def _dq_tiles(dq, q, do, lse2, delta, K, V, KD, VD, K_ROW, V_ROW, b, g, offs_m, 
 def _dq_range(dq, q, do, LSE, DELTA, K, V, KD, VD, K_ROW, V_ROW, b, g, offs_m, m_ok, row_q, t_first, t_last,
               num_keys, qk_scale, key_stride, key_offset, window, G: tl.constexpr, DK: tl.constexpr,
               DV: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr,
-              EDGE_SPLIT: tl.constexpr, TMA: tl.constexpr, DOT_PRECISION: tl.constexpr, ALIGN: tl.constexpr):
+              EDGE_SPLIT: tl.constexpr, TMA: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """dq plus the (unscaled) dQ of the loaded query tile over one range of keys, with that range's lse and delta."""
     # Rows with no visible key have lse = -inf; 0 instead keeps exp2(s - lse) finite (they are masked or padding).
     lse2 = tl.load(LSE + row_q, mask=m_ok, other=0.0) * LOG2E
     lse2 = tl.where(lse2 == float("-inf"), 0.0, lse2)
     delta = tl.load(DELTA + row_q, mask=m_ok, other=0.0)
     lo, mid_lo, mid_hi, hi = _key_tiles(t_first, t_last, key_stride, key_offset, window, num_keys, BLOCK_N,
-                                        EDGE_SPLIT, ALIGN)
+                                        EDGE_SPLIT)
     dq = _dq_tiles(dq, q, do, lse2, delta, K, V, KD, VD, K_ROW, V_ROW, b, g, offs_m, lo, mid_lo, hi, num_keys,
                    qk_scale, key_stride, key_offset, window, G, DK, DV, BLOCK_DK, BLOCK_DV, BLOCK_N, True, TMA,
-                   DOT_PRECISION, ALIGN)
+                   DOT_PRECISION)
     dq = _dq_tiles(dq, q, do, lse2, delta, K, V, KD, VD, K_ROW, V_ROW, b, g, offs_m, mid_lo, mid_hi, hi, num_keys,
                    qk_scale, key_stride, key_offset, window, G, DK, DV, BLOCK_DK, BLOCK_DV, BLOCK_N, False, TMA,
-                   DOT_PRECISION, ALIGN)
+                   DOT_PRECISION)
     dq = _dq_tiles(dq, q, do, lse2, delta, K, V, KD, VD, K_ROW, V_ROW, b, g, offs_m, mid_hi, hi, hi, num_keys,
                    qk_scale, key_stride, key_offset, window, G, DK, DV, BLOCK_DK, BLOCK_DV, BLOCK_N, True, TMA,
-                   DOT_PRECISION, ALIGN)
+                   DOT_PRECISION)
     return dq
 
 
@@ -265,8 +249,7 @@ def range_attn_bwd_dq_kernel(Q, K, V, DO, QD, KD, VD, DOD, K2D, V2D, LSE, DELTA,
                              H: tl.constexpr, G: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
                              BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr,
                              BLOCK_N: tl.constexpr, EDGE_SPLIT: tl.constexpr, ACCUMULATE: tl.constexpr,
-                             TWO_RANGES: tl.constexpr, TMA: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                             ALIGN: tl.constexpr = 1):
+                             TWO_RANGES: tl.constexpr, TMA: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """ACCUMULATE: add this dQ to what DQ holds (the selected branch's dense prefix adds into the core's dQ).
     TWO_RANGES: dQ is the sum over two ranges (the second with its own keys, lse and delta; the same do): the
     compressed and window branches' dQ from one load of each query tile and one store."""
@@ -287,11 +270,11 @@ def range_attn_bwd_dq_kernel(Q, K, V, DO, QD, KD, VD, DOD, K2D, V2D, LSE, DELTA,
     dq = tl.zeros([BLOCK_M, BLOCK_DK], tl.float32)
     dq = _dq_range(dq, q, do, LSE, DELTA, K, V, KD, VD, K_ROW, V_ROW, b, g, offs_m, m_ok, row_q, t_first, t_last,
                    num_keys, qk_scale, key_stride, key_offset, window, G, DK, DV, BLOCK_DK, BLOCK_DV, BLOCK_N,
-                   EDGE_SPLIT, TMA, DOT_PRECISION, ALIGN)
+                   EDGE_SPLIT, TMA, DOT_PRECISION)
     if TWO_RANGES:
         dq = _dq_range(dq, q, do, LSE2, DELTA2, K2, V2, K2D, V2D, K2_ROW, V2_ROW, b, g, offs_m, m_ok, row_q,
                        t_first, t_last, num_keys2, qk_scale, key_stride2, key_offset2, window2, G, DK, DV, BLOCK_DK,
-                       BLOCK_DV, BLOCK_N, EDGE_SPLIT, TMA, DOT_PRECISION, 1)
+                       BLOCK_DV, BLOCK_N, EDGE_SPLIT, TMA, DOT_PRECISION)
     dq = dq * scale
     dq_ptrs = DQ + row_q[:, None] * DK + offs_dk[None, :]
     dq_ok = m_ok[:, None] & (offs_dk < DK)[None, :]
@@ -304,7 +287,7 @@ def range_attn_bwd_dq_kernel(Q, K, V, DO, QD, KD, VD, DOD, K2D, V2D, LSE, DELTA,
 def _dkdv_tiles(dk, dv, k, v, Q, DO, QD, DOD, LSE, DELTA, b, h, offs_n, n_ok, start, stop, T, num_queries, qk_scale,
                 key_stride, key_offset, window, H: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
                 BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, MASKED: tl.constexpr,
-                TMA: tl.constexpr, DOT_PRECISION: tl.constexpr, ALIGN: tl.constexpr):
+                TMA: tl.constexpr, DOT_PRECISION: tl.constexpr):
     for start_m in range(start, stop, BLOCK_M):
         offs_m = start_m + tl.arange(0, BLOCK_M)
         m_ok = offs_m < num_queries
@@ -320,7 +303,7 @@ def _dkdv_tiles(dk, dv, k, v, Q, DO, QD, DOD, LSE, DELTA, b, h, offs_n, n_ok, st
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
         if MASKED:
             lse2 = tl.where(lse2 == float("-inf"), 0.0, lse2)
-            vis = _visible(offs_m, offs_n, key_stride, key_offset, window, ALIGN) & n_ok[None, :] & m_ok[:, None]
+            vis = _visible(offs_m, offs_n, key_stride, key_offset, window) & n_ok[None, :] & m_ok[:, None]
             p = tl.where(vis, tl.exp2(s - lse2[:, None]), 0.0)
         else:
             p = tl.exp2(s - lse2[:, None])  # every query of a full tile sees a key: its lse is finite
@@ -332,20 +315,12 @@ def _dkdv_tiles(dk, dv, k, v, Q, DO, QD, DOD, LSE, DELTA, b, h, offs_n, n_ok, st
 
 
 @triton.jit
-def _window_end(pos, window, ALIGN: tl.constexpr):
-    """The first query past those whose window reaches back to position pos (_window_anchor(t) - pos < window)."""
-    if ALIGN == 1:
-        return pos + window
-    return ((pos + window) // ALIGN) * ALIGN
-
-
-@triton.jit
 def range_attn_bwd_dkdv_kernel(Q, K, V, DO, QD, KD, VD, DOD, LSE, DELTA, DK_ACC, DV_ACC, T, num_queries, num_keys,
                                scale, key_stride, key_offset, window, q_chunk, K_ROW, V_ROW, H: tl.constexpr,
                                G: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BLOCK_DK: tl.constexpr,
                                BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                                HEAD_SPLIT: tl.constexpr, EDGE_SPLIT: tl.constexpr, ATOMIC: tl.constexpr,
-                               TMA: tl.constexpr, DOT_PRECISION: tl.constexpr, ALIGN: tl.constexpr = 1):
+                               TMA: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """One program per (slice of HPG / HEAD_SPLIT heads of a group, key tile, chunk of q_chunk of the queries
     that see the tile). HEAD_SPLIT = 1 and one chunk: the program loops over the whole group and stores (exact,
     deterministic; right for the window branch, whose tiles see few queries). Otherwise (ATOMIC) the programs of
@@ -377,7 +352,7 @@ def range_attn_bwd_dkdv_kernel(Q, K, V, DO, QD, KD, VD, DOD, LSE, DELTA, DK_ACC,
     first_pos = pid_n * BLOCK_N * key_stride + key_offset
     last_pos = (pid_n * BLOCK_N + BLOCK_N - 1) * key_stride + key_offset
     t_lo = (first_pos // BLOCK_M) * BLOCK_M
-    t_hi = tl.minimum(num_queries, _window_end(last_pos, window, ALIGN))
+    t_hi = tl.minimum(num_queries, last_pos + window)
     # this program's chunk of them (q_chunk is a multiple of BLOCK_M, so tiles stay aligned)
     t_lo = t_lo + tl.program_id(2) * q_chunk
     t_hi = tl.minimum(t_hi, t_lo + q_chunk)
@@ -386,7 +361,7 @@ def range_attn_bwd_dkdv_kernel(Q, K, V, DO, QD, KD, VD, DOD, LSE, DELTA, DK_ACC,
         # and every key of the tile in bounds.
         full_lo = tl.minimum(t_lo + tl.cdiv(tl.maximum(last_pos - t_lo, 0), BLOCK_M) * BLOCK_M, t_hi)
         full_lo = tl.maximum(full_lo, t_lo)  # an empty chunk (t_hi < t_lo) runs no loop
-        full_end = tl.minimum(t_hi, _window_end(first_pos, window, ALIGN))
+        full_end = tl.minimum(t_hi, first_pos + window)
         keys_full = (pid_n + 1) * BLOCK_N <= num_keys
         full_hi = tl.where(keys_full, full_lo + (tl.maximum(full_end - full_lo, 0) // BLOCK_M) * BLOCK_M, full_lo)
     else:
@@ -399,13 +374,13 @@ def range_attn_bwd_dkdv_kernel(Q, K, V, DO, QD, KD, VD, DOD, LSE, DELTA, DK_ACC,
         h = first_head + head
         dk, dv = _dkdv_tiles(dk, dv, k, v, Q, DO, QD, DOD, LSE, DELTA, b, h, offs_n, n_ok, t_lo, full_lo, T,
                              num_queries, qk_scale, key_stride, key_offset, window, H, DK, DV, BLOCK_DK, BLOCK_DV,
-                             BLOCK_M, True, TMA, DOT_PRECISION, ALIGN)
+                             BLOCK_M, True, TMA, DOT_PRECISION)
         dk, dv = _dkdv_tiles(dk, dv, k, v, Q, DO, QD, DOD, LSE, DELTA, b, h, offs_n, n_ok, full_lo, full_hi, T,
                              num_queries, qk_scale, key_stride, key_offset, window, H, DK, DV, BLOCK_DK, BLOCK_DV,
-                             BLOCK_M, False, TMA, DOT_PRECISION, ALIGN)
+                             BLOCK_M, False, TMA, DOT_PRECISION)
         dk, dv = _dkdv_tiles(dk, dv, k, v, Q, DO, QD, DOD, LSE, DELTA, b, h, offs_n, n_ok, full_hi, t_hi, T,
                              num_queries, qk_scale, key_stride, key_offset, window, H, DK, DV, BLOCK_DK, BLOCK_DV,
-                             BLOCK_M, True, TMA, DOT_PRECISION, ALIGN)
+                             BLOCK_M, True, TMA, DOT_PRECISION)
     dk = dk * scale
     dk_ptrs = DK_ACC + row_k[:, None] * DK + offs_dk[None, :]
     dv_ptrs = DV_ACC + row_k[:, None] * DV + offs_dv[None, :]

@@ -158,8 +158,7 @@ def selected_block_fwd_kernel(Q, K, V, KD, VD, ORDER, STARTS, WORK_SEG, WORK_CHU
                               BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, SEL_BLOCK: tl.constexpr,
                               BLOCK_S: tl.constexpr, N_SELECT: tl.constexpr, ROWS: tl.constexpr,
                               CHUNK: tl.constexpr, TMA: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                              PREFETCH: tl.constexpr = False, WHOLE: tl.constexpr = False):
-    """WHOLE: every chooser sees the whole block, so no step masks its scores (_whole_blocks)."""
+                              PREFETCH: tl.constexpr = False):
     HPG: tl.constexpr = H // G
     ENTRIES: tl.constexpr = ROWS // HPG
     seg, b, g, j, start, end = _work_item(WORK_SEG, WORK_CHUNK, STARTS, num_blocks, G, CHUNK)
@@ -181,9 +180,8 @@ def selected_block_fwd_kernel(Q, K, V, KD, VD, ORDER, STARTS, WORK_SEG, WORK_CHU
                 flat, r_ok = _chooser_flat(ORDER, e0, end, HPG, ROWS)
                 t, row_q, row_p, q = _chooser_fwd_tiles(Q, flat, r_ok, b, g, T, H, G, DK, BLOCK_DK, N_SELECT, ROWS)
             s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
-            if not WHOLE:
-                if not _sees_whole_block(t, r_ok, j, T, SEL_BLOCK, BLOCK_S):
-                    s = tl.where(_visible(t, r_ok, pos, s_ok, SEL_BLOCK, BLOCK_S), s, float("-inf"))
+            if not _sees_whole_block(t, r_ok, j, T, SEL_BLOCK, BLOCK_S):
+                s = tl.where(_visible(t, r_ok, pos, s_ok, SEL_BLOCK, BLOCK_S), s, float("-inf"))
             m = tl.max(s, axis=1)
             m_safe = tl.where(m == float("-inf"), 0.0, m)  # a chooser that sees none of the block (block after t)
             p = tl.exp2(s - m_safe[:, None])
@@ -200,49 +198,26 @@ def selected_block_fwd_kernel(Q, K, V, KD, VD, ORDER, STARTS, WORK_SEG, WORK_CHU
 
 
 @triton.jit
-def _slot_used(BLOCKS, slot, r_ok, t, SEL_BLOCK: tl.constexpr, LOCAL: tl.constexpr):
-    """Whether a slot holds a partial: a block (not -1) and, with LOCAL > 0, none of the query's LOCAL local
-    blocks (the range kernels' part, block_index.py's segment_ids_kernel)."""
-    block = tl.load(BLOCKS + slot, mask=r_ok, other=-1)
-    used = r_ok & (block >= 0)
-    if LOCAL > 0:
-        used = used & (block <= t // SEL_BLOCK - LOCAL)
-    return used
-
-
-@triton.jit
-def selected_combine_kernel(O_PART, LSE2_PART, BLOCKS, O, LSE, O_LOCAL, LSE_LOCAL, num_rows, T,
-                            H: tl.constexpr, G: tl.constexpr, DV: tl.constexpr, BLOCK_DV: tl.constexpr,
-                            N_SELECT: tl.constexpr, BLOCK_R: tl.constexpr, SEL_BLOCK: tl.constexpr = 1,
-                            LOCAL: tl.constexpr = 0):
-    """o[b, t, h] and lse from the n partials of (b, t, h); slots with block -1 hold nothing and are skipped.
-    LOCAL > 0: the local blocks' slots are skipped too, and O_LOCAL, LSE_LOCAL ([B, T, H, DV], [B, T, H] natural
-    log: the range kernel's output over those blocks) are one more partial."""
+def selected_combine_kernel(O_PART, LSE2_PART, BLOCKS, O, LSE, num_rows, H: tl.constexpr, G: tl.constexpr,
+                            DV: tl.constexpr, BLOCK_DV: tl.constexpr, N_SELECT: tl.constexpr, BLOCK_R: tl.constexpr):
+    """o[b, t, h] and lse from the n partials of (b, t, h); slots with block -1 hold nothing and are skipped."""
     HPG: tl.constexpr = H // G
     rows = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)  # (b * T + t) * H + hh
     offs_dv = tl.arange(0, BLOCK_DV)
     r_ok = rows < num_rows
     bt = rows // H
     hh = rows % H
-    t = bt % T
     slot0 = (bt * G + hh // HPG) * N_SELECT
     head = hh % HPG
     m = tl.full([BLOCK_R], float("-inf"), tl.float32)
-    if LOCAL > 0:
-        lse2_local = tl.load(LSE_LOCAL + rows, mask=r_ok, other=float("-inf")) * LOG2E
-        m = lse2_local
     for i in range(N_SELECT):
-        used = _slot_used(BLOCKS, slot0 + i, r_ok, t, SEL_BLOCK, LOCAL)
+        used = r_ok & (tl.load(BLOCKS + slot0 + i, mask=r_ok, other=-1) >= 0)
         m = tl.maximum(m, tl.load(LSE2_PART + (slot0 + i) * HPG + head, mask=used, other=float("-inf")))
     m_safe = tl.where(m == float("-inf"), 0.0, m)
     l_i = tl.zeros([BLOCK_R], tl.float32)
     acc = tl.zeros([BLOCK_R, BLOCK_DV], tl.float32)
-    if LOCAL > 0:
-        l_i = tl.exp2(lse2_local - m_safe)
-        acc = l_i[:, None] * tl.load(O_LOCAL + rows[:, None] * DV + offs_dv[None, :],
-                                     mask=r_ok[:, None] & (offs_dv < DV)[None, :], other=0.0).to(tl.float32)
     for i in range(N_SELECT):
-        used = _slot_used(BLOCKS, slot0 + i, r_ok, t, SEL_BLOCK, LOCAL)
+        used = r_ok & (tl.load(BLOCKS + slot0 + i, mask=r_ok, other=-1) >= 0)
         row_p = (slot0 + i) * HPG + head
         w = tl.exp2(tl.load(LSE2_PART + row_p, mask=used, other=float("-inf")) - m_safe)
         part = tl.load(O_PART + row_p[:, None] * DV + offs_dv[None, :], mask=used[:, None] & (offs_dv < DV)[None, :],
@@ -263,8 +238,7 @@ def selected_block_bwd_kernel(Q, K, V, KD, VD, DO, LSE, DELTA, ORDER, STARTS, WO
                               BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, SEL_BLOCK: tl.constexpr,
                               BLOCK_S: tl.constexpr, N_SELECT: tl.constexpr, ROWS: tl.constexpr,
                               CHUNK: tl.constexpr, DQ_MODE: tl.constexpr, FINAL_KV: tl.constexpr,
-                              TMA: tl.constexpr, DOT_PRECISION: tl.constexpr, PREFETCH: tl.constexpr = False,
-                              PRESET_KV: tl.constexpr = False, WHOLE: tl.constexpr = False):
+                              TMA: tl.constexpr, DOT_PRECISION: tl.constexpr, PREFETCH: tl.constexpr = False):
     """DQ_MODE: 0 no dQ (the query-driven variants compute it), 1 store each chooser's contribution at its slot
     (DQ_OUT rows as the partials), 2 add it atomically into a float32 DQ_OUT [B, T, H, DK].
 
@@ -272,11 +246,7 @@ def selected_block_bwd_kernel(Q, K, V, KD, VD, DO, LSE, DELTA, ORDER, STARTS, WO
     accumulators for a cast launch after (0.4 ms per training step at T = 2048, kernels-notes.md v20). The work
     list then has an item for every segment, so every key row is written (an unchosen block's with zeros). A
     segment of one chunk stores its block directly; in a longer one each program adds into the accumulators and
-    counts itself done (DONE [segments] int32, zeroed), and the last one casts the sums.
-
-    PRESET_KV (with FINAL_KV): the accumulators already hold part of dK and dV (the local blocks' range kernel
-    stored it before this launch); a segment's only program adds it before its store. WHOLE: as in the forward;
-    rows past the chooser list are zero rows (q, do, lse and delta 0), so their p = 1 adds nothing to dK, dV."""
+    counts itself done (DONE [segments] int32, zeroed), and the last one casts the sums."""
     HPG: tl.constexpr = H // G
     ENTRIES: tl.constexpr = ROWS // HPG
     seg, b, g, j, start, end = _work_item(WORK_SEG, WORK_CHUNK, STARTS, num_blocks, G, CHUNK)
@@ -305,12 +275,9 @@ def selected_block_bwd_kernel(Q, K, V, KD, VD, DO, LSE, DELTA, ORDER, STARTS, WO
                                                                          ROWS)
             q_ok = r_ok[:, None] & (offs_dk < DK)[None, :]
             s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
-            # Masked unless WHOLE: the unmasked branch the forward takes (_sees_whole_block) made this kernel 6-12%
-            # slower on the H100 (v24), as a branch around part of the elementwise work.
-            if WHOLE:
-                p = tl.exp2(s - lse2[:, None])
-            else:
-                p = tl.where(_visible(t, r_ok, pos, s_ok, SEL_BLOCK, BLOCK_S), tl.exp2(s - lse2[:, None]), 0.0)
+            # Always masked: the unmasked branch the forward takes (_sees_whole_block) made this kernel 6-12% slower
+            # on the H100 (v24), as a branch around part of the elementwise work.
+            p = tl.where(_visible(t, r_ok, pos, s_ok, SEL_BLOCK, BLOCK_S), tl.exp2(s - lse2[:, None]), 0.0)
             dv += tl.dot(tl.trans(p).to(do.dtype), do, input_precision=DOT_PRECISION)
             dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
             ds = p * (dp - delta[:, None])
@@ -332,9 +299,6 @@ def selected_block_bwd_kernel(Q, K, V, KD, VD, DO, LSE, DELTA, ORDER, STARTS, WO
         if FINAL_KV:
             count = tl.load(STARTS + seg + 1) - tl.load(STARTS + seg)
             if count <= CHUNK:  # the segment's only program
-                if PRESET_KV:
-                    dk += tl.load(DK_ACC + k_rows, mask=k_ok, other=0.0)
-                    dv += tl.load(DV_ACC + v_rows, mask=v_ok, other=0.0)
                 tl.store(DK_OUT + k_rows, dk.to(DK_OUT.dtype.element_ty), mask=k_ok)
                 tl.store(DV_OUT + v_rows, dv.to(DV_OUT.dtype.element_ty), mask=v_ok)
             else:
@@ -353,25 +317,23 @@ def selected_block_bwd_kernel(Q, K, V, KD, VD, DO, LSE, DELTA, ORDER, STARTS, WO
 
 
 @triton.jit
-def selected_dq_sum_kernel(DQ_PART, BLOCKS, DQ, ADD_A, ADD_B, ADD_C, num_rows, T, H: tl.constexpr, G: tl.constexpr,
+def selected_dq_sum_kernel(DQ_PART, BLOCKS, DQ, ADD_A, ADD_B, num_rows, H: tl.constexpr, G: tl.constexpr,
                            DK: tl.constexpr, BLOCK_DK: tl.constexpr, N_SELECT: tl.constexpr, BLOCK_R: tl.constexpr,
-                           NUM_ADD: tl.constexpr, SEL_BLOCK: tl.constexpr = 1, LOCAL: tl.constexpr = 0):
-    """dq[b, t, h] = the sum of its n slots' contributions (slots with block -1 hold nothing; with LOCAL > 0 the
-    local blocks' slots neither, as in the combine), plus the first NUM_ADD (0 to 3) of add_a, add_b, add_c
-    ([B, T, H, DK] like dq: the other branches' dQ, apart or already summed by the range kernels' two-range dQ,
-    and the local blocks' dQ; added here in fp32 instead of in passes of their own)."""
+                           NUM_ADD: tl.constexpr):
+    """dq[b, t, h] = the sum of its n slots' contributions (slots with block -1 hold nothing), plus the first NUM_ADD
+    (0, 1 or 2) of add_a, add_b ([B, T, H, DK] like dq: the other branches' dQ, apart or already summed by the
+    range kernels' two-range dQ; added here in fp32 instead of in passes of their own)."""
     HPG: tl.constexpr = H // G
     rows = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
     offs_dk = tl.arange(0, BLOCK_DK)
     r_ok = rows < num_rows
     bt = rows // H
     hh = rows % H
-    t = bt % T
     slot0 = (bt * G + hh // HPG) * N_SELECT
     head = hh % HPG
     acc = tl.zeros([BLOCK_R, BLOCK_DK], tl.float32)
     for i in range(N_SELECT):
-        used = _slot_used(BLOCKS, slot0 + i, r_ok, t, SEL_BLOCK, LOCAL)
+        used = r_ok & (tl.load(BLOCKS + slot0 + i, mask=r_ok, other=-1) >= 0)
         row_p = (slot0 + i) * HPG + head
         acc += tl.load(DQ_PART + row_p[:, None] * DK + offs_dk[None, :], mask=used[:, None] & (offs_dk < DK)[None, :],
                        other=0.0).to(tl.float32)
@@ -381,6 +343,4 @@ def selected_dq_sum_kernel(DQ_PART, BLOCKS, DQ, ADD_A, ADD_B, ADD_C, num_rows, T
         acc += tl.load(ADD_A + at, mask=ok, other=0.0).to(tl.float32)
     if NUM_ADD >= 2:
         acc += tl.load(ADD_B + at, mask=ok, other=0.0).to(tl.float32)
-    if NUM_ADD >= 3:
-        acc += tl.load(ADD_C + at, mask=ok, other=0.0).to(tl.float32)
     tl.store(DQ + at, acc.to(DQ.dtype.element_ty), mask=ok)

@@ -61,7 +61,7 @@ RANGE_PAIR = ("fused", "apart")
 
 
 RANGE_TILE_FIELDS = ("range_fwd", "range_dq", "range_dkdv", "range_fwd_d64", "range_dq_d64", "range_dkdv_d64")
-BOOL_FIELDS = ("slc_dense_prefix", "side_stream", "slc_local_range")
+BOOL_FIELDS = ("slc_dense_prefix", "side_stream")
 
 
 @dataclass(frozen=True)
@@ -111,7 +111,6 @@ class LaunchConfig:
     slc_dense_prefix: bool = False  # selected branch: queries t < n * l' by the range kernels (_dense_prefix; v15)
     prefix_dkdv_group_programs: int = 512  # dense prefix dK/dV: one program per group from this many programs
     side_stream: bool = True  # nsa::core's window forward and range dK/dV on a second CUDA stream (_Beside; v26)
-    slc_local_range: bool = True  # by_block: the always-selected local blocks by the range kernels (_local_blocks)
 
     def __post_init__(self) -> None:
         choices = {"slc_kernel": SELECTED_KERNELS, "gate_kernel": GATE_KERNELS, "range_kernel": RANGE_KERNELS,
@@ -303,10 +302,9 @@ def _range_outputs(q, v) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _range_fwd_into(q, k, v, o, lse, num_queries: int, key_stride: int, key_offset: int, window: int,
-                    scale: float, align: int = 1) -> None:
+                    scale: float) -> None:
     """_range_fwd for queries t < num_queries only, written into rows t < num_queries of o and lse (contiguous
-    [B, T, H, Dv] and [B, T, H]); the other rows are left as they are. align: the kernels' ALIGN (a window whose
-    lower edge is block-aligned, _local_blocks)."""
+    [B, T, H, Dv] and [B, T, H]); the other rows are left as they are."""
     k, v = _kv_rows(k), _kv_rows(v)
     B, T, H, _ = q.shape
     num_keys, G = k.shape[1], k.shape[2]
@@ -314,7 +312,7 @@ def _range_fwd_into(q, k, v, o, lse, num_queries: int, key_stride: int, key_offs
     range_attn_fwd_kernel[(triton.cdiv(num_queries, launch["BLOCK_M"]), B * H)](
         q, k, v, O=o, LSE=lse, T=T, num_queries=num_queries, num_keys=num_keys, scale=scale, key_stride=key_stride,
         key_offset=key_offset, window=window, **_kv_strides(k, v), H=H, G=G, **_head_dims(q, v), **launch,
-        **_tile_args(launch, dict(QD=q), dict(KD=k, VD=v)), ALIGN=align)
+        **_tile_args(launch, dict(QD=q), dict(KD=k, VD=v)))
 
 
 def _range_bwd(q, k, v, o, lse, do, key_stride: int, key_offset: int, window: int, scale: float, delta=None):
@@ -344,7 +342,7 @@ def _range_dkdv_outputs(q, k, v, window: int) -> tuple[torch.Tensor, torch.Tenso
 
 
 def _range_dq_into(q, k, v, do, lse, delta, dq, num_queries: int, key_stride: int, key_offset: int, window: int,
-                   scale: float, accumulate: bool = False, second=None, align: int = 1) -> None:
+                   scale: float, accumulate: bool = False, second=None) -> None:
     """dQ of _range_fwd for queries t < num_queries into those rows of dq, or added to them (accumulate). second =
     (k2, v2, lse2, delta2, key_stride2, key_offset2, window2): dq is the sum over both ranges (nsa::core's
     backward: each query tile and its do loaded once, one store)."""
@@ -364,7 +362,7 @@ def _range_dq_into(q, k, v, do, lse, delta, dq, num_queries: int, key_stride: in
         key_stride=key_stride, key_offset=key_offset, window=window, K_ROW=k.stride(1), V_ROW=v.stride(1), K2=k2,
         V2=v2, LSE2=lse2, DELTA2=delta2, num_keys2=k2.shape[1], key_stride2=range2[0], key_offset2=range2[1],
         window2=range2[2], K2_ROW=k2.stride(1), V2_ROW=v2.stride(1), H=H, G=G, **_head_dims(q, v),
-        ACCUMULATE=accumulate, TWO_RANGES=second is not None, **launch, **tiles, ALIGN=align)
+        ACCUMULATE=accumulate, TWO_RANGES=second is not None, **launch, **tiles)
 
 
 def _range_dkdv_split(q, k, v, num_queries: int, window: int, prefix: bool = False) -> tuple[bool, int, int]:
@@ -392,7 +390,7 @@ def _range_dkdv_split(q, k, v, num_queries: int, window: int, prefix: bool = Fal
 
 
 def _range_dkdv_into(q, k, v, do, lse, delta, dk, dv, num_queries: int, num_key_rows: int, key_stride: int,
-                     key_offset: int, window: int, scale: float, prefix: bool = False, align: int = 1) -> None:
+                     key_offset: int, window: int, scale: float, prefix: bool = False) -> None:
     """dK, dV of _range_fwd from queries t < num_queries, for keys j < num_key_rows: stored into dk, dv (input
     dtype) or, where _range_dkdv_split says atomic, added into them (float32 accumulators). prefix: the selected
     branch's dense prefix, always added (into the selected kernels' accumulators)."""
@@ -407,7 +405,7 @@ def _range_dkdv_into(q, k, v, do, lse, delta, dk, dv, num_queries: int, num_key_
             q, k, v, do, LSE=lse, DELTA=delta, DK_ACC=dk, DV_ACC=dv, T=T, num_queries=num_queries, num_keys=num_keys,
             scale=scale, key_stride=key_stride, key_offset=key_offset, window=window, q_chunk=q_chunk,
             **_kv_strides(k, v), HEAD_SPLIT=head_split, ATOMIC=atomic, H=H, G=G, **_head_dims(q, v), **launch,
-            **_tile_args(launch, dict(QD=q, DOD=do), dict(KD=k, VD=v)), ALIGN=align)
+            **_tile_args(launch, dict(QD=q, DOD=do), dict(KD=k, VD=v)))
 
 
 def _range_pair_fused() -> bool:
@@ -500,12 +498,12 @@ def inverted_index(blocks: torch.Tensor, num_blocks: int):
 _SEGMENT_SLOTS = 1024  # slots per program of segment_ids_kernel
 
 
-def _segment_ids(blocks: torch.Tensor, num_blocks: int, local: int = 0, sel_block: int = 1) -> torch.Tensor:
+def _segment_ids(blocks: torch.Tensor, num_blocks: int) -> torch.Tensor:
     """[B*T*G*n]: segment s = (b*G + g)*num_blocks + block of each (b, t, g, slot) entry, S = B*G*num_blocks for an
     empty slot, one launch (kernels/block_index.py). The keys take the narrowest integer type that holds S: a
     radix sort makes one pass per key byte, so int16 keys (S < 2^15, e.g. 1024 segments at 125M 1 x 32k) take two
     passes where int64 took eight (the sort went from 0.13 to 0.04 ms at every 125M shape on the H100,
-    kernels-h100-2026-11-23-v9.md). local > 0: each query's local blocks (_local_blocks) count as empty slots."""
+    kernels-h100-2026-11-23-v9.md)."""
     B, T, G, n = blocks.shape
     num_segments = B * G * num_blocks
     dtype = next(d for d in (torch.int16, torch.int32, torch.int64) if num_segments <= torch.iinfo(d).max)
@@ -513,13 +511,13 @@ def _segment_ids(blocks: torch.Tensor, num_blocks: int, local: int = 0, sel_bloc
     if segment.numel():
         segment_ids_kernel[(triton.cdiv(segment.numel(), _SEGMENT_SLOTS),)](
             blocks.contiguous(), segment, segment.numel(), T, num_blocks, num_segments, G=G, N=n,
-            BLOCK=_SEGMENT_SLOTS, SEL_BLOCK=sel_block, LOCAL=local)
+            BLOCK=_SEGMENT_SLOTS)
     return segment
 
 
-def _sorted_segments(blocks: torch.Tensor, num_blocks: int, local: int = 0, sel_block: int = 1):
+def _sorted_segments(blocks: torch.Tensor, num_blocks: int):
     """(sorted segment ids, order): _segment_ids sorted stably (a block's choosers stay in query order)."""
-    return torch.sort(_segment_ids(blocks, num_blocks, local, sel_block), stable=True)
+    return torch.sort(_segment_ids(blocks, num_blocks), stable=True)
 
 
 def tile_block_union(blocks: torch.Tensor, tile_q: int, num_blocks: int, shapes_only: bool = False):
@@ -601,8 +599,7 @@ def selected_kernel(hpg: int, num_blocks: int, n: int, config: LaunchConfig | No
 _WORK_SEGMENTS = 1024  # segments per step of block_work_kernel
 
 
-def block_work(blocks: torch.Tensor, num_blocks: int, chunk: int, shapes_only: bool = False, local: int = 0,
-               sel_block: int = 1):
+def block_work(blocks: torch.Tensor, num_blocks: int, chunk: int, shapes_only: bool = False):
     """The inverted index of the by_block kernels and their work list, from one sort, sizes fixed by shapes.
 
     order [B*T*G*n] int32: flat slot ((b*T + t)*G + g)*n + i of each entry, sorted by segment s = (b*G + g) *
@@ -611,8 +608,7 @@ def block_work(blocks: torch.Tensor, num_blocks: int, chunk: int, shapes_only: b
     entries) of segment work_seg[p], or nothing where work_seg[p] = -1 (W is an upper bound: no host sync). An
     empty segment has one item too, with no entries: the backward writes its block's zero dK, dV there.
     The keys, the sort, one pass over the sorted keys for the starts and one program for the work list
-    (kernels/block_index.py; about 20 PyTorch launches before, v19). shapes_only: empty tensors of those shapes.
-    local > 0: each query's local blocks (blocks of sel_block positions) are left out, as empty slots."""
+    (kernels/block_index.py; about 20 PyTorch launches before, v19). shapes_only: empty tensors of those shapes."""
     B, T, G, n = blocks.shape
     dev = blocks.device
     num_segments, entries = B * G * num_blocks, blocks.numel()
@@ -624,7 +620,7 @@ def block_work(blocks: torch.Tensor, num_blocks: int, chunk: int, shapes_only: b
     work_seg, work_chunk = (torch.empty(num_work, dtype=torch.int32, device=dev) for _ in range(2))
     if shapes_only:
         return torch.empty(entries, dtype=torch.int32, device=dev), starts, work_seg, work_chunk
-    sorted_segment, order = _sorted_segments(blocks, num_blocks, local, sel_block)
+    sorted_segment, order = _sorted_segments(blocks, num_blocks)
     segment_starts_kernel[(triton.cdiv(entries + 1, _SEGMENT_SLOTS),)](sorted_segment, starts, entries,
                                                                       num_segments, BLOCK=_SEGMENT_SLOTS)
     block_work_kernel[(1,)](starts, work_seg, work_chunk, num_segments, num_work, CHUNK=chunk,
@@ -643,11 +639,10 @@ def _partial_dtype(x: torch.Tensor, config: LaunchConfig) -> torch.dtype:
 _COMBINE_ROWS = 32  # (b, t, h) rows per program of the combine and dQ-sum kernels
 
 
-def _selected_fwd(q, k, v, blocks, sel_block: int, scale: float, prefix: int = 0, n_local: int = 0):
+def _selected_fwd(q, k, v, blocks, sel_block: int, scale: float, prefix: int = 0):
     """(o, lse, kernel, index) of the selected branch: the variant that ran and the index its backward reuses.
-    prefix: the first queries to run as dense causal attention (_dense_prefix); n_local: NSA's local blocks, which
-    by_block may leave to the range kernels (_local_blocks). Both only for blocks from NSA's own selection, where
-    they are exact."""
+    prefix: the first queries to run as dense causal attention (_dense_prefix); only for blocks from NSA's own
+    selection, where it is exact."""
     q, k, v, blocks = q.contiguous(), _kv_rows(k), _kv_rows(v), blocks.contiguous()
     B, T, H, _ = q.shape
     G, n = k.shape[2], blocks.shape[-1]
@@ -657,10 +652,9 @@ def _selected_fwd(q, k, v, blocks, sel_block: int, scale: float, prefix: int = 0
                   **_kv_strides(k, v))
     kernel = selected_kernel(H // G, triton.cdiv(T, sel_block), n)
     blocks = _blocks_past_prefix(blocks, prefix)  # the selected kernels leave the prefix's rows empty
-    local = _local_blocks(kernel, n_local, prefix)
-    index = _selected_index(blocks, sel_block, kernel, H // G, local=local)
+    index = _selected_index(blocks, sel_block, kernel, H // G)
     if kernel == "by_block":
-        _selected_by_block_fwd(q, k, v, blocks, o, lse, index, common, scale, local)
+        _selected_by_block_fwd(q, k, v, blocks, o, lse, index, common, scale)
     elif kernel in ("tiled", "tiled_by_block"):
         rows, tile_q = _selected_tile(H // G)
         # tiled_by_block saves by_block's work list for its backward; the unions serve the forward alone
@@ -695,32 +689,6 @@ def _block_tiles(rows: int, common: dict, k: torch.Tensor, v: torch.Tensor) -> d
     return _tile_args(dict(BLOCK_M=rows, BLOCK_N=common["BLOCK_S"]), {}, dict(KD=k, VD=v))
 
 
-def _local_blocks(kernel: str, n_local: int, prefix: int) -> int:
-    """How many local blocks per query by_block leaves to the range kernels (0: none).
-
-    NSA always selects the query's own block and the n_local - 1 before it (NSA_SPEC.md section 4; n >= n_init +
-    n_local), so those keys are one contiguous range, (t // l' - n_local + 1) * l' .. t: the range kernels with
-    ALIGN = l' take it (_local_range), as FlashAttention-style tiles of consecutive queries, with no gather, no
-    per-slot partial and no causal mask inside by_block. The by_block index leaves those slots out; its combine
-    and dQ slot sum take the range's output and dQ as one more partial, and its dK/dV start from the range's.
-    Only for by_block's backward (by_block, tiled_by_block; the forward too for by_block), only for blocks from
-    NSA's own selection (nsa::core), and not with the dense prefix, whose rows are whole already."""
-    return n_local if _config.slc_local_range and kernel in BY_BLOCK_BACKWARD and not prefix else 0
-
-
-def _whole_blocks(local: int, common: dict) -> bool:
-    """Whether every by_block chooser sees its whole block (the kernels' WHOLE: no score mask): with the local
-    blocks left out, a query's blocks all end before its own block starts, and none is the sequence's last,
-    partial block; a block narrower than its tile (l' not a power of two) still masks the tile's padding."""
-    return local > 0 and common["SEL_BLOCK"] == common["BLOCK_S"]
-
-
-def _local_range(local: int, sel_block: int) -> tuple[int, int, int]:
-    """(key_stride, key_offset, window) of the local blocks, with ALIGN = sel_block: raw keys, a block-aligned
-    window of `local` blocks."""
-    return 1, 0, local * sel_block
-
-
 def _dense_prefix(T: int, n: int, sel_block: int) -> int:
     """How many leading queries select every block they can see: t < n * l' sees at most n blocks, and then all of
     them are selected (NSA_SPEC.md section 4), so its selected branch is plain causal attention over keys 0..t.
@@ -747,13 +715,12 @@ def _blocks_past_prefix(blocks: torch.Tensor, prefix: int) -> torch.Tensor:
     return torch.where(in_prefix[None, :, None, None], -1, blocks)
 
 
-def _selected_index(blocks, sel_block: int, kernel: str, hpg: int, shapes_only: bool = False,
-                    local: int = 0) -> tuple[torch.Tensor, ...]:
-    """What the selected variant's forward and backward read besides the selections: by_block's work list (without
-    the local blocks where local > 0), tiled's block unions. shapes_only: empty tensors of their shapes (nsa::core's
-    fake)."""
+def _selected_index(blocks, sel_block: int, kernel: str, hpg: int,
+                    shapes_only: bool = False) -> tuple[torch.Tensor, ...]:
+    """What the selected variant's forward and backward read besides the selections: by_block's work list,
+    tiled's block unions. shapes_only: empty tensors of their shapes (nsa::core's fake)."""
     if kernel in BY_BLOCK_BACKWARD:
-        return _by_block_index(blocks, sel_block, _config, shapes_only, local)
+        return _by_block_index(blocks, sel_block, _config, shapes_only)
     if kernel == "tiled":
         return tile_block_union(blocks, _selected_tile(hpg)[1], triton.cdiv(blocks.shape[1], sel_block),
                                 shapes_only)
@@ -761,12 +728,11 @@ def _selected_index(blocks, sel_block: int, kernel: str, hpg: int, shapes_only: 
 
 
 def _selected_bwd(q, k, v, blocks, o, lse, index, do, sel_block: int, scale: float, kernel: str, delta=None,
-                  dq_add=None, prefix: int = 0, n_local: int = 0):
+                  dq_add=None, prefix: int = 0):
     """(dq, dk, dv) of _selected_fwd, under the launch config its forward ran with (the caller pins it); index
     is the forward's (_selected_index), possibly followed by unused empty slots; delta as in _range_bwd;
     dq_add: one or two [B,T,H,Dk] tensors added into dq (folded into by_block's dQ slot sum; the query-driven
-    dQ kernels add the first in place, so it must be the caller's own scratch, and it is returned as dq); prefix and
-    n_local as the forward's."""
+    dQ kernels add the first in place, so it must be the caller's own scratch, and it is returned as dq)."""
     q, k, v, blocks, do = q.contiguous(), _kv_rows(k), _kv_rows(v), blocks.contiguous(), do.contiguous()
     B, T, H, _ = q.shape
     G, n = k.shape[2], blocks.shape[-1]
@@ -777,8 +743,7 @@ def _selected_bwd(q, k, v, blocks, o, lse, index, do, sel_block: int, scale: flo
                   **_kv_strides(k, v))
     if kernel in BY_BLOCK_BACKWARD:
         dq, dk, dv = _selected_by_block_bwd(q, k, v, blocks, do, lse, delta, tuple(index[:4]), common, scale,
-                                            dq_add=dq_add, final_kv=not prefix,
-                                            local=_local_blocks(kernel, n_local, prefix))
+                                            dq_add=dq_add, final_kv=not prefix)
         return (dq, dk, dv) if not prefix else _with_prefix_bwd(q, k, v, do, lse, delta, dq, dk, dv, prefix, scale)
     # The first of the other branches' dQ becomes dq: the kernel adds into it (ACCUMULATE), no pass after.
     adds = list(dq_add or ())
@@ -846,58 +811,45 @@ class _SelectedAttention(torch.autograd.Function):
         return dq, dk, dv, None, None, None
 
 
-def _selected_by_block_fwd(q, k, v, blocks, o, lse, index, common, scale, local: int = 0):
-    """Forward of the by_block variant into o and lse, over the work list `index` (_by_block_index); local > 0:
-    the index leaves out the local blocks, which the range kernel takes beside (_local_blocks)."""
+def _selected_by_block_fwd(q, k, v, blocks, o, lse, index, common, scale):
+    """Forward of the by_block variant into o and lse, over the work list `index` (_by_block_index)."""
     B, T, H, _ = q.shape
     G, n, dv = k.shape[2], blocks.shape[-1], v.shape[-1]
     hpg, c = H // G, _config
-    sel_block = common["SEL_BLOCK"]
-    num_blocks = triton.cdiv(T, sel_block)
+    num_blocks = triton.cdiv(T, common["SEL_BLOCK"])
     order, starts, work_seg, work_chunk = index
     slots = B * T * G * n * hpg
     o_part = torch.empty(slots, dv, dtype=_partial_dtype(q, c), device=q.device)
     lse2_part = torch.empty(slots, dtype=torch.float32, device=q.device)
-    o_local, lse_local = _range_outputs(q, v) if local else (o, lse)  # unread without local
-    beside = None
-    if local:  # the local blocks' range beside by_block's forward (the second stream, _Beside)
-        beside = _Beside(q.device, lambda: _range_fwd_into(q, k, v, o_local, lse_local, T,
-                                                           *_local_range(local, sel_block), scale, align=sel_block))
     prefetch = _block_prefetch(q, v)
     selected_block_fwd_kernel[(work_seg.numel(),)](
         q, k, v, ORDER=order, STARTS=starts, WORK_SEG=work_seg, WORK_CHUNK=work_chunk, O_PART=o_part,
         LSE2_PART=lse2_part, T=T, num_blocks=num_blocks, scale=scale, ROWS=_block_rows(hpg, c),
-        CHUNK=c.slc_block_chunk, PREFETCH=prefetch, WHOLE=_whole_blocks(local, common), **common,
-        num_warps=c.slc_block_warps,
+        CHUNK=c.slc_block_chunk, PREFETCH=prefetch, **common, num_warps=c.slc_block_warps,
         num_stages=c.slc_block_stages, **(dict(maxnreg=c.slc_block_fwd_maxnreg) if prefetch else {}),
         **_block_tiles(_block_rows(hpg, c), common, k, v))
     rows = B * T * H
-    if beside is not None:
-        beside.join()
     selected_combine_kernel[(triton.cdiv(rows, _COMBINE_ROWS),)](
-        o_part, lse2_part, blocks, o, lse, o_local, lse_local, rows, T, H=H, G=G, DV=dv, BLOCK_DV=common["BLOCK_DV"],
-        N_SELECT=n, BLOCK_R=_COMBINE_ROWS, SEL_BLOCK=sel_block, LOCAL=local)
+        o_part, lse2_part, blocks, o, lse, rows, H=H, G=G, DV=dv, BLOCK_DV=common["BLOCK_DV"], N_SELECT=n,
+        BLOCK_R=_COMBINE_ROWS)
 
 
-def _by_block_index(blocks, sel_block, config, shapes_only: bool = False, local: int = 0):
-    return block_work(blocks, triton.cdiv(blocks.shape[1], sel_block), config.slc_block_chunk, shapes_only,
-                      local=local, sel_block=sel_block)
+def _by_block_index(blocks, sel_block, config, shapes_only: bool = False):
+    return block_work(blocks, triton.cdiv(blocks.shape[1], sel_block), config.slc_block_chunk, shapes_only)
 
 
 def _selected_by_block_bwd(q, k, v, blocks, do, lse, delta, index, common, scale, dq_mode=None, dq_add=None,
-                           final_kv=False, local: int = 0):
+                           final_kv=False):
     """(dq or None, dk, dv) of the selected branch by key blocks: one fused kernel over the blocks' choosers, then
     the dQ slot sum. dk and dv: with final_kv the gradients in k's and v's dtype, written by the kernel itself;
     else float32 accumulators that the caller adds to and casts (the dense prefix). dq_mode 0 computes dK/dV
     only (for the query-driven variants); None follows slc_dq. dq_add: one or two [B,T,H,Dk] tensors added into
-    dq (the other branches' dQ), by the slot sum where it runs. local > 0 (with final_kv and dQ from this kernel):
-    the index left out the local blocks; the range kernels take their dQ and dK/dV (_local_blocks)."""
+    dq (the other branches' dQ), by the slot sum where it runs."""
     order, starts, work_seg, work_chunk = index
     B, T, H, dk_dim = q.shape
     G, n = k.shape[2], blocks.shape[-1]
     hpg, c = H // G, _config
-    sel_block = common["SEL_BLOCK"]
-    num_blocks = triton.cdiv(T, sel_block)
+    num_blocks = triton.cdiv(T, common["SEL_BLOCK"])
     if dq_mode is None:
         dq_mode = 2 if c.slc_dq == "atomic" else 1
     num_segments = starts.numel() - 1
@@ -910,15 +862,6 @@ def _selected_by_block_bwd(q, k, v, blocks, do, lse, delta, index, common, scale
     else:
         dk_acc, dv_acc = _fp32_accumulators(k, v)
         dk_out, dv_out, done = dk_acc, dv_acc, starts  # unread
-    if local:
-        if not final_kv or dq_mode == 0:
-            raise ValueError("by_block: the local blocks' range needs final_kv and the kernel's own dQ")
-        local_range = (*_local_range(local, sel_block), scale)
-        # dK/dV first: the by_block kernel adds onto them (PRESET_KV); then its dQ, one more add of the slot sum
-        _range_dkdv_into(q, k, v, do, lse, delta, dk_acc, dv_acc, T, k.shape[1], *local_range, align=sel_block)
-        dq_local = torch.empty_like(q)
-        _range_dq_into(q, k, v, do, lse, delta, dq_local, T, *local_range, align=sel_block)
-        dq_add = (*(dq_add or ()), dq_local)
     if dq_mode == 2:  # the atomics add into the other branches' dQ, summed in float32 (no zero fill, no add after)
         dq_out = (dq_add[0].to(torch.float32, copy=True) if dq_add else
                   torch.zeros(q.shape, dtype=torch.float32, device=q.device))
@@ -934,7 +877,7 @@ def _selected_by_block_bwd(q, k, v, blocks, do, lse, delta, index, common, scale
         DK_ACC=dk_acc, DV_ACC=dv_acc, DQ_OUT=dq_out, DK_OUT=dk_out, DV_OUT=dv_out, DONE=done, T=T,
         num_blocks=num_blocks, scale=scale, ROWS=_block_rows(hpg, c), CHUNK=c.slc_block_chunk, DQ_MODE=dq_mode,
         FINAL_KV=final_kv, PREFETCH=_block_prefetch(q, v), **common, num_warps=c.slc_block_warps,
-        num_stages=c.slc_block_stages, PRESET_KV=bool(local), WHOLE=_whole_blocks(local, common),
+        num_stages=c.slc_block_stages,
         **_block_tiles(_block_rows(hpg, c), common, k, v))
     dq = None
     if dq_mode == 2:
@@ -943,11 +886,10 @@ def _selected_by_block_bwd(q, k, v, blocks, do, lse, delta, index, common, scale
         dq = torch.empty_like(q)
         rows = B * T * H
         adds = list(dq_add or ())
-        add_a, add_b, add_c = (adds + [dq, dq, dq])[:3]  # the kernel reads the first len(adds)
+        add_a, add_b = (adds + [dq, dq])[:2]  # the kernel reads the first len(adds)
         selected_dq_sum_kernel[(triton.cdiv(rows, _COMBINE_ROWS),)](
-            dq_out, blocks, dq, add_a.contiguous(), add_b.contiguous(), add_c.contiguous(), rows, T, H=H, G=G,
-            DK=dk_dim, BLOCK_DK=common["BLOCK_DK"], N_SELECT=n, BLOCK_R=_COMBINE_ROWS, NUM_ADD=len(adds),
-            SEL_BLOCK=sel_block, LOCAL=local)
+            dq_out, blocks, dq, add_a.contiguous(), add_b.contiguous(), rows, H=H, G=G, DK=dk_dim,
+            BLOCK_DK=common["BLOCK_DK"], N_SELECT=n, BLOCK_R=_COMBINE_ROWS, NUM_ADD=len(adds))
         dq_add = None  # folded in
     if dq is not None:
         for extra in dq_add or ():
@@ -1143,7 +1085,7 @@ def _core(q: torch.Tensor, k_slc: torch.Tensor, v_slc: torch.Tensor, k_win: torc
                                                               window, scale)
     blocks = select_blocks(q, k_cmp, lse_cmp, cfg, scale)
     o_slc, lse_slc, _, index = _selected_fwd(q, k_slc, v_slc, blocks, sel_block, scale,
-                                             prefix=_dense_prefix(T, n_selected, sel_block), n_local=n_local_blocks)
+                                             prefix=_dense_prefix(T, n_selected, sel_block))
     win.join()
     o = _gated_fwd(gates, o_cmp, o_slc, o_win)
     if recompute:
@@ -1195,7 +1137,7 @@ def _recomputed_ranges(q, k_win, v_win, k_cmp, v_cmp, cmp_block: int, cmp_stride
 def _core_bwd(do: torch.Tensor, q: torch.Tensor, k_slc: torch.Tensor, v_slc: torch.Tensor, k_win: torch.Tensor,
               v_win: torch.Tensor, k_cmp: torch.Tensor, v_cmp: torch.Tensor, gates: torch.Tensor,
               saved: list[torch.Tensor], cmp_block: int, cmp_stride: int, sel_block: int, window: int,
-              n_local_blocks: int, scale: float, kernel: str, recompute: bool) -> list[torch.Tensor]:
+              scale: float, kernel: str, recompute: bool) -> list[torch.Tensor]:
     """[dq, dk_slc, dv_slc, dk_win, dv_win, dk_cmp, dv_cmp, dgates] of nsa::core; saved = its outputs 1..."""
     blocks, o_cmp, lse_cmp, o_slc, lse_slc, o_win, lse_win, *index = saved
     T = q.shape[1]
@@ -1230,7 +1172,7 @@ def _core_bwd(do: torch.Tensor, q: torch.Tensor, k_slc: torch.Tensor, v_slc: tor
     # The selected branch's backward adds the other two branches' dQ into its own (by_block: in its slot sum).
     dq, dk_slc, dv_slc = _selected_bwd(q, k_slc, v_slc, blocks, o_slc, lse_slc, index, d_slc, sel_block, scale,
                                        kernel, delta=delta_slc, dq_add=tuple(dq_add),
-                                       prefix=_dense_prefix(T, blocks.shape[-1], sel_block), n_local=n_local_blocks)
+                                       prefix=_dense_prefix(T, blocks.shape[-1], sel_block))
     range_dkdv.join()
     (dk_cmp, dv_cmp), (dk_win, dv_win) = [(dk.to(r[1].dtype), dv.to(r[2].dtype))  # accumulators: cast
                                           for r, (dk, dv) in zip((cmp, win), dkdv)]
@@ -1239,20 +1181,20 @@ def _core_bwd(do: torch.Tensor, q: torch.Tensor, k_slc: torch.Tensor, v_slc: tor
 
 @_core_bwd.register_fake
 def _core_bwd_fake(do, q, k_slc, v_slc, k_win, v_win, k_cmp, v_cmp, gates, saved, cmp_block, cmp_stride, sel_block,
-                   window, n_local_blocks, scale, kernel, recompute):
+                   window, scale, kernel, recompute):
     return [x.new_empty(x.shape) for x in (q, k_slc, v_slc, k_win, v_win, k_cmp, v_cmp, gates)]
 
 
 def _core_setup_context(ctx, inputs, output):
     q, k_slc, v_slc, k_win, v_win, k_cmp, v_cmp, gates, cmp_block, cmp_stride, sel_block, n_selected, window, \
-        _n_init, n_local, scale, recompute = inputs
+        _n_init, _n_local, scale, recompute = inputs
     ctx.save_for_backward(q, k_slc, v_slc, k_win, v_win, k_cmp, v_cmp, gates, *output[1:])
     # Only o carries a gradient. Without this autograd (and AOTAutograd's tangents under torch.compile) would fill
     # a zero gradient for each of the other 11 outputs at every backward: three [B, T, H, Dv] branch outputs among
     # them, about 150 MiB of memset per layer at 32k tokens.
     ctx.mark_non_differentiable(*output[1:])
     ctx.set_materialize_grads(False)
-    ctx.params = (cmp_block, cmp_stride, sel_block, window, n_local, scale)
+    ctx.params = (cmp_block, cmp_stride, sel_block, window, scale)
     ctx.recompute = recompute
     H, G = q.shape[2], k_slc.shape[2]
     # The backward runs the variant and launch config the forward ran with.
