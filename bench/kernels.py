@@ -199,6 +199,7 @@ def check_bf16(name, B, T, H, G, Dk, Dv, cfg, grads=True, seed=0, stacked_kv=Fal
 
 CHECKS = [
     dict(name="125m_T64k", B=1, T=65536, H=12, G=2, Dk=64, Dv=64),
+    dict(name="125m_T128k", B=1, T=131072, H=12, G=2, Dk=64, Dv=64),  # the longest T issue 4 names for one GPU
     dict(name="125m_b4_T2k", B=4, T=2048, H=12, G=2, Dk=64, Dv=64),  # the training shape: tiled_by_block
     # the same, and by_block with a batch, with the K/V sets laid out as the model passes them
     dict(name="125m_b4_T2k_stacked_kv", B=4, T=2048, H=12, G=2, Dk=64, Dv=64, stacked_kv=True),

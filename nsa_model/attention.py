@@ -101,12 +101,14 @@ class Compressor(nn.Module):
     """phi of paper Eq. 7: maps each block of l raw vectors (stride d) to one compressed vector.
 
     `avg` is the mean of the block. `mlp` adds a learned intra-block position embedding, flattens the block and
-    applies Linear(l*D -> hidden), GELU, Linear(hidden -> D).
+    applies Linear(l*D -> hidden), GELU, Linear(hidden -> D). Where `backend` runs Triton, `mlp` is our op
+    (nsa::phi_mlp: one launch forward, three backward, in place of about fifteen; kernels-notes.md v29), unless the
+    launch config says phi_kernel="torch".
     """
 
-    def __init__(self, kind: str, head_dim: int, nsa: NSAConfig, hidden: int) -> None:
+    def __init__(self, kind: str, head_dim: int, nsa: NSAConfig, hidden: int, backend: str = "auto") -> None:
         super().__init__()
-        self.kind, self.block, self.stride = kind, nsa.cmp_block, nsa.cmp_stride
+        self.kind, self.block, self.stride, self.backend = kind, nsa.cmp_block, nsa.cmp_stride, backend
         if kind == "mlp":
             self.pos_emb = nn.Parameter(torch.zeros(nsa.cmp_block, head_dim))
             self.fc1 = nn.Linear(nsa.cmp_block * head_dim, hidden)
@@ -122,6 +124,9 @@ class Compressor(nn.Module):
             return x.new_zeros(B, 0, G, D)
         if self.kind == "avg":
             return self._blocks(x).mean(dim=-1)
+        if self._fused(x):  # keeps x and fc1's output [B * Tc, G, hidden] for its backward, no unfolded blocks
+            return ops.backend_module("triton", x).phi_mlp(x, self.fc1.weight, self._fc1_bias(), self.fc2.weight,
+                                                           self.fc2.bias, self.block, self.stride)
         if checkpointed and torch.is_grad_enabled():
             # Kept for the backward, fc1's input would be l*D values per compressed token (l/d = 2 copies of x).
             # Recomputed from x (kept anyway) it costs one small MLP: 273 MiB less peak memory on nsa-125m at 64k
@@ -131,16 +136,23 @@ class Compressor(nn.Module):
             return checkpoint(self._mlp, x, use_reentrant=False)
         return self._mlp(x)
 
+    def _fused(self, x: torch.Tensor) -> bool:
+        if ops.resolve_backend(self.backend, x) != "triton":
+            return False
+        return ops.backend_module("triton", x).launch_config().phi_kernel == "fused"
+
+    def _fc1_bias(self) -> torch.Tensor:
+        # fc1(blocks + pos_emb) = fc1(blocks) + fc1.weight @ pos_emb: the position embedding is one constant vector
+        # in fc1's output, so it goes into the bias. Its gradient is then fc1.weight^T times a [hidden] sum, not
+        # a sum over every block's l x D values (3 ms per step at T=32768 on nsa-125m, kernels-notes.md v12).
+        return torch.addmv(self.fc1.bias, self.fc1.weight, self.pos_emb.flatten())
+
     def _blocks(self, x: torch.Tensor) -> torch.Tensor:
         return x.unfold(1, self.block, self.stride)  # [B, Tc, G, D, l]: a view of x, no copy
 
     def _mlp(self, x: torch.Tensor) -> torch.Tensor:
         blocks = self._blocks(x).transpose(-1, -2).flatten(-2)  # [B, Tc, G, l*D]
-        # fc1(blocks + pos_emb) = fc1(blocks) + fc1.weight @ pos_emb: the position embedding is one constant vector
-        # in fc1's output, so it goes into the bias. Its gradient is then fc1.weight^T times a [hidden] sum, not
-        # a sum over every block's l x D values (3 ms per step at T=32768 on nsa-125m, kernels-notes.md v12).
-        bias = torch.addmv(self.fc1.bias, self.fc1.weight, self.pos_emb.flatten())
-        return self.fc2(F.gelu(F.linear(blocks, self.fc1.weight, bias)))
+        return self.fc2(F.gelu(F.linear(blocks, self.fc1.weight, self._fc1_bias())))
 
 
 class NSAAttention(nn.Module):
@@ -170,8 +182,8 @@ class NSAAttention(nn.Module):
         self.wo = nn.Linear(H * Dv, cfg.dim, bias=False)
         self.gate = nn.Linear(cfg.dim, len(BRANCHES) * H)
         hidden = cfg.phi_hidden or 2 * Dk
-        self.phi_k = Compressor(cfg.phi, Dk, cfg.nsa, hidden)
-        self.phi_v = Compressor(cfg.phi, Dv, cfg.nsa, hidden)
+        self.phi_k = Compressor(cfg.phi, Dk, cfg.nsa, hidden, self.backend)
+        self.phi_v = Compressor(cfg.phi, Dv, cfg.nsa, hidden, self.backend)
         self.rope = RotaryEmbedding(Dk, cfg.max_seq_len, cfg.rope_theta)
         self.register_buffer("stats", torch.zeros(len(self.STATS)), persistent=False)
 

@@ -8,6 +8,7 @@ the small shapes. On a CUDA host the same tests run compiled, on CUDA tensors.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import os
 
@@ -977,6 +978,89 @@ def test_rope_split_refuses_parts_and_tables_that_do_not_fit(bad, match):
     parts = {**ROPE_PARTS, **{k: v for k, v in bad.items() if k in ROPE_PARTS}}
     with pytest.raises(ValueError, match=match):
         triton_impl.rope_split(y, table, table, **parts)
+
+
+def _phi_by_torch(x, w1, b1, w2, b2, block, stride):
+    import torch.nn.functional as F
+    blocks = x.unfold(1, block, stride).transpose(-1, -2).flatten(-2)  # [B, Tc, G, l*D], NSA_SPEC's phi
+    return F.linear(F.gelu(F.linear(blocks, w1, b1)), w2, b2)
+
+
+def _phi_leaves(B, T, G, D, hidden, block, seed):
+    """x as a strided view (one K/V set inside a stacked [B, T, 2, G, D] tensor) and phi's weights."""
+    gen = torch.Generator().manual_seed(seed)
+    stacked = torch.randn(B, T, 2, G, D, generator=gen)
+    w1 = torch.randn(hidden, block * D, generator=gen) / (block * D) ** 0.5
+    w2 = torch.randn(D, hidden, generator=gen) / hidden ** 0.5
+    return [t.to(DEVICE) for t in (stacked, w1, torch.randn(hidden, generator=gen), w2, torch.randn(D, generator=gen))]
+
+
+@pytest.mark.parametrize("block, stride, T", [(8, 4, 37), (8, 4, 8), (8, 2, 19), (4, 4, 13), (16, 8, 40)])
+def test_phi_mlp_matches_the_torch_formula_and_its_gradients(block, stride, T):
+    """nsa::phi_mlp (one launch forward, three backward) against unfold, Linear, GELU, Linear: y and the gradients
+    of x, both weights and both biases, for T a multiple of d or not and T = l, a hidden width and head dim that
+    are not powers of two, and x a strided view (a K/V set inside a stacked tensor): the other set's gradient
+    stays zero."""
+    B, G, D, hidden = 2, 3, 24, 10
+    leaves = _phi_leaves(B, T, G, D, hidden, block, seed=block * 100 + T)
+    weights = torch.randn(B, (T - block) // stride + 1, G, D, generator=torch.Generator().manual_seed(T)).to(DEVICE)
+    results = []
+    for phi in (_phi_by_torch, triton_impl.phi_mlp):
+        inputs = [t.clone().requires_grad_() for t in leaves]
+        y = phi(inputs[0][:, :, 1], *inputs[1:], block, stride)
+        (y * weights).sum().backward()
+        results.append([y.detach()] + [t.grad for t in inputs])
+    for name, want, got in zip(("y", "x", "fc1.weight", "bias", "fc2.weight", "fc2.bias"), *results):
+        assert got.shape == want.shape and rel_err(got, want) <= FP32_TOL, name
+    assert results[1][1][:, :, 0].abs().max() == 0
+
+
+def test_phi_mlp_passes_torch_library_opcheck():
+    leaves = _phi_leaves(1, 13, 2, 16, 16, 8, seed=3)
+    x = leaves[0][:, :, 1].detach().requires_grad_()
+    torch.library.opcheck(torch.ops.nsa.phi_mlp.default, [x, *(t.requires_grad_() for t in leaves[1:]), 8, 4])
+
+
+@pytest.mark.parametrize("bad, match", [(dict(T=7), "at most T=7"), (dict(stride=3), "multiple of the stride"),
+                                        (dict(w1_cols=8 * 16 - 1), "fc1.weight"), (dict(strided=True), "contiguous")])
+def test_phi_mlp_refuses_shapes_it_does_not_compute(bad, match):
+    T, stride = bad.get("T", 13), bad.get("stride", 4)
+    x = torch.zeros(1, T, 2, 16 * (2 if bad.get("strided") else 1), device=DEVICE)
+    x = x[..., ::2] if bad.get("strided") else x
+    w1 = torch.zeros(16, bad.get("w1_cols", 8 * 16), device=DEVICE)
+    with pytest.raises(ValueError, match=match):
+        triton_impl.phi_mlp(x, w1, torch.zeros(16, device=DEVICE), torch.zeros(16, 16, device=DEVICE),
+                            torch.zeros(16, device=DEVICE), 8, stride)
+
+
+@pytest.mark.parametrize("phi_kernel", ["fused", "torch"])
+def test_compressor_on_the_triton_backend_runs_phi_mlp_unless_told_and_matches_the_torch_path(phi_kernel,
+                                                                                              monkeypatch):
+    """Compressor (phi = mlp, with its position embedding) on backend triton runs nsa::phi_mlp, or with
+    LaunchConfig(phi_kernel="torch") PyTorch's ops; either way output and every gradient are the torch
+    backend's."""
+    from nsa_model.attention import Compressor
+
+    if not ON_GPU:
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    nsa = NSAConfig(cmp_block=8, cmp_stride=4, sel_block=8, n_selected=3, window=8)
+    torch.manual_seed(0)
+    ref = Compressor("mlp", 16, nsa, hidden=24, backend="torch").to(DEVICE)
+    torch.nn.init.normal_(ref.pos_emb)
+    phi = Compressor("mlp", 16, nsa, hidden=24, backend="triton").to(DEVICE)
+    phi.load_state_dict(ref.state_dict())
+    calls = []
+    monkeypatch.setattr(triton_impl, "phi_mlp", lambda *a: calls.append(1) or torch.ops.nsa.phi_mlp(*a)[0])
+    x = torch.randn(2, 30, 2, 16, generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    grads = []
+    with triton_impl.use_launch_config(dataclasses.replace(triton_impl.launch_config(), phi_kernel=phi_kernel)):
+        for module in (ref, phi):
+            x_in = x.clone().requires_grad_()
+            y = module(x_in)
+            grads.append([y] + list(torch.autograd.grad(y.square().sum(), [x_in, *module.parameters()])))
+    assert len(calls) == (phi_kernel == "fused")
+    for want, got in zip(*grads):
+        assert rel_err(got, want) <= FP32_TOL
 
 
 @pytest.mark.parametrize("attention, fused_gate", [("nsa", False), ("nsa", True), ("dense", False)])

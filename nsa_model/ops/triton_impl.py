@@ -23,6 +23,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from nsa_model.config import NSAConfig
 from nsa_model.kernels.block_index import (block_work_kernel, segment_ids_kernel, segment_starts_kernel,
                                            tile_union_kernel)
+from nsa_model.kernels.compress import phi_bwd_rows_kernel, phi_bwd_w1_kernel, phi_bwd_x_kernel, phi_fwd_kernel
 from nsa_model.kernels.delta import row_dot_kernel
 from nsa_model.kernels.gates import gated_sum_bwd_kernel, gated_sum_fwd_kernel
 from nsa_model.kernels.rope import rope_split_kernel
@@ -58,6 +59,9 @@ WINDOW_DKDV = ("group", "head")  # window dK/dV: one program per key tile and gr
 # nsa::core's compressed and window branches: their dQ as one two-range launch (each query tile and do loaded once,
 # one dQ for both; with the fused gate kernel only, whose backward gives both branches the same do), or apart
 RANGE_PAIR = ("fused", "apart")
+# phi = mlp of the attention module (outside the core): our kernels (one launch forward, three backward), or
+# PyTorch's unfold, GEMMs and GELU (attention.Compressor; kernels-notes.md v29)
+PHI_KERNELS = ("fused", "torch")
 
 
 RANGE_TILE_FIELDS = ("range_fwd", "range_dq", "range_dkdv", "range_fwd_d64", "range_dq_d64", "range_dkdv_d64")
@@ -111,12 +115,14 @@ class LaunchConfig:
     slc_dense_prefix: bool = False  # selected branch: queries t < n * l' by the range kernels (_dense_prefix; v15)
     prefix_dkdv_group_programs: int = 512  # dense prefix dK/dV: one program per group from this many programs
     side_stream: bool = True  # nsa::core's window forward and range dK/dV on a second CUDA stream (_Beside; v26)
+    phi_kernel: str = "fused"  # one of PHI_KERNELS
+    phi_rows: int = 32  # compressed tokens per program of phi's forward and row backward
 
     def __post_init__(self) -> None:
         choices = {"slc_kernel": SELECTED_KERNELS, "gate_kernel": GATE_KERNELS, "range_kernel": RANGE_KERNELS,
                    "delta_kernel": DELTA_KERNELS, "window_dkdv": WINDOW_DKDV, "slc_partial": PARTIAL_DTYPES,
                    "slc_dq": SELECTED_DQ, "slc_dkdv": SELECTED_DKDV, "range_pair": RANGE_PAIR,
-                   "range_loads": RANGE_LOADS}
+                   "range_loads": RANGE_LOADS, "phi_kernel": PHI_KERNELS}
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise ValueError(f"LaunchConfig.{name}: must be one of {allowed}, got {getattr(self, name)!r}")
@@ -138,7 +144,7 @@ class LaunchConfig:
                 raise ValueError(f"LaunchConfig.{name}: must be a tuple of 4 positive ints (query tile, key tile, "
                                  f"warps, stages), got {value!r}")
         tiles = [(name, getattr(self, name)) for name in ("select_block_m", "dkdv_rows", "slc_tile_rows",
-                                                            "slc_block_rows")]
+                                                            "slc_block_rows", "phi_rows")]
         tiles += [(f"{name} tiles", getattr(self, name)[i]) for name in RANGE_TILE_FIELDS for i in (0, 1)]
         for name, value in tiles:
             if value < 16 or value & (value - 1):
@@ -1314,3 +1320,124 @@ def rope_split(y: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: lis
     (tables cos, sin [>= T, D/2] float32) where rotate_i, copied otherwise; one Triton launch each way."""
     _check_rope_parts(y, cos, sin, heads, head_dims, rotate)
     return torch.ops.nsa.rope_split(y, cos, sin, list(heads), list(head_dims), list(rotate))
+
+
+# --- phi = mlp: the attention module's compression of a K or V set (outside the NSA core; kernels/compress.py) ----
+_PHI_W1_ROWS = 64  # rows (compressed token, group) per step of the W1-gradient kernel
+_PHI_DX_ROWS = 64  # (batch, chunk) rows per program of the x-gradient kernel
+
+
+def _check_phi(x, w1, b1, w2, b2, block: int, stride: int) -> None:
+    _check_inputs(x=x)
+    if x.dim() != 4 or x.stride(-1) != 1:
+        raise ValueError(f"phi x: expected [B, T, G, D] with a contiguous last dimension, got shape "
+                         f"{tuple(x.shape)} strides {x.stride()}")
+    T, D, hidden = x.shape[1], x.shape[3], w1.shape[0]
+    if stride < 1 or block % stride or T < block:
+        raise ValueError(f"phi: the block l={block} must be a multiple of the stride d={stride} and at most "
+                         f"T={T} (no compressed token exists below l)")
+    for name, t, shape in (("fc1.weight", w1, (hidden, block * D)), ("fc1 bias", b1, (hidden,)),
+                           ("fc2.weight", w2, (D, hidden)), ("fc2.bias", b2, (D,))):
+        if tuple(t.shape) != shape or t.dtype not in SUPPORTED_DTYPES or t.device != x.device:
+            raise ValueError(f"phi {name}: expected {shape} in one of {SUPPORTED_DTYPES} on {x.device}, got "
+                             f"{tuple(t.shape)} {t.dtype} on {t.device}")
+
+
+def _phi_sizes(x: torch.Tensor, w1: torch.Tensor, block: int, stride: int):
+    """(B, T, G, D, hidden, Tc, the launches' shared constexprs)."""
+    B, T, G, D = x.shape
+    hidden = w1.shape[0]
+    consts = dict(G=G, D=D, BLOCK_D=_pow2(D), HID=hidden, BLOCK_H=_pow2(hidden), STRIDE=stride,
+                  DOT_PRECISION=_dot_precision(x.dtype))
+    return B, T, G, D, hidden, (T - block) // stride + 1, consts
+
+
+@torch.library.custom_op("nsa::phi_mlp", mutates_args=())
+def _phi_mlp(x: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor, w2: torch.Tensor, b2: torch.Tensor, block: int,
+             stride: int) -> list[torch.Tensor]:
+    """[y [B, Tc, G, D], h [B * Tc, G, hidden] float32 (fc1's output, kept for the backward)]."""
+    B, T, G, D, hidden, tc, consts = _phi_sizes(x, w1, block, stride)
+    y = x.new_empty(B, tc, G, D)
+    hs = torch.empty(B * tc, G, hidden, dtype=torch.float32, device=x.device)
+    rows = _config.phi_rows
+    if B * tc:
+        phi_fwd_kernel[(triton.cdiv(B * tc, rows), G)](
+            x, w1.to(x.dtype).contiguous(), b1.float().contiguous(), w2.to(x.dtype).contiguous(),
+            b2.float().contiguous(), y, hs, B * tc, tc, *x.stride()[:3], L=block, BLOCK_R=rows, **consts)
+    return [y, hs]
+
+
+@_phi_mlp.register_fake
+def _phi_mlp_fake(x, w1, b1, w2, b2, block, stride):
+    B, T, G, D = x.shape
+    tc = (T - block) // stride + 1
+    return [x.new_empty(B, tc, G, D), x.new_empty(B * tc, G, w1.shape[0], dtype=torch.float32)]
+
+
+@torch.library.custom_op("nsa::phi_mlp_bwd", mutates_args=())
+def _phi_mlp_bwd(dy: torch.Tensor, x: torch.Tensor, hs: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, block: int,
+                 stride: int) -> list[torch.Tensor]:
+    """[dx, dW1, d bias, dW2, d b2] of nsa::phi_mlp (the weights' and biases' in float32)."""
+    B, T, G, D, hidden, tc, consts = _phi_sizes(x, w1, block, stride)
+    dy = dy.contiguous()
+    w1c = w1.to(x.dtype).contiguous()
+    dh = torch.empty(B * tc, G, hidden, dtype=x.dtype, device=x.device)
+    dw2 = torch.zeros(D, hidden, dtype=torch.float32, device=x.device)
+    db2 = torch.zeros(D, dtype=torch.float32, device=x.device)
+    db1 = torch.zeros(hidden, dtype=torch.float32, device=x.device)
+    R, rows = B * tc, _config.phi_rows
+    if R:
+        phi_bwd_rows_kernel[(triton.cdiv(R, rows), G)](dy, hs, w2.to(x.dtype).contiguous(), dh, dw2, db2, db1, R,
+                                                       BLOCK_R=rows, **consts)
+    # W1's gradient: a program per (block position, split of the rows); about two waves of programs
+    tiles = triton.cdiv(R * G, _PHI_W1_ROWS)
+    per_split = triton.cdiv(tiles, max(1, min(tiles, 256 // block)))
+    splits = max(1, triton.cdiv(tiles, per_split))
+    dw1 = torch.zeros(splits, hidden, block * D, dtype=torch.float32, device=x.device)
+    if R:
+        phi_bwd_w1_kernel[(block, splits)](x, dh, dw1, R, tc, per_split, *x.stride()[:3], L=block,
+                                           BLOCK_R=_PHI_W1_ROWS, **consts)
+    dw1 = dw1[0] if splits == 1 else dw1.sum(0)
+    chunks = triton.cdiv(T, stride)
+    dx = x.new_empty(B, T, G, D)
+    if B * T:
+        phi_bwd_x_kernel[(triton.cdiv(B * chunks, _PHI_DX_ROWS), G, stride)](
+            dh, w1c, dx, T, tc, chunks, B * chunks, PIECES=block // stride, BLOCK_R=_PHI_DX_ROWS, **consts)
+    return [dx, dw1, db1, dw2, db2]
+
+
+@_phi_mlp_bwd.register_fake
+def _phi_mlp_bwd_fake(dy, x, hs, w1, w2, block, stride):
+    f32 = dict(dtype=torch.float32)
+    return [x.new_empty(x.shape), w1.new_empty(w1.shape, **f32), w1.new_empty(w1.shape[0], **f32),
+            w2.new_empty(w2.shape, **f32), w2.new_empty(w2.shape[0], **f32)]
+
+
+def _phi_mlp_setup_context(ctx, inputs, output):
+    x, w1, b1, w2, b2, block, stride = inputs
+    ctx.save_for_backward(x, output[1], w1, w2)
+    ctx.mark_non_differentiable(output[1])
+    ctx.set_materialize_grads(False)
+    ctx.params = (block, stride)
+    ctx.dtypes = (b1.dtype, b2.dtype)
+    ctx.config = _config
+
+
+def _phi_mlp_backward(ctx, grads):
+    x, hs, w1, w2 = ctx.saved_tensors
+    with use_launch_config(ctx.config):
+        dx, dw1, db1, dw2, db2 = torch.ops.nsa.phi_mlp_bwd(grads[0], x, hs, w1, w2, *ctx.params)
+    return dx, dw1.to(w1.dtype), db1.to(ctx.dtypes[0]), dw2.to(w2.dtype), db2.to(ctx.dtypes[1]), None, None
+
+
+_phi_mlp.register_autograd(_phi_mlp_backward, setup_context=_phi_mlp_setup_context)
+
+
+def phi_mlp(x: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor, w2: torch.Tensor, b2: torch.Tensor, block: int,
+            stride: int) -> torch.Tensor:
+    """phi = mlp of NSA_SPEC.md on x [B, T, G, D] (T >= block): y [B, Tc, G, D] with y[:, i] = W2 gelu(W1
+    flatten(x[:, i*stride : i*stride + block]) + b1) + b2, where b1 already holds fc1's share of the position
+    embedding (attention.Compressor). Computes in x's dtype with float32 accumulation (the weights cast to it, as
+    autocast does); one Triton launch forward, three backward."""
+    _check_phi(x, w1, b1, w2, b2, block, stride)
+    return torch.ops.nsa.phi_mlp(x, w1, b1, w2, b2, block, stride)[0]
