@@ -1347,8 +1347,7 @@ def _phi_sizes(x: torch.Tensor, w1: torch.Tensor, block: int, stride: int):
     """(B, T, G, D, hidden, Tc, the launches' shared constexprs)."""
     B, T, G, D = x.shape
     hidden = w1.shape[0]
-    consts = dict(G=G, D=D, BLOCK_D=_pow2(D), HID=hidden, BLOCK_H=_pow2(hidden), STRIDE=stride,
-                  DOT_PRECISION=_dot_precision(x.dtype))
+    consts = dict(G=G, D=D, BLOCK_D=_pow2(D), HID=hidden, BLOCK_H=_pow2(hidden), DOT_PRECISION=_dot_precision(x.dtype))
     return B, T, G, D, hidden, (T - block) // stride + 1, consts
 
 
@@ -1363,7 +1362,8 @@ def _phi_mlp(x: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor, w2: torch.Tens
     if B * tc:
         phi_fwd_kernel[(triton.cdiv(B * tc, rows), G)](
             x, w1.to(x.dtype).contiguous(), b1.float().contiguous(), w2.to(x.dtype).contiguous(),
-            b2.float().contiguous(), y, hs, B * tc, tc, *x.stride()[:3], L=block, BLOCK_R=rows, **consts)
+            b2.float().contiguous(), y, hs, B * tc, tc, *x.stride()[:3], L=block, STRIDE=stride, BLOCK_R=rows,
+            **consts)
     return [y, hs]
 
 
@@ -1395,14 +1395,15 @@ def _phi_mlp_bwd(dy: torch.Tensor, x: torch.Tensor, hs: torch.Tensor, w1: torch.
     splits = max(1, triton.cdiv(tiles, per_split))
     dw1 = torch.zeros(splits, hidden, block * D, dtype=torch.float32, device=x.device)
     if R:
-        phi_bwd_w1_kernel[(block, splits)](x, dh, dw1, R, tc, per_split, *x.stride()[:3], L=block,
+        phi_bwd_w1_kernel[(block, splits)](x, dh, dw1, R, tc, per_split, *x.stride()[:3], L=block, STRIDE=stride,
                                            BLOCK_R=_PHI_W1_ROWS, **consts)
     dw1 = dw1[0] if splits == 1 else dw1.sum(0)
     chunks = triton.cdiv(T, stride)
     dx = x.new_empty(B, T, G, D)
     if B * T:
         phi_bwd_x_kernel[(triton.cdiv(B * chunks, _PHI_DX_ROWS), G, stride)](
-            dh, w1c, dx, T, tc, chunks, B * chunks, PIECES=block // stride, BLOCK_R=_PHI_DX_ROWS, **consts)
+            dh, w1c, dx, T, tc, chunks, B * chunks, STRIDE=stride, PIECES=block // stride, BLOCK_R=_PHI_DX_ROWS,
+            **consts)
     return [dx, dw1, db1, dw2, db2]
 
 
