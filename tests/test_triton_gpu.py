@@ -78,14 +78,17 @@ def test_attention_recompute_keeps_less_by_what_it_recomputes_and_gives_the_same
     """One nsa-125m layer at 8k tokens in bf16 on the GPU: with recompute the memory held between forward and
     backward drops by at least q, the six K/V sets and the compressed and window outputs (48 MiB), the output is
     bit for bit that of the layer that keeps them, and the gradients are too up to the order of atomic adds (the
-    dK/dV kernels of the compressed and window branches add across programs)."""
+    dK/dV kernels of the compressed and window branches add across programs, and a gradient element that lands
+    on the other side of a bf16 rounding moves by an ulp): within 1e-3, or within three times the difference
+    between two runs of the layer that keeps them, where the order alone moves a gradient more (phi's biases,
+    sums over every compressed token of such elements)."""
     from nsa_model import get_preset
     from nsa_model.attention import NSAAttention
 
     cfg, T = get_preset("nsa-125m").replace(max_seq_len=8192), 8192
     x = torch.randn(1, T, cfg.dim, device="cuda", generator=torch.Generator("cuda").manual_seed(0))
-    results = {}
-    for recompute in (False, True):
+    results = []
+    for recompute in (False, False, True):
         torch.manual_seed(0)
         layer = NSAAttention(cfg, recompute=recompute).cuda()
         torch.cuda.synchronize()
@@ -95,10 +98,14 @@ def test_attention_recompute_keeps_less_by_what_it_recomputes_and_gives_the_same
         torch.cuda.synchronize()
         held = torch.cuda.memory_allocated() - before
         out.float().square().mean().backward()
-        results[recompute] = (held, out.detach(), {n: p.grad for n, p in layer.named_parameters()})
-    (held_kept, out_kept, grads_kept), (held_less, out_less, grads_less) = results[False], results[True]
+        results.append((held, out.detach(), {n: p.grad for n, p in layer.named_parameters()}))
+    (held_kept, out_kept, grads_kept), (_, _, grads_again), (held_less, out_less, grads_less) = results
     H, G, D = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
     assert held_kept - held_less >= T * (3 * H + 6 * G) * D * 2, (held_kept, held_less)
     assert torch.equal(out_kept, out_less)
+
+    def rel(a, b):
+        return ((a - b).norm() / a.norm()).item()
     for name, grad in grads_kept.items():
-        assert ((grad - grads_less[name]).norm() / grad.norm()).item() <= 1e-3, name
+        noise = rel(grad, grads_again[name])
+        assert rel(grad, grads_less[name]) <= max(1e-3, 3 * noise), (name, noise)

@@ -20,7 +20,8 @@ about 5 ms per nsa-125m training step at T = 8192, where the FLOPs are a few mic
 
 Layouts: x [B, T, G, D] with its batch, token and group strides (last dimension contiguous); y [B, Tc, G, D]
 and dx [B, T, G, D] contiguous; h and dh [B * Tc, G, HID] contiguous (row r = b * Tc + i); W1 [HID, L * D] and
-W2 [D, HID] contiguous, in the inputs' dtype; biases and the weight gradients float32.
+W2 [D, HID] contiguous, cast to x's dtype as they are loaded (the forward's W1, read once per step of every
+program, comes already cast); biases and the weight gradients float32.
 """
 
 import triton
@@ -56,13 +57,13 @@ def phi_fwd_kernel(X, W1, BIAS1, W2, B2, Y, HS, R, TC, x_sb, x_st, x_sg,
         x = tl.load(X + x_row[:, None] + j * x_st + offs_d[None, :], mask=r_ok[:, None] & d_ok[None, :], other=0.0)
         w1 = tl.load(W1 + offs_h[None, :] * (L * D) + j * D + offs_d[:, None], mask=d_ok[:, None] & h_ok[None, :],
                      other=0.0)
-        acc += tl.dot(x, w1, input_precision=DOT_PRECISION)
+        acc += tl.dot(x, w1.to(x.dtype), input_precision=DOT_PRECISION)
     h = acc + tl.load(BIAS1 + offs_h, mask=h_ok, other=0.0)[None, :]
     row_h = (r.to(tl.int64) * G + g) * HID
     tl.store(HS + row_h[:, None] + offs_h[None, :], h, mask=r_ok[:, None] & h_ok[None, :])
     a = h * 0.5 * (1.0 + tl.erf(h * RSQRT2))
     w2t = tl.load(W2 + offs_d[None, :] * HID + offs_h[:, None], mask=h_ok[:, None] & d_ok[None, :], other=0.0)
-    y = tl.dot(a.to(w2t.dtype), w2t, input_precision=DOT_PRECISION)
+    y = tl.dot(a.to(Y.dtype.element_ty), w2t.to(Y.dtype.element_ty), input_precision=DOT_PRECISION)
     y += tl.load(B2 + offs_d, mask=d_ok, other=0.0)[None, :]
     row_y = (r.to(tl.int64) * G + g) * D
     tl.store(Y + row_y[:, None] + offs_d[None, :], y.to(Y.dtype.element_ty), mask=r_ok[:, None] & d_ok[None, :])
@@ -88,7 +89,7 @@ def phi_bwd_rows_kernel(DY, HS, W2, DH, DW2, DB2, DB1, R,
     cdf = 0.5 * (1.0 + tl.erf(h * RSQRT2))
     a = h * cdf
     w2 = tl.load(W2 + offs_d[:, None] * HID + offs_h[None, :], mask=d_ok[:, None] & h_ok[None, :], other=0.0)
-    da = tl.dot(dy, w2, input_precision=DOT_PRECISION)
+    da = tl.dot(dy, w2.to(dy.dtype), input_precision=DOT_PRECISION)
     dh = da * (cdf + h * tl.exp(-0.5 * h * h) * RSQRT_2PI)  # rows past R: dy = 0, so dh = 0
     tl.store(DH + row_h[:, None] + offs_h[None, :], dh.to(DH.dtype.element_ty), mask=rh_ok)
     dw2 = tl.dot(tl.trans(dy), a.to(dy.dtype), input_precision=DOT_PRECISION)
@@ -154,6 +155,6 @@ def phi_bwd_x_kernel(DH, W1, DX, T, TC, NCH, NUM_ROWS,
         dh = tl.load(DH + row_h[:, None] + offs_h[None, :], mask=i_ok[:, None] & h_ok[None, :], other=0.0)
         w1 = tl.load(W1 + offs_h[:, None] * (L * D) + (u + m * STRIDE) * D + offs_d[None, :],
                      mask=h_ok[:, None] & d_ok[None, :], other=0.0)
-        acc += tl.dot(dh, w1, input_precision=DOT_PRECISION)
+        acc += tl.dot(dh, w1.to(dh.dtype), input_precision=DOT_PRECISION)
     row_x = ((b.to(tl.int64) * T + t) * G + g) * D
     tl.store(DX + row_x[:, None] + offs_d[None, :], acc.to(DX.dtype.element_ty), mask=ok[:, None] & d_ok[None, :])

@@ -116,7 +116,8 @@ class LaunchConfig:
     prefix_dkdv_group_programs: int = 512  # dense prefix dK/dV: one program per group from this many programs
     side_stream: bool = True  # nsa::core's window forward and range dK/dV on a second CUDA stream (_Beside; v26)
     phi_kernel: str = "fused"  # one of PHI_KERNELS
-    phi_rows: int = 32  # compressed tokens per program of phi's forward and row backward
+    phi_rows: int = 64  # compressed tokens per program of phi's forward
+    phi_grad_rows: int = 128  # and of its row backward (each program adds one [D, hidden] tile atomically)
 
     def __post_init__(self) -> None:
         choices = {"slc_kernel": SELECTED_KERNELS, "gate_kernel": GATE_KERNELS, "range_kernel": RANGE_KERNELS,
@@ -144,7 +145,7 @@ class LaunchConfig:
                 raise ValueError(f"LaunchConfig.{name}: must be a tuple of 4 positive ints (query tile, key tile, "
                                  f"warps, stages), got {value!r}")
         tiles = [(name, getattr(self, name)) for name in ("select_block_m", "dkdv_rows", "slc_tile_rows",
-                                                            "slc_block_rows", "phi_rows")]
+                                                            "slc_block_rows", "phi_rows", "phi_grad_rows")]
         tiles += [(f"{name} tiles", getattr(self, name)[i]) for name in RANGE_TILE_FIELDS for i in (0, 1)]
         for name, value in tiles:
             if value < 16 or value & (value - 1):
@@ -1361,9 +1362,8 @@ def _phi_mlp(x: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor, w2: torch.Tens
     rows = _config.phi_rows
     if B * tc:
         phi_fwd_kernel[(triton.cdiv(B * tc, rows), G)](
-            x, w1.to(x.dtype).contiguous(), b1.float().contiguous(), w2.to(x.dtype).contiguous(),
-            b2.float().contiguous(), y, hs, B * tc, tc, *x.stride()[:3], L=block, STRIDE=stride, BLOCK_R=rows,
-            **consts)
+            x, w1.to(x.dtype).contiguous(), b1.float().contiguous(), w2.contiguous(), b2.float().contiguous(), y,
+            hs, B * tc, tc, *x.stride()[:3], L=block, STRIDE=stride, BLOCK_R=rows, **consts)
     return [y, hs]
 
 
@@ -1377,41 +1377,48 @@ def _phi_mlp_fake(x, w1, b1, w2, b2, block, stride):
 @torch.library.custom_op("nsa::phi_mlp_bwd", mutates_args=())
 def _phi_mlp_bwd(dy: torch.Tensor, x: torch.Tensor, hs: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, block: int,
                  stride: int) -> list[torch.Tensor]:
-    """[dx, dW1, d bias, dW2, d b2] of nsa::phi_mlp (the weights' and biases' in float32)."""
+    """[dx, dW1, sums] of nsa::phi_mlp, sums float32 [D * hidden + D + hidden]: dW2, d b2 and d bias, flat (one
+    memset for their atomic adds; _phi_grad_sums takes them apart)."""
     B, T, G, D, hidden, tc, consts = _phi_sizes(x, w1, block, stride)
     dy = dy.contiguous()
-    w1c = w1.to(x.dtype).contiguous()
     dh = torch.empty(B * tc, G, hidden, dtype=x.dtype, device=x.device)
-    dw2 = torch.zeros(D, hidden, dtype=torch.float32, device=x.device)
-    db2 = torch.zeros(D, dtype=torch.float32, device=x.device)
-    db1 = torch.zeros(hidden, dtype=torch.float32, device=x.device)
-    R, rows = B * tc, _config.phi_rows
+    sums = torch.zeros(D * hidden + D + hidden, dtype=torch.float32, device=x.device)
+    dw2, db2, db1 = _phi_grad_sums(sums, D, hidden)
+    R, rows = B * tc, _config.phi_grad_rows
     if R:
-        phi_bwd_rows_kernel[(triton.cdiv(R, rows), G)](dy, hs, w2.to(x.dtype).contiguous(), dh, dw2, db2, db1, R,
-                                                       BLOCK_R=rows, **consts)
-    # W1's gradient: a program per (block position, split of the rows); about two waves of programs
+        phi_bwd_rows_kernel[(triton.cdiv(R, rows), G)](dy, hs, w2.contiguous(), dh, dw2, db2, db1, R, BLOCK_R=rows,
+                                                       **consts)
+    # W1's gradient: a program per (block position, split of the rows), about a wave of programs; every element
+    # of every split is stored, so no memset
     tiles = triton.cdiv(R * G, _PHI_W1_ROWS)
-    per_split = triton.cdiv(tiles, max(1, min(tiles, 256 // block)))
+    per_split = triton.cdiv(tiles, max(1, min(tiles, 128 // block)))
     splits = max(1, triton.cdiv(tiles, per_split))
-    dw1 = torch.zeros(splits, hidden, block * D, dtype=torch.float32, device=x.device)
+    dw1 = torch.empty(splits, hidden, block * D, dtype=torch.float32, device=x.device)
     if R:
         phi_bwd_w1_kernel[(block, splits)](x, dh, dw1, R, tc, per_split, *x.stride()[:3], L=block, STRIDE=stride,
                                            BLOCK_R=_PHI_W1_ROWS, **consts)
+    else:
+        dw1.zero_()
     dw1 = dw1[0] if splits == 1 else dw1.sum(0)
     chunks = triton.cdiv(T, stride)
     dx = x.new_empty(B, T, G, D)
     if B * T:
         phi_bwd_x_kernel[(triton.cdiv(B * chunks, _PHI_DX_ROWS), G, stride)](
-            dh, w1c, dx, T, tc, chunks, B * chunks, STRIDE=stride, PIECES=block // stride, BLOCK_R=_PHI_DX_ROWS,
-            **consts)
-    return [dx, dw1, db1, dw2, db2]
+            dh, w1.contiguous(), dx, T, tc, chunks, B * chunks, STRIDE=stride, PIECES=block // stride,
+            BLOCK_R=_PHI_DX_ROWS, **consts)
+    return [dx, dw1, sums]
+
+
+def _phi_grad_sums(sums: torch.Tensor, D: int, hidden: int):
+    """(dW2 [D, hidden], d b2 [D], d bias [hidden]): views of nsa::phi_mlp_bwd's flat sums."""
+    return sums[:D * hidden].view(D, hidden), sums[D * hidden:D * hidden + D], sums[D * hidden + D:]
 
 
 @_phi_mlp_bwd.register_fake
 def _phi_mlp_bwd_fake(dy, x, hs, w1, w2, block, stride):
-    f32 = dict(dtype=torch.float32)
-    return [x.new_empty(x.shape), w1.new_empty(w1.shape, **f32), w1.new_empty(w1.shape[0], **f32),
-            w2.new_empty(w2.shape, **f32), w2.new_empty(w2.shape[0], **f32)]
+    D, hidden = w2.shape
+    return [x.new_empty(x.shape), w1.new_empty(w1.shape, dtype=torch.float32),
+            w1.new_empty(D * hidden + D + hidden, dtype=torch.float32)]
 
 
 def _phi_mlp_setup_context(ctx, inputs, output):
@@ -1427,7 +1434,8 @@ def _phi_mlp_setup_context(ctx, inputs, output):
 def _phi_mlp_backward(ctx, grads):
     x, hs, w1, w2 = ctx.saved_tensors
     with use_launch_config(ctx.config):
-        dx, dw1, db1, dw2, db2 = torch.ops.nsa.phi_mlp_bwd(grads[0], x, hs, w1, w2, *ctx.params)
+        dx, dw1, sums = torch.ops.nsa.phi_mlp_bwd(grads[0], x, hs, w1, w2, *ctx.params)
+    dw2, db2, db1 = _phi_grad_sums(sums, *w2.shape)
     return dx, dw1.to(w1.dtype), db1.to(ctx.dtypes[0]), dw2.to(w2.dtype), db2.to(ctx.dtypes[1]), None, None
 
 
