@@ -10,8 +10,8 @@ about 5 ms per nsa-125m training step at T = 8192, where the FLOPs are a few mic
 - forward, one program per BLOCK_R compressed tokens of one kv group: h = sum over the block's l positions j of
   x[token i*d + j] @ W1[:, j-th D columns]^T (the unfold is only addressing), then GELU and fc2 on chip. h is
   stored (float32) for the backward.
-- backward rows: dh = (dy @ W2) * gelu'(h) per row tile, and the row sums that give W2's, b2's and bias's
-  gradients (float32 atomic adds; one [D, hidden] tile per program).
+- backward rows: dh = (dy @ W2) * gelu'(h) per row tile, and its share of the row sums that give W2's, b2's and
+  bias's gradients (stored per program, summed by the caller).
 - backward W1: W1's j-th D columns get sum over rows of dh^T x[token i*d + j], one program per (j, row split)
   (splits are summed by the caller: no atomics on the large tensor).
 - backward x: token t = c*d + u is position u + m*d of block c - m for m < l/d, so dx[t] = sum over m of
@@ -70,9 +70,11 @@ def phi_fwd_kernel(X, W1, BIAS1, W2, B2, Y, HS, R, TC, x_sb, x_st, x_sg,
 
 
 @triton.jit
-def phi_bwd_rows_kernel(DY, HS, W2, DH, DW2, DB2, DB1, R,
+def phi_bwd_rows_kernel(DY, HS, W2, DH, SUMS, R,
                         G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, HID: tl.constexpr,
                         BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """SUMS [programs, D * HID + D + HID] float32: each program's share of dW2, d b2 and d bias, stored whole (the
+    caller sums over programs; float32 atomics from every program cost more than the rest of the kernel)."""
     g = tl.program_id(1)
     r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     r_ok = r < R
@@ -92,10 +94,11 @@ def phi_bwd_rows_kernel(DY, HS, W2, DH, DW2, DB2, DB1, R,
     da = tl.dot(dy, w2.to(dy.dtype), input_precision=DOT_PRECISION)
     dh = da * (cdf + h * tl.exp(-0.5 * h * h) * RSQRT_2PI)  # rows past R: dy = 0, so dh = 0
     tl.store(DH + row_h[:, None] + offs_h[None, :], dh.to(DH.dtype.element_ty), mask=rh_ok)
+    sums = SUMS + (tl.program_id(0) * G + g).to(tl.int64) * (D * HID + D + HID)
     dw2 = tl.dot(tl.trans(dy), a.to(dy.dtype), input_precision=DOT_PRECISION)
-    tl.atomic_add(DW2 + offs_d[:, None] * HID + offs_h[None, :], dw2, mask=d_ok[:, None] & h_ok[None, :])
-    tl.atomic_add(DB2 + offs_d, tl.sum(dy.to(tl.float32), axis=0), mask=d_ok)
-    tl.atomic_add(DB1 + offs_h, tl.sum(dh, axis=0), mask=h_ok)
+    tl.store(sums + offs_d[:, None] * HID + offs_h[None, :], dw2, mask=d_ok[:, None] & h_ok[None, :])
+    tl.store(sums + D * HID + offs_d, tl.sum(dy.to(tl.float32), axis=0), mask=d_ok)
+    tl.store(sums + D * HID + D + offs_h, tl.sum(dh, axis=0), mask=h_ok)
 
 
 @triton.jit

@@ -116,8 +116,7 @@ class LaunchConfig:
     prefix_dkdv_group_programs: int = 512  # dense prefix dK/dV: one program per group from this many programs
     side_stream: bool = True  # nsa::core's window forward and range dK/dV on a second CUDA stream (_Beside; v26)
     phi_kernel: str = "fused"  # one of PHI_KERNELS
-    phi_rows: int = 64  # compressed tokens per program of phi's forward
-    phi_grad_rows: int = 128  # and of its row backward (each program adds one [D, hidden] tile atomically)
+    phi_rows: int = 32  # compressed tokens per program of phi's forward and its row backward (v29: 64 lost)
 
     def __post_init__(self) -> None:
         choices = {"slc_kernel": SELECTED_KERNELS, "gate_kernel": GATE_KERNELS, "range_kernel": RANGE_KERNELS,
@@ -145,7 +144,7 @@ class LaunchConfig:
                 raise ValueError(f"LaunchConfig.{name}: must be a tuple of 4 positive ints (query tile, key tile, "
                                  f"warps, stages), got {value!r}")
         tiles = [(name, getattr(self, name)) for name in ("select_block_m", "dkdv_rows", "slc_tile_rows",
-                                                            "slc_block_rows", "phi_rows", "phi_grad_rows")]
+                                                            "slc_block_rows", "phi_rows")]
         tiles += [(f"{name} tiles", getattr(self, name)[i]) for name in RANGE_TILE_FIELDS for i in (0, 1)]
         for name, value in tiles:
             if value < 16 or value & (value - 1):
@@ -1377,17 +1376,19 @@ def _phi_mlp_fake(x, w1, b1, w2, b2, block, stride):
 @torch.library.custom_op("nsa::phi_mlp_bwd", mutates_args=())
 def _phi_mlp_bwd(dy: torch.Tensor, x: torch.Tensor, hs: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, block: int,
                  stride: int) -> list[torch.Tensor]:
-    """[dx, dW1, sums] of nsa::phi_mlp, sums float32 [D * hidden + D + hidden]: dW2, d b2 and d bias, flat (one
-    memset for their atomic adds; _phi_grad_sums takes them apart)."""
+    """[dx, dW1, sums] of nsa::phi_mlp, sums float32 [D * hidden + D + hidden]: dW2, d b2 and d bias, flat (one sum
+    over the row programs' shares; _phi_grad_sums takes them apart)."""
     B, T, G, D, hidden, tc, consts = _phi_sizes(x, w1, block, stride)
     dy = dy.contiguous()
     dh = torch.empty(B * tc, G, hidden, dtype=x.dtype, device=x.device)
-    sums = torch.zeros(D * hidden + D + hidden, dtype=torch.float32, device=x.device)
-    dw2, db2, db1 = _phi_grad_sums(sums, D, hidden)
-    R, rows = B * tc, _config.phi_grad_rows
+    R, rows = B * tc, _config.phi_rows
+    parts = torch.empty(max(1, triton.cdiv(R, rows) * G), D * hidden + D + hidden, dtype=torch.float32,
+                        device=x.device)
     if R:
-        phi_bwd_rows_kernel[(triton.cdiv(R, rows), G)](dy, hs, w2.contiguous(), dh, dw2, db2, db1, R, BLOCK_R=rows,
-                                                       **consts)
+        phi_bwd_rows_kernel[(triton.cdiv(R, rows), G)](dy, hs, w2.contiguous(), dh, parts, R, BLOCK_R=rows, **consts)
+    else:
+        parts.zero_()
+    sums = parts.sum(0)
     # W1's gradient: a program per (block position, split of the rows), about a wave of programs; every element
     # of every split is stored, so no memset
     tiles = triton.cdiv(R * G, _PHI_W1_ROWS)
