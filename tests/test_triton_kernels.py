@@ -356,7 +356,42 @@ CORE_VARIANTS = {  # three with the dense prefix: its dK/dV by groups (tiled_by_
     # the atomics add into the two ranges' dQ, summed in float32 beforehand
     "by_block_atomic_ranges_apart": dict(slc_kernel="by_block", slc_block_rows=16, slc_block_chunk=8, slc_dq="atomic",
                                          range_pair="apart"),
+    # by_block's dQ slots summed by a pass of their own (which adds the two ranges' dQ), not in the epilogue of the
+    # two ranges' dQ kernel (slc_slot_sum "range_dq", the default the variants above run)
+    "by_block_slot_sum_pass": dict(slc_kernel="by_block", slc_block_rows=16, slc_block_chunk=8, slc_slot_sum="pass"),
+    "tiled_by_block_slot_sum_pass": dict(slc_kernel="tiled_by_block", slc_tile_rows=16, slc_block_rows=16,
+                                         slc_block_chunk=8, slc_slot_sum="pass"),
 }
+
+
+@pytest.mark.parametrize("slot_sum, variant", [("range_dq", {}), ("pass", {}),
+                                               ("range_dq", dict(slc_dense_prefix=True)),
+                                               ("range_dq", dict(range_pair="apart"))])
+def test_slot_sum_runs_in_the_range_dq_kernel_where_asked_and_possible(slot_sum, variant, monkeypatch):
+    """slc_slot_sum = "range_dq": nsa::core's backward hands by_block's dQ slots to the two ranges' dQ kernel and
+    runs no slot-sum pass; it keeps the pass where that kernel is not one launch for both ranges, or with the dense
+    prefix (whose rows the range kernels add apart). The variant test above checks the values."""
+    cfg = NSAConfig(cmp_block=8, cmp_stride=4, sel_block=8, n_selected=3, window=8)
+    x = {n: t.float().to(DEVICE).requires_grad_() for n, t in make_inputs(1, 29, 6, 2, 16, 32, cfg, seed=4).items()}
+    seen = {"slot_sum_pass": 0, "range_dq_with_slots": 0}
+    real_sum, real_dq = triton_impl.selected_dq_sum_kernel, triton_impl._range_dq_into
+
+    class CountedSum:
+        def __getitem__(self, grid):
+            seen["slot_sum_pass"] += 1
+            return real_sum[grid]
+
+    def dq_into(*args, slots=None, **kwargs):
+        seen["range_dq_with_slots"] += slots is not None
+        return real_dq(*args, slots=slots, **kwargs)
+    monkeypatch.setattr(triton_impl, "selected_dq_sum_kernel", CountedSum())
+    monkeypatch.setattr(triton_impl, "_range_dq_into", dq_into)
+    launch = triton_impl.LaunchConfig(slc_kernel="by_block", slc_block_rows=16, slc_block_chunk=8,
+                                      slc_slot_sum=slot_sum, **variant)
+    with triton_impl.use_launch_config(launch):
+        triton_impl.nsa_attention(*x.values(), cfg, scale=0.25).square().sum().backward()
+    in_range = slot_sum == "range_dq" and not variant
+    assert seen == {"slot_sum_pass": 0 if in_range else 1, "range_dq_with_slots": 1 if in_range else 0}
 
 
 def reference_with_grads(inputs, cfg, scale):
@@ -371,8 +406,9 @@ def reference_with_grads(inputs, cfg, scale):
 @pytest.mark.parametrize("variant", list(CORE_VARIANTS))
 def test_core_op_backward_matches_reference_under_every_variant(variant):
     """nsa::core_bwd takes each branch's row term from the gate backward and folds the compressed and window dQ
-    into the selected branch's (by_block: inside its slot sum): all eight gradients against the reference, under
-    every selected variant and both gate kernels."""
+    into the selected branch's (by_block: its dQ slots summed in the range dQ kernel, or the range dQ added by the
+    slot-sum pass): all eight gradients against the reference, under every selected variant and both gate
+    kernels."""
     cfg = NSAConfig(cmp_block=8, cmp_stride=4, sel_block=8, n_selected=3, window=8)
     B, T, H, G, Dk, Dv = 1, 29, 6, 2, 16, 32
     inputs = make_inputs(B, T, H, G, Dk, Dv, cfg, seed=21)

@@ -62,6 +62,10 @@ RANGE_PAIR = ("fused", "apart")
 # phi = mlp of the attention module (outside the core): our kernels (one launch forward, three backward), or
 # PyTorch's unfold, GEMMs and GELU (attention.Compressor; kernels-notes.md v29)
 PHI_KERNELS = ("fused", "torch")
+# by_block's dQ slot sum in nsa::core's backward: a pass of its own (selected_dq_sum_kernel, adding the range
+# branches' dQ), or in the epilogue of the compressed and window branches' two-range dQ kernel, which then runs
+# after the selected branch (kernels-notes.md v29)
+SLOT_SUMS = ("pass", "range_dq")
 
 
 RANGE_TILE_FIELDS = ("range_fwd", "range_dq", "range_dkdv", "range_fwd_d64", "range_dq_d64", "range_dkdv_d64")
@@ -116,13 +120,15 @@ class LaunchConfig:
     prefix_dkdv_group_programs: int = 512  # dense prefix dK/dV: one program per group from this many programs
     side_stream: bool = True  # nsa::core's window forward and range dK/dV on a second CUDA stream (_Beside; v26)
     phi_kernel: str = "fused"  # one of PHI_KERNELS
+    slc_slot_sum: str = "range_dq"  # one of SLOT_SUMS
     phi_rows: int = 32  # compressed tokens per program of phi's forward and its row backward (v29: 64 lost)
 
     def __post_init__(self) -> None:
         choices = {"slc_kernel": SELECTED_KERNELS, "gate_kernel": GATE_KERNELS, "range_kernel": RANGE_KERNELS,
                    "delta_kernel": DELTA_KERNELS, "window_dkdv": WINDOW_DKDV, "slc_partial": PARTIAL_DTYPES,
                    "slc_dq": SELECTED_DQ, "slc_dkdv": SELECTED_DKDV, "range_pair": RANGE_PAIR,
-                   "range_loads": RANGE_LOADS, "phi_kernel": PHI_KERNELS}
+                   "range_loads": RANGE_LOADS, "phi_kernel": PHI_KERNELS,
+                   "slc_slot_sum": SLOT_SUMS}
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise ValueError(f"LaunchConfig.{name}: must be one of {allowed}, got {getattr(self, name)!r}")
@@ -348,10 +354,11 @@ def _range_dkdv_outputs(q, k, v, window: int) -> tuple[torch.Tensor, torch.Tenso
 
 
 def _range_dq_into(q, k, v, do, lse, delta, dq, num_queries: int, key_stride: int, key_offset: int, window: int,
-                   scale: float, accumulate: bool = False, second=None) -> None:
+                   scale: float, accumulate: bool = False, second=None, slots=None) -> None:
     """dQ of _range_fwd for queries t < num_queries into those rows of dq, or added to them (accumulate). second =
     (k2, v2, lse2, delta2, key_stride2, key_offset2, window2): dq is the sum over both ranges (nsa::core's
-    backward: each query tile and its do loaded once, one store)."""
+    backward: each query tile and its do loaded once, one store). slots = (dq_slots, blocks): by_block's dQ
+    contributions per slot, added in too (slc_slot_sum = "range_dq")."""
     k, v = _kv_rows(k), _kv_rows(v)
     B, T, H, _ = q.shape
     num_keys, G = k.shape[1], k.shape[2]
@@ -368,7 +375,8 @@ def _range_dq_into(q, k, v, do, lse, delta, dq, num_queries: int, key_stride: in
         key_stride=key_stride, key_offset=key_offset, window=window, K_ROW=k.stride(1), V_ROW=v.stride(1), K2=k2,
         V2=v2, LSE2=lse2, DELTA2=delta2, num_keys2=k2.shape[1], key_stride2=range2[0], key_offset2=range2[1],
         window2=range2[2], K2_ROW=k2.stride(1), V2_ROW=v2.stride(1), H=H, G=G, **_head_dims(q, v),
-        ACCUMULATE=accumulate, TWO_RANGES=second is not None, **launch, **tiles)
+        ACCUMULATE=accumulate, TWO_RANGES=second is not None, **launch, **tiles,
+        **({} if slots is None else dict(DQ_SLOTS=slots[0], SLOT_BLOCKS=slots[1], N_SLOTS=slots[1].shape[-1])))
 
 
 def _range_dkdv_split(q, k, v, num_queries: int, window: int, prefix: bool = False) -> tuple[bool, int, int]:
@@ -734,11 +742,13 @@ def _selected_index(blocks, sel_block: int, kernel: str, hpg: int,
 
 
 def _selected_bwd(q, k, v, blocks, o, lse, index, do, sel_block: int, scale: float, kernel: str, delta=None,
-                  dq_add=None, prefix: int = 0):
+                  dq_add=None, prefix: int = 0, dq_slots: bool = False):
     """(dq, dk, dv) of _selected_fwd, under the launch config its forward ran with (the caller pins it); index
     is the forward's (_selected_index), possibly followed by unused empty slots; delta as in _range_bwd;
     dq_add: one or two [B,T,H,Dk] tensors added into dq (folded into by_block's dQ slot sum; the query-driven
-    dQ kernels add the first in place, so it must be the caller's own scratch, and it is returned as dq)."""
+    dQ kernels add the first in place, so it must be the caller's own scratch, and it is returned as dq).
+    dq_slots (by_block backward with dQ slots, no dense prefix): dq is by_block's per-slot contributions, for
+    the caller's range dQ kernel to sum (slc_slot_sum = "range_dq")."""
     q, k, v, blocks, do = q.contiguous(), _kv_rows(k), _kv_rows(v), blocks.contiguous(), do.contiguous()
     B, T, H, _ = q.shape
     G, n = k.shape[2], blocks.shape[-1]
@@ -749,7 +759,7 @@ def _selected_bwd(q, k, v, blocks, o, lse, index, do, sel_block: int, scale: flo
                   **_kv_strides(k, v))
     if kernel in BY_BLOCK_BACKWARD:
         dq, dk, dv = _selected_by_block_bwd(q, k, v, blocks, do, lse, delta, tuple(index[:4]), common, scale,
-                                            dq_add=dq_add, final_kv=not prefix)
+                                            dq_add=dq_add, final_kv=not prefix, dq_slots=dq_slots)
         return (dq, dk, dv) if not prefix else _with_prefix_bwd(q, k, v, do, lse, delta, dq, dk, dv, prefix, scale)
     # The first of the other branches' dQ becomes dq: the kernel adds into it (ACCUMULATE), no pass after.
     adds = list(dq_add or ())
@@ -845,12 +855,13 @@ def _by_block_index(blocks, sel_block, config, shapes_only: bool = False):
 
 
 def _selected_by_block_bwd(q, k, v, blocks, do, lse, delta, index, common, scale, dq_mode=None, dq_add=None,
-                           final_kv=False):
+                           final_kv=False, dq_slots=False):
     """(dq or None, dk, dv) of the selected branch by key blocks: one fused kernel over the blocks' choosers, then
     the dQ slot sum. dk and dv: with final_kv the gradients in k's and v's dtype, written by the kernel itself;
     else float32 accumulators that the caller adds to and casts (the dense prefix). dq_mode 0 computes dK/dV
     only (for the query-driven variants); None follows slc_dq. dq_add: one or two [B,T,H,Dk] tensors added into
-    dq (the other branches' dQ), by the slot sum where it runs."""
+    dq (the other branches' dQ), by the slot sum where it runs. dq_slots (with dQ slots): no slot sum; dq is
+    the slots' rows [B*T*G*n*hpg, Dk] as the kernel wrote them."""
     order, starts, work_seg, work_chunk = index
     B, T, H, dk_dim = q.shape
     G, n = k.shape[2], blocks.shape[-1]
@@ -888,6 +899,10 @@ def _selected_by_block_bwd(q, k, v, blocks, do, lse, delta, index, common, scale
     dq = None
     if dq_mode == 2:
         dq = dq_out.to(q.dtype)
+    elif dq_mode == 1 and dq_slots:
+        if dq_add:
+            raise ValueError("dq_slots: the caller sums the slots and adds the other branches' dQ itself")
+        return dq_out, dk_out, dv_out
     elif dq_mode == 1:
         dq = torch.empty_like(q)
         rows = B * T * H
@@ -1168,6 +1183,17 @@ def _core_bwd(do: torch.Tensor, q: torch.Tensor, k_slc: torch.Tensor, v_slc: tor
     dkdv = [_range_dkdv_outputs(q, r[1], r[2], r[-1]) for r in (cmp, win)]
     range_dkdv = _Beside(q.device, lambda: [_range_dkdv_into(*r[:6], dk, dv, T, r[1].shape[1], *r[6:], scale)
                                             for r, (dk, dv) in zip((cmp, win), dkdv)])
+    prefix = _dense_prefix(T, blocks.shape[-1], sel_block)
+    if _slot_sum_in_range_dq(kernel, prefix):  # by_block's dQ slots first, summed by the range dQ kernel after
+        dq_slots, dk_slc, dv_slc = _selected_bwd(q, k_slc, v_slc, blocks, o_slc, lse_slc, index, d_slc, sel_block,
+                                                 scale, kernel, delta=delta_slc, dq_slots=True)
+        dq = torch.empty_like(q)
+        _range_dq_into(*cmp[:6], dq, T, *cmp[6:], scale, second=(*win[1:3], *win[4:]),
+                       slots=(dq_slots, blocks.contiguous()))
+        range_dkdv.join()
+        (dk_cmp, dv_cmp), (dk_win, dv_win) = [(dk.to(r[1].dtype), dv.to(r[2].dtype)) for r, (dk, dv) in
+                                              zip((cmp, win), dkdv)]
+        return [dq, dk_slc, dv_slc, dk_win, dv_win, dk_cmp, dv_cmp, dgates]
     if _range_pair_fused():  # d_cmp = d_win = do: one dQ launch for both branches
         dq_add = [torch.empty_like(q)]
         _range_dq_into(*cmp[:6], dq_add[0], T, *cmp[6:], scale, second=(*win[1:3], *win[4:]))
@@ -1177,12 +1203,19 @@ def _core_bwd(do: torch.Tensor, q: torch.Tensor, k_slc: torch.Tensor, v_slc: tor
             _range_dq_into(q, k, v, d, *rest[:2], dq_range, T, *rest[2:], scale)
     # The selected branch's backward adds the other two branches' dQ into its own (by_block: in its slot sum).
     dq, dk_slc, dv_slc = _selected_bwd(q, k_slc, v_slc, blocks, o_slc, lse_slc, index, d_slc, sel_block, scale,
-                                       kernel, delta=delta_slc, dq_add=tuple(dq_add),
-                                       prefix=_dense_prefix(T, blocks.shape[-1], sel_block))
+                                       kernel, delta=delta_slc, dq_add=tuple(dq_add), prefix=prefix)
     range_dkdv.join()
     (dk_cmp, dv_cmp), (dk_win, dv_win) = [(dk.to(r[1].dtype), dv.to(r[2].dtype))  # accumulators: cast
                                           for r, (dk, dv) in zip((cmp, win), dkdv)]
     return [dq, dk_slc, dv_slc, dk_win, dv_win, dk_cmp, dv_cmp, dgates]
+
+
+def _slot_sum_in_range_dq(kernel: str, prefix: int) -> bool:
+    """Whether nsa::core's backward sums by_block's dQ slots in the range dQ kernel (slc_slot_sum = "range_dq"):
+    where the selected backward writes dQ slots (by_block's, no dense prefix) and the range dQ is one launch for
+    both branches."""
+    return (_config.slc_slot_sum == "range_dq" and kernel in BY_BLOCK_BACKWARD and _config.slc_dq == "partial"
+            and not prefix and _range_pair_fused())
 
 
 @_core_bwd.register_fake
