@@ -233,9 +233,9 @@ def _tile_args(launch: dict, queries: dict[str, torch.Tensor], keys: dict[str, t
     """The tile arguments of a kernel with a TMA switch (range, selection, selected): TMA=True and a descriptor per
     tensor where range_loads = "tma" and every tensor allows one, else TMA=False and the tensors themselves
     (unread). queries: name -> [B, T, H, D] contiguous, read in [BLOCK_M, D] tiles; keys: name -> [B, N, G, D]
-    as _kv_rows gives them, read in [BLOCK_N, D] tiles. A descriptor needs what the copy engine needs: a head dim that is its own
-    tile (a power of two: a padded tile would read the next head's values, not zeros), tiles of at most 256
-    rows, 16-byte aligned rows and base, and a non-empty tensor; tensors that miss one (head dim 192, no
+    as _kv_rows gives them, read in [BLOCK_N, D] tiles. A descriptor needs what the copy engine needs: a head dim
+    that is its own tile (a power of two: a padded tile would read the next head's values, not zeros), tiles of at
+    most 256 rows, 16-byte aligned rows and base, and a non-empty tensor; tensors that miss one (head dim 192, no
     compressed token yet) take the pointer loads."""
     tensors = {**queries, **keys}
     usable = _config.range_loads == "tma" and max(launch["BLOCK_M"], launch["BLOCK_N"]) <= 256 and all(
@@ -1190,20 +1190,17 @@ def _core_bwd(do: torch.Tensor, q: torch.Tensor, k_slc: torch.Tensor, v_slc: tor
         dq = torch.empty_like(q)
         _range_dq_into(*cmp[:6], dq, T, *cmp[6:], scale, second=(*win[1:3], *win[4:]),
                        slots=(dq_slots, blocks.contiguous()))
-        range_dkdv.join()
-        (dk_cmp, dv_cmp), (dk_win, dv_win) = [(dk.to(r[1].dtype), dv.to(r[2].dtype)) for r, (dk, dv) in
-                                              zip((cmp, win), dkdv)]
-        return [dq, dk_slc, dv_slc, dk_win, dv_win, dk_cmp, dv_cmp, dgates]
-    if _range_pair_fused():  # d_cmp = d_win = do: one dQ launch for both branches
-        dq_add = [torch.empty_like(q)]
-        _range_dq_into(*cmp[:6], dq_add[0], T, *cmp[6:], scale, second=(*win[1:3], *win[4:]))
     else:
-        dq_add = [torch.empty_like(q), torch.empty_like(q)]
-        for (_, k, v, d, *rest), dq_range in zip((cmp, win), dq_add):
-            _range_dq_into(q, k, v, d, *rest[:2], dq_range, T, *rest[2:], scale)
-    # The selected branch's backward adds the other two branches' dQ into its own (by_block: in its slot sum).
-    dq, dk_slc, dv_slc = _selected_bwd(q, k_slc, v_slc, blocks, o_slc, lse_slc, index, d_slc, sel_block, scale,
-                                       kernel, delta=delta_slc, dq_add=tuple(dq_add), prefix=prefix)
+        if _range_pair_fused():  # d_cmp = d_win = do: one dQ launch for both branches
+            dq_add = [torch.empty_like(q)]
+            _range_dq_into(*cmp[:6], dq_add[0], T, *cmp[6:], scale, second=(*win[1:3], *win[4:]))
+        else:
+            dq_add = [torch.empty_like(q), torch.empty_like(q)]
+            for (_, k, v, d, *rest), dq_range in zip((cmp, win), dq_add):
+                _range_dq_into(q, k, v, d, *rest[:2], dq_range, T, *rest[2:], scale)
+        # The selected branch's backward adds the other two branches' dQ into its own (by_block: in its slot sum).
+        dq, dk_slc, dv_slc = _selected_bwd(q, k_slc, v_slc, blocks, o_slc, lse_slc, index, d_slc, sel_block, scale,
+                                           kernel, delta=delta_slc, dq_add=tuple(dq_add), prefix=prefix)
     range_dkdv.join()
     (dk_cmp, dv_cmp), (dk_win, dv_win) = [(dk.to(r[1].dtype), dv.to(r[2].dtype))  # accumulators: cast
                                           for r, (dk, dv) in zip((cmp, win), dkdv)]
