@@ -206,6 +206,8 @@ CHECKS = [
     dict(name="h8_b2_stacked_kv", B=2, T=3001, H=16, G=2, Dk=64, Dv=64, stacked_kv=True),
     dict(name="paper_T8k", B=1, T=8192, H=64, G=4, Dk=128, Dv=128),
     dict(name="paper_T32k_fwd", B=1, T=32768, H=64, G=4, Dk=128, Dv=128, grads=False),
+    # past 8n blocks: the per-query forward and dQ with by_block's dK/dV, the paper 64k row's kernels, with grads
+    dict(name="paper_T16k", B=1, T=16384, H=64, G=4, Dk=128, Dv=128),
     dict(name="h1_dk192_dv128", B=1, T=4133, H=4, G=4, Dk=192, Dv=128),
     dict(name="h8_b2", B=2, T=3001, H=16, G=2, Dk=64, Dv=64),
     dict(name="h16_T5000", B=1, T=5000, H=16, G=1, Dk=128, Dv=128),
