@@ -31,6 +31,8 @@ BLOCK_INDEX = dict(ORDER="i32", STARTS="i32", WORK_SEG="i32", WORK_CHUNK="i32")
 ACCS = dict(DK_ACC="fp32", DV_ACC="fp32")
 GATES_BWD = dict(DGATES="bf16", DELTA="fp32", LSE_CMP="fp32", LSE_SLC="fp32", LSE_WIN="fp32", LSE_G="fp32")
 WARPS4 = dict(num_warps=4, num_stages=2)
+PHI = dict(G=2, D=64, BLOCK_D=64, HID=128, BLOCK_H=128, DOT_PRECISION="tf32")
+PHI_RUN = dict(num_warps=4, num_stages=3)  # Triton's defaults: the phi launchers pass none
 # NSA's fused projection as rope_split's parts: q, the three K sets (rotated), the three V sets, the gate logits
 NSA_PARTS = dict(COLS=[0, 768, 896, 1024, 1152, 1280, 1408, 1536], HEADS=[12, 2, 2, 2, 2, 2, 2, 1],
                  HEADS_PAD=[16, 2, 2, 2, 2, 2, 2, 1], DIMS=[64] * 8, BLOCK_DIMS=[64] * 8,
@@ -59,12 +61,16 @@ CASES = [
                 descs=dict(QD=64, KCD=64)),
     *_tma_cases("range_attn_fwd_kernel", "range_attention", dict(LSE="fp32"), RANGE_SCALARS, RANGE,
                 descs=dict(QD=64, KD=64, VD=64)),
-    *[c for two in (True, False) for c in _tma_cases(
-        "range_attn_bwd_dq_kernel", "range_attention", dict(LSE2="fp32", DELTA2="fp32", **ROW_TERMS),
+    # both ranges with by_block's dQ slots summed in (nsa::core's backward), and one range without them
+    *[c for two, slots in ((True, 16), (False, 0)) for c in _tma_cases(
+        "range_attn_bwd_dq_kernel", "range_attention",
+        dict(LSE2="fp32", DELTA2="fp32", SLOT_BLOCKS="i32", **ROW_TERMS),
         dict(num_keys2="i32", key_stride2="i32", key_offset2="i32", window2="i32", K2_ROW="i32", V2_ROW="i32",
              **RANGE_SCALARS),
-        dict(RANGE, BLOCK_N=32, ACCUMULATE=False, TWO_RANGES=two), dict(num_warps=4, num_stages=3),
-        f"TWO_RANGES={two}", descs=dict(QD=64, DOD=64, KD=32, VD=32, K2D=32, V2D=32))],
+        dict(RANGE, BLOCK_N=32, ACCUMULATE=False, TWO_RANGES=two, N_SLOTS=slots,
+             **({} if slots else dict(DQ_SLOTS=None, SLOT_BLOCKS=None))),
+        dict(num_warps=4, num_stages=3), f"TWO_RANGES={two},N_SLOTS={slots}",
+        descs=dict(QD=64, DOD=64, KD=32, VD=32, K2D=32, V2D=32))],
     *[c for split, atomic in ((6, True), (1, False)) for c in _tma_cases(
         "range_attn_bwd_dkdv_kernel", "range_attention", dict(ROW_TERMS, **(ACCS if atomic else {})),
         dict(q_chunk="i32", **RANGE_SCALARS), dict(RANGE, HEAD_SPLIT=split, ATOMIC=atomic),
@@ -117,6 +123,16 @@ CASES = [
             dict(num_tokens="i32", T="i32", y_sb="i32", y_st="i32", **{f"part_s{d}": ["i32"] * 8 for d in "bth"}),
             dict(NSA_PARTS, INVERSE=inverse, BLOCK_T=8), label=f"INVERSE={inverse}")
       for inverse in (False, True)],
+    # phi = mlp (nsa::phi_mlp) at nsa-125m's l = 32, d = 16, hidden 128
+    _case("phi_fwd_kernel", "compress", dict(BIAS1="fp32", W2="fp32", B2="fp32", HS="fp32"),
+          dict(R="i32", TC="i32", x_sb="i32", x_st="i32", x_sg="i32"), dict(PHI, L=32, STRIDE=16, BLOCK_R=32), PHI_RUN),
+    _case("phi_bwd_rows_kernel", "compress", dict(HS="fp32", W2="fp32", SUMS="fp32"), dict(R="i32"),
+          dict(PHI, BLOCK_R=32), PHI_RUN),
+    _case("phi_bwd_w1_kernel", "compress", dict(DW1="fp32"),
+          dict(R="i32", TC="i32", tiles_per_split="i32", x_sb="i32", x_st="i32", x_sg="i32"),
+          dict(PHI, L=32, STRIDE=16, BLOCK_R=64), PHI_RUN),
+    _case("phi_bwd_x_kernel", "compress", dict(W1="fp32"), dict(T="i32", TC="i32", NCH="i32", NUM_ROWS="i32"),
+          dict(PHI, STRIDE=16, PIECES=2, BLOCK_R=64), PHI_RUN),
 ]
 
 COMPILE = r"""
