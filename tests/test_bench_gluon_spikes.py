@@ -1,0 +1,181 @@
+"""The Gluon spikes (bench/gluon_window_fwd.py, bench/gluon_by_block_fwd.py): their kernels compile for Hopper
+here, the launchers refuse what they do not take, and the reports say what ran.
+
+The kernels need an sm_90 GPU to run (Gluon has no interpreter); their values were checked on the H100 against
+the tl kernels (bench/results/gluon-window-fwd-h100-2026-11-25-*.md: o within 2e-3, lse within 1e-6;
+gluon-by-block-fwd-h100-2026-11-25-v30i-checked.md: bit for bit). Here the compile keeps the scripts honest as
+Triton moves: the same offline path as tests/test_triton_compile.py.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# Everything that imports Gluon runs in a subprocess: Gluon reads TRITON_INTERPRET once, on import, and the
+# interpreted kernel tests (test_triton_kernels.py) need it imported with TRITON_INTERPRET=1 in this process.
+CALL = r"""
+import importlib.util, json, sys
+name, function, args = json.loads(sys.argv[1])
+spec = importlib.util.spec_from_file_location(name, f"bench/{name}.py")
+module = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(module)
+if function == "report":
+    print(module.report(*args))
+else:  # a launcher on CPU tensors: what it refuses, and why
+    import torch
+    q = torch.zeros(*args[0], dtype=torch.bfloat16)
+    kv = torch.zeros(*args[1], dtype=torch.bfloat16)
+    try:
+        getattr(module, function)(q, kv, kv, *args[2:])
+    except ValueError as exc:
+        print("ValueError:", exc)
+"""
+
+
+def _call(name, function, *args):
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, "-c", CALL, json.dumps([name, function, list(args)])], cwd=ROOT,
+                         capture_output=True, text=True, env=env, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return run.stdout
+
+COMPILE = r"""
+import importlib.util, json, sys
+import torch, triton
+from triton.backends.compiler import GPUTarget
+from triton.experimental.gluon._runtime import GluonASTSource
+from triton.runtime.jit import mangle_type
+
+path, name, const = json.loads(sys.argv[1])
+spec = importlib.util.spec_from_file_location("spike", path)
+spike = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(spike)
+fn = getattr(spike, name)
+H, G, D, BM, BN = const["H"], const["G"], const["D"], const["BLOCK_M"], const["BLOCK_N"]
+q = torch.empty(8192, H * D, dtype=torch.bfloat16)
+kv = torch.empty(8192, G * D, dtype=torch.bfloat16)
+descs = dict(q_desc=spike._desc(q, [BM, D]), k_desc=spike._desc(kv, [BN, D]), v_desc=spike._desc(kv, [BN, D]),
+             o_desc=spike._desc(q, [BM, D]))
+sig = {a: "constexpr" if a in const else mangle_type(descs[a]) if a in descs else "*fp32" if a == "LSE"
+       else "fp32" if a == "qk_scale" else "i32" for a in fn.arg_names}
+k = triton.compile(GluonASTSource(fn, sig, const), target=GPUTarget("cuda", 90, 32),
+                   options=dict(num_warps=const["num_warps"]))
+ptx = k.asm["ptx"]
+print(json.dumps(dict(cubin=len(k.asm["cubin"]), wgmma=ptx.count("wgmma.mma_async"),
+                      waits=ptx.count("wgmma.wait_group"), tma=ptx.count("cp.async.bulk.tensor"))))
+"""
+
+D64 = dict(H=12, G=2, D=64, BLOCK_M=64, BLOCK_N=64, num_warps=4)
+
+
+@pytest.mark.parametrize("name, const", [
+    ("window_fwd_kernel", dict(D64, STAGES=2, OVERLAP=True, EXP=0)),
+    ("window_fwd_kernel", dict(D64, STAGES=2, OVERLAP=False, EXP=2)),
+    ("window_fwd_kernel", dict(H=64, G=4, D=128, BLOCK_M=128, BLOCK_N=64, num_warps=8, STAGES=3, OVERLAP=True,
+                               EXP=0)),
+    ("window_fwd_persistent_kernel", dict(D64, STAGES=3)),
+], ids=["overlap", "tl-order-poly", "d128-8warps", "persistent"])
+def test_spike_kernel_compiles_for_hopper(name, const, tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path)
+    spec = json.dumps([str(ROOT / "bench" / "gluon_window_fwd.py"), name, const])
+    run = subprocess.run([sys.executable, "-c", COMPILE, spec], capture_output=True, text=True, env=env, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    out = json.loads(run.stdout.strip().splitlines()[-1])
+    assert out["cubin"] > 0
+    # QK^T and PV as warpgroup MMAs fed by TMA copies, waited on by hand: the point of writing it in Gluon
+    assert out["wgmma"] > 0 and out["waits"] >= 3 and out["tma"] > 0
+
+
+def test_report_lists_every_variant_against_tl():
+    meta = dict(device="H100", date="2026-11-25T06:00:00", commit="abc1234", torch="2.11", triton="3.6.0",
+                window=512, note="a remark")
+    variant = dict(block_m=64, block_n=64, stages=2, num_warps=4, overlap=True, exp="mufu", ms=0.2, tflops=300.0,
+                   vs_tl=1.25, o_err=1e-3, lse_err=1e-6)
+    rows = [dict(shape="125m_4x8k", B=4, T=8192, H=12, G=2, D=64, tl_ms=0.25, tl_tflops=240.0,
+                 cudnn_fwd_tflops=440.0,
+                 variants=[variant, dict(variant, overlap=False, exp="poly", ms=0.5, vs_tl=0.5),
+                           dict(block_m=64, block_n=64, stages=3, num_warps=4, persistent=3, overlap=True,
+                                exp="mufu", error="OutOfResources: shared memory")])]
+    text = _call("gluon_window_fwd", "report", meta, rows)
+    assert "commit abc1234" in text and "window w = 512" in text and "Note: a remark" in text
+    assert "tl `range_attn_fwd_kernel`: 0.250 ms, 240 TFLOP/s" in text and "440 TFLOP/s" in text
+    assert "| 64x64, 2 stages, 4 warps, overlap, exp mufu | 0.200 | 300 | 1.250 | 0.001 | 1e-06 |" in text
+    assert "| 64x64, 2 stages, 4 warps, tl order, exp poly | 0.500 | 300 | 0.500 |" in text
+    assert "| persistent (3 per SM), 64x64, 3 stages, 4 warps | OutOfResources: shared memory |" in text
+
+
+def test_launchers_refuse_tiles_that_do_not_divide_t():
+    for launch in ("window_fwd", "window_fwd_persistent"):
+        for block_m, block_n in ((128, 64), (64, 128)):  # T = 192 fits 64 but neither 128
+            out = _call("gluon_window_fwd", launch, [1, 192, 12, 64], [1, 192, 2, 64], 512, 0.125, block_m, block_n)
+            assert f"ValueError: the spike needs T (192) a multiple of the tiles ({block_m}, {block_n})" in out
+
+
+COMPILE_BY_BLOCK = r"""
+import importlib.util, json, sys
+import torch, triton
+from triton.backends.compiler import GPUTarget
+from triton.experimental.gluon._runtime import GluonASTSource
+from triton.runtime.jit import mangle_type
+
+path, const, maxnreg = json.loads(sys.argv[1])
+spec = importlib.util.spec_from_file_location("spike", path)
+spike = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(spike)
+fn = spike.by_block_fwd_ws_kernel
+kv = torch.empty(8192, 2 * 64, dtype=torch.bfloat16)
+descs = dict(k_desc=spike._desc(kv, [64, 64]), v_desc=spike._desc(kv, [64, 64]))
+pointers = dict(Q="*bf16", ORDER="*i32", STARTS="*i32", WORK_SEG="*i32", WORK_CHUNK="*i32", O_PART="*bf16",
+                LSE2_PART="*fp32")
+sig = {a: "constexpr" if a in const else mangle_type(descs[a]) if a in descs else pointers.get(a)
+       or ("fp32" if a == "qk_scale" else "i32") for a in fn.arg_names}
+# pointers 16-byte aligned, as the launcher's tensors are (cp.async copies 16 bytes a thread only then)
+attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(fn.arg_names) if a in pointers}
+k = triton.compile(GluonASTSource(fn, sig, const, attrs), target=GPUTarget("cuda", 90, 32),
+                   options=dict(num_warps=4, maxnreg=maxnreg))
+ptx = k.asm["ptx"]
+print(json.dumps(dict(cubin=len(k.asm["cubin"]), wgmma=ptx.count("wgmma.mma_async"),
+                      gathers=ptx.count("cp.async.cg.shared.global"), setmaxnreg=ptx.count("setmaxnreg"))))
+"""
+
+BY_BLOCK = dict(H=12, G=2, D=64, SEL_BLOCK=64, N_SELECT=16, ROWS=64, CHUNK=512, PRODUCER_WARPS=4, PRODUCER_REGS=48,
+                num_warps=4)
+
+
+@pytest.mark.parametrize("const, maxnreg", [
+    (dict(BY_BLOCK, STAGES=4, LAG=2, WHOLE_CHECK=False, COALESCED=True, OVERLAP=True), 128),
+    (dict(BY_BLOCK, STAGES=3, LAG=0, WHOLE_CHECK=True, COALESCED=False, OVERLAP=False), 96),
+], ids=["overlap", "plain"])
+def test_by_block_spike_compiles_warp_specialized(const, maxnreg, tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path)
+    spec = json.dumps([str(ROOT / "bench" / "gluon_by_block_fwd.py"), const, maxnreg])
+    run = subprocess.run([sys.executable, "-c", COMPILE_BY_BLOCK, spec], capture_output=True, text=True, env=env,
+                         timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    out = json.loads(run.stdout.strip().splitlines()[-1])
+    # a gather warp group (16-byte cp.async copies) beside the math warps, registers moved between them
+    assert out["cubin"] > 0 and out["wgmma"] > 0 and out["gathers"] > 0 and out["setmaxnreg"] > 0
+
+
+def test_by_block_report_and_refusals():
+    meta = dict(device="H100", date="2026-11-25T06:19:00", commit="abc1234", torch="2.11", triton="3.6.0",
+                note="timings only")
+    variant = dict(stages=4, producer_warps=4, producer_regs=48, maxnreg=128, lag=2, whole_check=False,
+                   coalesced=True, overlap=False, ms=0.56, vs_tl=1.052, same_written=True, same_empty=True,
+                   o_err=0.0, lse_err=0.0)
+    rows = [dict(shape="125m_4x8k", B=4, T=8192, H=12, G=2, D=64, tl_ms=0.589,
+                 variants=[variant, dict(variant, error="CompilationError: no")])]
+    text = _call("gluon_by_block_fwd", "report", meta, rows)
+    assert "tl `selected_block_fwd_kernel`: 0.589 ms" in text and "Note: timings only" in text
+    assert "| 4 | 4 | 48 | 128 | 2 | False | True | False | 0.560 | 1.052 | True, True | 0 | 0 |" in text
+    assert "| 4 | 4 | 48 | 128 | 2 | False | True | False | CompilationError: no |" in text
+    out = _call("gluon_by_block_fwd", "by_block_fwd_ws", [1, 128, 12, 128], [1, 128, 2, 128], None, 0.1, 16)
+    assert "ValueError: the spike takes head dim 64 and T a multiple of 64; got D=128, T=128" in out
