@@ -164,23 +164,15 @@ def _finish_step(scores, flat, i, start, end, b, j, T, qk_scale, pos, r, head, d
 
 
 @gluon.jit
-def _consumer(k_desc, v_desc, O_PART, LSE2_PART, q_ring, flat_ring, ready, empty, start, end, b, g, j, T,
-              qk_scale, H: gl.constexpr, G: gl.constexpr, D: gl.constexpr, SEL_BLOCK: gl.constexpr,
-              N_SELECT: gl.constexpr, ROWS: gl.constexpr, STAGES: gl.constexpr, WHOLE_CHECK: gl.constexpr,
-              COALESCED: gl.constexpr, num_warps: gl.constexpr):
-    """The math warps: block j's keys and values once (TMA), then per step S = q K^T, the block's softmax, P V."""
-    HPG: gl.constexpr = H // G
-    ENTRIES: gl.constexpr = ROWS // HPG
+def _block_setup(k_desc, v_desc, b, g, j, T, H: gl.constexpr, G: gl.constexpr, D: gl.constexpr,
+                 SEL_BLOCK: gl.constexpr, ROWS: gl.constexpr, num_warps: gl.constexpr):
+    """The math warps' start: block j's keys and values in shared memory (TMA, waited for), and the per-step
+    constants: key positions, row ids, heads, head-dim ids, zero accumulators."""
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                        instr_shape=[16, SEL_BLOCK, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                        instr_shape=[16, D, 16])
-    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     rows_s: gl.constexpr = gl.SliceLayout(1, s_layout)
-    rows_o: gl.constexpr = gl.SliceLayout(1, o_layout)
-    store_layout: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[4, 8],
-                                                  warps_per_cta=[num_warps, 1], order=[1, 0])
-
     k_smem = gl.allocate_shared_memory(k_desc.dtype, [SEL_BLOCK, D], k_desc.layout)
     v_smem = gl.allocate_shared_memory(v_desc.dtype, [SEL_BLOCK, D], v_desc.layout)
     kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
@@ -194,10 +186,25 @@ def _consumer(k_desc, v_desc, O_PART, LSE2_PART, q_ring, flat_ring, ready, empty
 
     pos = j * SEL_BLOCK + gl.arange(0, SEL_BLOCK, layout=gl.SliceLayout(0, s_layout))
     r = gl.arange(0, ROWS, layout=rows_s)
-    head = r % HPG
+    head = r % (H // G)
     d_o = gl.arange(0, D, layout=gl.SliceLayout(0, o_layout))
     s_zero = gl.zeros([ROWS, SEL_BLOCK], gl.float32, layout=s_layout)
     o_zero = gl.zeros([ROWS, D], gl.float32, layout=o_layout)
+    return k_smem, v_smem, pos, r, head, d_o, s_zero, o_zero
+
+
+@gluon.jit
+def _consumer(k_desc, v_desc, O_PART, LSE2_PART, q_ring, flat_ring, ready, empty, start, end, b, g, j, T,
+              qk_scale, H: gl.constexpr, G: gl.constexpr, D: gl.constexpr, SEL_BLOCK: gl.constexpr,
+              N_SELECT: gl.constexpr, ROWS: gl.constexpr, STAGES: gl.constexpr, WHOLE_CHECK: gl.constexpr,
+              COALESCED: gl.constexpr, num_warps: gl.constexpr):
+    """The math warps: block j's keys and values once (TMA), then per step S = q K^T, the block's softmax, P V."""
+    ENTRIES: gl.constexpr = ROWS // (H // G)
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                       instr_shape=[16, SEL_BLOCK, 16])
+    rows_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+    k_smem, v_smem, pos, r, head, d_o, s_zero, o_zero = _block_setup(k_desc, v_desc, b, g, j, T, H, G, D, SEL_BLOCK,
+                                                                     ROWS, num_warps)
     n_steps = gl.cdiv(end - start, ENTRIES)
     for i in range(n_steps):
         s = i % STAGES
@@ -217,30 +224,12 @@ def _consumer_overlap(k_desc, v_desc, O_PART, LSE2_PART, q_ring, flat_ring, read
                       N_SELECT: gl.constexpr, ROWS: gl.constexpr, STAGES: gl.constexpr, WHOLE_CHECK: gl.constexpr,
                       COALESCED: gl.constexpr, num_warps: gl.constexpr):
     """_consumer with the next step's QK^T issued before this step's softmax, so the matrix unit works under it."""
-    HPG: gl.constexpr = H // G
-    ENTRIES: gl.constexpr = ROWS // HPG
+    ENTRIES: gl.constexpr = ROWS // (H // G)
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                        instr_shape=[16, SEL_BLOCK, 16])
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                       instr_shape=[16, D, 16])
     rows_s: gl.constexpr = gl.SliceLayout(1, s_layout)
-    k_smem = gl.allocate_shared_memory(k_desc.dtype, [SEL_BLOCK, D], k_desc.layout)
-    v_smem = gl.allocate_shared_memory(v_desc.dtype, [SEL_BLOCK, D], v_desc.layout)
-    kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    mbarrier.init(kv_bar, count=1)
-    fence_async_shared()
-    mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(k_desc, [b * T + j * SEL_BLOCK, g * D], kv_bar, k_smem)
-    tma.async_copy_global_to_shared(v_desc, [b * T + j * SEL_BLOCK, g * D], kv_bar, v_smem)
-    mbarrier.wait(kv_bar, 0)
-    mbarrier.invalidate(kv_bar)
-
-    pos = j * SEL_BLOCK + gl.arange(0, SEL_BLOCK, layout=gl.SliceLayout(0, s_layout))
-    r = gl.arange(0, ROWS, layout=rows_s)
-    head = r % HPG
-    d_o = gl.arange(0, D, layout=gl.SliceLayout(0, o_layout))
-    s_zero = gl.zeros([ROWS, SEL_BLOCK], gl.float32, layout=s_layout)
-    o_zero = gl.zeros([ROWS, D], gl.float32, layout=o_layout)
+    k_smem, v_smem, pos, r, head, d_o, s_zero, o_zero = _block_setup(k_desc, v_desc, b, g, j, T, H, G, D, SEL_BLOCK,
+                                                                     ROWS, num_warps)
     n_steps = gl.cdiv(end - start, ENTRIES)
     if n_steps > 0:
         mbarrier.wait(ready.index(0), 0)

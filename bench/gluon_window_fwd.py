@@ -112,18 +112,18 @@ def _load_kv(k_desc, v_desc, k_smem, v_smem, bar, row, col, pred):
 
 
 @gluon.jit
-def window_fwd_kernel(q_desc, k_desc, v_desc, o_desc, LSE, T, qk_scale, window,
-                      H: gl.constexpr, G: gl.constexpr, D: gl.constexpr, BLOCK_M: gl.constexpr,
-                      BLOCK_N: gl.constexpr, STAGES: gl.constexpr, OVERLAP: gl.constexpr,
-                      EXP: gl.constexpr, num_warps: gl.constexpr):
-    pid_m = gl.num_programs(0) - 1 - gl.program_id(0)
-    pid_bh = gl.program_id(1)
-    b = pid_bh // H
-    h = pid_bh % H
+def _item_range(item, n_m, T, window, H: gl.constexpr, G: gl.constexpr, BLOCK_M: gl.constexpr,
+                BLOCK_N: gl.constexpr):
+    """(b, h, g, t_first, lo, mid_lo, mid_hi, n_tiles) of work item = bh * n_m + query tile (reversed: a tile
+    of the grid's first axis counted from the end, as the tl kernels). Keys [lo, hi); the tiles of [mid_lo, mid_hi)
+    are seen whole by every query of the tile (the tl kernel's masked / full / masked split)."""
+    pid_m = n_m - 1 - item % n_m
+    bh = item // n_m
+    b = bh // H
+    h = bh % H
     g = h // (H // G)
     t_first = pid_m * BLOCK_M
     t_last = gl.minimum(t_first + BLOCK_M, T) - 1
-    # keys [lo, hi); tiles wholly visible to every query of the tile: [mid_lo, mid_hi) (the tl kernel's split)
     hi = gl.minimum(t_last + 1, T)
     lo = gl.maximum(t_first - window + 1, 0)
     lo = (lo // BLOCK_N) * BLOCK_N
@@ -131,7 +131,17 @@ def window_fwd_kernel(q_desc, k_desc, v_desc, o_desc, LSE, T, qk_scale, window,
     full_lo = gl.maximum(t_last - window + 1, 0)
     mid_lo = gl.minimum(lo + gl.cdiv(gl.maximum(full_lo - lo, 0), BLOCK_N) * BLOCK_N, hi)
     mid_hi = mid_lo + (gl.maximum(full_hi - mid_lo, 0) // BLOCK_N) * BLOCK_N
-    n_tiles = gl.cdiv(hi - lo, BLOCK_N)
+    return b, h, g, t_first, lo, mid_lo, mid_hi, gl.cdiv(hi - lo, BLOCK_N)
+
+
+@gluon.jit
+def window_fwd_kernel(q_desc, k_desc, v_desc, o_desc, LSE, T, qk_scale, window,
+                      H: gl.constexpr, G: gl.constexpr, D: gl.constexpr, BLOCK_M: gl.constexpr,
+                      BLOCK_N: gl.constexpr, STAGES: gl.constexpr, OVERLAP: gl.constexpr,
+                      EXP: gl.constexpr, num_warps: gl.constexpr):
+    n_m = gl.num_programs(0)
+    b, h, g, t_first, lo, mid_lo, mid_hi, n_tiles = _item_range(gl.program_id(1) * n_m + gl.program_id(0), n_m, T,
+                                                                window, H, G, BLOCK_M, BLOCK_N)
 
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
@@ -215,27 +225,6 @@ def window_fwd_kernel(q_desc, k_desc, v_desc, o_desc, LSE, T, qk_scale, window,
     fence_async_shared()
     tma.async_copy_shared_to_global(o_desc, [b * T + t_first, h * D], o_smem)
     tma.store_wait(pendings=0)
-
-
-@gluon.jit
-def _item_range(item, n_m, T, window, H: gl.constexpr, G: gl.constexpr, BLOCK_M: gl.constexpr,
-                BLOCK_N: gl.constexpr):
-    """(b, h, g, t_first, lo, mid_lo, mid_hi, n_tiles) of work item = bh * n_m + query tile (reversed)."""
-    pid_m = n_m - 1 - item % n_m
-    bh = item // n_m
-    b = bh // H
-    h = bh % H
-    g = h // (H // G)
-    t_first = pid_m * BLOCK_M
-    t_last = gl.minimum(t_first + BLOCK_M, T) - 1
-    hi = gl.minimum(t_last + 1, T)
-    lo = gl.maximum(t_first - window + 1, 0)
-    lo = (lo // BLOCK_N) * BLOCK_N
-    full_hi = gl.minimum(t_first + 1, hi)
-    full_lo = gl.maximum(t_last - window + 1, 0)
-    mid_lo = gl.minimum(lo + gl.cdiv(gl.maximum(full_lo - lo, 0), BLOCK_N) * BLOCK_N, hi)
-    mid_hi = mid_lo + (gl.maximum(full_hi - mid_lo, 0) // BLOCK_N) * BLOCK_N
-    return b, h, g, t_first, lo, mid_lo, mid_hi, gl.cdiv(hi - lo, BLOCK_N)
 
 
 @gluon.jit
