@@ -14,7 +14,6 @@ import re
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -25,14 +24,10 @@ import psutil
 import pytest
 import yaml
 
+from ports import free_ports
+
 REPO = Path(__file__).resolve().parents[1]
 RAY = str(Path(sys.executable).with_name("ray"))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class FakeCluster:
@@ -41,7 +36,7 @@ class FakeCluster:
     def __init__(self, workdir: Path):
         # Unix socket paths live under the temp dir and must stay short (about 100 characters).
         self.temp_dir = Path(tempfile.mkdtemp(prefix="rfk", dir="/tmp"))
-        self.port = free_port()
+        self.port, self.dashboard_port, self.agent_port, self.client_port = free_ports(4)
         self.address = f"127.0.0.1:{self.port}"
         self.config_path = workdir / "local.yaml"
         self.leader_pid = None
@@ -65,8 +60,8 @@ class FakeCluster:
         command = [
             RAY, "start", "--head", f"--port={self.port}", f"--num-cpus={head_cpus}",
             f"--temp-dir={self.temp_dir}", f"--autoscaling-config={self.config_path}",
-            "--include-dashboard=false", f"--dashboard-port={free_port()}",
-            f"--dashboard-agent-listen-port={free_port()}", f"--ray-client-server-port={free_port()}",
+            "--include-dashboard=false", f"--dashboard-port={self.dashboard_port}",
+            f"--dashboard-agent-listen-port={self.agent_port}", f"--ray-client-server-port={self.client_port}",
             "--object-store-memory=300000000", "--disable-usage-stats",
         ]
         # The fake provider refuses to run without RAY_FAKE_CLUSTER=1 (Ray's own guard for test clusters).

@@ -3,7 +3,6 @@
 import importlib.util
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -12,6 +11,8 @@ from pathlib import Path
 
 import psutil
 import pytest
+
+from ports import free_ports
 
 REPO = Path(__file__).resolve().parents[1]
 SERVE = REPO / "cluster/mlflow/serve.py"
@@ -25,12 +26,6 @@ def load_serve():
 
 
 serve = load_serve()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # ---- checks made before anything starts ----
@@ -122,7 +117,7 @@ def _pgid(pid: int) -> int | None:
 def test_sqlite_server_logs_and_reads_back_a_run_over_http(tmp_path):
     from mlflow.tracking import MlflowClient
 
-    port = free_port()
+    port, = free_ports(1)
     url = f"http://127.0.0.1:{port}"
     server = subprocess.Popen([sys.executable, str(SERVE), "local", "--root", str(tmp_path / "store"), "--port", str(port)],
                               cwd=tmp_path, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -16,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from ports import free_ports
 from test_train_support import REPO, SEQ_LEN, SMALL_MODEL
 
 pytestmark = pytest.mark.timeout(900)
@@ -98,16 +98,6 @@ def test_pretrain_script_refuses_a_bad_config_before_starting():
     assert proc.returncode == 2
     assert "config error" in proc.stderr and "train.global_batch: must be a multiple of" in proc.stderr
     assert "Ray" not in proc.stdout  # refused before any cluster was started
-
-
-def free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
 
 
 @pytest.fixture(scope="module")
