@@ -40,6 +40,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from bench.provenance import git_commit
+
 LOG2E = 1.4426950408889634
 
 
@@ -351,7 +353,7 @@ VARIANTS = [  # (stages, gather warps, their registers, the kernel's register ca
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True)
-    ap.add_argument("--commit", default="")
+    ap.add_argument("--commit", default="", help="commit measured (default: git rev-parse of this checkout)")
     ap.add_argument("--suffix", default="")
     args = ap.parse_args()
     from nsa_model.config import NSAConfig
@@ -403,7 +405,7 @@ def main() -> int:
             print(name, entry, flush=True)
         rows_out.append(row)
     meta = dict(device=torch.cuda.get_device_name(), date=datetime.datetime.now(datetime.timezone.utc).isoformat(),
-                commit=args.commit, torch=torch.__version__, triton=triton.__version__)
+                commit=args.commit or git_commit(), torch=torch.__version__, triton=triton.__version__)
     stem = os.path.join(args.out, f"gluon-by-block-fwd-h100-{datetime.date.today().isoformat()}{args.suffix}")
     with open(stem + ".json", "w") as f:
         json.dump(dict(meta=meta, rows=rows_out), f, indent=1)

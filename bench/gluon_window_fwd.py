@@ -48,6 +48,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from bench.provenance import git_commit
+
 LOG2E = 1.4426950408889634
 
 
@@ -482,7 +484,7 @@ def _measure(entry: dict, run, o_ref, lse_ref, flops: int, t_ref: float) -> None
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True)
-    ap.add_argument("--commit", default="")
+    ap.add_argument("--commit", default="", help="commit measured (default: git rev-parse of this checkout)")
     ap.add_argument("--window", type=int, default=512)
     ap.add_argument("--suffix", default="", help="suffix of the results file names")
     args = ap.parse_args()
@@ -513,7 +515,8 @@ def main() -> int:
             print(name, entry, flush=True)
         rows.append(row)
     meta = dict(device=torch.cuda.get_device_name(), date=datetime.datetime.now(datetime.timezone.utc).isoformat(),
-                commit=args.commit, torch=torch.__version__, triton=triton.__version__, window=args.window)
+                commit=args.commit or git_commit(), torch=torch.__version__, triton=triton.__version__,
+                window=args.window)
     stem = os.path.join(args.out, f"gluon-window-fwd-h100-{datetime.date.today().isoformat()}{args.suffix}")
     with open(stem + ".json", "w") as f:
         json.dump(dict(meta=meta, rows=rows), f, indent=1)
