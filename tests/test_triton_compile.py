@@ -61,17 +61,15 @@ CASES = [
                 descs=dict(QD=64, KCD=64)),
     *_tma_cases("range_attn_fwd_kernel", "range_attention", dict(LSE="fp32"), RANGE_SCALARS, RANGE,
                 descs=dict(QD=64, KD=64, VD=64)),
-    # both ranges with by_block's dQ slots summed in (nsa::core's backward; bf16 or int8 slots), and one range
-    # without them
-    *[c for two, slots, int8 in ((True, 16, False), (True, 16, True), (False, 0, False)) for c in _tma_cases(
+    # both ranges with by_block's dQ slots summed in (nsa::core's backward), and one range without them
+    *[c for two, slots in ((True, 16), (False, 0)) for c in _tma_cases(
         "range_attn_bwd_dq_kernel", "range_attention",
-        dict(LSE2="fp32", DELTA2="fp32", SLOT_BLOCKS="i32", SLOT_SCALES="fp32", **ROW_TERMS,
-             **(dict(DQ_SLOTS="i8") if int8 else {})),
+        dict(LSE2="fp32", DELTA2="fp32", SLOT_BLOCKS="i32", **ROW_TERMS),
         dict(num_keys2="i32", key_stride2="i32", key_offset2="i32", window2="i32", K2_ROW="i32", V2_ROW="i32",
              **RANGE_SCALARS),
-        dict(RANGE, BLOCK_N=32, ACCUMULATE=False, TWO_RANGES=two, N_SLOTS=slots, SLOTS_INT8=int8,
-             **({} if slots else dict(DQ_SLOTS=None, SLOT_BLOCKS=None, SLOT_SCALES=None))),
-        dict(num_warps=4, num_stages=3), f"TWO_RANGES={two},N_SLOTS={slots},SLOTS_INT8={int8}",
+        dict(RANGE, BLOCK_N=32, ACCUMULATE=False, TWO_RANGES=two, N_SLOTS=slots,
+             **({} if slots else dict(DQ_SLOTS=None, SLOT_BLOCKS=None))),
+        dict(num_warps=4, num_stages=3), f"TWO_RANGES={two},N_SLOTS={slots}",
         descs=dict(QD=64, DOD=64, KD=32, VD=32, K2D=32, V2D=32))],
     *[c for split, atomic in ((6, True), (1, False)) for c in _tma_cases(
         "range_attn_bwd_dkdv_kernel", "range_attention", dict(ROW_TERMS, **(ACCS if atomic else {})),
@@ -91,31 +89,23 @@ CASES = [
     *_tma_cases("selected_tiled_bwd_dq_kernel", "selected_tiled",
                 dict(BLOCKS="i32", UNION="i32", COUNT="i32", **ROW_TERMS), dict(num_tiles="i32", **SLC_SCALARS),
                 dict(N_PAD=16, ROWS=64, TILE_Q=10, ACCUMULATE=True, **SEL), descs=dict(KD=64, VD=64)),
-    # by_block's partials in bf16 or as int8 with a scale per row (slc_partial "int8")
-    *[c for prefetch, int8 in ((True, False), (False, False), (True, True)) for c in _tma_cases(
-        "selected_block_fwd_kernel", "selected_by_block",
-        dict(LSE2_PART="fp32", O_SCALE="fp32", **BLOCK_INDEX, **(dict(O_PART="i8") if int8 else {})),
-        dict(num_blocks="i32", **SLC_SCALARS), dict(ROWS=64, CHUNK=512, PREFETCH=prefetch, PARTIAL_INT8=int8, **SEL),
-        dict(num_warps=4, num_stages=3, **(dict(maxnreg=168) if prefetch else {})),
-        f"PREFETCH={prefetch},PARTIAL_INT8={int8}", descs=dict(KD=64, VD=64))],
-    *[_case("selected_combine_kernel", "selected_by_block",
-            dict(LSE2_PART="fp32", O_SCALE="fp32", BLOCKS="i32", LSE="fp32", **(dict(O_PART="i8") if int8 else {})),
-            dict(num_rows="i32"), dict(H=12, G=2, DV=64, BLOCK_DV=64, N_SELECT=16, BLOCK_R=32, PARTIAL_INT8=int8),
-            label=f"PARTIAL_INT8={int8}") for int8 in (False, True)],
-    *[c for mode, final, prefetch, int8 in ((0, True, False, False), (1, True, False, False), (1, False, False, False),
-                                            (2, False, False, False), (1, True, True, False), (0, True, True, False),
-                                            (1, True, True, True)) for c in _tma_cases(
-        "selected_block_bwd_kernel", "selected_by_block",
-        dict(BLOCK_INDEX, DONE="i32", DQ_SCALE="fp32", **ROW_TERMS, **ACCS, **(dict(DQ_OUT="i8") if int8 else {})),
-        dict(num_blocks="i32", **SLC_SCALARS),
-        dict(ROWS=64, CHUNK=512, DQ_MODE=mode, FINAL_KV=final, PREFETCH=prefetch, PARTIAL_INT8=int8, **SEL),
-        dict(num_warps=4, num_stages=3), f"DQ_MODE={mode},FINAL_KV={final},PREFETCH={prefetch},PARTIAL_INT8={int8}",
+    *[c for prefetch in (True, False) for c in _tma_cases(
+        "selected_block_fwd_kernel", "selected_by_block", dict(LSE2_PART="fp32", **BLOCK_INDEX),
+        dict(num_blocks="i32", **SLC_SCALARS), dict(ROWS=64, CHUNK=512, PREFETCH=prefetch, **SEL),
+        dict(num_warps=4, num_stages=3, **(dict(maxnreg=168) if prefetch else {})), f"PREFETCH={prefetch}",
         descs=dict(KD=64, VD=64))],
-    *[_case("selected_dq_sum_kernel", "selected_by_block",
-            dict(BLOCKS="i32", DQ_SCALE="fp32", **(dict(DQ_PART="i8") if int8 else {})), dict(num_rows="i32"),
-            dict(H=12, G=2, DK=64, BLOCK_DK=64, N_SELECT=16, BLOCK_R=32, NUM_ADD=adds, PARTIAL_INT8=int8),
-            label=f"NUM_ADD={adds},PARTIAL_INT8={int8}")
-      for adds, int8 in ((0, False), (1, False), (2, False), (2, True))],
+    _case("selected_combine_kernel", "selected_by_block", dict(LSE2_PART="fp32", BLOCKS="i32", LSE="fp32"),
+          dict(num_rows="i32"), dict(H=12, G=2, DV=64, BLOCK_DV=64, N_SELECT=16, BLOCK_R=32)),
+    *[c for mode, final, prefetch in ((0, True, False), (1, True, False), (1, False, False), (2, False, False),
+                                      (1, True, True), (0, True, True)) for c in _tma_cases(
+        "selected_block_bwd_kernel", "selected_by_block", dict(BLOCK_INDEX, DONE="i32", **ROW_TERMS, **ACCS),
+        dict(num_blocks="i32", **SLC_SCALARS),
+        dict(ROWS=64, CHUNK=512, DQ_MODE=mode, FINAL_KV=final, PREFETCH=prefetch, **SEL),
+        dict(num_warps=4, num_stages=3), f"DQ_MODE={mode},FINAL_KV={final},PREFETCH={prefetch}",
+        descs=dict(KD=64, VD=64))],
+    *[_case("selected_dq_sum_kernel", "selected_by_block", dict(BLOCKS="i32"), dict(num_rows="i32"),
+            dict(H=12, G=2, DK=64, BLOCK_DK=64, N_SELECT=16, BLOCK_R=32, NUM_ADD=adds), label=f"NUM_ADD={adds}")
+      for adds in (0, 1, 2)],
     _case("gated_sum_fwd_kernel", "gates", {}, dict(num_rows="i32"), dict(DV=64, BLOCK_R=32, BLOCK_D=64)),
     *[_case("gated_sum_bwd_kernel", "gates", GATES_BWD, dict(num_rows="i32"),
             dict(DV=64, BLOCK_R=32, BLOCK_D=64, FOLD=fold), label=f"FOLD={fold}") for fold in (True, False)],

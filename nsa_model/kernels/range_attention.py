@@ -41,8 +41,6 @@ tile (the v4 kernels, kept selectable for the benchmark).
 import triton
 import triton.language as tl
 
-from nsa_model.kernels.selected_by_block import load_partial
-
 
 LOG2E = tl.constexpr(1.4426950408889634)
 
@@ -252,16 +250,14 @@ def range_attn_bwd_dq_kernel(Q, K, V, DO, QD, KD, VD, DOD, K2D, V2D, LSE, DELTA,
                              BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr,
                              BLOCK_N: tl.constexpr, EDGE_SPLIT: tl.constexpr, ACCUMULATE: tl.constexpr,
                              TWO_RANGES: tl.constexpr, TMA: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                             DQ_SLOTS=None, SLOT_BLOCKS=None, N_SLOTS: tl.constexpr = 0, SLOT_SCALES=None,
-                             SLOTS_INT8: tl.constexpr = False):
+                             DQ_SLOTS=None, SLOT_BLOCKS=None, N_SLOTS: tl.constexpr = 0):
     """ACCUMULATE: add this dQ to what DQ holds (the selected branch's dense prefix adds into the core's dQ).
     TWO_RANGES: dQ is the sum over two ranges (the second with its own keys, lse and delta; the same do): the
     compressed and window branches' dQ from one load of each query tile and one store.
     N_SLOTS > 0: also add the selected branch's dQ contributions, one per slot of each query's N_SLOTS
     (selected_by_block.py's DQ_MODE 1 rows; slots whose block in SLOT_BLOCKS [B, T, G, N_SLOTS] is -1 hold
     nothing): its slot sum, done here where the loads overlap other programs' matrix work instead of in a pass
-    of its own (kernels-notes.md v29). SLOTS_INT8: those rows are int8 with a scale each in SLOT_SCALES
-    (selected_by_block.py's PARTIAL_INT8)."""
+    of its own (kernels-notes.md v29)."""
     pid_m = _query_tile_index()
     pid_bh = tl.program_id(1)
     b = pid_bh // H
@@ -292,7 +288,8 @@ def range_attn_bwd_dq_kernel(Q, K, V, DO, QD, KD, VD, DOD, K2D, V2D, LSE, DELTA,
         for i in range(N_SLOTS):
             used = m_ok & (tl.load(SLOT_BLOCKS + slot0 + i, mask=m_ok, other=-1) >= 0)
             row_p = (slot0 + i) * (H // G) + h % (H // G)
-            dq += load_partial(DQ_SLOTS, SLOT_SCALES, row_p, used, offs_dk, DK, SLOTS_INT8)
+            dq += tl.load(DQ_SLOTS + row_p[:, None] * DK + offs_dk[None, :], mask=used[:, None] & dq_ok,
+                          other=0.0).to(tl.float32)
     if ACCUMULATE:
         dq += tl.load(dq_ptrs, mask=dq_ok, other=0.0).to(tl.float32)
     tl.store(dq_ptrs, dq.to(DQ.dtype.element_ty), mask=dq_ok)

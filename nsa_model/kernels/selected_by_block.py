@@ -32,13 +32,6 @@ and waits for them at the top of the next: a gather's full latency on every step
 v24). 7-12% off both kernels at head dim 64 on the H100. The launchers take it up to head dim 64 only: at 128 the
 backward's prefetched tiles do not fit in registers (1.43 -> 2.27 ms at paper 8k).
 
-PARTIAL_INT8 (constexpr): the partials (forward outputs, backward dQ contributions) are stored as int8 with a
-float32 scale per row (O_SCALE / DQ_SCALE, indexed as LSE2_PART): each row x is kept as round(x / s) with
-s = max|x| / 127, so an element is off by at most s / 2, 0.4% of its row's largest. The partials are the
-bytes of the passes that read them back (combine, slot sum), which run at DRAM speed: int8 halves them
-(ops/triton_impl.py, slc_partial; kernels-notes.md v31). A forward partial is a convex combination of value
-rows, so o moves by at most max|v| / 254.
-
 Work list: programs are (segment, chunk) pairs, a segment being the choosers of one (b, g, block) and a chunk
 CHUNK consecutive of them; WORK_SEG = -1 marks the spare programs of a static upper bound (no host sync).
 
@@ -55,38 +48,6 @@ from nsa_model.kernels.selected_tiled import _backward_rows
 
 
 LOG2E = tl.constexpr(1.4426950408889634)
-
-
-@triton.jit
-def _int8_rows(x):
-    """(values int8, scale [rows] float32) with x ~ values * scale[:, None]: x / scale rounded to the nearest
-    integer, scale = max|x| / 127 per row (0 for a row of zeros)."""
-    amax = tl.max(tl.abs(x), axis=1)
-    inv = 127.0 / tl.where(amax > 0, amax, 1.0)  # a row of zeros stays zeros whatever the factor
-    return tl.floor(x * inv[:, None] + 0.5).to(tl.int8), amax / 127.0
-
-
-@triton.jit
-def _store_partial(PART, SCALE, row_p, r_ok, x, offs_d, D: tl.constexpr, PARTIAL_INT8: tl.constexpr):
-    """Rows row_p of a partial buffer [rows, D]: x in the buffer's dtype, or int8 with its scale (PARTIAL_INT8)."""
-    ptrs = PART + row_p[:, None] * D + offs_d[None, :]
-    ok = r_ok[:, None] & (offs_d < D)[None, :]
-    if PARTIAL_INT8:
-        values, scale = _int8_rows(x)
-        tl.store(ptrs, values, mask=ok)
-        tl.store(SCALE + row_p, scale, mask=r_ok)
-    else:
-        tl.store(ptrs, x.to(PART.dtype.element_ty), mask=ok)
-
-
-@triton.jit
-def load_partial(PART, SCALE, row_p, used, offs_d, D: tl.constexpr, PARTIAL_INT8: tl.constexpr):
-    """float32 rows row_p of a partial buffer (zeros where not used), as _store_partial wrote them."""
-    x = tl.load(PART + row_p[:, None] * D + offs_d[None, :], mask=used[:, None] & (offs_d < D)[None, :],
-                other=0.0).to(tl.float32)
-    if PARTIAL_INT8:
-        x = x * tl.load(SCALE + row_p, mask=used, other=0.0)[:, None]
-    return x
 
 
 @triton.jit
@@ -191,13 +152,13 @@ def _chooser_bwd_tiles(Q, DO, LSE, DELTA, flat, r_ok, b, g, T, H: tl.constexpr, 
 
 
 @triton.jit
-def selected_block_fwd_kernel(Q, K, V, KD, VD, ORDER, STARTS, WORK_SEG, WORK_CHUNK, O_PART, LSE2_PART, O_SCALE, T,
-                              num_blocks, scale, K_ROW, V_ROW,
+def selected_block_fwd_kernel(Q, K, V, KD, VD, ORDER, STARTS, WORK_SEG, WORK_CHUNK, O_PART, LSE2_PART, T, num_blocks,
+                              scale, K_ROW, V_ROW,
                               H: tl.constexpr, G: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
                               BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, SEL_BLOCK: tl.constexpr,
                               BLOCK_S: tl.constexpr, N_SELECT: tl.constexpr, ROWS: tl.constexpr,
                               CHUNK: tl.constexpr, TMA: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                              PREFETCH: tl.constexpr = False, PARTIAL_INT8: tl.constexpr = False):
+                              PREFETCH: tl.constexpr = False):
     HPG: tl.constexpr = H // G
     ENTRIES: tl.constexpr = ROWS // HPG
     seg, b, g, j, start, end = _work_item(WORK_SEG, WORK_CHUNK, STARTS, num_blocks, G, CHUNK)
@@ -228,7 +189,8 @@ def selected_block_fwd_kernel(Q, K, V, KD, VD, ORDER, STARTS, WORK_SEG, WORK_CHU
             acc = tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
             has_key = l_i > 0
             l_safe = tl.where(has_key, l_i, 1.0)
-            _store_partial(O_PART, O_SCALE, row_p, r_ok, acc / l_safe[:, None], offs_dv, DV, PARTIAL_INT8)
+            tl.store(O_PART + row_p[:, None] * DV + offs_dv[None, :],
+                     (acc / l_safe[:, None]).to(O_PART.dtype.element_ty), mask=r_ok[:, None] & (offs_dv < DV)[None, :])
             tl.store(LSE2_PART + row_p, tl.where(has_key, m_safe + tl.log2(l_safe), float("-inf")), mask=r_ok)
             if PREFETCH:
                 r_ok, t, row_q, row_p, q = r_ok_n, t_n, row_q_n, row_p_n, q_n
@@ -236,9 +198,8 @@ def selected_block_fwd_kernel(Q, K, V, KD, VD, ORDER, STARTS, WORK_SEG, WORK_CHU
 
 
 @triton.jit
-def selected_combine_kernel(O_PART, LSE2_PART, O_SCALE, BLOCKS, O, LSE, num_rows, H: tl.constexpr, G: tl.constexpr,
-                            DV: tl.constexpr, BLOCK_DV: tl.constexpr, N_SELECT: tl.constexpr, BLOCK_R: tl.constexpr,
-                            PARTIAL_INT8: tl.constexpr = False):
+def selected_combine_kernel(O_PART, LSE2_PART, BLOCKS, O, LSE, num_rows, H: tl.constexpr, G: tl.constexpr,
+                            DV: tl.constexpr, BLOCK_DV: tl.constexpr, N_SELECT: tl.constexpr, BLOCK_R: tl.constexpr):
     """o[b, t, h] and lse from the n partials of (b, t, h); slots with block -1 hold nothing and are skipped."""
     HPG: tl.constexpr = H // G
     rows = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)  # (b * T + t) * H + hh
@@ -259,7 +220,9 @@ def selected_combine_kernel(O_PART, LSE2_PART, O_SCALE, BLOCKS, O, LSE, num_rows
         used = r_ok & (tl.load(BLOCKS + slot0 + i, mask=r_ok, other=-1) >= 0)
         row_p = (slot0 + i) * HPG + head
         w = tl.exp2(tl.load(LSE2_PART + row_p, mask=used, other=float("-inf")) - m_safe)
-        acc += w[:, None] * load_partial(O_PART, O_SCALE, row_p, used, offs_dv, DV, PARTIAL_INT8)
+        part = tl.load(O_PART + row_p[:, None] * DV + offs_dv[None, :], mask=used[:, None] & (offs_dv < DV)[None, :],
+                       other=0.0)
+        acc += w[:, None] * part.to(tl.float32)
         l_i += w
     has_key = l_i > 0
     l_safe = tl.where(has_key, l_i, 1.0)
@@ -270,16 +233,14 @@ def selected_combine_kernel(O_PART, LSE2_PART, O_SCALE, BLOCKS, O, LSE, num_rows
 
 @triton.jit
 def selected_block_bwd_kernel(Q, K, V, KD, VD, DO, LSE, DELTA, ORDER, STARTS, WORK_SEG, WORK_CHUNK, DK_ACC, DV_ACC,
-                              DQ_OUT, DQ_SCALE, DK_OUT, DV_OUT, DONE, T, num_blocks, scale, K_ROW, V_ROW,
+                              DQ_OUT, DK_OUT, DV_OUT, DONE, T, num_blocks, scale, K_ROW, V_ROW,
                               H: tl.constexpr, G: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
                               BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, SEL_BLOCK: tl.constexpr,
                               BLOCK_S: tl.constexpr, N_SELECT: tl.constexpr, ROWS: tl.constexpr,
                               CHUNK: tl.constexpr, DQ_MODE: tl.constexpr, FINAL_KV: tl.constexpr,
-                              TMA: tl.constexpr, DOT_PRECISION: tl.constexpr, PREFETCH: tl.constexpr = False,
-                              PARTIAL_INT8: tl.constexpr = False):
+                              TMA: tl.constexpr, DOT_PRECISION: tl.constexpr, PREFETCH: tl.constexpr = False):
     """DQ_MODE: 0 no dQ (the query-driven variants compute it), 1 store each chooser's contribution at its slot
-    (DQ_OUT rows as the partials, int8 with DQ_SCALE where PARTIAL_INT8), 2 add it atomically into a float32
-    DQ_OUT [B, T, H, DK].
+    (DQ_OUT rows as the partials), 2 add it atomically into a float32 DQ_OUT [B, T, H, DK].
 
     FINAL_KV: the block's dK, dV end in DK_OUT, DV_OUT (their dtype) instead of staying in the float32
     accumulators for a cast launch after (0.4 ms per training step at T = 2048, kernels-notes.md v20). The work
@@ -323,7 +284,7 @@ def selected_block_bwd_kernel(Q, K, V, KD, VD, DO, LSE, DELTA, ORDER, STARTS, WO
             dk += tl.dot(tl.trans(ds).to(q.dtype), q, input_precision=DOT_PRECISION)
             if DQ_MODE == 1:
                 dq = tl.dot(ds.to(k.dtype), k, input_precision=DOT_PRECISION) * scale
-                _store_partial(DQ_OUT, DQ_SCALE, row_p, r_ok, dq, offs_dk, DK, PARTIAL_INT8)
+                tl.store(DQ_OUT + row_p[:, None] * DK + offs_dk[None, :], dq.to(DQ_OUT.dtype.element_ty), mask=q_ok)
             elif DQ_MODE == 2:
                 dq = tl.dot(ds.to(k.dtype), k, input_precision=DOT_PRECISION) * scale
                 tl.atomic_add(DQ_OUT + row_q[:, None] * DK + offs_dk[None, :], dq, mask=q_ok)
@@ -356,9 +317,9 @@ def selected_block_bwd_kernel(Q, K, V, KD, VD, DO, LSE, DELTA, ORDER, STARTS, WO
 
 
 @triton.jit
-def selected_dq_sum_kernel(DQ_PART, DQ_SCALE, BLOCKS, DQ, ADD_A, ADD_B, num_rows, H: tl.constexpr, G: tl.constexpr,
+def selected_dq_sum_kernel(DQ_PART, BLOCKS, DQ, ADD_A, ADD_B, num_rows, H: tl.constexpr, G: tl.constexpr,
                            DK: tl.constexpr, BLOCK_DK: tl.constexpr, N_SELECT: tl.constexpr, BLOCK_R: tl.constexpr,
-                           NUM_ADD: tl.constexpr, PARTIAL_INT8: tl.constexpr = False):
+                           NUM_ADD: tl.constexpr):
     """dq[b, t, h] = the sum of its n slots' contributions (slots with block -1 hold nothing), plus the first NUM_ADD
     (0, 1 or 2) of add_a, add_b ([B, T, H, DK] like dq: the other branches' dQ, apart or already summed by the
     range kernels' two-range dQ; added here in fp32 instead of in passes of their own)."""
@@ -374,7 +335,8 @@ def selected_dq_sum_kernel(DQ_PART, DQ_SCALE, BLOCKS, DQ, ADD_A, ADD_B, num_rows
     for i in range(N_SELECT):
         used = r_ok & (tl.load(BLOCKS + slot0 + i, mask=r_ok, other=-1) >= 0)
         row_p = (slot0 + i) * HPG + head
-        acc += load_partial(DQ_PART, DQ_SCALE, row_p, used, offs_dk, DK, PARTIAL_INT8)
+        acc += tl.load(DQ_PART + row_p[:, None] * DK + offs_dk[None, :], mask=used[:, None] & (offs_dk < DK)[None, :],
+                       other=0.0).to(tl.float32)
     at = rows[:, None] * DK + offs_dk[None, :]
     ok = r_ok[:, None] & (offs_dk < DK)[None, :]
     if NUM_ADD >= 1:

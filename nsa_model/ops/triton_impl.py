@@ -46,9 +46,7 @@ SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # by_block's fused backward
 SELECTED_KERNELS = ("per_query", "tiled", "by_block", "tiled_by_block", "auto")
 BY_BLOCK_BACKWARD = ("by_block", "tiled_by_block")  # the variants whose backward is by_block's
-# by_block: partial outputs and dQ contributions in float32, the input dtype, or int8 with a float32 scale per row
-# (kernels/selected_by_block.py, PARTIAL_INT8: half the bytes of the passes that read them back; v31)
-PARTIAL_DTYPES = ("fp32", "input", "int8")
+PARTIAL_DTYPES = ("fp32", "input")  # by_block: partial outputs and dQ contributions in float32 or the input dtype
 SELECTED_DQ = ("partial", "atomic")  # by_block dQ: per-slot contributions summed by a kernel, or fp32 atomics
 SELECTED_DKDV = ("inverted", "by_block")  # dK/dV of per_query/tiled: padded-heads kernel, or the by_block one
 GATE_KERNELS = ("torch", "fused")  # gated combination: eager PyTorch ops, or one Triton kernel each way
@@ -359,8 +357,8 @@ def _range_dq_into(q, k, v, do, lse, delta, dq, num_queries: int, key_stride: in
                    scale: float, accumulate: bool = False, second=None, slots=None) -> None:
     """dQ of _range_fwd for queries t < num_queries into those rows of dq, or added to them (accumulate). second =
     (k2, v2, lse2, delta2, key_stride2, key_offset2, window2): dq is the sum over both ranges (nsa::core's
-    backward: each query tile and its do loaded once, one store). slots = ((rows, scales), blocks): by_block's dQ
-    contributions per slot as _selected_by_block_bwd returns them, added in too (slc_slot_sum = "range_dq")."""
+    backward: each query tile and its do loaded once, one store). slots = (dq_slots, blocks): by_block's dQ
+    contributions per slot, added in too (slc_slot_sum = "range_dq")."""
     k, v = _kv_rows(k), _kv_rows(v)
     B, T, H, _ = q.shape
     num_keys, G = k.shape[1], k.shape[2]
@@ -378,14 +376,7 @@ def _range_dq_into(q, k, v, do, lse, delta, dq, num_queries: int, key_stride: in
         V2=v2, LSE2=lse2, DELTA2=delta2, num_keys2=k2.shape[1], key_stride2=range2[0], key_offset2=range2[1],
         window2=range2[2], K2_ROW=k2.stride(1), V2_ROW=v2.stride(1), H=H, G=G, **_head_dims(q, v),
         ACCUMULATE=accumulate, TWO_RANGES=second is not None, **launch, **tiles,
-        **({} if slots is None else _slot_args(*slots)))
-
-
-def _slot_args(slot_rows: tuple[torch.Tensor, torch.Tensor | None], blocks: torch.Tensor) -> dict:
-    """range_attn_bwd_dq_kernel's arguments for by_block's dQ slots (rows, int8 scales or None) of blocks."""
-    rows, scales = slot_rows
-    return dict(DQ_SLOTS=rows, SLOT_BLOCKS=blocks, N_SLOTS=blocks.shape[-1], SLOTS_INT8=scales is not None,
-                SLOT_SCALES=rows if scales is None else scales)
+        **({} if slots is None else dict(DQ_SLOTS=slots[0], SLOT_BLOCKS=slots[1], N_SLOTS=slots[1].shape[-1])))
 
 
 def _range_dkdv_split(q, k, v, num_queries: int, window: int, prefix: bool = False) -> tuple[bool, int, int]:
@@ -655,19 +646,8 @@ def _block_rows(hpg: int, config: LaunchConfig) -> int:
     return max(config.slc_block_rows, triton.next_power_of_2(hpg))  # at least one chooser per step
 
 
-def _partial_buffers(rows: int, dim: int, x: torch.Tensor, config: LaunchConfig):
-    """(values [rows, dim], scales [rows] float32 or None) for by_block's partials: float32, x's dtype, or int8 with
-    a scale per row (slc_partial)."""
-    if config.slc_partial == "int8":
-        return (torch.empty(rows, dim, dtype=torch.int8, device=x.device),
-                torch.empty(rows, dtype=torch.float32, device=x.device))
-    dtype = torch.float32 if config.slc_partial == "fp32" else x.dtype
-    return torch.empty(rows, dim, dtype=dtype, device=x.device), None
-
-
-def _partial_args(scales: torch.Tensor | None, placeholder: torch.Tensor) -> tuple[dict, torch.Tensor]:
-    """(the kernels' PARTIAL_INT8 switch, the scale buffer to pass: placeholder, unread, where there is none)."""
-    return dict(PARTIAL_INT8=scales is not None), (placeholder if scales is None else scales)
+def _partial_dtype(x: torch.Tensor, config: LaunchConfig) -> torch.dtype:
+    return torch.float32 if config.slc_partial == "fp32" else x.dtype
 
 
 _COMBINE_ROWS = 32  # (b, t, h) rows per program of the combine and dQ-sum kernels
@@ -855,20 +835,19 @@ def _selected_by_block_fwd(q, k, v, blocks, o, lse, index, common, scale):
     num_blocks = triton.cdiv(T, common["SEL_BLOCK"])
     order, starts, work_seg, work_chunk = index
     slots = B * T * G * n * hpg
-    o_part, o_scale = _partial_buffers(slots, dv, q, c)
+    o_part = torch.empty(slots, dv, dtype=_partial_dtype(q, c), device=q.device)
     lse2_part = torch.empty(slots, dtype=torch.float32, device=q.device)
-    int8, o_scale = _partial_args(o_scale, lse2_part)
     prefetch = _block_prefetch(q, v)
     selected_block_fwd_kernel[(work_seg.numel(),)](
         q, k, v, ORDER=order, STARTS=starts, WORK_SEG=work_seg, WORK_CHUNK=work_chunk, O_PART=o_part,
-        LSE2_PART=lse2_part, O_SCALE=o_scale, T=T, num_blocks=num_blocks, scale=scale, ROWS=_block_rows(hpg, c),
+        LSE2_PART=lse2_part, T=T, num_blocks=num_blocks, scale=scale, ROWS=_block_rows(hpg, c),
         CHUNK=c.slc_block_chunk, PREFETCH=prefetch, **common, num_warps=c.slc_block_warps,
         num_stages=c.slc_block_stages, **(dict(maxnreg=c.slc_block_fwd_maxnreg) if prefetch else {}),
-        **_block_tiles(_block_rows(hpg, c), common, k, v), **int8)
+        **_block_tiles(_block_rows(hpg, c), common, k, v))
     rows = B * T * H
     selected_combine_kernel[(triton.cdiv(rows, _COMBINE_ROWS),)](
-        o_part, lse2_part, o_scale, blocks, o, lse, rows, H=H, G=G, DV=dv, BLOCK_DV=common["BLOCK_DV"], N_SELECT=n,
-        BLOCK_R=_COMBINE_ROWS, **int8)
+        o_part, lse2_part, blocks, o, lse, rows, H=H, G=G, DV=dv, BLOCK_DV=common["BLOCK_DV"], N_SELECT=n,
+        BLOCK_R=_COMBINE_ROWS)
 
 
 def _by_block_index(blocks, sel_block, config, shapes_only: bool = False):
@@ -882,8 +861,7 @@ def _selected_by_block_bwd(q, k, v, blocks, do, lse, delta, index, common, scale
     else float32 accumulators that the caller adds to and casts (the dense prefix). dq_mode 0 computes dK/dV
     only (for the query-driven variants); None follows slc_dq. dq_add: one or two [B,T,H,Dk] tensors added into
     dq (the other branches' dQ), by the slot sum where it runs. dq_slots (with dQ slots): no slot sum; dq is
-    (the slots' rows [B*T*G*n*hpg, Dk] as the kernel wrote them, their scales [B*T*G*n*hpg] or None:
-    _partial_buffers)."""
+    the slots' rows [B*T*G*n*hpg, Dk] as the kernel wrote them."""
     order, starts, work_seg, work_chunk = index
     B, T, H, dk_dim = q.shape
     G, n = k.shape[2], blocks.shape[-1]
@@ -907,35 +885,32 @@ def _selected_by_block_bwd(q, k, v, blocks, do, lse, delta, index, common, scale
         for extra in (dq_add or ())[1:]:
             dq_out += extra
         dq_add = None
-    dq_scale = None
-    if dq_mode == 1:
-        dq_out, dq_scale = _partial_buffers(B * T * G * n * hpg, dk_dim, q, c)
-    elif dq_mode == 0:
+    elif dq_mode == 1:
+        dq_out = torch.empty(B * T * G * n * hpg, dk_dim, dtype=_partial_dtype(q, c), device=q.device)
+    else:
         dq_out = dk_acc  # not touched
-    int8, dq_scale_arg = _partial_args(dq_scale, dk_acc)
     selected_block_bwd_kernel[(work_seg.numel(),)](
         q, k, v, DO=do, LSE=lse, DELTA=delta, ORDER=order, STARTS=starts, WORK_SEG=work_seg, WORK_CHUNK=work_chunk,
-        DK_ACC=dk_acc, DV_ACC=dv_acc, DQ_OUT=dq_out, DQ_SCALE=dq_scale_arg, DK_OUT=dk_out, DV_OUT=dv_out, DONE=done,
-        T=T,
+        DK_ACC=dk_acc, DV_ACC=dv_acc, DQ_OUT=dq_out, DK_OUT=dk_out, DV_OUT=dv_out, DONE=done, T=T,
         num_blocks=num_blocks, scale=scale, ROWS=_block_rows(hpg, c), CHUNK=c.slc_block_chunk, DQ_MODE=dq_mode,
         FINAL_KV=final_kv, PREFETCH=_block_prefetch(q, v), **common, num_warps=c.slc_block_warps,
         num_stages=c.slc_block_stages,
-        **_block_tiles(_block_rows(hpg, c), common, k, v), **int8)
+        **_block_tiles(_block_rows(hpg, c), common, k, v))
     dq = None
     if dq_mode == 2:
         dq = dq_out.to(q.dtype)
     elif dq_mode == 1 and dq_slots:
         if dq_add:
             raise ValueError("dq_slots: the caller sums the slots and adds the other branches' dQ itself")
-        return (dq_out, dq_scale), dk_out, dv_out
+        return dq_out, dk_out, dv_out
     elif dq_mode == 1:
         dq = torch.empty_like(q)
         rows = B * T * H
         adds = list(dq_add or ())
         add_a, add_b = (adds + [dq, dq])[:2]  # the kernel reads the first len(adds)
         selected_dq_sum_kernel[(triton.cdiv(rows, _COMBINE_ROWS),)](
-            dq_out, dq_scale_arg, blocks, dq, add_a.contiguous(), add_b.contiguous(), rows, H=H, G=G, DK=dk_dim,
-            BLOCK_DK=common["BLOCK_DK"], N_SELECT=n, BLOCK_R=_COMBINE_ROWS, NUM_ADD=len(adds), **int8)
+            dq_out, blocks, dq, add_a.contiguous(), add_b.contiguous(), rows, H=H, G=G, DK=dk_dim,
+            BLOCK_DK=common["BLOCK_DK"], N_SELECT=n, BLOCK_R=_COMBINE_ROWS, NUM_ADD=len(adds))
         dq_add = None  # folded in
     if dq is not None:
         for extra in dq_add or ():
