@@ -19,11 +19,6 @@ range_attention.py; rows they read past a sequence's end are masked out of the s
 
 A compressed token that starts before the chunk overlaps at most the chunk's first block (l <= l'); its share
 is carried from the previous chunk (`carry`).
-
-CHUNKS_PER_Q (constexpr, 1 or 2): chunks scored per load of the group's query tiles. Each chunk reloads the tiles of
-every head of the group (16 x 64 x 128 at the paper config: 256 KB per chunk, ~34 GB from L2 at 1 x 64k); two
-chunks per load halve that, each chunk keeping its own 16-block sort, which is what spilled when the chunks
-themselves grew (CHUNK_SPLITS, v6d). A second chunk past the tile's candidates is masked out like any block after t.
 """
 
 import triton
@@ -44,56 +39,12 @@ def _overlap(piece, block, PIECES_PER_TOKEN: tl.constexpr, PIECES_PER_BLOCK: tl.
 
 
 @triton.jit
-def _chunk_keys(KC, KCD, b, g, j0, m_ok, n_visible, num_cmp, G: tl.constexpr, DK: tl.constexpr,
-                BLOCK_DK: tl.constexpr, PIECES_PER_BLOCK: tl.constexpr, TOKENS_PER_CHUNK: tl.constexpr,
-                TOK_PAD: tl.constexpr, TMA: tl.constexpr):
-    """(kc, vis) of the chunk starting at block j0: its compressed keys [TOK_PAD, BLOCK_DK] and which of them each
-    query sees."""
-    offs_i = tl.arange(0, TOK_PAD)
-    offs_dk = tl.arange(0, BLOCK_DK)
-    tok = j0 * PIECES_PER_BLOCK + offs_i
-    tok_ok = (offs_i < TOKENS_PER_CHUNK) & (tok < num_cmp)
-    if TMA:
-        kc = KCD.load([b * num_cmp + j0 * PIECES_PER_BLOCK, g * DK])
-    else:
-        row_k = (b * num_cmp + tok).to(tl.int64) * G + g
-        kc = tl.load(KC + row_k[:, None] * DK + offs_dk[None, :], mask=tok_ok[:, None] & (offs_dk < DK)[None, :],
-                     other=0.0)
-    vis = (tok[None, :] < n_visible[:, None]) & tok_ok[None, :] & m_ok[:, None]
-    return kc, vis
-
-
-@triton.jit
-def _merge_chunk(top, carry, p_sum, j0, weights, carry_weights, offs_m, current,
-                 SEL_BLOCK: tl.constexpr, N_INIT: tl.constexpr, N_LOCAL: tl.constexpr,
-                 CHUNK_BLOCKS: tl.constexpr, CHUNK_SPLITS: tl.constexpr, BLOCK_M: tl.constexpr):
-    """(top, carry) after the chunk starting at block j0, whose p_cmp summed over the group's heads is p_sum."""
-    offs_j = tl.arange(0, CHUNK_BLOCKS)
-    imp = tl.dot(p_sum, weights, input_precision="ieee")  # exact: weights are small integers
-    imp += tl.where(offs_j[None, :] == 0, carry[:, None], 0.0)
-    carry = tl.sum(p_sum * carry_weights[None, :], axis=1)
-
-    blk = j0 + offs_j
-    cand = (blk[None, :] * SEL_BLOCK) <= offs_m[:, None]
-    forced = cand & ((blk[None, :] < N_INIT) | (blk[None, :] > current[:, None] - N_LOCAL))
-    bits = tl.where(forced, INF_BITS, imp.to(tl.int32, bitcast=True))
-    key = (bits.to(tl.int64) << 32) | (INDEX_MAX - blk.to(tl.int64)[None, :])
-    key = tl.where(cand, key, -1)
-    chunk_top = tl.sort(key, dim=1)
-    for i in tl.static_range(CHUNK_SPLITS):  # keep the upper (larger) half, still ascending
-        halves = tl.permute(tl.reshape(chunk_top, [BLOCK_M, 2, CHUNK_BLOCKS >> (i + 1)]), (0, 2, 1))
-        _, chunk_top = tl.split(halves)
-    return tl.sort(tl.maximum(top, chunk_top), dim=1, descending=True), carry
-
-
-@triton.jit
 def select_blocks_kernel(Q, KC, QD, KCD, LSE, BLOCKS, T, num_cmp, scale,
                          H: tl.constexpr, G: tl.constexpr, DK: tl.constexpr, BLOCK_DK: tl.constexpr,
                          CMP_BLOCK: tl.constexpr, CMP_STRIDE: tl.constexpr, SEL_BLOCK: tl.constexpr,
                          N_SELECT: tl.constexpr, N_INIT: tl.constexpr, N_LOCAL: tl.constexpr,
                          BLOCK_M: tl.constexpr, N_PAD: tl.constexpr, CHUNK_SPLITS: tl.constexpr,
-                         TOK_PAD: tl.constexpr, TMA: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                         CHUNKS_PER_Q: tl.constexpr = 1):
+                         TOK_PAD: tl.constexpr, TMA: tl.constexpr, DOT_PRECISION: tl.constexpr):
     pid_m = _query_tile_index()  # reversed: a later tile walks more blocks, so the longest programs start first
     pid_bg = tl.program_id(1)
     b = pid_bg // G
@@ -122,14 +73,17 @@ def select_blocks_kernel(Q, KC, QD, KCD, LSE, BLOCKS, T, num_cmp, scale,
 
     top = tl.full([BLOCK_M, N_PAD], -1, tl.int64)
     carry = tl.zeros([BLOCK_M], tl.float32)
-    for j0 in range(0, num_candidates, CHUNK_BLOCKS * CHUNKS_PER_Q):
-        kc, vis = _chunk_keys(KC, KCD, b, g, j0, m_ok, n_visible, num_cmp, G, DK, BLOCK_DK, PIECES_PER_BLOCK,
-                              TOKENS_PER_CHUNK, TOK_PAD, TMA)
+    for j0 in range(0, num_candidates, CHUNK_BLOCKS):
+        tok = j0 * PIECES_PER_BLOCK + offs_i
+        tok_ok = (offs_i < TOKENS_PER_CHUNK) & (tok < num_cmp)
+        if TMA:
+            kc = KCD.load([b * num_cmp + j0 * PIECES_PER_BLOCK, g * DK])
+        else:
+            row_k = (b * num_cmp + tok).to(tl.int64) * G + g
+            kc = tl.load(KC + row_k[:, None] * DK + offs_dk[None, :], mask=tok_ok[:, None] & (offs_dk < DK)[None, :],
+                         other=0.0)
+        vis = (tok[None, :] < n_visible[:, None]) & tok_ok[None, :] & m_ok[:, None]
         p_sum = tl.zeros([BLOCK_M, TOK_PAD], tl.float32)
-        if CHUNKS_PER_Q == 2:
-            kc2, vis2 = _chunk_keys(KC, KCD, b, g, j0 + CHUNK_BLOCKS, m_ok, n_visible, num_cmp, G, DK, BLOCK_DK,
-                                    PIECES_PER_BLOCK, TOKENS_PER_CHUNK, TOK_PAD, TMA)
-            p_sum2 = tl.zeros([BLOCK_M, TOK_PAD], tl.float32)
         for head in range(HPG):
             row_q = (b * T + offs_m).to(tl.int64) * H + g * HPG + head
             if TMA:
@@ -140,14 +94,21 @@ def select_blocks_kernel(Q, KC, QD, KCD, LSE, BLOCKS, T, num_cmp, scale,
             lse = tl.load(LSE + row_q, mask=m_ok, other=0.0)
             s = tl.dot(q, tl.trans(kc), input_precision=DOT_PRECISION) * scale
             p_sum += tl.where(vis, tl.exp(s - lse[:, None]), 0.0)
-            if CHUNKS_PER_Q == 2:
-                s2 = tl.dot(q, tl.trans(kc2), input_precision=DOT_PRECISION) * scale
-                p_sum2 += tl.where(vis2, tl.exp(s2 - lse[:, None]), 0.0)
-        top, carry = _merge_chunk(top, carry, p_sum, j0, weights, carry_weights, offs_m, current, SEL_BLOCK, N_INIT,
-                                  N_LOCAL, CHUNK_BLOCKS, CHUNK_SPLITS, BLOCK_M)
-        if CHUNKS_PER_Q == 2:
-            top, carry = _merge_chunk(top, carry, p_sum2, j0 + CHUNK_BLOCKS, weights, carry_weights, offs_m, current,
-                                      SEL_BLOCK, N_INIT, N_LOCAL, CHUNK_BLOCKS, CHUNK_SPLITS, BLOCK_M)
+        imp = tl.dot(p_sum, weights, input_precision="ieee")  # exact: weights are small integers
+        imp += tl.where(offs_j[None, :] == 0, carry[:, None], 0.0)
+        carry = tl.sum(p_sum * carry_weights[None, :], axis=1)
+
+        blk = j0 + offs_j
+        cand = (blk[None, :] * SEL_BLOCK) <= offs_m[:, None]
+        forced = cand & ((blk[None, :] < N_INIT) | (blk[None, :] > current[:, None] - N_LOCAL))
+        bits = tl.where(forced, INF_BITS, imp.to(tl.int32, bitcast=True))
+        key = (bits.to(tl.int64) << 32) | (INDEX_MAX - blk.to(tl.int64)[None, :])
+        key = tl.where(cand, key, -1)
+        chunk_top = tl.sort(key, dim=1)
+        for i in tl.static_range(CHUNK_SPLITS):  # keep the upper (larger) half, still ascending
+            halves = tl.permute(tl.reshape(chunk_top, [BLOCK_M, 2, CHUNK_BLOCKS >> (i + 1)]), (0, 2, 1))
+            _, chunk_top = tl.split(halves)
+        top = tl.sort(tl.maximum(top, chunk_top), dim=1, descending=True)
 
     chosen = tl.where(top >= 0, (0 - (top & 0x7FFFFFFF)) + INDEX_MAX, -1).to(tl.int32)
     row_b = (b * T + offs_m).to(tl.int64) * G + g

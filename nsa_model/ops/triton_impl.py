@@ -84,7 +84,6 @@ class LaunchConfig:
     range_dkdv_d64: tuple[int, int, int, int] = (64, 64, 4, 3)  # v8 sweep: -8% at 32k
     select_block_m: int = 64  # query tile of the selection kernel
     select_chunk_splits: int = 0  # selection walks chunks of n_pad * 2**this blocks (see kernels/selection.py)
-    select_chunks_per_q: int = 1  # selection: chunks scored per load of the query tiles, 1 or 2 (kernels/selection.py)
     # compressed dK/dV: split the query axis until about this many programs (v26f: beside the selected branch on the
     # second stream, 1024 beat 2048 by 0.05 ms at 125m 4 x 8k and 16 x 2k, a tie at paper 64k; 512 lost 0.9 ms there)
     range_dkdv_programs: int = 1024
@@ -144,8 +143,6 @@ class LaunchConfig:
                                   "slc_block_prefetch_dims") else 1
             if not isinstance(value, int) or value < low:
                 raise ValueError(f"LaunchConfig.{f.name}: must be an int >= {low}, got {value!r}")
-        if self.select_chunks_per_q not in (1, 2):
-            raise ValueError(f"LaunchConfig.select_chunks_per_q: must be 1 or 2, got {self.select_chunks_per_q!r}")
         for name in RANGE_TILE_FIELDS:
             value = getattr(self, name)
             if (not isinstance(value, tuple) or len(value) != 4 or not all(isinstance(x, int) for x in value)
@@ -496,8 +493,7 @@ def select_blocks(q, k_cmp, lse, cfg: NSAConfig, scale: float):
         BLOCK_DK=_pow2(q.shape[-1]),
         CMP_BLOCK=cfg.cmp_block, CMP_STRIDE=cfg.cmp_stride, SEL_BLOCK=cfg.sel_block, N_SELECT=n,
         N_INIT=cfg.n_init_blocks, N_LOCAL=cfg.n_local_blocks, BLOCK_M=bm, N_PAD=n_pad, CHUNK_SPLITS=splits,
-        TOK_PAD=tok_pad, DOT_PRECISION=_dot_precision(q.dtype), CHUNKS_PER_Q=_config.select_chunks_per_q,
-        num_warps=_config.select_warps, **tiles)
+        TOK_PAD=tok_pad, DOT_PRECISION=_dot_precision(q.dtype), num_warps=_config.select_warps, **tiles)
     return blocks
 
 
