@@ -284,16 +284,12 @@ def range_attn_bwd_dq_kernel(Q, K, V, DO, QD, KD, VD, DOD, K2D, V2D, LSE, DELTA,
     dq_ptrs = DQ + row_q[:, None] * DK + offs_dk[None, :]
     dq_ok = m_ok[:, None] & (offs_dk < DK)[None, :]
     if N_SLOTS > 0:
-        # The slots add up in an accumulator of their own, added to dq once: the loads keep the layout they are
-        # coalesced in, where adding each slot into dq would convert every one to dq's matrix layout.
         slot0 = ((b * T + offs_m).to(tl.int64) * G + g) * N_SLOTS
-        slot_sum = tl.zeros([BLOCK_M, BLOCK_DK], tl.float32)
         for i in range(N_SLOTS):
             used = m_ok & (tl.load(SLOT_BLOCKS + slot0 + i, mask=m_ok, other=-1) >= 0)
             row_p = (slot0 + i) * (H // G) + h % (H // G)
-            slot_sum += tl.load(DQ_SLOTS + row_p[:, None] * DK + offs_dk[None, :], mask=used[:, None] & dq_ok,
-                                other=0.0).to(tl.float32)
-        dq += slot_sum
+            dq += tl.load(DQ_SLOTS + row_p[:, None] * DK + offs_dk[None, :], mask=used[:, None] & dq_ok,
+                          other=0.0).to(tl.float32)
     if ACCUMULATE:
         dq += tl.load(dq_ptrs, mask=dq_ok, other=0.0).to(tl.float32)
     tl.store(dq_ptrs, dq.to(DQ.dtype.element_ty), mask=dq_ok)
