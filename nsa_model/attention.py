@@ -125,8 +125,7 @@ class Compressor(nn.Module):
         if self.kind == "avg":
             return self._blocks(x).mean(dim=-1)
         if self._fused(x):  # keeps x and fc1's output [B * Tc, G, hidden] for its backward, no unfolded blocks
-            return ops.backend_module("triton", x).phi_mlp(x, self.fc1.weight, self._fc1_bias(), self.fc2.weight,
-                                                           self.fc2.bias, self.block, self.stride)
+            return ops.backend_module("triton", x).phi_mlp(x, *self._mlp_weights(), self.block, self.stride)
         if checkpointed and torch.is_grad_enabled():
             # Kept for the backward, fc1's input would be l*D values per compressed token (l/d = 2 copies of x).
             # Recomputed from x (kept anyway) it costs one small MLP: 273 MiB less peak memory on nsa-125m at 64k
@@ -140,6 +139,21 @@ class Compressor(nn.Module):
         if ops.resolve_backend(self.backend, x) != "triton":
             return False
         return ops.backend_module("triton", x).launch_config().phi_kernel == "fused"
+
+    def pairs_with(self, other: Compressor, x: torch.Tensor, y: torch.Tensor) -> bool:
+        """Whether this phi on x and `other` on y run as one op (nsa::phi_mlp with two sets, whose launches cost
+        about what one set's do; kernels-notes.md v32): both mlp through our kernels, x and y of one shape, and
+        at least one compressed token."""
+        return (self.kind == other.kind == "mlp" and x.shape == y.shape and x.shape[1] >= self.block
+                and (self.block, self.stride) == (other.block, other.stride) and self._fused(x) and other._fused(y))
+
+    def pair(self, other: Compressor, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(self(x), other(y)) in one op; only where self.pairs_with(other, x, y)."""
+        return ops.backend_module("triton", x).phi_mlp_pair(x, y, self._mlp_weights(), other._mlp_weights(),
+                                                            self.block, self.stride)
+
+    def _mlp_weights(self) -> tuple[torch.Tensor, ...]:
+        return self.fc1.weight, self._fc1_bias(), self.fc2.weight, self.fc2.bias
 
     def _fc1_bias(self) -> torch.Tensor:
         # fc1(blocks + pos_emb) = fc1(blocks) + fc1.weight @ pos_emb: the position embedding is one constant vector
@@ -207,7 +221,10 @@ class NSAAttention(nn.Module):
         v_cmp, v_slc, v_win = kv[3:] if self.kv_sets > 1 else kv[1:] * 3
         gates = torch.sigmoid(gate_logits).view(B, T, self.cfg.n_heads, len(BRANCHES))
         own_checkpoint = not self.recompute
-        k_cmp, v_cmp = self.phi_k(k_cmp, own_checkpoint), self.phi_v(v_cmp, own_checkpoint)
+        if self.phi_k.pairs_with(self.phi_v, k_cmp, v_cmp):
+            k_cmp, v_cmp = self.phi_k.pair(self.phi_v, k_cmp, v_cmp)
+        else:
+            k_cmp, v_cmp = self.phi_k(k_cmp, own_checkpoint), self.phi_v(v_cmp, own_checkpoint)
         # On the triton backend the core is one custom op (nsa::core): torch.compile traces through it.
         o, blocks = ops.nsa_attention(q, k_slc, v_slc, k_win, v_win, k_cmp, v_cmp, gates, self.nsa,
                                       backend=self.backend, return_blocks=True, recompute=self.recompute)

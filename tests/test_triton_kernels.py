@@ -698,6 +698,33 @@ def test_block_work_covers_every_choice_once(B, T, G, n, num_blocks, chunk):
         max(1, -(-int(starts[s + 1] - starts[s]) // chunk)) for s in range(B * G * num_blocks))
 
 
+# chunks of QC queries: one per (b, g); 75 (QC = 4); at most 8, so QC grows to 64 (the last chunk part padding)
+@pytest.mark.parametrize("T, num_blocks, chunk_entries, max_chunks, qc", [(23, 6, 2048, 1024, 32),
+                                                                          (300, 40, 16, 1024, 4),
+                                                                          (300, 40, 16, 8, 64)])
+def test_block_work_order_is_the_stable_sort(monkeypatch, T, num_blocks, chunk_entries, max_chunks, qc):
+    """The counting sort gives exactly the stable sort of the segment keys (b * G + g) * num_blocks + block: the
+    same order and starts, duplicates of a block in one query included; the empty slots after them, (b, g) by
+    (b, g), each in (query, slot) order."""
+    monkeypatch.setattr(triton_impl, "_CHUNK_ENTRIES", chunk_entries)
+    monkeypatch.setattr(triton_impl, "_MAX_CHUNKS", max_chunks)
+    B, G, n = 2, 3, 3
+    assert triton_impl._index_chunk(T, 4) == qc
+    gen = torch.Generator().manual_seed(23)
+    blocks = torch.randint(-1, num_blocks, (B, T, G, n), generator=gen, dtype=torch.int32)
+    order, starts, _, _ = (x.cpu() for x in triton_impl.block_work(blocks.to(DEVICE), num_blocks, 5))
+    group = torch.arange(B).view(B, 1, 1, 1) * G + torch.arange(G).view(1, 1, G, 1)
+    key = torch.where(blocks >= 0, group * num_blocks + blocks.long(), B * G * num_blocks).flatten()
+    ref_key, ref_order = torch.sort(key, stable=True)
+    valid = int((blocks >= 0).sum())
+    assert torch.equal(order[:valid].long(), ref_order[:valid])
+    assert torch.equal(starts.long(), torch.searchsorted(ref_key, torch.arange(B * G * num_blocks + 1)))
+    t = torch.arange(T).view(1, T, 1, 1)
+    empty_key = (group * T + t) * n + torch.arange(n).view(1, 1, 1, n)  # (b, g), then query, then slot
+    empty = torch.argsort(torch.where(blocks < 0, empty_key, -1).flatten())[-(blocks.numel() - valid):]
+    assert torch.equal(order[valid:].long(), empty)
+
+
 @pytest.mark.parametrize("num_blocks, key_dtype", [(4, torch.int16), (5461, torch.int16), (5462, torch.int32)])
 def test_segment_sort_uses_the_narrowest_keys_that_hold_every_segment(num_blocks, key_dtype):
     """B*G*num_blocks = 6 * num_blocks segments plus the empty-slot id: 32766 still fits int16, 32772 does not.
@@ -1051,10 +1078,36 @@ def test_phi_mlp_matches_the_torch_formula_and_its_gradients(block, stride, T):
     assert results[1][1][:, :, 0].abs().max() == 0
 
 
-def test_phi_mlp_passes_torch_library_opcheck():
+@pytest.mark.parametrize("sets", [1, 2])
+def test_phi_mlp_passes_torch_library_opcheck(sets):
     leaves = _phi_leaves(1, 13, 2, 16, 16, 8, seed=3)
-    x = leaves[0][:, :, 1].detach().requires_grad_()
-    torch.library.opcheck(torch.ops.nsa.phi_mlp.default, [x, *(t.requires_grad_() for t in leaves[1:]), 8, 4])
+    x0, x1 = (leaves[0][:, :, i].detach().requires_grad_() for i in (0, 1))
+    weights = [torch.stack([t] * sets).requires_grad_() for t in leaves[1:]]
+    torch.library.opcheck(torch.ops.nsa.phi_mlp.default, [x0, x1 if sets == 2 else x0, *weights, 8, 4])
+
+
+@pytest.mark.parametrize("block, stride, T", [(8, 4, 37), (16, 8, 40)])
+def test_phi_mlp_pair_is_phi_of_each_set(block, stride, T):
+    """phi_mlp_pair (k and v in one launch each way) against the torch formula on each set with its own weights:
+    both outputs and the gradients of both inputs and of all eight weights and biases."""
+    B, G, D, hidden = 2, 3, 24, 10
+    leaves_k = _phi_leaves(B, T, G, D, hidden, block, seed=block * 10 + T)
+    leaves_v = _phi_leaves(B, T, G, D, hidden, block, seed=block * 10 + T + 1)
+    tc = (T - block) // stride + 1
+    gen = torch.Generator().manual_seed(T)
+    weights = [torch.randn(B, tc, G, D, generator=gen).to(DEVICE) for _ in range(2)]
+    results = []
+    for pair in (False, True):
+        k_in, v_in = ([t.clone().requires_grad_() for t in leaves] for leaves in (leaves_k, leaves_v))
+        x_k, x_v = k_in[0][:, :, 1], v_in[0][:, :, 0]
+        if pair:
+            y_k, y_v = triton_impl.phi_mlp_pair(x_k, x_v, k_in[1:], v_in[1:], block, stride)
+        else:
+            y_k, y_v = _phi_by_torch(x_k, *k_in[1:], block, stride), _phi_by_torch(x_v, *v_in[1:], block, stride)
+        ((y_k * weights[0]).sum() + (y_v * weights[1]).sum()).backward()
+        results.append([y_k.detach(), y_v.detach()] + [t.grad for t in k_in + v_in])
+    for i, (want, got) in enumerate(zip(*results)):
+        assert got.shape == want.shape and rel_err(got, want) <= FP32_TOL, i
 
 
 @pytest.mark.parametrize("bad, match", [(dict(T=7), "at most T=7"), (dict(stride=3), "multiple of the stride"),
@@ -1086,7 +1139,8 @@ def test_compressor_on_the_triton_backend_runs_phi_mlp_unless_told_and_matches_t
     phi = Compressor("mlp", 16, nsa, hidden=24, backend="triton").to(DEVICE)
     phi.load_state_dict(ref.state_dict())
     calls = []
-    monkeypatch.setattr(triton_impl, "phi_mlp", lambda *a: calls.append(1) or torch.ops.nsa.phi_mlp(*a)[0])
+    real = triton_impl.phi_mlp
+    monkeypatch.setattr(triton_impl, "phi_mlp", lambda *a: calls.append(1) or real(*a))
     x = torch.randn(2, 30, 2, 16, generator=torch.Generator().manual_seed(1)).to(DEVICE)
     grads = []
     with triton_impl.use_launch_config(dataclasses.replace(triton_impl.launch_config(), phi_kernel=phi_kernel)):
@@ -1097,6 +1151,40 @@ def test_compressor_on_the_triton_backend_runs_phi_mlp_unless_told_and_matches_t
     assert len(calls) == (phi_kernel == "fused")
     for want, got in zip(*grads):
         assert rel_err(got, want) <= FP32_TOL
+
+
+@pytest.mark.parametrize("v_head_dim, pairs", [(0, 1), (12, 0)])
+def test_nsa_attention_runs_phi_k_and_phi_v_as_one_pair_where_their_shapes_match(v_head_dim, pairs, monkeypatch):
+    """On backend triton NSAAttention compresses its keys and values in one nsa::phi_mlp of two sets where
+    Dk = Dv (each module alone where they differ, here Dv = 12 against Dk = 8): output and every parameter
+    gradient are those of the same layer running phi_k and phi_v apart."""
+    from nsa_model.attention import Compressor, NSAAttention
+
+    if not ON_GPU:
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    cfg = ModelConfig(vocab_size=64, dim=32, n_layers=1, n_heads=4, n_kv_heads=2, head_dim=8, max_seq_len=32,
+                      phi="mlp", v_head_dim=v_head_dim or None,
+                      nsa=NSAConfig(cmp_block=4, cmp_stride=2, sel_block=4, n_selected=3, window=6))
+    x = torch.randn(2, 21, 32, generator=torch.Generator().manual_seed(2)).to(DEVICE)
+    calls = []
+    real = triton_impl.phi_mlp_pair
+    monkeypatch.setattr(triton_impl, "phi_mlp_pair", lambda *a: calls.append(1) or real(*a))
+    results = []
+    for apart in (False, True):
+        if apart:
+            monkeypatch.setattr(Compressor, "pairs_with", lambda *a: False)
+        torch.manual_seed(0)
+        layer = NSAAttention(cfg, backend="triton").to(DEVICE)
+        for phi in (layer.phi_k, layer.phi_v):
+            torch.nn.init.normal_(phi.pos_emb)
+        out = layer(x)
+        out.square().sum().backward()
+        results.append((out.detach(), {n: p.grad for n, p in layer.named_parameters()}))
+    assert len(calls) == pairs
+    (out, grads), (out_ref, grads_ref) = results
+    assert rel_err(out, out_ref) <= FP32_TOL
+    for name in grads_ref:
+        assert rel_err(grads[name], grads_ref[name]) <= FP32_TOL, name
 
 
 @pytest.mark.parametrize("attention, fused_gate", [("nsa", False), ("nsa", True), ("dense", False)])

@@ -18,10 +18,17 @@ about 5 ms per nsa-125m training step at T = 8192, where the FLOPs are a few mic
   dh[c - m] @ W1[:, (u + m*d)-th D columns]: one program per (chunk tile, group, u), every token written once
   (zeros where no block covers it), no overlap-add.
 
-Layouts: x [B, T, G, D] with its batch, token and group strides (last dimension contiguous); y [B, Tc, G, D]
-and dx [B, T, G, D] contiguous; h and dh [B * Tc, G, HID] contiguous (row r = b * Tc + i); W1 [HID, L * D] and
-W2 [D, HID] contiguous, cast to x's dtype as they are loaded (the forward's W1, read once per step of every
-program, comes already cast); biases and the weight gradients float32.
+Sets: one launch runs phi for one or two inputs of the same shape, each with its own weights: NSA's compressed keys
+and values (phi_k, phi_v). Every program's last grid axis (the x kernel: its group axis, set * G + g) picks the
+set: X0 or X1, and that set's slice of every other tensor. The launches are latency-bound at nsa-125m's sizes
+(128 programs of a few microseconds each), so two sets in one launch cost about what one does: 121 -> 89 us
+per layer call at 125M 4 x 8k on the H200, forward and backward (kernels-notes.md, v32).
+
+Layouts, for S sets: x0, x1 [B, T, G, D] with the same batch, token and group strides (last dimension
+contiguous); y [S, B, Tc, G, D] and dx [S, B, T, G, D] contiguous; h and dh [S, B * Tc, G, HID] contiguous (row
+r = b * Tc + i); W1 [S, HID, L * D] and W2 [S, D, HID] contiguous, cast to x's dtype as they are loaded (the
+forward's W1, read once per step of every program, comes already cast); biases [S, HID] and [S, D] and the
+weight gradients float32.
 """
 
 import triton
@@ -29,6 +36,15 @@ import triton.language as tl
 
 RSQRT2 = tl.constexpr(0.7071067811865476)
 RSQRT_2PI = tl.constexpr(0.3989422804014327)
+
+
+@triton.jit
+def _set_input(X0, X1, s):
+    """The input of set s (0 or 1)."""
+    X = X0
+    if s == 1:
+        X = X1
+    return X
 
 
 @triton.jit
@@ -42,11 +58,19 @@ def _block_rows(pid, R, TC, x_sb, x_st, x_sg, g, STRIDE: tl.constexpr, BLOCK_R: 
 
 
 @triton.jit
-def phi_fwd_kernel(X, W1, BIAS1, W2, B2, Y, HS, R, TC, x_sb, x_st, x_sg,
+def phi_fwd_kernel(X0, X1, W1, BIAS1, W2, B2, Y, HS, R, TC, x_sb, x_st, x_sg,
                    G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, HID: tl.constexpr,
                    BLOCK_H: tl.constexpr, L: tl.constexpr, STRIDE: tl.constexpr, BLOCK_R: tl.constexpr,
                    DOT_PRECISION: tl.constexpr):
     g = tl.program_id(1)
+    s = tl.program_id(2)
+    X = _set_input(X0, X1, s)
+    W1 += s.to(tl.int64) * HID * (L * D)
+    BIAS1 += s * HID
+    W2 += s * D * HID
+    B2 += s * D
+    Y += s.to(tl.int64) * R * G * D
+    HS += s.to(tl.int64) * R * G * HID
     r, r_ok, x_row = _block_rows(tl.program_id(0), R, TC, x_sb, x_st, x_sg, g, STRIDE, BLOCK_R)
     offs_d = tl.arange(0, BLOCK_D)
     offs_h = tl.arange(0, BLOCK_H)
@@ -73,9 +97,15 @@ def phi_fwd_kernel(X, W1, BIAS1, W2, B2, Y, HS, R, TC, x_sb, x_st, x_sg,
 def phi_bwd_rows_kernel(DY, HS, W2, DH, SUMS, R,
                         G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, HID: tl.constexpr,
                         BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """SUMS [programs, D * HID + D + HID] float32: each program's share of dW2, d b2 and d bias, stored whole (the
-    caller sums over programs; float32 atomics from every program cost more than the rest of the kernel)."""
+    """SUMS [S, programs, D * HID + D + HID] float32: each program's share of dW2, d b2 and d bias, stored whole
+    (the caller sums over programs; float32 atomics from every program cost more than the rest of the kernel)."""
     g = tl.program_id(1)
+    s = tl.program_id(2)
+    DY += s.to(tl.int64) * R * G * D
+    HS += s.to(tl.int64) * R * G * HID
+    DH += s.to(tl.int64) * R * G * HID
+    W2 += s * D * HID
+    SUMS += (s * tl.num_programs(0) * G).to(tl.int64) * (D * HID + D + HID)
     r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     r_ok = r < R
     offs_d = tl.arange(0, BLOCK_D)
@@ -102,13 +132,17 @@ def phi_bwd_rows_kernel(DY, HS, W2, DH, SUMS, R,
 
 
 @triton.jit
-def phi_bwd_w1_kernel(X, DH, DW1, R, TC, tiles_per_split, x_sb, x_st, x_sg,
+def phi_bwd_w1_kernel(X0, X1, DH, DW1, R, TC, tiles_per_split, x_sb, x_st, x_sg,
                       G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, HID: tl.constexpr,
                       BLOCK_H: tl.constexpr, L: tl.constexpr, STRIDE: tl.constexpr, BLOCK_R: tl.constexpr,
                       DOT_PRECISION: tl.constexpr):
-    """DW1 [splits, HID, L * D] float32: split s's sum over its row tiles (rows q = r * G + g of dh)."""
+    """DW1 [S, splits, HID, L * D] float32: each split's sum over its row tiles (rows q = r * G + g of dh)."""
     j = tl.program_id(0)
     split = tl.program_id(1)
+    s = tl.program_id(2)
+    X = _set_input(X0, X1, s)
+    DH += s.to(tl.int64) * R * G * HID
+    DW1 += (s * tl.num_programs(1)).to(tl.int64) * HID * (L * D)
     offs_d = tl.arange(0, BLOCK_D)
     offs_h = tl.arange(0, BLOCK_H)
     d_ok = offs_d < D
@@ -137,8 +171,12 @@ def phi_bwd_x_kernel(DH, W1, DX, T, TC, NCH, NUM_ROWS,
                      BLOCK_H: tl.constexpr, STRIDE: tl.constexpr, PIECES: tl.constexpr, BLOCK_R: tl.constexpr,
                      DOT_PRECISION: tl.constexpr):
     """dx rows (b, t = c * STRIDE + u) for a tile of (b, c) pairs (NUM_ROWS = B * NCH, NCH = cdiv(T, STRIDE)),
-    group g and offset u."""
-    g = tl.program_id(1)
+    group g of set s (program_id(1) = s * G + g) and offset u."""
+    g = tl.program_id(1) % G
+    s = tl.program_id(1) // G
+    DH += s.to(tl.int64) * TC * (NUM_ROWS // NCH) * G * HID
+    W1 += s.to(tl.int64) * HID * (PIECES * STRIDE * D)
+    DX += s.to(tl.int64) * (NUM_ROWS // NCH) * T * G * D
     u = tl.program_id(2)
     L: tl.constexpr = PIECES * STRIDE
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)

@@ -12,7 +12,9 @@ larger key means more important, and among equal importance the lower block inde
 +inf (always chosen); non-candidates (block start after t) get key -1 (never chosen over a candidate, decoded to
 -1). A chunk's keys sorted ascending are halved CHUNK_SPLITS times, keeping the upper half, down to its top
 N_PAD. Merge of a running list sorted descending with a chunk's top sorted ascending: the elementwise maximum
-holds the top N_PAD of their union (a bitonic split), which one more sort orders again.
+holds the top N_PAD of their union (a bitonic split) as a bitonic sequence, which log2(N_PAD) compare-exchange
+steps order again (_merge_descending; a full sort took 10 steps at N_PAD = 16 and 11% of the kernel at 125M
+4 x 8k on the H200, kernels-notes.md v32).
 
 TMA (constexpr): the q and compressed-key tiles come in through tensor descriptors (QD, KCD), as in
 range_attention.py; rows they read past a sequence's end are masked out of the scores (vis).
@@ -36,6 +38,18 @@ def _overlap(piece, block, PIECES_PER_TOKEN: tl.constexpr, PIECES_PER_BLOCK: tl.
     lo = tl.maximum(piece, block * PIECES_PER_BLOCK)
     hi = tl.minimum(piece + PIECES_PER_TOKEN, (block + 1) * PIECES_PER_BLOCK)
     return tl.maximum(hi - lo, 0)
+
+
+@triton.jit
+def _merge_descending(x, BLOCK_M: tl.constexpr, N: tl.constexpr):
+    """x [BLOCK_M, N] with each row bitonic (descending, then ascending) -> each row sorted descending: for
+    stride N/2, N/4, .., 1 every pair (i, i + stride) with i & stride = 0 gets the larger value at i."""
+    for k in tl.static_range(1, N.bit_length()):  # stride N >> k; the steps' shapes must be constexpr expressions
+        pairs = tl.permute(tl.reshape(x, [BLOCK_M, 1 << (k - 1), 2, N >> k]), (0, 1, 3, 2))
+        a, b = tl.split(pairs)
+        pairs = tl.join(tl.maximum(a, b), tl.minimum(a, b))
+        x = tl.reshape(tl.permute(pairs, (0, 1, 3, 2)), [BLOCK_M, N])
+    return x
 
 
 @triton.jit
@@ -108,7 +122,7 @@ def select_blocks_kernel(Q, KC, QD, KCD, LSE, BLOCKS, T, num_cmp, scale,
         for i in tl.static_range(CHUNK_SPLITS):  # keep the upper (larger) half, still ascending
             halves = tl.permute(tl.reshape(chunk_top, [BLOCK_M, 2, CHUNK_BLOCKS >> (i + 1)]), (0, 2, 1))
             _, chunk_top = tl.split(halves)
-        top = tl.sort(tl.maximum(top, chunk_top), dim=1, descending=True)
+        top = _merge_descending(tl.maximum(top, chunk_top), BLOCK_M, N_PAD)
 
     chosen = tl.where(top >= 0, (0 - (top & 0x7FFFFFFF)) + INDEX_MAX, -1).to(tl.int32)
     row_b = (b * T + offs_m).to(tl.int64) * G + g

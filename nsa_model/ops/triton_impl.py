@@ -21,8 +21,8 @@ import triton
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from nsa_model.config import NSAConfig
-from nsa_model.kernels.block_index import (block_work_kernel, segment_ids_kernel, segment_starts_kernel,
-                                           tile_union_kernel)
+from nsa_model.kernels.block_index import (chunk_counts_kernel, chunk_offsets_kernel, scatter_order_kernel,
+                                           segment_ids_kernel, segment_layout_kernel, tile_union_kernel)
 from nsa_model.kernels.compress import phi_bwd_rows_kernel, phi_bwd_w1_kernel, phi_bwd_x_kernel, phi_fwd_kernel
 from nsa_model.kernels.delta import row_dot_kernel
 from nsa_model.kernels.gates import gated_sum_bwd_kernel, gated_sum_fwd_kernel
@@ -610,19 +610,28 @@ def selected_kernel(hpg: int, num_blocks: int, n: int, config: LaunchConfig | No
     return "tiled" if num_blocks <= 8 * n else "per_query"
 
 
-_WORK_SEGMENTS = 1024  # segments per step of block_work_kernel
+_WORK_SEGMENTS = 1024  # segments per step of segment_layout_kernel
+_CHUNK_ENTRIES = 2048  # entries (queries x padded slots) a scatter program sorts in registers, at least
+_MAX_CHUNKS = 1024  # chunks per (b, g) at most: the scan across them is one tile per bucket
+
+
+def _index_chunk(T: int, n_pad: int) -> int:
+    """QC, the queries of one chunk of the counting sort (a power of two): about _CHUNK_ENTRIES entries, more where
+    T would make more than _MAX_CHUNKS chunks, fewer where T is shorter."""
+    qc = max(1, _CHUNK_ENTRIES // n_pad, triton.next_power_of_2(triton.cdiv(T, _MAX_CHUNKS)))
+    return min(qc, triton.next_power_of_2(max(T, 1)))
 
 
 def block_work(blocks: torch.Tensor, num_blocks: int, chunk: int, shapes_only: bool = False):
-    """The inverted index of the by_block kernels and their work list, from one sort, sizes fixed by shapes.
+    """The inverted index of the by_block kernels and their work list, by a counting sort, sizes fixed by shapes.
 
     order [B*T*G*n] int32: flat slot ((b*T + t)*G + g)*n + i of each entry, sorted by segment s = (b*G + g) *
-    num_blocks + block (query order inside a segment; -1 slots last); starts [S + 1] int32: segment s is
-    order[starts[s]:starts[s+1]]; work_seg, work_chunk [W] int32: program p handles chunk work_chunk[p] (chunk
-    entries) of segment work_seg[p], or nothing where work_seg[p] = -1 (W is an upper bound: no host sync). An
-    empty segment has one item too, with no entries: the backward writes its block's zero dK, dV there.
-    The keys, the sort, one pass over the sorted keys for the starts and one program for the work list
-    (kernels/block_index.py; about 20 PyTorch launches before, v19). shapes_only: empty tensors of those shapes."""
+    num_blocks + block, in query order inside a segment (the order of a stable sort), the empty (-1) slots last,
+    (b, g) after (b, g); starts [S + 1] int32: segment s is order[starts[s]:starts[s+1]]; work_seg, work_chunk [W]
+    int32: program p handles chunk work_chunk[p] (chunk entries) of segment work_seg[p], or nothing where
+    work_seg[p] = -1 (W is an upper bound: no host sync). An empty segment has one item too, with no entries:
+    the backward writes its block's zero dK, dV there. Four launches (kernels/block_index.py; a radix sort and
+    three launches before, v32). shapes_only: empty tensors of those shapes."""
     B, T, G, n = blocks.shape
     dev = blocks.device
     num_segments, entries = B * G * num_blocks, blocks.numel()
@@ -632,14 +641,32 @@ def block_work(blocks: torch.Tensor, num_blocks: int, chunk: int, shapes_only: b
     num_work = triton.cdiv(entries, chunk) + num_segments
     starts = torch.empty(num_segments + 1, dtype=torch.int32, device=dev)
     work_seg, work_chunk = (torch.empty(num_work, dtype=torch.int32, device=dev) for _ in range(2))
-    if shapes_only:
-        return torch.empty(entries, dtype=torch.int32, device=dev), starts, work_seg, work_chunk
-    sorted_segment, order = _sorted_segments(blocks, num_blocks)
-    segment_starts_kernel[(triton.cdiv(entries + 1, _SEGMENT_SLOTS),)](sorted_segment, starts, entries,
-                                                                      num_segments, BLOCK=_SEGMENT_SLOTS)
-    block_work_kernel[(1,)](starts, work_seg, work_chunk, num_segments, num_work, CHUNK=chunk,
-                            BLOCK_S=_WORK_SEGMENTS)
-    return order.to(torch.int32), starts, work_seg, work_chunk
+    order = torch.empty(entries, dtype=torch.int32, device=dev)
+    if shapes_only or entries == 0:
+        if entries == 0 and not shapes_only:
+            starts.zero_()
+            work_seg.fill_(-1)
+            work_chunk.zero_()
+        return order, starts, work_seg, work_chunk
+    n_pad = _pow2(n, floor=1)
+    qc = _index_chunk(T, n_pad)
+    num_chunks, buckets = triton.cdiv(T, qc), num_blocks + 1
+    table = B * G * buckets * num_chunks
+    scratch = torch.empty(2 * table + B * G * (buckets + 1), dtype=torch.int32, device=dev)
+    counts, excl = scratch[:table], scratch[table:2 * table]
+    totals, empty_base = scratch[2 * table:2 * table + B * G * buckets], scratch[2 * table + B * G * buckets:]
+    chunk_consts = dict(G=G, N=n, N_PAD=n_pad, QC=qc)
+    chunk_counts_kernel[(num_chunks, B * G)](blocks.contiguous(), counts, excl, T, num_blocks, num_chunks,
+                                             NBE_PAD=_pow2(buckets + 1, floor=2), **chunk_consts)
+    c_pad = _pow2(num_chunks, floor=1)
+    tile_k = max(1, 4096 // c_pad)
+    chunk_offsets_kernel[(triton.cdiv(buckets, tile_k), B * G)](counts, totals, buckets, num_chunks, BLOCK_K=tile_k,
+                                                                C_PAD=c_pad)
+    segment_layout_kernel[(1,)](totals, starts, empty_base, work_seg, work_chunk, num_blocks, B * G, num_work,
+                                CHUNK=chunk, BLOCK_S=_WORK_SEGMENTS)
+    scatter_order_kernel[(num_chunks, B * G)](blocks.contiguous(), excl, counts, starts, empty_base, order, T,
+                                              num_blocks, num_chunks, **chunk_consts)
+    return order, starts, work_seg, work_chunk
 
 
 def _block_rows(hpg: int, config: LaunchConfig) -> int:
@@ -1374,87 +1401,94 @@ def _check_phi(x, w1, b1, w2, b2, block: int, stride: int) -> None:
 
 
 def _phi_sizes(x: torch.Tensor, w1: torch.Tensor, block: int, stride: int):
-    """(B, T, G, D, hidden, Tc, the launches' shared constexprs)."""
+    """(sets S, B, T, G, D, hidden, Tc, the launches' shared constexprs) for stacked weights w1 [S, hidden, l*D]."""
     B, T, G, D = x.shape
-    hidden = w1.shape[0]
+    sets, hidden = w1.shape[0], w1.shape[1]
     consts = dict(G=G, D=D, BLOCK_D=_pow2(D), HID=hidden, BLOCK_H=_pow2(hidden), DOT_PRECISION=_dot_precision(x.dtype))
-    return B, T, G, D, hidden, (T - block) // stride + 1, consts
+    return sets, B, T, G, D, hidden, (T - block) // stride + 1, consts
 
 
 @torch.library.custom_op("nsa::phi_mlp", mutates_args=())
-def _phi_mlp(x: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor, w2: torch.Tensor, b2: torch.Tensor, block: int,
-             stride: int) -> list[torch.Tensor]:
-    """[y [B, Tc, G, D], h [B * Tc, G, hidden] float32 (fc1's output, kept for the backward)]."""
-    B, T, G, D, hidden, tc, consts = _phi_sizes(x, w1, block, stride)
-    y = x.new_empty(B, tc, G, D)
-    hs = torch.empty(B * tc, G, hidden, dtype=torch.float32, device=x.device)
+def _phi_mlp(x0: torch.Tensor, x1: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor, w2: torch.Tensor,
+             b2: torch.Tensor, block: int, stride: int) -> list[torch.Tensor]:
+    """[y [S, B, Tc, G, D], h [S, B * Tc, G, hidden] float32 (fc1's output, kept for the backward)] of the S =
+    w1.shape[0] sets (1 or 2): set 0 on x0 with the weights w1[0], b1[0], w2[0], b2[0], set 1 on x1 with the
+    others (x1 unread when S = 1)."""
+    sets, B, T, G, D, hidden, tc, consts = _phi_sizes(x0, w1, block, stride)
+    y = x0.new_empty(sets, B, tc, G, D)
+    hs = torch.empty(sets, B * tc, G, hidden, dtype=torch.float32, device=x0.device)
     rows = _config.phi_rows
     if B * tc:
-        phi_fwd_kernel[(triton.cdiv(B * tc, rows), G)](
-            x, w1.to(x.dtype).contiguous(), b1.float().contiguous(), w2.contiguous(), b2.float().contiguous(), y,
-            hs, B * tc, tc, *x.stride()[:3], L=block, STRIDE=stride, BLOCK_R=rows, **consts)
+        phi_fwd_kernel[(triton.cdiv(B * tc, rows), G, sets)](
+            x0, x1, w1.to(x0.dtype).contiguous(), b1.float().contiguous(), w2.contiguous(), b2.float().contiguous(),
+            y, hs, B * tc, tc, *x0.stride()[:3], L=block, STRIDE=stride, BLOCK_R=rows, **consts)
     return [y, hs]
 
 
 @_phi_mlp.register_fake
-def _phi_mlp_fake(x, w1, b1, w2, b2, block, stride):
-    B, T, G, D = x.shape
+def _phi_mlp_fake(x0, x1, w1, b1, w2, b2, block, stride):
+    B, T, G, D = x0.shape
     tc = (T - block) // stride + 1
-    return [x.new_empty(B, tc, G, D), x.new_empty(B * tc, G, w1.shape[0], dtype=torch.float32)]
+    return [x0.new_empty(w1.shape[0], B, tc, G, D), x0.new_empty(w1.shape[0], B * tc, G, w1.shape[1],
+                                                                  dtype=torch.float32)]
 
 
 @torch.library.custom_op("nsa::phi_mlp_bwd", mutates_args=())
-def _phi_mlp_bwd(dy: torch.Tensor, x: torch.Tensor, hs: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, block: int,
-                 stride: int) -> list[torch.Tensor]:
-    """[dx, dW1, sums] of nsa::phi_mlp, sums float32 [D * hidden + D + hidden]: dW2, d b2 and d bias, flat (one sum
-    over the row programs' shares; _phi_grad_sums takes them apart)."""
-    B, T, G, D, hidden, tc, consts = _phi_sizes(x, w1, block, stride)
+def _phi_mlp_bwd(dy: torch.Tensor, x0: torch.Tensor, x1: torch.Tensor, hs: torch.Tensor, w1: torch.Tensor,
+                 w2: torch.Tensor, block: int, stride: int) -> list[torch.Tensor]:
+    """[dx [S, B, T, G, D], dW1 [S, hidden, l*D], sums [S, D * hidden + D + hidden]] of nsa::phi_mlp, dW1 and sums
+    float32; sums holds dW2, d b2 and d bias, flat (one sum over the row programs' shares; _phi_grad_sums takes
+    them apart)."""
+    sets, B, T, G, D, hidden, tc, consts = _phi_sizes(x0, w1, block, stride)
     dy = dy.contiguous()
-    dh = torch.empty(B * tc, G, hidden, dtype=x.dtype, device=x.device)
+    dh = torch.empty(sets, B * tc, G, hidden, dtype=x0.dtype, device=x0.device)
     R, rows = B * tc, _config.phi_rows
-    parts = torch.empty(max(1, triton.cdiv(R, rows) * G), D * hidden + D + hidden, dtype=torch.float32,
-                        device=x.device)
+    programs = max(1, triton.cdiv(R, rows) * G)
+    parts = torch.empty(sets, programs, D * hidden + D + hidden, dtype=torch.float32, device=x0.device)
     if R:
-        phi_bwd_rows_kernel[(triton.cdiv(R, rows), G)](dy, hs, w2.contiguous(), dh, parts, R, BLOCK_R=rows, **consts)
+        phi_bwd_rows_kernel[(triton.cdiv(R, rows), G, sets)](dy, hs, w2.contiguous(), dh, parts, R, BLOCK_R=rows,
+                                                             **consts)
     else:
         parts.zero_()
-    sums = parts.sum(0)
-    # W1's gradient: a program per (block position, split of the rows), about a wave of programs; every element
-    # of every split is stored, so no memset
+    sums = parts.sum(1)
+    # W1's gradient: a program per (block position, split of the rows, set), about a wave of programs; every
+    # element of every split is stored, so no memset
     tiles = triton.cdiv(R * G, _PHI_W1_ROWS)
     per_split = triton.cdiv(tiles, max(1, min(tiles, 128 // block)))
     splits = max(1, triton.cdiv(tiles, per_split))
-    dw1 = torch.empty(splits, hidden, block * D, dtype=torch.float32, device=x.device)
+    dw1 = torch.empty(sets, splits, hidden, block * D, dtype=torch.float32, device=x0.device)
     if R:
-        phi_bwd_w1_kernel[(block, splits)](x, dh, dw1, R, tc, per_split, *x.stride()[:3], L=block, STRIDE=stride,
-                                           BLOCK_R=_PHI_W1_ROWS, **consts)
+        phi_bwd_w1_kernel[(block, splits, sets)](x0, x1, dh, dw1, R, tc, per_split, *x0.stride()[:3], L=block,
+                                                 STRIDE=stride, BLOCK_R=_PHI_W1_ROWS, **consts)
     else:
         dw1.zero_()
-    dw1 = dw1[0] if splits == 1 else dw1.sum(0)
+    dw1 = dw1[:, 0] if splits == 1 else dw1.sum(1)
     chunks = triton.cdiv(T, stride)
-    dx = x.new_empty(B, T, G, D)
+    dx = x0.new_empty(sets, B, T, G, D)
     if B * T:
-        phi_bwd_x_kernel[(triton.cdiv(B * chunks, _PHI_DX_ROWS), G, stride)](
+        phi_bwd_x_kernel[(triton.cdiv(B * chunks, _PHI_DX_ROWS), sets * G, stride)](
             dh, w1.contiguous(), dx, T, tc, chunks, B * chunks, STRIDE=stride, PIECES=block // stride,
             BLOCK_R=_PHI_DX_ROWS, **consts)
     return [dx, dw1, sums]
 
 
 def _phi_grad_sums(sums: torch.Tensor, D: int, hidden: int):
-    """(dW2 [D, hidden], d b2 [D], d bias [hidden]): views of nsa::phi_mlp_bwd's flat sums."""
-    return sums[:D * hidden].view(D, hidden), sums[D * hidden:D * hidden + D], sums[D * hidden + D:]
+    """(dW2 [S, D, hidden], d b2 [S, D], d bias [S, hidden]): views of nsa::phi_mlp_bwd's flat sums [S, ...]."""
+    S = sums.shape[0]
+    return (sums[:, :D * hidden].view(S, D, hidden), sums[:, D * hidden:D * hidden + D],
+            sums[:, D * hidden + D:])
 
 
 @_phi_mlp_bwd.register_fake
-def _phi_mlp_bwd_fake(dy, x, hs, w1, w2, block, stride):
-    D, hidden = w2.shape
-    return [x.new_empty(x.shape), w1.new_empty(w1.shape, dtype=torch.float32),
-            w1.new_empty(D * hidden + D + hidden, dtype=torch.float32)]
+def _phi_mlp_bwd_fake(dy, x0, x1, hs, w1, w2, block, stride):
+    sets, D, hidden = w2.shape
+    return [x0.new_empty(sets, *x0.shape), w1.new_empty(w1.shape, dtype=torch.float32),
+            w1.new_empty(sets, D * hidden + D + hidden, dtype=torch.float32)]
 
 
 def _phi_mlp_setup_context(ctx, inputs, output):
-    x, w1, b1, w2, b2, block, stride = inputs
-    ctx.save_for_backward(x, output[1], w1, w2)
+    x0, x1, w1, b1, w2, b2, block, stride = inputs
+    ctx.save_for_backward(x0, x1, output[1], w1, w2)
     ctx.mark_non_differentiable(output[1])
     ctx.set_materialize_grads(False)
     ctx.params = (block, stride)
@@ -1463,11 +1497,14 @@ def _phi_mlp_setup_context(ctx, inputs, output):
 
 
 def _phi_mlp_backward(ctx, grads):
-    x, hs, w1, w2 = ctx.saved_tensors
+    x0, x1, hs, w1, w2 = ctx.saved_tensors
     with use_launch_config(ctx.config):
-        dx, dw1, sums = torch.ops.nsa.phi_mlp_bwd(grads[0], x, hs, w1, w2, *ctx.params)
-    dw2, db2, db1 = _phi_grad_sums(sums, *w2.shape)
-    return dx, dw1.to(w1.dtype), db1.to(ctx.dtypes[0]), dw2.to(w2.dtype), db2.to(ctx.dtypes[1]), None, None
+        dx, dw1, sums = torch.ops.nsa.phi_mlp_bwd(grads[0], x0, x1, hs, w1, w2, *ctx.params)
+    dw2, db2, db1 = _phi_grad_sums(sums, *w2.shape[1:])
+    # one set: x1 is x0 again, unread, and gets no gradient (autograd would add a second one into x0's)
+    dx1 = dx[1] if w1.shape[0] == 2 else None
+    return (dx[0], dx1, dw1.to(w1.dtype), db1.to(ctx.dtypes[0]), dw2.to(w2.dtype), db2.to(ctx.dtypes[1]), None,
+            None)
 
 
 _phi_mlp.register_autograd(_phi_mlp_backward, setup_context=_phi_mlp_setup_context)
@@ -1480,4 +1517,22 @@ def phi_mlp(x: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor, w2: torch.Tenso
     embedding (attention.Compressor). Computes in x's dtype with float32 accumulation (the weights cast to it, as
     autocast does); one Triton launch forward, three backward."""
     _check_phi(x, w1, b1, w2, b2, block, stride)
-    return torch.ops.nsa.phi_mlp(x, w1, b1, w2, b2, block, stride)[0]
+    return torch.ops.nsa.phi_mlp(x, x, w1[None], b1[None], w2[None], b2[None], block, stride)[0][0]
+
+
+def phi_mlp_pair(x_k: torch.Tensor, x_v: torch.Tensor, weights_k: tuple, weights_v: tuple, block: int,
+                 stride: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(phi_mlp(x_k, *weights_k, ...), phi_mlp(x_v, *weights_v, ...)) in the launches of one: x_k and x_v of one
+    shape, weights (w1, b1, w2, b2) of one shape each (NSA's compressed keys and values at Dk = Dv)."""
+    _check_phi(x_k, *weights_k, block, stride)
+    _check_phi(x_v, *weights_v, block, stride)
+    if x_k.shape != x_v.shape or x_k.dtype != x_v.dtype:
+        raise ValueError(f"phi pair: x_k and x_v must have one shape and dtype, got {tuple(x_k.shape)} "
+                         f"{x_k.dtype} and {tuple(x_v.shape)} {x_v.dtype}")
+    if any(a.shape != b.shape for a, b in zip(weights_k, weights_v)):
+        raise ValueError("phi pair: the k and v weights must have the same shapes (hidden width and head dim)")
+    if x_k.stride() != x_v.stride():  # one set of strides addresses both in the kernels
+        x_k, x_v = x_k.contiguous(), x_v.contiguous()
+    stacked = [torch.stack([a, b]) for a, b in zip(weights_k, weights_v)]
+    y = torch.ops.nsa.phi_mlp(x_k, x_v, *stacked, block, stride)[0]
+    return y[0], y[1]
