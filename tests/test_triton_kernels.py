@@ -698,33 +698,6 @@ def test_block_work_covers_every_choice_once(B, T, G, n, num_blocks, chunk):
         max(1, -(-int(starts[s + 1] - starts[s]) // chunk)) for s in range(B * G * num_blocks))
 
 
-# chunks of QC queries: one per (b, g); 75 (QC = 4); at most 8, so QC grows to 64 (the last chunk part padding)
-@pytest.mark.parametrize("T, num_blocks, chunk_entries, max_chunks, qc", [(23, 6, 2048, 1024, 32),
-                                                                          (300, 40, 16, 1024, 4),
-                                                                          (300, 40, 16, 8, 64)])
-def test_block_work_order_is_the_stable_sort(monkeypatch, T, num_blocks, chunk_entries, max_chunks, qc):
-    """The counting sort gives exactly the stable sort of the segment keys (b * G + g) * num_blocks + block: the
-    same order and starts, duplicates of a block in one query included; the empty slots after them, (b, g) by
-    (b, g), each in (query, slot) order."""
-    monkeypatch.setattr(triton_impl, "_CHUNK_ENTRIES", chunk_entries)
-    monkeypatch.setattr(triton_impl, "_MAX_CHUNKS", max_chunks)
-    B, G, n = 2, 3, 3
-    assert triton_impl._index_chunk(T, 4) == qc
-    gen = torch.Generator().manual_seed(23)
-    blocks = torch.randint(-1, num_blocks, (B, T, G, n), generator=gen, dtype=torch.int32)
-    order, starts, _, _ = (x.cpu() for x in triton_impl.block_work(blocks.to(DEVICE), num_blocks, 5))
-    group = torch.arange(B).view(B, 1, 1, 1) * G + torch.arange(G).view(1, 1, G, 1)
-    key = torch.where(blocks >= 0, group * num_blocks + blocks.long(), B * G * num_blocks).flatten()
-    ref_key, ref_order = torch.sort(key, stable=True)
-    valid = int((blocks >= 0).sum())
-    assert torch.equal(order[:valid].long(), ref_order[:valid])
-    assert torch.equal(starts.long(), torch.searchsorted(ref_key, torch.arange(B * G * num_blocks + 1)))
-    t = torch.arange(T).view(1, T, 1, 1)
-    empty_key = (group * T + t) * n + torch.arange(n).view(1, 1, 1, n)  # (b, g), then query, then slot
-    empty = torch.argsort(torch.where(blocks < 0, empty_key, -1).flatten())[-(blocks.numel() - valid):]
-    assert torch.equal(order[valid:].long(), empty)
-
-
 @pytest.mark.parametrize("num_blocks, key_dtype", [(4, torch.int16), (5461, torch.int16), (5462, torch.int32)])
 def test_segment_sort_uses_the_narrowest_keys_that_hold_every_segment(num_blocks, key_dtype):
     """B*G*num_blocks = 6 * num_blocks segments plus the empty-slot id: 32766 still fits int16, 32772 does not.

@@ -21,8 +21,8 @@ import triton
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from nsa_model.config import NSAConfig
-from nsa_model.kernels.block_index import (chunk_counts_kernel, chunk_offsets_kernel, scatter_order_kernel,
-                                           segment_ids_kernel, segment_layout_kernel, tile_union_kernel)
+from nsa_model.kernels.block_index import (block_work_kernel, segment_ids_kernel, segment_starts_kernel,
+                                           tile_union_kernel)
 from nsa_model.kernels.compress import phi_bwd_rows_kernel, phi_bwd_w1_kernel, phi_bwd_x_kernel, phi_fwd_kernel
 from nsa_model.kernels.delta import row_dot_kernel
 from nsa_model.kernels.gates import gated_sum_bwd_kernel, gated_sum_fwd_kernel
@@ -610,28 +610,19 @@ def selected_kernel(hpg: int, num_blocks: int, n: int, config: LaunchConfig | No
     return "tiled" if num_blocks <= 8 * n else "per_query"
 
 
-_WORK_SEGMENTS = 1024  # segments per step of segment_layout_kernel
-_CHUNK_ENTRIES = 2048  # entries (queries x padded slots) a scatter program sorts in registers, at least
-_MAX_CHUNKS = 1024  # chunks per (b, g) at most: the scan across them is one tile per bucket
-
-
-def _index_chunk(T: int, n_pad: int) -> int:
-    """QC, the queries of one chunk of the counting sort (a power of two): about _CHUNK_ENTRIES entries, more where
-    T would make more than _MAX_CHUNKS chunks, fewer where T is shorter."""
-    qc = max(1, _CHUNK_ENTRIES // n_pad, triton.next_power_of_2(triton.cdiv(T, _MAX_CHUNKS)))
-    return min(qc, triton.next_power_of_2(max(T, 1)))
+_WORK_SEGMENTS = 1024  # segments per step of block_work_kernel
 
 
 def block_work(blocks: torch.Tensor, num_blocks: int, chunk: int, shapes_only: bool = False):
-    """The inverted index of the by_block kernels and their work list, by a counting sort, sizes fixed by shapes.
+    """The inverted index of the by_block kernels and their work list, from one sort, sizes fixed by shapes.
 
     order [B*T*G*n] int32: flat slot ((b*T + t)*G + g)*n + i of each entry, sorted by segment s = (b*G + g) *
-    num_blocks + block, in query order inside a segment (the order of a stable sort), the empty (-1) slots last,
-    (b, g) after (b, g); starts [S + 1] int32: segment s is order[starts[s]:starts[s+1]]; work_seg, work_chunk [W]
-    int32: program p handles chunk work_chunk[p] (chunk entries) of segment work_seg[p], or nothing where
-    work_seg[p] = -1 (W is an upper bound: no host sync). An empty segment has one item too, with no entries:
-    the backward writes its block's zero dK, dV there. Four launches (kernels/block_index.py; a radix sort and
-    three launches before, v32). shapes_only: empty tensors of those shapes."""
+    num_blocks + block (query order inside a segment; -1 slots last); starts [S + 1] int32: segment s is
+    order[starts[s]:starts[s+1]]; work_seg, work_chunk [W] int32: program p handles chunk work_chunk[p] (chunk
+    entries) of segment work_seg[p], or nothing where work_seg[p] = -1 (W is an upper bound: no host sync). An
+    empty segment has one item too, with no entries: the backward writes its block's zero dK, dV there.
+    The keys, the sort, one pass over the sorted keys for the starts and one program for the work list
+    (kernels/block_index.py; about 20 PyTorch launches before, v19). shapes_only: empty tensors of those shapes."""
     B, T, G, n = blocks.shape
     dev = blocks.device
     num_segments, entries = B * G * num_blocks, blocks.numel()
@@ -641,32 +632,14 @@ def block_work(blocks: torch.Tensor, num_blocks: int, chunk: int, shapes_only: b
     num_work = triton.cdiv(entries, chunk) + num_segments
     starts = torch.empty(num_segments + 1, dtype=torch.int32, device=dev)
     work_seg, work_chunk = (torch.empty(num_work, dtype=torch.int32, device=dev) for _ in range(2))
-    order = torch.empty(entries, dtype=torch.int32, device=dev)
-    if shapes_only or entries == 0:
-        if entries == 0 and not shapes_only:
-            starts.zero_()
-            work_seg.fill_(-1)
-            work_chunk.zero_()
-        return order, starts, work_seg, work_chunk
-    n_pad = _pow2(n, floor=1)
-    qc = _index_chunk(T, n_pad)
-    num_chunks, buckets = triton.cdiv(T, qc), num_blocks + 1
-    table = B * G * buckets * num_chunks
-    scratch = torch.empty(2 * table + B * G * (buckets + 1), dtype=torch.int32, device=dev)
-    counts, excl = scratch[:table], scratch[table:2 * table]
-    totals, empty_base = scratch[2 * table:2 * table + B * G * buckets], scratch[2 * table + B * G * buckets:]
-    chunk_consts = dict(G=G, N=n, N_PAD=n_pad, QC=qc)
-    chunk_counts_kernel[(num_chunks, B * G)](blocks.contiguous(), counts, excl, T, num_blocks, num_chunks,
-                                             NBE_PAD=_pow2(buckets + 1, floor=2), **chunk_consts)
-    c_pad = _pow2(num_chunks, floor=1)
-    tile_k = max(1, 4096 // c_pad)
-    chunk_offsets_kernel[(triton.cdiv(buckets, tile_k), B * G)](counts, totals, buckets, num_chunks, BLOCK_K=tile_k,
-                                                                C_PAD=c_pad)
-    segment_layout_kernel[(1,)](totals, starts, empty_base, work_seg, work_chunk, num_blocks, B * G, num_work,
-                                CHUNK=chunk, BLOCK_S=_WORK_SEGMENTS)
-    scatter_order_kernel[(num_chunks, B * G)](blocks.contiguous(), excl, counts, starts, empty_base, order, T,
-                                              num_blocks, num_chunks, **chunk_consts)
-    return order, starts, work_seg, work_chunk
+    if shapes_only:
+        return torch.empty(entries, dtype=torch.int32, device=dev), starts, work_seg, work_chunk
+    sorted_segment, order = _sorted_segments(blocks, num_blocks)
+    segment_starts_kernel[(triton.cdiv(entries + 1, _SEGMENT_SLOTS),)](sorted_segment, starts, entries,
+                                                                      num_segments, BLOCK=_SEGMENT_SLOTS)
+    block_work_kernel[(1,)](starts, work_seg, work_chunk, num_segments, num_work, CHUNK=chunk,
+                            BLOCK_S=_WORK_SEGMENTS)
+    return order.to(torch.int32), starts, work_seg, work_chunk
 
 
 def _block_rows(hpg: int, config: LaunchConfig) -> int:
