@@ -1,10 +1,15 @@
-"""Probe (timing only, not a check): where the small NSA-only pieces of the T = 8192 step spend their time.
+"""Probe (timing only, not a check) of the small NSA-only pieces of the T = 8192 step (kernels-notes.md v32).
 
-1. select_blocks_kernel variants built by editing its source: without its sorts, without the merge's sort,
-   without the exponential. Their outputs are wrong by construction; only the times matter.
-2. phi = mlp forward + backward: k and v as two launches of G groups each, against one launch of 2G groups (what
-   one paired launch would cost), and phi_rows 16 against 32.
-3. The by_block index (block_work) as a whole, and the radix sort of segment keys alone.
+    python bench/probe_v32.py --out FILE.json [--sections selection,index,phi]
+
+1. select_blocks_kernel and variants of it built by editing its source: without its sorts, without the merge,
+   without the exponential. The variants' selections are wrong by construction; only their times matter.
+2. The by_block index (block_work) as a whole, and the radix sort of its segment keys alone.
+3. phi = mlp, forward and backward of k and v: two launches of G groups, one launch of 2G groups (what one paired
+   launch costs at best), nsa::phi_mlp of two sets (phi_mlp_pair, where the tree has it), phi_rows 16 and 64.
+
+Run from a tree and from a copy of another commit's tree in the same call, it gives A/Bs of one run
+(`probe-h200-2026-11-25-v32{a,b}*.md`). Times are do_bench_cudagraph medians (ms in the JSON).
 """
 
 import argparse
@@ -22,22 +27,23 @@ from triton.testing import do_bench_cudagraph
 from nsa_model.config import NSAConfig
 from nsa_model.ops import triton_impl as ti
 
-SHAPES = {"125m 4x8k": (4, 8192, 12, 2, 64), "125m 16x2k": (16, 2048, 12, 2, 64), "125m 1x32k": (1, 32768, 12, 2, 64),
-          "paper 1x8k": (1, 8192, 64, 4, 128), "paper 1x64k": (1, 65536, 64, 4, 128)}
-SELECT_EDITS = {
+SHAPES = {"125m 4x8k": (4, 8192, 12, 2, 64), "125m 16x2k": (16, 2048, 12, 2, 64),
+          "125m 1x32k": (1, 32768, 12, 2, 64), "paper 1x8k": (1, 8192, 64, 4, 128),
+          "paper 1x64k": (1, 65536, 64, 4, 128)}  # B, T, H, G, D
+MERGE = "top = _merge_descending(tl.maximum(top, chunk_top), BLOCK_M, N_PAD)"
+SELECT_EDITS = {  # each variant's edits of kernels/selection.py as it is now (the base tree's variants: v32a.md)
     "prod": [],
-    "no sorts": [("chunk_top = tl.sort(key, dim=1)", "chunk_top = key"),
-                 ("top = tl.sort(tl.maximum(top, chunk_top), dim=1, descending=True)", "top = tl.maximum(top, chunk_top)")],
-    "no merge sort": [("top = tl.sort(tl.maximum(top, chunk_top), dim=1, descending=True)",
-                       "top = tl.maximum(top, chunk_top)")],
-    "no exp": [("p_sum += tl.where(vis, tl.exp(s - lse[:, None]), 0.0)", "p_sum += tl.where(vis, s - lse[:, None], 0.0)")],
+    "no sorts": [("chunk_top = tl.sort(key, dim=1)", "chunk_top = key"), (MERGE, "top = tl.maximum(top, chunk_top)")],
+    "no merge": [(MERGE, "top = tl.maximum(top, chunk_top)")],
+    "no exp": [("p_sum += tl.where(vis, tl.exp(s - lse[:, None]), 0.0)",
+                "p_sum += tl.where(vis, s - lse[:, None], 0.0)")],
 }
 
 
 def variant(name: str, edits):
     src = pathlib.Path(ti.__file__).parent.parent.joinpath("kernels", "selection.py").read_text()
     for old, new in edits:
-        if old not in src:  # a variant of another version of the kernel
+        if old not in src:  # an edit of another version of the kernel (a base tree's): that variant is skipped
             return None
         src = src.replace(old, new)
     path = pathlib.Path(tempfile.mkdtemp()) / f"sel_{abs(hash(name))}.py"

@@ -103,7 +103,8 @@ class Compressor(nn.Module):
     `avg` is the mean of the block. `mlp` adds a learned intra-block position embedding, flattens the block and
     applies Linear(l*D -> hidden), GELU, Linear(hidden -> D). Where `backend` runs Triton, `mlp` is our op
     (nsa::phi_mlp: one launch forward, three backward, in place of about fifteen; kernels-notes.md v29), unless the
-    launch config says phi_kernel="torch".
+    launch config says phi_kernel="torch"; NSAAttention runs its phi_k and phi_v as one such op where they pair
+    (`pairs_with`: two sets in the same launches, v32).
     """
 
     def __init__(self, kind: str, head_dim: int, nsa: NSAConfig, hidden: int, backend: str = "auto") -> None:
