@@ -44,13 +44,16 @@ def _overlap(piece, block, PIECES_PER_TOKEN: tl.constexpr, PIECES_PER_BLOCK: tl.
 @triton.jit
 def _merge_descending(x, BLOCK_M: tl.constexpr, N: tl.constexpr):
     """x [BLOCK_M, N] with each row bitonic (descending, then ascending) -> each row sorted descending: for
-    stride N/2, N/4, .., 1 every pair (i, i + stride) with i & stride = 0 gets the larger value at i."""
-    for k in tl.static_range(1, N.bit_length()):  # stride N >> k; the steps' shapes must be constexpr expressions
-        pairs = tl.permute(tl.reshape(x, [BLOCK_M, 1 << (k - 1), 2, N >> k]), (0, 1, 3, 2))
-        a, b = tl.split(pairs)
-        pairs = tl.join(tl.maximum(a, b), tl.minimum(a, b))
-        x = tl.reshape(tl.permute(pairs, (0, 1, 3, 2)), [BLOCK_M, N])
-    return x
+    stride N/2, N/4, .., 1 every pair (i, i + stride) with i & stride = 0 gets the larger value at i. The row is
+    viewed as a hypercube of N = 2^LOG_N, one size-2 axis per stride, and an element's partner along an axis is
+    its value XOR the axis's XOR-reduction: no data leaves the registers' layout (v32)."""
+    LOG_N: tl.constexpr = N.bit_length() - 1
+    h = tl.reshape(x, [BLOCK_M] + [2] * LOG_N)
+    for k in tl.static_range(LOG_N):  # axis 1 + k holds stride N >> (k + 1)
+        partner = h ^ tl.xor_sum(h, axis=1 + k, keep_dims=True)
+        right = tl.reshape(tl.arange(0, 2), [1] * (1 + k) + [2] + [1] * (LOG_N - 1 - k))
+        h = tl.where(right == 1, tl.minimum(h, partner), tl.maximum(h, partner))
+    return tl.reshape(h, [BLOCK_M, N])
 
 
 @triton.jit
