@@ -1095,6 +1095,22 @@ def test_phi_mlp_refuses_shapes_it_does_not_compute(bad, match):
                             torch.zeros(16, device=DEVICE), 8, stride)
 
 
+def test_phi_mlp_pair_refuses_sets_it_does_not_compute():
+    """Two sets run in one launch only with one shape for both inputs and for each weight; the op itself takes one
+    or two sets."""
+    x = torch.zeros(1, 13, 2, 16, device=DEVICE)
+    w = (torch.zeros(16, 8 * 16, device=DEVICE), torch.zeros(16, device=DEVICE), torch.zeros(16, 16, device=DEVICE),
+         torch.zeros(16, device=DEVICE))
+    with pytest.raises(ValueError, match="one shape and dtype"):
+        triton_impl.phi_mlp_pair(x, torch.zeros(1, 14, 2, 16, device=DEVICE), w, w, 8, 4)
+    narrow = (torch.zeros(8, 8 * 16, device=DEVICE), torch.zeros(8, device=DEVICE), torch.zeros(16, 8, device=DEVICE),
+              w[3])
+    with pytest.raises(ValueError, match="same shapes"):
+        triton_impl.phi_mlp_pair(x, x, w, narrow, 8, 4)
+    with pytest.raises(ValueError, match="one or two sets"):
+        torch.ops.nsa.phi_mlp(x, x, *(torch.stack([t] * 3) for t in w), 8, 4)
+
+
 @pytest.mark.parametrize("phi_kernel", ["fused", "torch"])
 def test_compressor_on_the_triton_backend_runs_phi_mlp_unless_told_and_matches_the_torch_path(phi_kernel,
                                                                                               monkeypatch):

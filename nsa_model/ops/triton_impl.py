@@ -1388,6 +1388,9 @@ def _phi_mlp(x0: torch.Tensor, x1: torch.Tensor, w1: torch.Tensor, b1: torch.Ten
     w1.shape[0] sets (1 or 2): set 0 on x0 with the weights w1[0], b1[0], w2[0], b2[0], set 1 on x1 with the
     others (x1 unread when S = 1)."""
     sets, B, T, G, D, hidden, tc, consts = _phi_sizes(x0, w1, block, stride)
+    if sets not in (1, 2) or x1.shape != x0.shape or x1.stride() != x0.stride():
+        raise ValueError(f"nsa::phi_mlp: one or two sets of weights (got {sets}) and x1 with x0's shape and strides "
+                         f"(got {tuple(x1.shape)} {x1.stride()} against {tuple(x0.shape)} {x0.stride()})")
     y = x0.new_empty(sets, B, tc, G, D)
     hs = torch.empty(sets, B * tc, G, hidden, dtype=torch.float32, device=x0.device)
     rows = _config.phi_rows
