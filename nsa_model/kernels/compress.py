@@ -21,8 +21,8 @@ about 5 ms per nsa-125m training step at T = 8192, where the FLOPs are a few mic
 Sets: one launch runs phi for one or two inputs of the same shape, each with its own weights: NSA's compressed keys
 and values (phi_k, phi_v). Every program's last grid axis (the x kernel: its group axis, set * G + g) picks the
 set: X0 or X1, and that set's slice of every other tensor. The launches are latency-bound at nsa-125m's sizes
-(128 programs of a few microseconds each), so two sets in one launch cost about what one does: 121 -> 89 us
-per layer call at 125M 4 x 8k on the H200, forward and backward (kernels-notes.md, v32).
+(128 programs of a few microseconds each), so two sets in one launch cost little more than one: k and v
+forward and backward went 119.5 -> 102.2 us per layer call at 125M 4 x 8k on the H200 (kernels-notes.md, v32).
 
 Layouts, for S sets: x0, x1 [B, T, G, D] with the same batch, token and group strides (last dimension
 contiguous); y [S, B, Tc, G, D] and dx [S, B, T, G, D] contiguous; h and dh [S, B * Tc, G, HID] contiguous (row
