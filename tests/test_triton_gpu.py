@@ -109,3 +109,61 @@ def test_attention_recompute_keeps_less_by_what_it_recomputes_and_gives_the_same
     for name, grad in grads_kept.items():
         noise = rel(grad, grads_again[name])
         assert rel(grad, grads_less[name]) <= max(1e-3, 3 * noise), (name, noise)
+
+
+@pytest.mark.parametrize("B,T", [(4, 8192), (1, 32768), (16, 2048)])
+def test_fused_combine_gives_the_separate_combine_bits(B, T):
+    """slc_combine = "fused" runs by_block's forward and the combine in one launch (a chunk's combine waits for its
+    block items on the GPU, which the interpreter never does: it runs programs one after another). The partials
+    and the combine's arithmetic are the same, so the selected branch's output and lse must be the separate
+    pass's bit for bit: on NSA's own selections at 125M shapes, eager and replayed as a CUDA graph, with the L2
+    discard on and off, and with chunks of 256 and 1024 queries and combines right after their chunk."""
+    bench = _bench_module()
+    ti, cfg = bench.ti, bench.PAPER_NSA
+    x = bench.make_inputs(B, T, 12, 2, 64, 64, cfg, torch.bfloat16, seed=5)
+    scale = 0.125
+    q = x["q"]
+    _, lse_cmp = ti._range_fwd(q, x["k_cmp"], x["v_cmp"], *ti._cmp_range(cfg.cmp_block, cfg.cmp_stride, T), scale)
+    blocks = ti.select_blocks(q, x["k_cmp"], lse_cmp, cfg, scale)
+    base = ti.LaunchConfig(slc_kernel="by_block")
+
+    def forward(launch):
+        with ti.use_launch_config(launch):
+            o, lse, kernel, _ = ti._selected_fwd(q, x["k_slc"], x["v_slc"], blocks, cfg.sel_block, scale)
+        assert kernel == "by_block"
+        return o, lse
+
+    want = forward(base)
+    fused = [dict(slc_combine_discard=False), dict(slc_combine_discard=True),
+             dict(slc_combine_queries=256, slc_combine_lag=0), dict(slc_combine_queries=1024, slc_combine_lag=1)]
+    stream = torch.cuda.Stream()
+    for options in fused:
+        launch = ti.LaunchConfig(slc_kernel="by_block", slc_combine="fused", **options)
+        got = forward(launch)
+        with torch.cuda.stream(stream):
+            forward(launch)  # compiled and warm before the capture
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                replayed = forward(launch)
+            for t in replayed:
+                t.zero_()
+            graph.replay()
+        torch.cuda.synchronize()
+        for a, b in zip(want, got):
+            assert torch.equal(a, b), options
+        for a, b in zip(want, replayed):
+            assert torch.equal(a, b), options
+
+
+def test_bf16_check_passes_with_the_fused_combine():
+    """The 125M 64k check of bench/kernels.py (output and every gradient against float64) with slc_combine =
+    "fused"."""
+    bench = _bench_module()
+    case = dict(bench.CHECKS[0])
+    assert case.pop("name") == "125m_T64k"
+    with bench.ti.use_launch_config(bench.ti.LaunchConfig(slc_combine="fused", slc_combine_discard=True)):
+        result = bench.check_bf16("125m_T64k", cfg=bench.PAPER_NSA, **case)
+    assert result["finite"], result
+    assert result["selection_rows_differing"] == result["selection_near_ties"], result
+    errors = {k: v for k, v in result.items() if k == "o" or (k.startswith("d") and k[1:] in bench.NAMES)}
+    assert max(errors.values()) <= bench.BF16_TOL, errors
