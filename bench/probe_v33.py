@@ -1,7 +1,7 @@
 """Probe (timing only; tests/test_triton_gpu.py checks the results) of by_block's forward with the combine in the
 same launch (slc_combine = "fused", kernels-notes.md v33) against the block kernel and the combine pass.
 
-    python bench/probe_v33.py --out DIR [--commit SHA] [--suffix=-v33a] [--variants JSON]
+    python bench/probe_v33.py --out DIR [--commit SHA] [--suffix=-v33a]
 
 For each 125M shape, on NSA's own selections of random inputs: the selected branch's forward (`_selected_fwd`,
 index included) under each variant below, as CUDA graphs (do_bench_cudagraph medians), the separate pass timed
@@ -86,12 +86,7 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--commit", default=None)
     parser.add_argument("--suffix", default="-v33")
-    parser.add_argument("--variants", default="", help="JSON {name: LaunchConfig fields} in place of VARIANTS "
-                        "(the pass is timed first and last in any case)")
     args = parser.parse_args()
-    if args.variants:
-        VARIANTS.clear()
-        VARIANTS.update({"pass": {}, **json.loads(args.variants), "pass again": {}})
     results = {}
     for shape, (B, T) in SHAPES.items():
         results[shape] = {name: ms * 1000 for name, ms in probe(B, T).items()}
