@@ -263,14 +263,6 @@ SELECTED_VARIANTS = {
                                    slc_block_prefetch_dims=0),
     # tiled's forward (its lse feeds by_block's backward), by_block's backward over the saved work list
     "tiled_by_block": dict(slc_kernel="tiled_by_block", slc_tile_rows=16, slc_block_rows=16, slc_block_chunk=8),
-    # the forward and the combine in one launch: chunks of 16 queries (two blocks of 8; the last one partial),
-    # each chunk combined after the next one's blocks, or right after its own, or after every chunk's blocks
-    "by_block_fused_combine": dict(slc_kernel="by_block", slc_block_rows=16, slc_block_chunk=8, slc_combine="fused",
-                                   slc_combine_queries=16),
-    "by_block_fused_combine_lag0": dict(slc_kernel="by_block", slc_block_rows=64, slc_block_chunk=8,
-                                        slc_combine="fused", slc_combine_queries=9, slc_combine_lag=0),
-    "by_block_fused_combine_lag9": dict(slc_kernel="by_block", slc_block_rows=16, slc_block_chunk=8,
-                                        slc_combine="fused", slc_combine_queries=24, slc_combine_lag=9),
 }
 
 
@@ -351,8 +343,6 @@ CORE_VARIANTS = {  # three with the dense prefix: its dK/dV by groups (tiled_by_
     "tiled_dkdv_by_block": dict(slc_kernel="tiled", slc_tile_rows=16, slc_dkdv="by_block", slc_block_rows=16,
                                 slc_block_chunk=8),
     "by_block_partial": dict(slc_kernel="by_block", slc_block_rows=16, slc_block_chunk=8),
-    "by_block_fused_combine": dict(slc_kernel="by_block", slc_block_rows=16, slc_block_chunk=8, slc_combine="fused",
-                                   slc_combine_queries=16),
     "by_block_atomic": dict(slc_kernel="by_block", slc_block_rows=16, slc_block_chunk=8, slc_dq="atomic"),
     "by_block_no_prefetch": dict(slc_kernel="by_block", slc_block_rows=16, slc_block_chunk=16,
                                  slc_block_prefetch_dims=0),

@@ -6,7 +6,6 @@ training step of nsa-125m at T = 2048 besides the sort (kernels-notes.md, v19). 
   segment_ids_kernel  each slot's segment s = (b * G + g) * num_blocks + block (num_segments for an empty slot),
                       the key of the stable sort that builds by_block's inverted index
   segment_starts_kernel  from the sorted keys, each segment's first entry (starts)
-  chunk_starts_kernel  the same for the keys (segment, query chunk): by_block's forward with the combine
   block_work_kernel   from the starts, the work list: program p of the by_block kernels takes chunk
                       work_chunk[p] of segment work_seg[p] (-1: nothing)
   tile_union_kernel   for each tile of TILE_Q consecutive queries, the distinct blocks they chose, ascending,
@@ -45,31 +44,6 @@ def segment_starts_kernel(SORTED, STARTS, num_entries, num_segments, BLOCK: tl.c
     gap = tl.where(e <= num_entries, cur - prev, 0)  # segments that start at e: prev + 1 .. cur
     for k in range(0, tl.max(gap, 0)):
         tl.store(STARTS + prev + 1 + k, e, mask=k < gap)
-
-
-@triton.jit
-def chunk_starts_kernel(SORTED, ORDER, CHUNK_STARTS, num_entries, num_segments, T, num_chunks, G: tl.constexpr,
-                        N: tl.constexpr, CHUNK_Q: tl.constexpr, BLOCK: tl.constexpr):
-    """chunk_starts[s * num_chunks + c] = the first sorted position of segment s's entries whose query lies in chunk
-    c (t // CHUNK_Q = c): segment_starts_kernel's pass over the keys (segment, chunk), which ascend in sorted
-    order because a segment's entries come in query order. Empty slots (key num_segments) come last."""
-    e = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    end_key = num_segments * num_chunks
-    cur = _segment_chunk(SORTED, ORDER, e, e < num_entries, num_segments, end_key, T, num_chunks, G, N, CHUNK_Q)
-    prev = _segment_chunk(SORTED, ORDER, e - 1, (e > 0) & (e <= num_entries), num_segments, -1, T, num_chunks, G,
-                          N, CHUNK_Q)
-    gap = tl.where(e <= num_entries, cur - prev, 0)
-    for k in range(0, tl.max(gap, 0)):
-        tl.store(CHUNK_STARTS + prev + 1 + k, e, mask=k < gap)
-
-
-@triton.jit
-def _segment_chunk(SORTED, ORDER, e, ok, num_segments, absent, T, num_chunks, G: tl.constexpr, N: tl.constexpr,
-                   CHUNK_Q: tl.constexpr):
-    seg = tl.load(SORTED + e, mask=ok, other=num_segments).to(tl.int32)
-    t = (tl.load(ORDER + e, mask=ok, other=0) // (G * N)) % T
-    key = seg * num_chunks + (t // CHUNK_Q).to(tl.int32)
-    return tl.where(ok, tl.where(seg < num_segments, key, num_segments * num_chunks), absent)
 
 
 @triton.jit

@@ -14,17 +14,6 @@ then merges each query's n partials (max-shifted weights exp2(lse_i - m)) into t
 partials live at the query's own slot (ORDER maps a sorted entry back to its flat (b, t, g, slot) position), so
 combining reads n contiguous rows and needs no second index.
 
-Forward with the combine (selected_block_fwd_combine_kernel, slc_combine = "fused"): the partials are about as
-large as the keys' and values' reads of dense attention (805 MB a call at 125M 4 x 8k), written by the block kernel
-and read back from DRAM by the combine pass. Here one launch works query chunk by query chunk (CHUNK_Q queries
-of one (b, g)): one item per block the chunk's queries can choose, over the entries of that block whose query
-lies in the chunk (chunk_starts, from the same sort), then, LAG chunks later in the work order, the combine
-items of the chunk, which wait until its block items have counted themselves done. So a partial is read a
-short while after it was written, while it is still in L2, and with DISCARD its L2 line is dropped there rather
-than written back. Programs take items by a ticket (an atomic counter), in the order they start: every item a
-combine waits for belongs to a program that started before it, so the wait cannot deadlock. The slots of a
-block after the query, which the causal item list never visits, count as empty (they hold no key).
-
 Backward: one fused kernel per block slice computes dK and dV (accumulated over its choosers, then added once
 into float32 buffers where slices of one block meet, the last slice casting the sums; a block of one slice stores
 its own, FINAL_KV) and each chooser's dQ contribution ds @ K, either stored
@@ -170,53 +159,42 @@ def selected_block_fwd_kernel(Q, K, V, KD, VD, ORDER, STARTS, WORK_SEG, WORK_CHU
                               BLOCK_S: tl.constexpr, N_SELECT: tl.constexpr, ROWS: tl.constexpr,
                               CHUNK: tl.constexpr, TMA: tl.constexpr, DOT_PRECISION: tl.constexpr,
                               PREFETCH: tl.constexpr = False):
-    seg, b, g, j, start, end = _work_item(WORK_SEG, WORK_CHUNK, STARTS, num_blocks, G, CHUNK)
-    if seg >= 0:
-        _block_fwd_steps(Q, K, V, KD, VD, ORDER, O_PART, LSE2_PART, b, g, j, start, end, T, scale, K_ROW, V_ROW, H, G,
-                         DK, DV, BLOCK_DK, BLOCK_DV, SEL_BLOCK, BLOCK_S, N_SELECT, ROWS, TMA, DOT_PRECISION, PREFETCH)
-
-
-@triton.jit
-def _block_fwd_steps(Q, K, V, KD, VD, ORDER, O_PART, LSE2_PART, b, g, j, start, end, T, scale, K_ROW, V_ROW,
-                     H: tl.constexpr, G: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BLOCK_DK: tl.constexpr,
-                     BLOCK_DV: tl.constexpr, SEL_BLOCK: tl.constexpr, BLOCK_S: tl.constexpr, N_SELECT: tl.constexpr,
-                     ROWS: tl.constexpr, TMA: tl.constexpr, DOT_PRECISION: tl.constexpr, PREFETCH: tl.constexpr):
-    """The partial outputs and log2-sum-exps of block j's sorted entries start .. end - 1 (b, g): ROWS // HPG
-    choosers a step."""
     HPG: tl.constexpr = H // G
     ENTRIES: tl.constexpr = ROWS // HPG
-    k, v, pos, s_ok, _ = _block_kv(K, V, KD, VD, K_ROW, V_ROW, b, g, j, T, G, DK, DV, BLOCK_DK, BLOCK_DV,
-                                   SEL_BLOCK, BLOCK_S, TMA)
-    offs_dv = tl.arange(0, BLOCK_DV)
-    qk_scale = scale * LOG2E
-    if PREFETCH:  # step e0's rows and query tile come from the step before (module docstring)
-        flat, r_ok = _chooser_flat(ORDER, start, end, HPG, ROWS)
-        t, row_q, row_p, q = _chooser_fwd_tiles(Q, flat, r_ok, b, g, T, H, G, DK, BLOCK_DK, N_SELECT, ROWS)
-        flat_n, r_ok_n = _chooser_flat(ORDER, start + ENTRIES, end, HPG, ROWS)
-    for e0 in tl.range(start, end, ENTRIES, num_stages=1 if PREFETCH else None):
-        if PREFETCH:
-            flat_nn, r_ok_nn = _chooser_flat(ORDER, e0 + 2 * ENTRIES, end, HPG, ROWS)
-            t_n, row_q_n, row_p_n, q_n = _chooser_fwd_tiles(Q, flat_n, r_ok_n, b, g, T, H, G, DK, BLOCK_DK,
-                                                            N_SELECT, ROWS)
-        else:
-            flat, r_ok = _chooser_flat(ORDER, e0, end, HPG, ROWS)
+    seg, b, g, j, start, end = _work_item(WORK_SEG, WORK_CHUNK, STARTS, num_blocks, G, CHUNK)
+    if seg >= 0:
+        k, v, pos, s_ok, _ = _block_kv(K, V, KD, VD, K_ROW, V_ROW, b, g, j, T, G, DK, DV, BLOCK_DK, BLOCK_DV,
+                                       SEL_BLOCK, BLOCK_S, TMA)
+        offs_dv = tl.arange(0, BLOCK_DV)
+        qk_scale = scale * LOG2E
+        if PREFETCH:  # step e0's rows and query tile come from the step before (module docstring)
+            flat, r_ok = _chooser_flat(ORDER, start, end, HPG, ROWS)
             t, row_q, row_p, q = _chooser_fwd_tiles(Q, flat, r_ok, b, g, T, H, G, DK, BLOCK_DK, N_SELECT, ROWS)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
-        if not _sees_whole_block(t, r_ok, j, T, SEL_BLOCK, BLOCK_S):
-            s = tl.where(_visible(t, r_ok, pos, s_ok, SEL_BLOCK, BLOCK_S), s, float("-inf"))
-        m = tl.max(s, axis=1)
-        m_safe = tl.where(m == float("-inf"), 0.0, m)  # a chooser that sees none of the block (block after t)
-        p = tl.exp2(s - m_safe[:, None])
-        l_i = tl.sum(p, axis=1)
-        acc = tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        has_key = l_i > 0
-        l_safe = tl.where(has_key, l_i, 1.0)
-        tl.store(O_PART + row_p[:, None] * DV + offs_dv[None, :],
-                 (acc / l_safe[:, None]).to(O_PART.dtype.element_ty), mask=r_ok[:, None] & (offs_dv < DV)[None, :])
-        tl.store(LSE2_PART + row_p, tl.where(has_key, m_safe + tl.log2(l_safe), float("-inf")), mask=r_ok)
-        if PREFETCH:
-            r_ok, t, row_q, row_p, q = r_ok_n, t_n, row_q_n, row_p_n, q_n
-            flat_n, r_ok_n = flat_nn, r_ok_nn
+            flat_n, r_ok_n = _chooser_flat(ORDER, start + ENTRIES, end, HPG, ROWS)
+        for e0 in tl.range(start, end, ENTRIES, num_stages=1 if PREFETCH else None):
+            if PREFETCH:
+                flat_nn, r_ok_nn = _chooser_flat(ORDER, e0 + 2 * ENTRIES, end, HPG, ROWS)
+                t_n, row_q_n, row_p_n, q_n = _chooser_fwd_tiles(Q, flat_n, r_ok_n, b, g, T, H, G, DK, BLOCK_DK,
+                                                                N_SELECT, ROWS)
+            else:
+                flat, r_ok = _chooser_flat(ORDER, e0, end, HPG, ROWS)
+                t, row_q, row_p, q = _chooser_fwd_tiles(Q, flat, r_ok, b, g, T, H, G, DK, BLOCK_DK, N_SELECT, ROWS)
+            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+            if not _sees_whole_block(t, r_ok, j, T, SEL_BLOCK, BLOCK_S):
+                s = tl.where(_visible(t, r_ok, pos, s_ok, SEL_BLOCK, BLOCK_S), s, float("-inf"))
+            m = tl.max(s, axis=1)
+            m_safe = tl.where(m == float("-inf"), 0.0, m)  # a chooser that sees none of the block (block after t)
+            p = tl.exp2(s - m_safe[:, None])
+            l_i = tl.sum(p, axis=1)
+            acc = tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+            has_key = l_i > 0
+            l_safe = tl.where(has_key, l_i, 1.0)
+            tl.store(O_PART + row_p[:, None] * DV + offs_dv[None, :],
+                     (acc / l_safe[:, None]).to(O_PART.dtype.element_ty), mask=r_ok[:, None] & (offs_dv < DV)[None, :])
+            tl.store(LSE2_PART + row_p, tl.where(has_key, m_safe + tl.log2(l_safe), float("-inf")), mask=r_ok)
+            if PREFETCH:
+                r_ok, t, row_q, row_p, q = r_ok_n, t_n, row_q_n, row_p_n, q_n
+                flat_n, r_ok_n = flat_nn, r_ok_nn
 
 
 @triton.jit
@@ -225,133 +203,32 @@ def selected_combine_kernel(O_PART, LSE2_PART, BLOCKS, O, LSE, num_rows, H: tl.c
     """o[b, t, h] and lse from the n partials of (b, t, h); slots with block -1 hold nothing and are skipped."""
     HPG: tl.constexpr = H // G
     rows = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)  # (b * T + t) * H + hh
+    offs_dv = tl.arange(0, BLOCK_DV)
     r_ok = rows < num_rows
     bt = rows // H
     hh = rows % H
-    _combine_rows(O_PART, LSE2_PART, BLOCKS, O, LSE, rows, (bt * G + hh // HPG) * N_SELECT, hh % HPG, r_ok, bt, False,
-                  HPG, DV, BLOCK_DV, N_SELECT, BLOCK_R, 0, "", False)
-
-
-@triton.jit
-def _combine_rows(O_PART, LSE2_PART, BLOCKS, O, LSE, rows, slot0, head, r_ok, t, early, HPG: tl.constexpr,
-                  DV: tl.constexpr, BLOCK_DV: tl.constexpr, N_SELECT: tl.constexpr, BLOCK_R: tl.constexpr,
-                  SEL_BLOCK: tl.constexpr, CACHE: tl.constexpr, DISCARD: tl.constexpr):
-    """o and lse of output rows `rows` (int64) from their n partials (slots slot0 .. slot0 + n - 1, head `head`):
-    max-shifted weights exp2(lse_i - m). SEL_BLOCK > 0: slots whose block starts after the row's query t count
-    as empty (the fused forward computes no partial for them; they hold no key anyway). early: the partials may not
-    all be there yet (the fused forward without SPIN, whose work order is then wrong): the rows get NaN. CACHE: the
-    partials' load cache modifier; DISCARD: drop each partial row's L2 line once read (_discard_l2)."""
-    offs_dv = tl.arange(0, BLOCK_DV)
+    slot0 = (bt * G + hh // HPG) * N_SELECT
+    head = hh % HPG
     m = tl.full([BLOCK_R], float("-inf"), tl.float32)
     for i in range(N_SELECT):
-        used = _slot_used(BLOCKS, slot0 + i, r_ok, t, SEL_BLOCK)
-        m = tl.maximum(m, tl.load(LSE2_PART + (slot0 + i) * HPG + head, mask=used, other=float("-inf"),
-                                  cache_modifier=CACHE))
+        used = r_ok & (tl.load(BLOCKS + slot0 + i, mask=r_ok, other=-1) >= 0)
+        m = tl.maximum(m, tl.load(LSE2_PART + (slot0 + i) * HPG + head, mask=used, other=float("-inf")))
     m_safe = tl.where(m == float("-inf"), 0.0, m)
     l_i = tl.zeros([BLOCK_R], tl.float32)
     acc = tl.zeros([BLOCK_R, BLOCK_DV], tl.float32)
     for i in range(N_SELECT):
-        used = _slot_used(BLOCKS, slot0 + i, r_ok, t, SEL_BLOCK)
+        used = r_ok & (tl.load(BLOCKS + slot0 + i, mask=r_ok, other=-1) >= 0)
         row_p = (slot0 + i) * HPG + head
-        w = tl.exp2(tl.load(LSE2_PART + row_p, mask=used, other=float("-inf"), cache_modifier=CACHE) - m_safe)
+        w = tl.exp2(tl.load(LSE2_PART + row_p, mask=used, other=float("-inf")) - m_safe)
         part = tl.load(O_PART + row_p[:, None] * DV + offs_dv[None, :], mask=used[:, None] & (offs_dv < DV)[None, :],
-                       other=0.0, cache_modifier=CACHE)
+                       other=0.0)
         acc += w[:, None] * part.to(tl.float32)
         l_i += w
-        if DISCARD:
-            _discard_l2(O_PART + row_p * DV, used)
     has_key = l_i > 0
     l_safe = tl.where(has_key, l_i, 1.0)
-    o = tl.where(early, float("nan"), acc / l_safe[:, None])
-    tl.store(O + rows[:, None] * DV + offs_dv[None, :], o.to(O.dtype.element_ty),
+    tl.store(O + rows[:, None] * DV + offs_dv[None, :], (acc / l_safe[:, None]).to(O.dtype.element_ty),
              mask=r_ok[:, None] & (offs_dv < DV)[None, :])
     tl.store(LSE + rows, tl.where(has_key, (m_safe + tl.log2(l_safe)) / LOG2E, float("-inf")), mask=r_ok)
-
-
-@triton.jit
-def _slot_used(BLOCKS, slot, r_ok, t, SEL_BLOCK: tl.constexpr):
-    block = tl.load(BLOCKS + slot, mask=r_ok, other=-1)
-    if SEL_BLOCK > 0:
-        return r_ok & (block >= 0) & (block * SEL_BLOCK <= t)
-    return r_ok & (block >= 0)
-
-
-@triton.jit
-def _discard_l2(ptr, keep):
-    """Drop the 128-byte L2 line at each ptr where `keep` without writing it back to DRAM (PTX discard.global.L2;
-    sm_80+): a partial row read for the last time need not reach memory. Each row must be exactly one line, and
-    no other data may share it (the launcher checks the rows' size and alignment)."""
-    tl.inline_asm_elementwise(
-        "{ .reg .pred p; setp.ne.b32 p, $2, 0; @p discard.global.L2 [$1], 128; mov.u32 $0, 0; }",
-        "=r,l,r", [ptr, keep.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
-def selected_block_fwd_combine_kernel(Q, K, V, KD, VD, ORDER, CHUNK_STARTS, BLOCKS, COUNTERS, O_PART, LSE2_PART, O,
-                                      LSE, T, num_blocks, num_chunks, num_bg, scale, K_ROW, V_ROW,
-                                      H: tl.constexpr, G: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-                                      BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, SEL_BLOCK: tl.constexpr,
-                                      BLOCK_S: tl.constexpr, N_SELECT: tl.constexpr, ROWS: tl.constexpr,
-                                      CHUNK_Q: tl.constexpr, CHUNKS_PAD: tl.constexpr, COMBINE_R: tl.constexpr,
-                                      LAG: tl.constexpr, TMA: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                                      PREFETCH: tl.constexpr, SPIN: tl.constexpr, DISCARD: tl.constexpr):
-    """by_block's forward and the combine in one launch, query chunk by query chunk (module docstring, "Forward
-    with the combine"). COUNTERS [1 + B*G*num_chunks] int32, zeroed: the ticket, then each chunk's finished
-    block items. SPIN: a combine item waits for its chunk's block items (on the GPU); without it (the
-    interpreter, which runs programs one after another in order) it writes NaN where they have not all run."""
-    HPG: tl.constexpr = H // G
-    M: tl.constexpr = CHUNK_Q // SEL_BLOCK  # key blocks a chunk's queries start, the last chunk's aside
-    COMBINES: tl.constexpr = (CHUNK_Q * HPG + COMBINE_R - 1) // COMBINE_R  # combine items of one chunk
-    # The work a program does is its ticket's, not its program id's: tickets are handed out in the order programs
-    # start, so every item a combine waits for went to a program that started before it (no deadlock, whatever
-    # order the hardware starts programs in).
-    ticket = tl.atomic_add(COUNTERS, 1)
-    cs = tl.arange(0, CHUNKS_PAD)
-    sizes = tl.where(cs < num_chunks, tl.minimum(num_blocks, (cs + 1) * M) + COMBINES, 0)
-    period = tl.sum(sizes, 0)  # the items of one (b, g): per chunk its block items, then COMBINES combine items
-    bg = ticket // period
-    zc = -1  # the chunk this program combines (-1: none)
-    piece = 0
-    if bg < num_bg:
-        r = ticket - bg * period
-        c = tl.sum((tl.cumsum(sizes, 0) <= r).to(tl.int32), 0)
-        i = r - tl.sum(tl.where(cs < c, sizes, 0), 0)
-        items = tl.minimum(num_blocks, (c + 1) * M)
-        z = bg * num_chunks + c
-        if i < items:  # block j = i over the chunk's queries that chose it
-            seg_chunk = (bg * num_blocks + i) * num_chunks + c
-            start = tl.load(CHUNK_STARTS + seg_chunk)
-            end = tl.load(CHUNK_STARTS + seg_chunk + 1)
-            if start < end:
-                _block_fwd_steps(Q, K, V, KD, VD, ORDER, O_PART, LSE2_PART, bg // G, bg % G, i, start, end, T, scale,
-                                 K_ROW, V_ROW, H, G, DK, DV, BLOCK_DK, BLOCK_DV, SEL_BLOCK, BLOCK_S, N_SELECT, ROWS,
-                                 TMA, DOT_PRECISION, PREFETCH)
-            tl.debug_barrier()  # every thread's stores are issued before the count says this item is done
-            tl.atomic_add(COUNTERS + 1 + z, 1, sem="release")
-        else:  # the combine of the chunk LAG chunks back (its block items have lower tickets)
-            zc = z - LAG
-            piece = i - items
-    else:  # the last LAG chunks' combines
-        rest = ticket - num_bg * period
-        zc = num_bg * num_chunks - LAG + rest // COMBINES
-        piece = rest % COMBINES
-    if zc >= 0:
-        c = zc % num_chunks
-        bg = zc // num_chunks
-        need = tl.minimum(num_blocks, (c + 1) * M)
-        done = tl.atomic_add(COUNTERS + 1 + zc, 0, sem="acquire")
-        if SPIN:
-            while done < need:
-                done = tl.atomic_add(COUNTERS + 1 + zc, 0, sem="acquire")
-        tl.debug_barrier()
-        rr = piece * COMBINE_R + tl.arange(0, COMBINE_R)
-        t = c * CHUNK_Q + rr // HPG
-        r_ok = (rr < CHUNK_Q * HPG) & (t < T)
-        bt = ((bg // G) * T + t).to(tl.int64)
-        g = bg % G
-        _combine_rows(O_PART, LSE2_PART, BLOCKS, O, LSE, bt * H + g * HPG + rr % HPG, (bt * G + g) * N_SELECT,
-                      rr % HPG, r_ok, t, done < need, HPG, DV, BLOCK_DV, N_SELECT, COMBINE_R, SEL_BLOCK, ".cg",
-                      DISCARD)
 
 
 @triton.jit

@@ -21,8 +21,8 @@ import triton
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from nsa_model.config import NSAConfig
-from nsa_model.kernels.block_index import (block_work_kernel, chunk_starts_kernel, segment_ids_kernel,
-                                           segment_starts_kernel, tile_union_kernel)
+from nsa_model.kernels.block_index import (block_work_kernel, segment_ids_kernel, segment_starts_kernel,
+                                           tile_union_kernel)
 from nsa_model.kernels.compress import phi_bwd_rows_kernel, phi_bwd_w1_kernel, phi_bwd_x_kernel, phi_fwd_kernel
 from nsa_model.kernels.delta import row_dot_kernel
 from nsa_model.kernels.gates import gated_sum_bwd_kernel, gated_sum_fwd_kernel
@@ -31,9 +31,8 @@ from nsa_model.kernels.range_attention import (range_attn_bwd_dkdv_kernel, range
                                                range_attn_fwd_kernel)
 from nsa_model.kernels.selected_attention import (selected_attn_bwd_dkdv_kernel, selected_attn_bwd_dq_kernel,
                                                   selected_attn_fwd_kernel)
-from nsa_model.kernels.selected_by_block import (selected_block_bwd_kernel, selected_block_fwd_combine_kernel,
-                                                 selected_block_fwd_kernel, selected_combine_kernel,
-                                                 selected_dq_sum_kernel)
+from nsa_model.kernels.selected_by_block import (selected_block_bwd_kernel, selected_block_fwd_kernel,
+                                                 selected_combine_kernel, selected_dq_sum_kernel)
 from nsa_model.kernels.selected_tiled import selected_tiled_bwd_dq_kernel, selected_tiled_fwd_kernel
 from nsa_model.kernels.selection import select_blocks_kernel
 
@@ -67,13 +66,10 @@ PHI_KERNELS = ("fused", "torch")
 # branches' dQ), or in the epilogue of the compressed and window branches' two-range dQ kernel, which then runs
 # after the selected branch (kernels-notes.md v29)
 SLOT_SUMS = ("pass", "range_dq")
-# by_block's forward: the partials combined by a pass of their own, or in the same launch, query chunk by query
-# chunk, while they are still in L2 (selected_block_fwd_combine_kernel; kernels-notes.md v33)
-SELECTED_COMBINES = ("pass", "fused")
 
 
 RANGE_TILE_FIELDS = ("range_fwd", "range_dq", "range_dkdv", "range_fwd_d64", "range_dq_d64", "range_dkdv_d64")
-BOOL_FIELDS = ("slc_dense_prefix", "side_stream", "slc_combine_discard")
+BOOL_FIELDS = ("slc_dense_prefix", "side_stream")
 
 
 @dataclass(frozen=True)
@@ -126,17 +122,13 @@ class LaunchConfig:
     phi_kernel: str = "fused"  # one of PHI_KERNELS
     slc_slot_sum: str = "range_dq"  # one of SLOT_SUMS
     phi_rows: int = 32  # compressed tokens per program of phi's forward and its row backward (v29: 64 lost)
-    slc_combine: str = "pass"  # one of SELECTED_COMBINES
-    slc_combine_queries: int = 512  # fused combine: queries per chunk (rounded up to whole selection blocks)
-    slc_combine_lag: int = 2  # fused combine: a chunk's combine items come after the next this-many chunks' blocks
-    slc_combine_discard: bool = False  # fused combine: drop the partials' L2 lines once combined (_discard_l2)
 
     def __post_init__(self) -> None:
         choices = {"slc_kernel": SELECTED_KERNELS, "gate_kernel": GATE_KERNELS, "range_kernel": RANGE_KERNELS,
                    "delta_kernel": DELTA_KERNELS, "window_dkdv": WINDOW_DKDV, "slc_partial": PARTIAL_DTYPES,
                    "slc_dq": SELECTED_DQ, "slc_dkdv": SELECTED_DKDV, "range_pair": RANGE_PAIR,
                    "range_loads": RANGE_LOADS, "phi_kernel": PHI_KERNELS,
-                   "slc_slot_sum": SLOT_SUMS, "slc_combine": SELECTED_COMBINES}
+                   "slc_slot_sum": SLOT_SUMS}
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise ValueError(f"LaunchConfig.{name}: must be one of {allowed}, got {getattr(self, name)!r}")
@@ -148,7 +140,7 @@ class LaunchConfig:
                 continue
             value = getattr(self, f.name)
             low = 0 if f.name in ("select_chunk_splits", "slc_auto_tiled_fwd_blocks",
-                                  "slc_block_prefetch_dims", "slc_combine_lag") else 1
+                                  "slc_block_prefetch_dims") else 1
             if not isinstance(value, int) or value < low:
                 raise ValueError(f"LaunchConfig.{f.name}: must be an int >= {low}, got {value!r}")
         for name in RANGE_TILE_FIELDS:
@@ -621,7 +613,7 @@ def selected_kernel(hpg: int, num_blocks: int, n: int, config: LaunchConfig | No
 _WORK_SEGMENTS = 1024  # segments per step of block_work_kernel
 
 
-def block_work(blocks: torch.Tensor, num_blocks: int, chunk: int, shapes_only: bool = False, chunk_q: int = 0):
+def block_work(blocks: torch.Tensor, num_blocks: int, chunk: int, shapes_only: bool = False):
     """The inverted index of the by_block kernels and their work list, from one sort, sizes fixed by shapes.
 
     order [B*T*G*n] int32: flat slot ((b*T + t)*G + g)*n + i of each entry, sorted by segment s = (b*G + g) *
@@ -630,10 +622,7 @@ def block_work(blocks: torch.Tensor, num_blocks: int, chunk: int, shapes_only: b
     entries) of segment work_seg[p], or nothing where work_seg[p] = -1 (W is an upper bound: no host sync). An
     empty segment has one item too, with no entries: the backward writes its block's zero dK, dV there.
     The keys, the sort, one pass over the sorted keys for the starts and one program for the work list
-    (kernels/block_index.py; about 20 PyTorch launches before, v19). shapes_only: empty tensors of those shapes.
-    chunk_q > 0 adds chunk_starts [S * C + 1] int32 (C = cdiv(T, chunk_q)): the entries of segment s whose query
-    lies in chunk c (t // chunk_q = c) are order[chunk_starts[s*C + c]:chunk_starts[s*C + c + 1]] (by_block's
-    forward with the combine, selected_block_fwd_combine_kernel)."""
+    (kernels/block_index.py; about 20 PyTorch launches before, v19). shapes_only: empty tensors of those shapes."""
     B, T, G, n = blocks.shape
     dev = blocks.device
     num_segments, entries = B * G * num_blocks, blocks.numel()
@@ -650,15 +639,7 @@ def block_work(blocks: torch.Tensor, num_blocks: int, chunk: int, shapes_only: b
                                                                       num_segments, BLOCK=_SEGMENT_SLOTS)
     block_work_kernel[(1,)](starts, work_seg, work_chunk, num_segments, num_work, CHUNK=chunk,
                             BLOCK_S=_WORK_SEGMENTS)
-    order = order.to(torch.int32)
-    if not chunk_q:
-        return order, starts, work_seg, work_chunk
-    num_keys = num_segments * triton.cdiv(T, chunk_q)
-    chunk_starts = torch.empty(num_keys + 1, dtype=torch.int32, device=dev)
-    chunk_starts_kernel[(triton.cdiv(entries + 1, _SEGMENT_SLOTS),)](
-        sorted_segment, order, chunk_starts, entries, num_segments, T, triton.cdiv(T, chunk_q), G=G, N=n,
-        CHUNK_Q=chunk_q, BLOCK=_SEGMENT_SLOTS)
-    return order, starts, work_seg, work_chunk, chunk_starts
+    return order.to(torch.int32), starts, work_seg, work_chunk
 
 
 def _block_rows(hpg: int, config: LaunchConfig) -> int:
@@ -702,7 +683,7 @@ def _selected_fwd(q, k, v, blocks, sel_block: int, scale: float, prefix: int = 0
             **_block_tiles(_pow2(H // G), common, k, v))
     if prefix:  # ... and the range kernel fills them: causal attention over keys 0..t
         _range_fwd_into(q, k, v, o, lse, prefix, *_prefix_range(T), scale)
-    return o, lse, kernel, index[:_INDEX_SLOTS]  # chunk_starts serves the forward alone
+    return o, lse, kernel, index
 
 
 def _tiled_fwd_stages(q: torch.Tensor, v: torch.Tensor) -> int:
@@ -751,12 +732,9 @@ def _blocks_past_prefix(blocks: torch.Tensor, prefix: int) -> torch.Tensor:
 def _selected_index(blocks, sel_block: int, kernel: str, hpg: int,
                     shapes_only: bool = False) -> tuple[torch.Tensor, ...]:
     """What the selected variant's forward and backward read besides the selections: by_block's work list,
-    tiled's block unions; with the fused combine, a fifth tensor that only the forward reads (chunk_starts).
-    shapes_only: empty tensors of the shapes the backward keeps (nsa::core's fake)."""
+    tiled's block unions. shapes_only: empty tensors of their shapes (nsa::core's fake)."""
     if kernel in BY_BLOCK_BACKWARD:
-        fused = kernel == "by_block" and _config.slc_combine == "fused" and not shapes_only
-        return _by_block_index(blocks, sel_block, _config, shapes_only,
-                               chunk_q=_combine_chunk(sel_block, _config) if fused else 0)
+        return _by_block_index(blocks, sel_block, _config, shapes_only)
     if kernel == "tiled":
         return tile_block_union(blocks, _selected_tile(hpg)[1], triton.cdiv(blocks.shape[1], sel_block),
                                 shapes_only)
@@ -850,68 +828,30 @@ class _SelectedAttention(torch.autograd.Function):
 
 
 def _selected_by_block_fwd(q, k, v, blocks, o, lse, index, common, scale):
-    """Forward of the by_block variant into o and lse, over the work list `index` (_by_block_index): the block
-    kernel and the combine pass, or (slc_combine = "fused", index with chunk_starts) both in one launch."""
+    """Forward of the by_block variant into o and lse, over the work list `index` (_by_block_index)."""
     B, T, H, _ = q.shape
     G, n, dv = k.shape[2], blocks.shape[-1], v.shape[-1]
     hpg, c = H // G, _config
     num_blocks = triton.cdiv(T, common["SEL_BLOCK"])
-    order, starts, work_seg, work_chunk = index[:4]
+    order, starts, work_seg, work_chunk = index
     slots = B * T * G * n * hpg
     o_part = torch.empty(slots, dv, dtype=_partial_dtype(q, c), device=q.device)
     lse2_part = torch.empty(slots, dtype=torch.float32, device=q.device)
     prefetch = _block_prefetch(q, v)
-    launch = dict(T=T, num_blocks=num_blocks, scale=scale, ROWS=_block_rows(hpg, c), PREFETCH=prefetch, **common,
-                  num_warps=c.slc_block_warps, num_stages=c.slc_block_stages,
-                  **(dict(maxnreg=c.slc_block_fwd_maxnreg) if prefetch else {}),
-                  **_block_tiles(_block_rows(hpg, c), common, k, v))
-    if len(index) > 4:
-        _fused_combine_fwd(q, k, v, blocks, o, lse, order, index[4], o_part, lse2_part, launch, c)
-        return
     selected_block_fwd_kernel[(work_seg.numel(),)](
         q, k, v, ORDER=order, STARTS=starts, WORK_SEG=work_seg, WORK_CHUNK=work_chunk, O_PART=o_part,
-        LSE2_PART=lse2_part, CHUNK=c.slc_block_chunk, **launch)
+        LSE2_PART=lse2_part, T=T, num_blocks=num_blocks, scale=scale, ROWS=_block_rows(hpg, c),
+        CHUNK=c.slc_block_chunk, PREFETCH=prefetch, **common, num_warps=c.slc_block_warps,
+        num_stages=c.slc_block_stages, **(dict(maxnreg=c.slc_block_fwd_maxnreg) if prefetch else {}),
+        **_block_tiles(_block_rows(hpg, c), common, k, v))
     rows = B * T * H
     selected_combine_kernel[(triton.cdiv(rows, _COMBINE_ROWS),)](
         o_part, lse2_part, blocks, o, lse, rows, H=H, G=G, DV=dv, BLOCK_DV=common["BLOCK_DV"], N_SELECT=n,
         BLOCK_R=_COMBINE_ROWS)
 
 
-_FUSED_COMBINE_ROWS = 64  # (query, head) rows per combine item of the fused forward
-
-
-def _fused_combine_fwd(q, k, v, blocks, o, lse, order, chunk_starts, o_part, lse2_part, launch: dict,
-                       config: LaunchConfig):
-    """selected_block_fwd_combine_kernel over every (b, g): per query chunk one item per block its queries can
-    choose, then the combine items of the chunk slc_combine_lag chunks back, then the last chunks' combines."""
-    B, T, H, _ = q.shape
-    G, sel_block = k.shape[2], launch["SEL_BLOCK"]
-    chunk_q = _combine_chunk(sel_block, config)
-    num_chunks, num_blocks = triton.cdiv(T, chunk_q), launch["num_blocks"]
-    combines = triton.cdiv(chunk_q * (H // G), _FUSED_COMBINE_ROWS)
-    blocks_per_chunk = chunk_q // sel_block
-    period = sum(min(num_blocks, (c + 1) * blocks_per_chunk) + combines for c in range(num_chunks))
-    lag = config.slc_combine_lag
-    counters = torch.zeros(1 + B * G * num_chunks, dtype=torch.int32, device=q.device)
-    # discard.global.L2 drops whole 128-byte lines: only where each partial row is exactly one (head dim 64 in
-    # bf16/fp16) and the rows start on a line (the allocator's blocks are 512-byte aligned).
-    row_bytes = o_part.shape[1] * o_part.element_size()
-    discard = (config.slc_combine_discard and not INTERPRETED and row_bytes == 128 and o_part.data_ptr() % 128 == 0)
-    selected_block_fwd_combine_kernel[(B * G * period + lag * combines,)](
-        q, k, v, ORDER=order, CHUNK_STARTS=chunk_starts, BLOCKS=blocks, COUNTERS=counters, O_PART=o_part,
-        LSE2_PART=lse2_part, O=o, LSE=lse, num_chunks=num_chunks, num_bg=B * G, CHUNK_Q=chunk_q,
-        CHUNKS_PAD=triton.next_power_of_2(num_chunks), COMBINE_R=_FUSED_COMBINE_ROWS, LAG=lag, SPIN=not INTERPRETED,
-        DISCARD=discard, **launch)
-
-
-def _by_block_index(blocks, sel_block, config, shapes_only: bool = False, chunk_q: int = 0):
-    return block_work(blocks, triton.cdiv(blocks.shape[1], sel_block), config.slc_block_chunk, shapes_only, chunk_q)
-
-
-def _combine_chunk(sel_block: int, config: LaunchConfig) -> int:
-    """Queries per chunk of the fused combine: slc_combine_queries rounded up to whole selection blocks, so that a
-    chunk's queries can choose exactly the blocks before its end."""
-    return triton.cdiv(config.slc_combine_queries, sel_block) * sel_block
+def _by_block_index(blocks, sel_block, config, shapes_only: bool = False):
+    return block_work(blocks, triton.cdiv(blocks.shape[1], sel_block), config.slc_block_chunk, shapes_only)
 
 
 def _selected_by_block_bwd(q, k, v, blocks, do, lse, delta, index, common, scale, dq_mode=None, dq_add=None,
