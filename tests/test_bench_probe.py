@@ -18,3 +18,16 @@ def test_every_selection_variant_of_the_probe_applies_to_the_kernel_as_it_is():
                          env={**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": ROOT})
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == "4"
+
+
+def test_every_by_block_variant_of_the_probe_applies_to_the_kernels_as_they_are():
+    """bench/probe_by_block.py's variants edit kernels/selected_by_block.py the same way."""
+    code = ("import bench.probe_by_block as p\n"
+            "edits = {**p.FORWARD_EDITS, **p.BACKWARD_EDITS}\n"
+            "missing = [n for n, e in edits.items() if p.variant(n, e) is None]\n"
+            "assert not missing, missing\n"
+            "print(len(edits))\n")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                         env={**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": ROOT})
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "5"

@@ -1,0 +1,158 @@
+"""Probe (timing only, not a check) of where by_block's time goes: what its gathers and its per-slot partials cost
+(kernels-notes.md v33).
+
+    python bench/probe_by_block.py --out DIR [--commit SHA] [--suffix=-v33c]
+
+Variants of kernels/selected_by_block.py built by editing its source (their results are wrong by construction;
+only their times matter), each timed on NSA's own selections of random inputs at the 125M shapes, by_block forced,
+as CUDA graphs (do_bench_cudagraph medians):
+
+- forward (`_selected_by_block_fwd`: the block kernel and the combine pass) and the combine pass alone;
+- the forward with each partial output row stored as 4 bytes instead of 128 (what the block kernel would take if
+  the partials never left the chip), with the query rows loaded contiguously instead of gathered, and both;
+- the backward (`_selected_by_block_bwd` with dQ slots, not summed) and the same with each dQ slot row stored as 4
+  bytes, and the slot sum's read of them alone (`selected_dq_sum_kernel`).
+
+Writes probe-<device>-<date><suffix>.json and .md.
+"""
+
+import argparse
+import datetime
+import importlib.util
+import json
+import pathlib
+import sys
+import tempfile
+
+import torch
+import triton
+from triton.testing import do_bench_cudagraph
+
+from bench.provenance import git_commit
+from nsa_model.config import NSAConfig
+from nsa_model.ops import triton_impl as ti
+
+SHAPES = {"125m 4x8k": (4, 8192), "125m 16x2k": (16, 2048), "125m 1x32k": (1, 32768)}  # H = 12, G = 2, D = 64
+O_STORE = ("tl.store(O_PART + row_p[:, None] * DV + offs_dv[None, :],\n"
+           "                     (acc / l_safe[:, None]).to(O_PART.dtype.element_ty), "
+           "mask=r_ok[:, None] & (offs_dv < DV)[None, :])")
+O_STORE_4B = "tl.store(LSE2_PART + row_p, tl.sum(acc, axis=1) / l_safe, mask=r_ok)"
+Q_GATHER = ("q = tl.load(Q + row_q[:, None] * DK + offs_dk[None, :], mask=r_ok[:, None] & (offs_dk < DK)[None, :], "
+            "other=0.0)")
+Q_CONTIGUOUS = ("q = tl.load(Q + (b * T * H + tl.arange(0, ROWS)).to(tl.int64)[:, None] * DK + offs_dk[None, :], "
+                "mask=r_ok[:, None] & (offs_dk < DK)[None, :], other=0.0)")
+DQ_STORE = ("tl.store(DQ_OUT + row_p[:, None] * DK + offs_dk[None, :], dq.to(DQ_OUT.dtype.element_ty), "
+            "mask=q_ok)")
+DQ_STORE_4B = "tl.store(DQ_OUT + row_p * DK, tl.sum(dq, axis=1).to(DQ_OUT.dtype.element_ty), mask=r_ok)"
+FORWARD_EDITS = {"prod": [], "o partial 4 B a row": [(O_STORE, O_STORE_4B)],
+                 "q rows contiguous": [(Q_GATHER, Q_CONTIGUOUS)],
+                 "both": [(O_STORE, O_STORE_4B), (Q_GATHER, Q_CONTIGUOUS)]}
+BACKWARD_EDITS = {"prod": [], "dQ slot 4 B a row": [(DQ_STORE, DQ_STORE_4B)]}
+
+
+def variant(name: str, edits):
+    """The by_block module with `edits` applied (None where an edit's text is not in the source)."""
+    src = pathlib.Path(ti.__file__).parent.parent.joinpath("kernels", "selected_by_block.py").read_text()
+    for old, new in edits:
+        if old not in src:
+            return None
+        src = src.replace(old, new)
+    path = pathlib.Path(tempfile.mkdtemp()) / f"by_block_{abs(hash(name))}.py"
+    path.write_text(src)
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[path.stem] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def bench(fn) -> float:
+    return do_bench_cudagraph(fn, rep=200) * 1000  # us
+
+
+def inputs(B: int, T: int):
+    cfg, H, G, D = NSAConfig(), 12, 2, 64
+    gen = torch.Generator("cuda").manual_seed(0)
+    q = torch.randn(B, T, H, D, device="cuda", generator=gen).bfloat16()
+    k, v, do = (torch.randn(B, T, n, D, device="cuda", generator=gen).bfloat16() for n in (G, G, H))
+    tc = cfg.num_cmp_tokens(T)
+    kc, vc = (torch.randn(B, tc, G, D, device="cuda", generator=gen).bfloat16() for _ in range(2))
+    scale = D ** -0.5
+    _, lse_cmp = ti._range_fwd(q, kc, vc, *ti._cmp_range(cfg.cmp_block, cfg.cmp_stride, T), scale)
+    blocks = ti.select_blocks(q, kc, lse_cmp, cfg, scale)
+    return cfg, q, k, v, do, blocks, scale
+
+
+def probe(B: int, T: int) -> dict:
+    cfg, q, k, v, do, blocks, scale = inputs(B, T)
+    H, G, n = q.shape[2], k.shape[2], blocks.shape[-1]
+    common = dict(H=H, G=G, SEL_BLOCK=cfg.sel_block, BLOCK_S=cfg.sel_block, N_SELECT=n, **ti._head_dims(q, v),
+                  **ti._kv_strides(k, v))
+    index = ti._by_block_index(blocks, cfg.sel_block, ti.launch_config())
+    o, lse, _, _ = ti._selected_fwd(q, k, v, blocks, cfg.sel_block, scale)
+    delta = ti._delta(do, o)
+    row = {}
+    prod_fwd, prod_bwd = ti.selected_block_fwd_kernel, ti.selected_block_bwd_kernel
+    try:
+        for name, edits in FORWARD_EDITS.items():
+            ti.selected_block_fwd_kernel = variant(name, edits).selected_block_fwd_kernel
+            row[f"forward: {name}"] = bench(lambda: ti._selected_by_block_fwd(q, k, v, blocks, o, lse, index, common,
+                                                                              scale))
+        ti.selected_block_fwd_kernel = prod_fwd
+        slots = B * T * G * n * (H // G)
+        o_part = torch.randn(slots, v.shape[-1], device="cuda").bfloat16()
+        lse_part = torch.randn(slots, device="cuda")
+        rows = B * T * H
+        row["combine pass alone"] = bench(lambda: ti.selected_combine_kernel[(triton.cdiv(rows, ti._COMBINE_ROWS),)](
+            o_part, lse_part, blocks, o, lse, rows, H=H, G=G, DV=v.shape[-1], BLOCK_DV=common["BLOCK_DV"],
+            N_SELECT=n, BLOCK_R=ti._COMBINE_ROWS))
+        for name, edits in BACKWARD_EDITS.items():
+            ti.selected_block_bwd_kernel = variant(name, edits).selected_block_bwd_kernel
+            row[f"backward, dQ slots: {name}"] = bench(lambda: ti._selected_by_block_bwd(
+                q, k, v, blocks, do, lse, delta, index, common, scale, final_kv=True, dq_slots=True))
+        dq = torch.empty_like(q)
+        row["dQ slot sum alone"] = bench(lambda: ti.selected_dq_sum_kernel[(triton.cdiv(rows, ti._COMBINE_ROWS),)](
+            o_part, blocks, dq, dq, dq, rows, H=H, G=G, DK=q.shape[-1], BLOCK_DK=common["BLOCK_DK"], N_SELECT=n,
+            BLOCK_R=ti._COMBINE_ROWS, NUM_ADD=0))
+    finally:
+        ti.selected_block_fwd_kernel, ti.selected_block_bwd_kernel = prod_fwd, prod_bwd
+    return row
+
+
+def write(out_dir: pathlib.Path, suffix: str, commit: str, results: dict) -> pathlib.Path:
+    device = torch.cuda.get_device_name()
+    tag = "h200" if "H200" in device else "h100" if "H100" in device else device.split()[-1].lower()
+    stamp = datetime.datetime.now(datetime.timezone.utc)
+    stem = out_dir / f"probe-{tag}-{stamp:%Y-%m-%d}{suffix}"
+    meta = {"device": device, "date": f"{stamp:%Y-%m-%d %H:%M} UTC", "commit": commit, "torch": torch.__version__,
+            "triton": triton.__version__}
+    stem.with_suffix(".json").write_text(json.dumps({"meta": meta, "us": results}, indent=1))
+    names = list(next(iter(results.values())))
+    lines = [f"# Probe: where by_block's time goes: {device}, {meta['date']}", "",
+             f"commit {commit}, torch {meta['torch']}, triton {meta['triton']}. `bench/probe_by_block.py`: by_block "
+             "forced, NSA's own selections of random inputs, `do_bench_cudagraph` medians in microseconds per call. "
+             "The edited variants give wrong results; only their times matter (the module docstring says what each "
+             "leaves out).", "", "| | " + " | ".join(results) + " |", "|---|" + "---|" * len(results)]
+    for name in names:
+        lines.append(f"| {name} | " + " | ".join(f"{row[name]:.1f}" for row in results.values()) + " |")
+    stem.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    return stem
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--commit", default=None)
+    parser.add_argument("--suffix", default="-by-block")
+    args = parser.parse_args()
+    results = {}
+    for shape, (B, T) in SHAPES.items():
+        results[shape] = probe(B, T)
+        print(shape, {k: round(v, 1) for k, v in results[shape].items()}, "us", flush=True)
+    out_dir = pathlib.Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    print(write(out_dir, args.suffix, args.commit or git_commit(), results))
+
+
+if __name__ == "__main__":
+    main()
