@@ -1,7 +1,7 @@
 """Probe (timing only, not a check) of where by_block's time goes: what its gathers and its per-slot partials cost
 (kernels-notes.md v33).
 
-    python bench/probe_by_block.py --out DIR [--commit SHA] [--suffix=-v33c]
+    python bench/probe_by_block.py --out DIR [--commit SHA] [--suffix=-v33c] [--chunks 128,64]
 
 Variants of kernels/selected_by_block.py built by editing its source (their results are wrong by construction;
 only their times matter), each timed on NSA's own selections of random inputs at the 125M shapes, by_block forced,
@@ -11,12 +11,15 @@ as CUDA graphs (do_bench_cudagraph medians):
 - the forward with each partial output row stored as 4 bytes instead of 128 (what the block kernel would take if
   the partials never left the chip), with the query rows loaded contiguously instead of gathered, and both;
 - the backward (`_selected_by_block_bwd` with dQ slots, not summed) and the same with each dQ slot row stored as 4
-  bytes, and the slot sum's read of them alone (`selected_dq_sum_kernel`).
+  bytes, and the slot sum's read of them alone (`selected_dq_sum_kernel`);
+- the forward and the backward as they are with shorter programs (slc_block_chunk, choosers per program: --chunks),
+  what a work list of short items costs by itself.
 
 Writes probe-<device>-<date><suffix>.json and .md.
 """
 
 import argparse
+import dataclasses
 import datetime
 import importlib.util
 import json
@@ -83,7 +86,7 @@ def inputs(B: int, T: int):
     return cfg, q, k, v, do, blocks, scale
 
 
-def probe(B: int, T: int) -> dict:
+def probe(B: int, T: int, chunks: list[int]) -> dict:
     cfg, q, k, v, do, blocks, scale = inputs(B, T)
     H, G, n = q.shape[2], k.shape[2], blocks.shape[-1]
     common = dict(H=H, G=G, SEL_BLOCK=cfg.sel_block, BLOCK_S=cfg.sel_block, N_SELECT=n, **ti._head_dims(q, v),
@@ -116,6 +119,13 @@ def probe(B: int, T: int) -> dict:
             BLOCK_R=ti._COMBINE_ROWS, NUM_ADD=0))
     finally:
         ti.selected_block_fwd_kernel, ti.selected_block_bwd_kernel = prod_fwd, prod_bwd
+    for chunk in chunks:
+        with ti.use_launch_config(dataclasses.replace(ti.launch_config(), slc_block_chunk=chunk)):
+            short = ti._by_block_index(blocks, cfg.sel_block, ti.launch_config())
+            row[f"forward: {chunk} choosers a program"] = bench(lambda: ti._selected_by_block_fwd(
+                q, k, v, blocks, o, lse, short, common, scale))
+            row[f"backward: {chunk} choosers a program"] = bench(lambda: ti._selected_by_block_bwd(
+                q, k, v, blocks, do, lse, delta, short, common, scale, final_kv=True, dq_slots=True))
     return row
 
 
@@ -144,10 +154,13 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--commit", default=None)
     parser.add_argument("--suffix", default="-by-block")
+    parser.add_argument("--chunks", default="", help="comma-separated slc_block_chunk values to time besides the "
+                        "default's")
     args = parser.parse_args()
+    chunks = [int(c) for c in args.chunks.split(",") if c]
     results = {}
     for shape, (B, T) in SHAPES.items():
-        results[shape] = probe(B, T)
+        results[shape] = probe(B, T, chunks)
         print(shape, {k: round(v, 1) for k, v in results[shape].items()}, "us", flush=True)
     out_dir = pathlib.Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
