@@ -9,9 +9,11 @@ as CUDA graphs (do_bench_cudagraph medians):
 
 - forward (`_selected_by_block_fwd`: the block kernel and the combine pass) and the combine pass alone;
 - the forward with each partial output row stored as 4 bytes instead of 128 (what the block kernel would take if
-  the partials never left the chip), with the query rows loaded contiguously instead of gathered, and both;
+  the partials never left the chip); stored whole, but each program's rows into 64 rows of a 4 MB window (about
+  the same instructions and registers, no DRAM traffic: which of the two the stores cost); with the query rows
+  loaded contiguously instead of gathered; and the first and third together;
 - the backward (`_selected_by_block_bwd` with dQ slots, not summed) and the same with each dQ slot row stored as 4
-  bytes, and the slot sum's read of them alone (`selected_dq_sum_kernel`);
+  bytes or into a 4 MB window, and the slot sum's read of them alone (`selected_dq_sum_kernel`);
 - the forward and the backward as they are with shorter programs (slc_block_chunk, choosers per program: --chunks),
   what a work list of short items costs by itself.
 
@@ -40,6 +42,10 @@ O_STORE = ("tl.store(O_PART + row_p[:, None] * DV + offs_dv[None, :],\n"
            "                     (acc / l_safe[:, None]).to(O_PART.dtype.element_ty), "
            "mask=r_ok[:, None] & (offs_dv < DV)[None, :])")
 O_STORE_4B = "tl.store(LSE2_PART + row_p, tl.sum(acc, axis=1) / l_safe, mask=r_ok)"
+# each program's rows into 64 rows of its own in a 4 MB window (512 windows): the same instructions and about the
+# same registers, but no DRAM traffic
+WINDOW = "(row_p % 64 + (tl.program_id(0) % 512) * 64)"
+O_STORE_L2 = O_STORE.replace("O_PART + row_p[:, None]", f"O_PART + {WINDOW}[:, None]")
 Q_GATHER = ("q = tl.load(Q + row_q[:, None] * DK + offs_dk[None, :], mask=r_ok[:, None] & (offs_dk < DK)[None, :], "
             "other=0.0)")
 Q_CONTIGUOUS = ("q = tl.load(Q + (b * T * H + tl.arange(0, ROWS)).to(tl.int64)[:, None] * DK + offs_dk[None, :], "
@@ -47,10 +53,13 @@ Q_CONTIGUOUS = ("q = tl.load(Q + (b * T * H + tl.arange(0, ROWS)).to(tl.int64)[:
 DQ_STORE = ("tl.store(DQ_OUT + row_p[:, None] * DK + offs_dk[None, :], dq.to(DQ_OUT.dtype.element_ty), "
             "mask=q_ok)")
 DQ_STORE_4B = "tl.store(DQ_OUT + row_p * DK, tl.sum(dq, axis=1).to(DQ_OUT.dtype.element_ty), mask=r_ok)"
+DQ_STORE_L2 = DQ_STORE.replace("DQ_OUT + row_p[:, None]", f"DQ_OUT + {WINDOW}[:, None]")
 FORWARD_EDITS = {"prod": [], "o partial 4 B a row": [(O_STORE, O_STORE_4B)],
+                 "o partial rows into a 4 MB window": [(O_STORE, O_STORE_L2)],
                  "q rows contiguous": [(Q_GATHER, Q_CONTIGUOUS)],
                  "both": [(O_STORE, O_STORE_4B), (Q_GATHER, Q_CONTIGUOUS)]}
-BACKWARD_EDITS = {"prod": [], "dQ slot 4 B a row": [(DQ_STORE, DQ_STORE_4B)]}
+BACKWARD_EDITS = {"prod": [], "dQ slot 4 B a row": [(DQ_STORE, DQ_STORE_4B)],
+                  "dQ slot rows into a 4 MB window": [(DQ_STORE, DQ_STORE_L2)]}
 
 
 def variant(name: str, edits):

@@ -30,4 +30,4 @@ def test_every_by_block_variant_of_the_probe_applies_to_the_kernels_as_they_are(
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
                          env={**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": ROOT})
     assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.strip() == "5"
+    assert out.stdout.strip() == "7"
