@@ -23,16 +23,14 @@ Writes probe-<device>-<date><suffix>.json and .md.
 import argparse
 import dataclasses
 import datetime
-import importlib.util
 import json
 import pathlib
-import sys
-import tempfile
 
 import torch
 import triton
 from triton.testing import do_bench_cudagraph
 
+from bench.kernel_variants import edited_module
 from bench.provenance import git_commit
 from nsa_model.config import NSAConfig
 from nsa_model.ops import triton_impl as ti
@@ -64,18 +62,7 @@ BACKWARD_EDITS = {"prod": [], "dQ slot 4 B a row": [(DQ_STORE, DQ_STORE_4B)],
 
 def variant(name: str, edits):
     """The by_block module with `edits` applied (None where an edit's text is not in the source)."""
-    src = pathlib.Path(ti.__file__).parent.parent.joinpath("kernels", "selected_by_block.py").read_text()
-    for old, new in edits:
-        if old not in src:
-            return None
-        src = src.replace(old, new)
-    path = pathlib.Path(tempfile.mkdtemp()) / f"by_block_{abs(hash(name))}.py"
-    path.write_text(src)
-    spec = importlib.util.spec_from_file_location(path.stem, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[path.stem] = module
-    spec.loader.exec_module(module)
-    return module
+    return edited_module("selected_by_block.py", name, edits)
 
 
 def bench(fn) -> float:

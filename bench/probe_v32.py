@@ -14,16 +14,14 @@ Run from a tree and from a copy of another commit's tree in the same call, it gi
 
 import argparse
 import dataclasses
-import importlib.util
 import json
 import pathlib
-import sys
-import tempfile
 
 import torch
 import triton
 from triton.testing import do_bench_cudagraph
 
+from bench.kernel_variants import edited_module
 from nsa_model.config import NSAConfig
 from nsa_model.ops import triton_impl as ti
 
@@ -41,18 +39,8 @@ SELECT_EDITS = {  # each variant's edits of kernels/selection.py as it is now (t
 
 
 def variant(name: str, edits):
-    src = pathlib.Path(ti.__file__).parent.parent.joinpath("kernels", "selection.py").read_text()
-    for old, new in edits:
-        if old not in src:  # an edit of another version of the kernel (a base tree's): that variant is skipped
-            return None
-        src = src.replace(old, new)
-    path = pathlib.Path(tempfile.mkdtemp()) / f"sel_{abs(hash(name))}.py"
-    path.write_text(src)
-    spec = importlib.util.spec_from_file_location(path.stem, path)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[path.stem] = mod
-    spec.loader.exec_module(mod)
-    return mod.select_blocks_kernel
+    module = edited_module("selection.py", name, edits)
+    return None if module is None else module.select_blocks_kernel
 
 
 def bench(fn) -> float:
