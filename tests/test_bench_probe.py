@@ -29,3 +29,24 @@ def test_every_selection_variant_of_the_probe_applies_to_the_kernel_as_it_is():
 def test_every_by_block_variant_of_the_probe_applies_to_the_kernels_as_they_are():
     """bench/probe_by_block.py's variants edit kernels/selected_by_block.py the same way."""
     assert _variants_applied("probe_by_block", "{**p.FORWARD_EDITS, **p.BACKWARD_EDITS}") == 7
+
+
+def test_every_exp2_variant_of_the_probe_applies_to_the_kernels_as_they_are():
+    """bench/probe_exp2.py edits every kernel module that exponentiates: each variant builds them all, and each
+    module's exponentials are all routed through the variant's helper (none left on the unit by accident)."""
+    code = ("import bench.probe_exp2 as p\n"
+            "from bench.kernel_variants import KERNELS\n"
+            "for name in p.VARIANTS:\n"
+            "    if name != 'prod':\n"
+            "        assert len(p.kernels_of(name)) == sum(len(k) for k in p.MODULES.values())\n"
+            "for module in p.MODULES:\n"
+            "    src = KERNELS.joinpath(module).read_text()\n"
+            "    for old, new in p.edits('', module):\n"
+            "        src = src.replace(old, new)\n"
+            "    code = [l for l in src.splitlines() if not l.lstrip().startswith('#')]\n"
+            "    assert not any('tl.exp2(' in l or 'tl.exp(' in l for l in code), module\n"
+            "print(len(p.VARIANTS))\n")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                         env={**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": ROOT})
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert int(out.stdout.strip()) == 5
