@@ -2,6 +2,7 @@
 their exponentials onto the FMA pipe gives back (kernels-notes.md v34).
 
     python bench/probe_exp2.py --out DIR [--commit SHA] [--suffix=-v34a] [--shapes 125m:4:8192,paper:1:8192]
+    python bench/probe_exp2.py --selection --out DIR ...   # the selection kernel under each select_exp_fma
 
 On Hopper each multiprocessor computes 16 exponentials a clock (MUFU.EX2; a half-precision pair is two of them:
 sm_90 has no packed form) against 128 fp32 FMAs. At head dim 64 one 64 x 64 tile of scores costs as many clocks
@@ -10,7 +11,8 @@ the forward kernels. FlashAttention-4's device: evaluate some of them as 2^n * p
 f = x - n, p a polynomial.
 
 Variants of every kernel module that exponentiates (range, by_block, tiled, per-query, selection), built by editing
-their source (kernel_variants.py): each `tl.exp2(x)` of a 2-D tile (and the selection's `tl.exp`) becomes
+their source (kernel_variants.py): each `tl.exp2(x)` of a 2-D tile (at c3ad191 the selection's `tl.exp`; since
+then its exp2, with select_exp_fma = 0 pinned for the probe) becomes
 
 - "no exp": x itself (the results are wrong: what the kernels would take without the unit, a bound);
 - "fma half d4": every second column through a degree-4 polynomial (relative error 2.9e-6), the rest MUFU;
@@ -25,6 +27,7 @@ the largest value), a check that the polynomial variants compute what the produc
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import pathlib
@@ -46,11 +49,10 @@ MODULES = {  # kernel module -> the kernels of it that triton_impl launches
     "selection.py": ("select_blocks_kernel",),
 }
 IMPORT = "import triton.language as tl\n"
-SELECTION_EXP = "tl.exp(s - lse[:, None])"
 
 FMA = """
 @triton.jit
-def _exp2_fma(x):
+def _exp2_fma_v(x):
     # 2^x = 2^n * p(f), n = round(x), f = x - n in [-0.5, 0.5]; adding 1.5 * 2^23 rounds x into the low mantissa
     # bits, whence n << 23 is added to p's exponent bits. p(0) = 1 exactly, so x <= -127 (and -inf) gives +0.
     x = tl.maximum(x, -127.0)
@@ -70,7 +72,7 @@ def _exp2_v(x):
         M: tl.constexpr = x.shape[0]
         N: tl.constexpr = x.shape[1]
         a, b = tl.split(tl.reshape(x, [M, N // 2, 2]))  # a thread's register pairs: no data moves
-        return tl.reshape(tl.join(tl.exp2(a), _exp2_fma(b)), [M, N])
+        return tl.reshape(tl.join(tl.exp2(a), _exp2_fma_v(b)), [M, N])
     else:
         return tl.exp2(x)
 """
@@ -82,7 +84,7 @@ def _exp2_v(x):
         N: tl.constexpr = x.shape[1]
         left, right = tl.split(tl.permute(tl.reshape(x, [M, 2, N // 2]), (0, 2, 1)))
         a, b = tl.split(tl.reshape(right, [M, N // 4, 2]))
-        right = tl.reshape(tl.join(tl.exp2(a), _exp2_fma(b)), [M, N // 2])
+        right = tl.reshape(tl.join(tl.exp2(a), _exp2_fma_v(b)), [M, N // 2])
         return tl.reshape(tl.permute(tl.join(tl.exp2(left), right), (0, 2, 1)), [M, N])
     else:
         return tl.exp2(x)
@@ -99,9 +101,7 @@ VARIANTS = {"prod": None, "no exp": NONE, "fma half d4": FMA.format(poly=POLY[4]
 def edits(helpers: str, module: str) -> list[tuple[str, str]]:
     """The module's edits: the helpers after its imports, its exponentials through _exp2_v."""
     src = (KERNELS / module).read_text()
-    out = [(old, new) for old, new in (("tl.exp2(", "_exp2_v("),
-                                       (SELECTION_EXP, "_exp2_v((s - lse[:, None]) * 1.4426950408889634)"))
-           if old in src]
+    out = [("tl.exp2(", "_exp2_v(")] if "tl.exp2(" in src else []
     return out + [(IMPORT, IMPORT + helpers)]  # last: the helpers' own tl.exp2 stays the unit's
 
 
@@ -157,6 +157,51 @@ def run_shape(family: str, B: int, T: int, variants: dict) -> dict:
     return row
 
 
+def time_selection(family: str, B: int, T: int) -> dict:
+    """The selection kernel alone under each select_exp_fma (launch config; what nsa::core runs), ms as a CUDA
+    graph, and the share of (query, group) rows whose selected set differs from the unit-only one's."""
+    s = SHAPES[family]
+    H, G, Dk = s["H"], s["G"], s["Dk"]
+    cfg, scale = PAPER_NSA, Dk ** -0.5
+    x = make_inputs(B, T, H, G, Dk, s["Dv"], cfg, torch.bfloat16, seed=1)
+    _, lse = ti.compressed_attention(x["q"], x["k_cmp"], x["v_cmp"], cfg, scale)
+    out, base = {}, None
+    for share in ti.SELECT_EXP_FMA:
+        with ti.use_launch_config(dataclasses.replace(ti.launch_config(), select_exp_fma=share)):
+            blocks = ti.select_blocks(x["q"], x["k_cmp"], lse, cfg, scale).sort(-1).values
+            base = blocks if base is None else base
+            ms = triton.testing.do_bench_cudagraph(lambda: ti.select_blocks(x["q"], x["k_cmp"], lse, cfg, scale),
+                                                   rep=200)
+        rows_differing = float((blocks != base).any(-1).float().mean())
+        out[f"select_exp_fma={share}"] = {"ms": ms, "rows_differing_from_unit": rows_differing}
+        print(family, B, T, share, f"{ms * 1000:.1f} us", f"rows differing {rows_differing:.2e}", flush=True)
+    return out
+
+
+def write_selection(out_dir: pathlib.Path, suffix: str, commit: str, results: dict) -> pathlib.Path:
+    device = torch.cuda.get_device_name()
+    tag = "h200" if "H200" in device else "h100" if "H100" in device else device.split()[-1].lower()
+    stamp = datetime.datetime.now(datetime.timezone.utc)
+    stem = out_dir / f"probe-{tag}-{stamp:%Y-%m-%d}{suffix}"
+    meta = {"device": device, "date": f"{stamp:%Y-%m-%d %H:%M} UTC", "commit": commit, "torch": torch.__version__,
+            "triton": triton.__version__}
+    stem.with_suffix(".json").write_text(json.dumps({"meta": meta, "selection": results}, indent=1))
+    shares = [f"select_exp_fma={k}" for k in ti.SELECT_EXP_FMA]
+    lines = [f"# Probe: the selection's exponentials on the FMA pipe: {device}, {meta['date']}", "",
+             f"commit {commit}, torch {meta['torch']}, triton {meta['triton']}. `bench/probe_exp2.py --selection`: "
+             "select_blocks_kernel alone (`do_bench_cudagraph` median, us), bf16, random inputs, under each "
+             "select_exp_fma (0: every exponential on the unit; 2: half, 4: a quarter as a polynomial on the FMA "
+             "pipe); in brackets the share of (query, group) rows whose set differs from 0's (near-ties; the GPU "
+             "tests judge the sets against float64).", "", "| shape | " + " | ".join(shares) + " | 4 / 0 |",
+             "|---|" + "---|" * (len(shares) + 1)]
+    for shape, row in results.items():
+        cells = [f"{row[k]['ms'] * 1000:.1f} ({row[k]['rows_differing_from_unit']:.1e})" for k in shares]
+        ratio = row[shares[-1]]["ms"] / row[shares[0]]["ms"]
+        lines.append(f"| {shape} | " + " | ".join(cells) + f" | {ratio:.3f} |")
+    stem.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    return stem
+
+
 def write(out_dir: pathlib.Path, suffix: str, commit: str, results: dict) -> pathlib.Path:
     device = torch.cuda.get_device_name()
     tag = "h200" if "H200" in device else "h100" if "H100" in device else device.split()[-1].lower()
@@ -191,12 +236,24 @@ def main() -> None:
     parser.add_argument("--suffix", default="-exp2")
     parser.add_argument("--shapes", default="125m:4:8192,125m:16:2048,125m:1:32768,paper:1:8192")
     parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--selection", action="store_true", help="only the selection kernel under each "
+                        "select_exp_fma (launch config), not the edited variants")
     args = parser.parse_args()
-    names = args.variants.split(",")
-    variants = {name: kernels_of(name) for name in ["prod"] + [n for n in names if n != "prod"]}
-    results = {}
     out_dir = pathlib.Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
+    if args.selection:
+        results = {}
+        for item in args.shapes.split(","):
+            family, B, T = item.split(":")
+            results[f"{family} {B} x {T}"] = time_selection(family, int(B), int(T))
+        print(write_selection(out_dir, args.suffix, args.commit or git_commit(), results))
+        return
+    names = args.variants.split(",")
+    # the selection's exponentials all on the unit, as when this probe was first run (c3ad191): its variants edit
+    # that path (the selection now runs a quarter of them on the FMA pipe by default: select_exp_fma, v34)
+    ti.set_launch_config(dataclasses.replace(ti.launch_config(), select_exp_fma=0))
+    variants = {name: kernels_of(name) for name in ["prod"] + [n for n in names if n != "prod"]}
+    results = {}
     for item in args.shapes.split(","):
         family, B, T = item.split(":")
         results[f"{family} {B} x {T}"] = run_shape(family, int(B), int(T), variants)
