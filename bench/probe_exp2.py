@@ -2,7 +2,7 @@
 their exponentials onto the FMA pipe gives back (kernels-notes.md v34).
 
     python bench/probe_exp2.py --out DIR [--commit SHA] [--suffix=-v34a] [--shapes 125m:4:8192,paper:1:8192]
-    python bench/probe_exp2.py --selection --out DIR ...   # the selection kernel under each select_exp_fma
+    python bench/probe_exp2.py --selection --out DIR ...   # the selection kernel alone, as it is and edited
 
 On Hopper each multiprocessor computes 16 exponentials a clock (MUFU.EX2; a half-precision pair is two of them:
 sm_90 has no packed form) against 128 fp32 FMAs. At head dim 64 one 64 x 64 tile of scores costs as many clocks
@@ -11,8 +11,8 @@ the forward kernels. FlashAttention-4's device: evaluate some of them as 2^n * p
 f = x - n, p a polynomial.
 
 Variants of every kernel module that exponentiates (range, by_block, tiled, per-query, selection), built by editing
-their source (kernel_variants.py): each `tl.exp2(x)` of a 2-D tile (at c3ad191 the selection's `tl.exp`; since
-then its exp2, with select_exp_fma = 0 pinned for the probe) becomes
+their source (kernel_variants.py): each `tl.exp2(x)` of a 2-D tile (at c3ad191, where it was first run, the
+selection's `tl.exp`; since v34 the selection has an exp2 too) becomes
 
 - "no exp": x itself (the results are wrong: what the kernels would take without the unit, a bound);
 - "fma half d4": every second column through a degree-4 polynomial (relative error 2.9e-6), the rest MUFU;
@@ -27,7 +27,6 @@ the largest value), a check that the polynomial variants compute what the produc
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import datetime
 import json
 import pathlib
@@ -157,24 +156,42 @@ def run_shape(family: str, B: int, T: int, variants: dict) -> dict:
     return row
 
 
+OLD_EXP = [("lse2 = tl.load(LSE + row_q, mask=m_ok, other=0.0) * LOG2E", "lse2 = tl.load(LSE + row_q, mask=m_ok, other=0.0)"),
+           ("* (scale * LOG2E)", "* scale"), ("tl.exp2(s2 - lse2[:, None])", "tl.exp(s2 - lse2[:, None])")]
+SELECTION_VARIANTS = {"exp2, log2(e) folded (as it is)": [], "tl.exp (before v34)": OLD_EXP,
+                      "fma quarter d4": [("tl.exp2(", "_exp2_v("), (IMPORT, IMPORT + VARIANTS["fma quarter d4"])],
+                      "fma half d4": [("tl.exp2(", "_exp2_v("), (IMPORT, IMPORT + VARIANTS["fma half d4"])]}
+
+
+def selection_variant(name: str):
+    edits_ = SELECTION_VARIANTS[name]
+    mod = edited_module("selection.py", f"sel-{name}", edits_) if edits_ else None
+    if edits_ and mod is None:
+        raise SystemExit(f"probe_exp2: an edit of selection.py for {name!r} no longer finds its text")
+    return mod.select_blocks_kernel if mod else ti.select_blocks_kernel
+
+
 def time_selection(family: str, B: int, T: int) -> dict:
-    """The selection kernel alone under each select_exp_fma (launch config; what nsa::core runs), ms as a CUDA
-    graph, and the share of (query, group) rows whose selected set differs from the unit-only one's."""
+    """The selection kernel alone, as it is and as each edited variant, ms as a CUDA graph, and the share of
+    (query, group) rows whose selected set differs from the kernel's as it is."""
     s = SHAPES[family]
     H, G, Dk = s["H"], s["G"], s["Dk"]
     cfg, scale = PAPER_NSA, Dk ** -0.5
     x = make_inputs(B, T, H, G, Dk, s["Dv"], cfg, torch.bfloat16, seed=1)
     _, lse = ti.compressed_attention(x["q"], x["k_cmp"], x["v_cmp"], cfg, scale)
-    out, base = {}, None
-    for share in ti.SELECT_EXP_FMA:
-        with ti.use_launch_config(dataclasses.replace(ti.launch_config(), select_exp_fma=share)):
+    out, base, prod = {}, None, ti.select_blocks_kernel
+    try:
+        for name in SELECTION_VARIANTS:
+            ti.select_blocks_kernel = selection_variant(name)
             blocks = ti.select_blocks(x["q"], x["k_cmp"], lse, cfg, scale).sort(-1).values
             base = blocks if base is None else base
             ms = triton.testing.do_bench_cudagraph(lambda: ti.select_blocks(x["q"], x["k_cmp"], lse, cfg, scale),
                                                    rep=200)
-        rows_differing = float((blocks != base).any(-1).float().mean())
-        out[f"select_exp_fma={share}"] = {"ms": ms, "rows_differing_from_unit": rows_differing}
-        print(family, B, T, share, f"{ms * 1000:.1f} us", f"rows differing {rows_differing:.2e}", flush=True)
+            rows_differing = float((blocks != base).any(-1).float().mean())
+            out[name] = {"ms": ms, "rows_differing": rows_differing}
+            print(family, B, T, name, f"{ms * 1000:.1f} us", f"rows differing {rows_differing:.2e}", flush=True)
+    finally:
+        ti.select_blocks_kernel = prod
     return out
 
 
@@ -186,17 +203,17 @@ def write_selection(out_dir: pathlib.Path, suffix: str, commit: str, results: di
     meta = {"device": device, "date": f"{stamp:%Y-%m-%d %H:%M} UTC", "commit": commit, "torch": torch.__version__,
             "triton": triton.__version__}
     stem.with_suffix(".json").write_text(json.dumps({"meta": meta, "selection": results}, indent=1))
-    shares = [f"select_exp_fma={k}" for k in ti.SELECT_EXP_FMA]
-    lines = [f"# Probe: the selection's exponentials on the FMA pipe: {device}, {meta['date']}", "",
+    names = list(SELECTION_VARIANTS)
+    lines = [f"# Probe: the selection kernel's exponential: {device}, {meta['date']}", "",
              f"commit {commit}, torch {meta['torch']}, triton {meta['triton']}. `bench/probe_exp2.py --selection`: "
-             "select_blocks_kernel alone (`do_bench_cudagraph` median, us), bf16, random inputs, under each "
-             "select_exp_fma (0: every exponential on the unit; 2: half, 4: a quarter as a polynomial on the FMA "
-             "pipe); in brackets the share of (query, group) rows whose set differs from 0's (near-ties; the GPU "
-             "tests judge the sets against float64).", "", "| shape | " + " | ".join(shares) + " | 4 / 0 |",
-             "|---|" + "---|" * (len(shares) + 1)]
+             "select_blocks_kernel alone (`do_bench_cudagraph` median, us), bf16, random inputs, as it is and as "
+             "variants edited from it: the `tl.exp(s - lse)` it had before v34, and a quarter or half of its "
+             "exponentials as a degree-4 polynomial on the FMA pipe. In brackets the share of (query, group) rows "
+             "whose set differs from the kernel's as it is (near-ties).", "",
+             "| shape | " + " | ".join(names) + " | before / as it is |", "|---|" + "---|" * (len(names) + 1)]
     for shape, row in results.items():
-        cells = [f"{row[k]['ms'] * 1000:.1f} ({row[k]['rows_differing_from_unit']:.1e})" for k in shares]
-        ratio = row[shares[-1]]["ms"] / row[shares[0]]["ms"]
+        cells = [f"{row[k]['ms'] * 1000:.1f} ({row[k]['rows_differing']:.1e})" for k in names]
+        ratio = row[names[1]]["ms"] / row[names[0]]["ms"]
         lines.append(f"| {shape} | " + " | ".join(cells) + f" | {ratio:.3f} |")
     stem.with_suffix(".md").write_text("\n".join(lines) + "\n")
     return stem
@@ -236,8 +253,8 @@ def main() -> None:
     parser.add_argument("--suffix", default="-exp2")
     parser.add_argument("--shapes", default="125m:4:8192,125m:16:2048,125m:1:32768,paper:1:8192")
     parser.add_argument("--variants", default=",".join(VARIANTS))
-    parser.add_argument("--selection", action="store_true", help="only the selection kernel under each "
-                        "select_exp_fma (launch config), not the edited variants")
+    parser.add_argument("--selection", action="store_true", help="only the selection kernel: as it is, as it was "
+                        "before v34, and with its exponentials partly on the FMA pipe")
     args = parser.parse_args()
     out_dir = pathlib.Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -249,9 +266,6 @@ def main() -> None:
         print(write_selection(out_dir, args.suffix, args.commit or git_commit(), results))
         return
     names = args.variants.split(",")
-    # the selection's exponentials all on the unit, as when this probe was first run (c3ad191): its variants edit
-    # that path (the selection now runs a quarter of them on the FMA pipe by default: select_exp_fma, v34)
-    ti.set_launch_config(dataclasses.replace(ti.launch_config(), select_exp_fma=0))
     variants = {name: kernels_of(name) for name in ["prod"] + [n for n in names if n != "prod"]}
     results = {}
     for item in args.shapes.split(","):

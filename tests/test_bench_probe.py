@@ -45,6 +45,8 @@ def test_every_exp2_variant_of_the_probe_applies_to_the_kernels_as_they_are():
             "        src = src.replace(old, new)\n"
             "    code = [l for l in src.splitlines() if not l.lstrip().startswith('#')]\n"
             "    assert not any('tl.exp2(' in l or 'tl.exp(' in l for l in code), module\n"
+            "for name in p.SELECTION_VARIANTS:\n"
+            "    assert p.selection_variant(name) is not None\n"
             "print(len(p.VARIANTS))\n")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
                          env={**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": ROOT})

@@ -57,7 +57,7 @@ CASES = [
     *_tma_cases("select_blocks_kernel", "selection", dict(LSE="fp32", BLOCKS="i32"),
                 dict(T="i32", num_cmp="i32", scale="fp32"),
                 dict(H=12, G=2, DK=64, BLOCK_DK=64, CMP_BLOCK=32, CMP_STRIDE=16, SEL_BLOCK=64, N_SELECT=16, N_INIT=1,
-                     N_LOCAL=2, BLOCK_M=64, N_PAD=16, CHUNK_SPLITS=0, TOK_PAD=64, DOT_PRECISION="tf32", EXP_FMA=4),
+                     N_LOCAL=2, BLOCK_M=64, N_PAD=16, CHUNK_SPLITS=0, TOK_PAD=64, DOT_PRECISION="tf32"),
                 descs=dict(QD=64, KCD=64)),
     *_tma_cases("range_attn_fwd_kernel", "range_attention", dict(LSE="fp32"), RANGE_SCALARS, RANGE,
                 descs=dict(QD=64, KD=64, VD=64)),

@@ -43,8 +43,6 @@ def _import_triton_backend():
 
 
 triton_impl = _import_triton_backend()
-import triton  # noqa: E402  (after the backend: triton.language's own jit helpers are made interpreted there)
-import triton.language as tl  # noqa: E402
 
 NAMES = ("q", "k_slc", "v_slc", "k_win", "v_win", "k_cmp", "v_cmp", "gates")
 FP32_TOL = 2e-5
@@ -112,13 +110,11 @@ def test_nsa_matches_reference(case):
         assert rel_err(tri_in[name].grad, ref_in[name].grad) <= FP32_TOL, name
 
 
-@pytest.mark.parametrize("chunk_splits,loads,exp_fma", [(0, "tma", 4), (1, "tma", 4), (2, "tma", 4), (0, "pointer", 4),
-                                                        (1, "tma", 2), (1, "tma", 0)])
-def test_selection_across_chunks_matches_reference(chunk_splits, loads, exp_fma):
+@pytest.mark.parametrize("chunk_splits,loads", [(0, "tma"), (1, "tma"), (2, "tma"), (0, "pointer")])
+def test_selection_across_chunks_matches_reference(chunk_splits, loads):
     """More blocks than one chunk of the selection kernel (8, 16 or 32 blocks: n_pad = 8 times 2^splits): the
     running top-n merge, the halving of a chunk to its top n_pad, and the carry of compressed tokens that straddle
-    a chunk boundary must give the reference's sets; with tiles through descriptors or by pointer loads, and with
-    a quarter, a half or none of the exponentials as the FMA pipe's polynomial (select_exp_fma)."""
+    a chunk boundary must give the reference's sets; with tiles through descriptors or by pointer loads."""
     cfg = NSAConfig(cmp_block=16, cmp_stride=8, sel_block=16, n_selected=5, window=16, n_init_blocks=2)
     B, T, H, G, Dk = 1, 560, 2, 1, 16
     inputs = make_inputs(B, T, H, G, Dk, Dk, cfg, seed=3)
@@ -129,8 +125,7 @@ def test_selection_across_chunks_matches_reference(chunk_splits, loads, exp_fma)
     _, lse = triton_impl.compressed_attention(q.float().to(DEVICE), k_cmp.float().to(DEVICE),
                                               v_cmp.float().to(DEVICE), cfg, scale)
     assert rel_err(lse[:, cfg.cmp_block - 1:], lse_ref[:, cfg.cmp_block - 1:]) <= FP32_TOL
-    with triton_impl.use_launch_config(triton_impl.LaunchConfig(select_chunk_splits=chunk_splits, range_loads=loads,
-                                                                select_exp_fma=exp_fma)):
+    with triton_impl.use_launch_config(triton_impl.LaunchConfig(select_chunk_splits=chunk_splits, range_loads=loads)):
         blocks = triton_impl.select_blocks(q.float().to(DEVICE), k_cmp.float().to(DEVICE), lse, cfg, scale)
     assert same_block_sets(blocks, blocks_ref)
     # Invariant 4 directly: |S| = min(n, |C(t)|) and the forced blocks are in S.
@@ -217,46 +212,6 @@ def test_bad_inputs_are_refused():
         q = x["q"].float().to(DEVICE)
         triton_impl.selected_attention(q, x["k_slc"].float().to(DEVICE), x["v_slc"].float().to(DEVICE),
                                        torch.zeros(1, 16, 1, 3, dtype=torch.int64, device=DEVICE), cfg, 0.25)
-
-
-def _exp2_tile(X, Y, N: tl.constexpr, EXP_FMA: tl.constexpr):
-    offs = tl.arange(0, 16)[:, None] * N + tl.arange(0, N)[None, :]
-    tl.store(Y + offs, _exp2_split(tl.load(X + offs), EXP_FMA))
-
-
-_exp2_split = importlib.import_module("nsa_model.kernels.selection")._exp2_split  # imported with the backend
-
-
-@pytest.mark.parametrize("exp_fma", [0, 2, 4])
-def test_exp2_split_is_exp2_with_the_share_it_says_on_the_fma_pipe(exp_fma, monkeypatch):
-    """The selection's exponential (kernels/selection.py, _exp2_split): 2^x within 3.5e-6 relative over the normal
-    range, 0 at -inf (masked scores must add nothing; the polynomial gives exactly 0 from -127 down), and the
-    polynomial on exactly the columns the split names, every second one (2) or the odd ones of the right half (4):
-    the other columns equal the unit's results bit for bit, these mostly differ from them."""
-    if not ON_GPU:
-        monkeypatch.setenv("TRITON_INTERPRET", "1")  # triton.jit reads it when the kernel is made
-    kernel = triton.jit(_exp2_tile)
-    N = 32
-    x = torch.linspace(-140.0, 0.0, 16 * N).reshape(16, N)[torch.randperm(16, generator=torch.Generator().manual_seed(0))]
-    special = torch.tensor([float("-inf"), -127.0, -127.3, -126.0, -1e30, -0.5, 0.0, -1e-7])
-    x[0, :8], x[0, 17:25] = special, special  # on unit and polynomial columns alike
-    x = x.contiguous().to(DEVICE)
-    y = torch.empty_like(x)
-    kernel[(1,)](x, y, N=N, EXP_FMA=exp_fma)
-    unit = torch.empty_like(x)
-    kernel[(1,)](x, unit, N=N, EXP_FMA=0)
-    x, y, unit = x.cpu().double(), y.cpu().double(), unit.cpu().double()
-    normal = x > -126.0
-    assert y[0, 0] == 0.0 and y[0, 17] == 0.0  # -inf
-    assert ((y[normal] - torch.exp2(x[normal])).abs() / torch.exp2(x[normal])).max() <= 3.5e-6
-    assert (y[~normal] <= 2.0 ** -126).all() and (y >= 0).all()
-    poly_cols = {0: [], 2: list(range(1, N, 2)), 4: list(range(N // 2 + 1, N, 2))}[exp_fma]
-    below = (x <= -127.0)[:, poly_cols]
-    assert torch.equal(y[:, poly_cols][below], torch.zeros_like(y[:, poly_cols][below]))  # the unit's may be denormal
-    same = y == unit
-    assert same[:, [c for c in range(N) if c not in poly_cols]].all()
-    if poly_cols:
-        assert (~same[:, poly_cols][normal[:, poly_cols]]).float().mean() > 0.8
 
 
 def test_auto_picks_the_selected_variant_from_static_shapes():

@@ -5,9 +5,11 @@ CHUNK_BLOCKS = N_PAD * 2^CHUNK_SPLITS blocks (larger chunks reload the group's q
 chunk it recomputes p_cmp = exp(s * q.k_cmp - lse) for the compressed tokens that start in the chunk, summed over
 the group's heads, turns it into block importance with one small matmul against the overlap weights W (integers,
 computed from indices), and merges the chunk into a running top-N_PAD list. No T x Tc score or T x (T / l')
-importance ever reaches memory. The exponential was a quarter of the kernel's time at 125M 4 x 8k (v32: 197 -> 148
-us without it, on the H200): EXP_FMA takes part of it off the exponential unit (_exp2_split); the matmul stays in
-full fp32 ("ieee"): tf32x3 on the matrix units ran 8-20% slower.
+importance ever reaches memory. The matmul stays in full fp32 ("ieee"): tf32x3 on the matrix units ran 8-20%
+slower (v32). The exponential is exp2 of scores and lse both scaled by log2(e) beforehand, one ex2.approx each:
+the natural exp of (s - lse) in fp32 cost about a quarter of the kernel more (197 -> 148 us at 125M 4 x 8k on the H100,
+kernels-notes.md v34), as much as leaving the exponential out; a polynomial on the FMA pipe for a quarter or half
+of them (FlashAttention-4's device) was slower again (bench/probe_exp2.py).
 
 Ordering: each (query, block) gets one int64 key = (float bits of importance) << 32 | (2^31 - 1 - block), so a
 larger key means more important, and among equal importance the lower block index. Forced blocks get the bits of
@@ -33,47 +35,6 @@ from nsa_model.kernels.range_attention import _query_tile_index
 INF_BITS = tl.constexpr(0x7F800000)  # float32 +inf as int32
 INDEX_MAX = tl.constexpr(2147483647)
 LOG2E = tl.constexpr(1.4426950408889634)
-ROUND_BIAS = tl.constexpr(12582912.0)  # 1.5 * 2^23: x + this holds round(x) in its low mantissa bits (|x| < 2^22)
-
-
-@triton.jit
-def _exp2_fma(x):
-    """2^x on the FMA pipe instead of the exponential unit (FlashAttention-4's device): 2^x = 2^n * p(f) with
-    n = round(x) and f = x - n in [-0.5, 0.5], p a degree-4 polynomial, p(0) = 1 exactly (relative error 2.9e-6
-    over f, against about 2e-7 for the unit's ex2.approx). n comes from the bits of x + 1.5 * 2^23 and is added to
-    p's exponent bits. x is clamped at -127, where f = 0, p = 1 and the sum of the bits is exactly +0: so -inf and
-    anything below gives 0, and x in (-127, -126) a denormal close to 2^x. For x <= 0 (exponents past 127 wrap)."""
-    x = tl.maximum(x, -127.0)
-    j = x + ROUND_BIAS
-    f = x - (j - ROUND_BIAS)
-    p = (((0.009582852944731712 * f + 0.055906426161527634) * f + 0.24024099111557007) * f
-         + 0.6931241750717163) * f + 1.0
-    bits = p.to(tl.int32, bitcast=True) + (j.to(tl.int32, bitcast=True) << 23)
-    return bits.to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _exp2_split(x, EXP_FMA: tl.constexpr):
-    """2^x of a [M, N] tile (x <= 0): with EXP_FMA = 0 all on the exponential unit (16 a clock per multiprocessor
-    on Hopper, against 128 FMAs; sm_90 has no packed half-precision form), with 2 half of the columns through
-    _exp2_fma, with 4 a quarter. The split pairs columns a thread holds in adjacent registers (the matrix
-    accumulator's layout: columns 2c and 2c + 1, and c and c + N/2), so no element moves between threads (the
-    kernel's SASS has as many shared-memory loads and stores either way). In this kernel, whose exponentials
-    outnumber its FMAs (v32), a quarter ran 18% faster at 125M 4 x 8k and a half 17%; in the attention kernels
-    either made things slower (bench/probe_exp2.py, kernels-notes.md v34). A tile narrower than the split stays
-    on the unit."""
-    M: tl.constexpr = x.shape[0]
-    N: tl.constexpr = x.shape[1]
-    if EXP_FMA == 2 and N >= 2:
-        unit, fma = tl.split(tl.reshape(x, [M, N // 2, 2]))
-        return tl.reshape(tl.join(tl.exp2(unit), _exp2_fma(fma)), [M, N])
-    elif EXP_FMA == 4 and N >= 4:
-        left, right = tl.split(tl.permute(tl.reshape(x, [M, 2, N // 2]), (0, 2, 1)))
-        unit, fma = tl.split(tl.reshape(right, [M, N // 4, 2]))
-        right = tl.reshape(tl.join(tl.exp2(unit), _exp2_fma(fma)), [M, N // 2])
-        return tl.reshape(tl.permute(tl.join(tl.exp2(left), right), (0, 2, 1)), [M, N])
-    else:
-        return tl.exp2(x)
 
 
 @triton.jit
@@ -105,8 +66,7 @@ def select_blocks_kernel(Q, KC, QD, KCD, LSE, BLOCKS, T, num_cmp, scale,
                          CMP_BLOCK: tl.constexpr, CMP_STRIDE: tl.constexpr, SEL_BLOCK: tl.constexpr,
                          N_SELECT: tl.constexpr, N_INIT: tl.constexpr, N_LOCAL: tl.constexpr,
                          BLOCK_M: tl.constexpr, N_PAD: tl.constexpr, CHUNK_SPLITS: tl.constexpr,
-                         TOK_PAD: tl.constexpr, TMA: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                         EXP_FMA: tl.constexpr = 0):
+                         TOK_PAD: tl.constexpr, TMA: tl.constexpr, DOT_PRECISION: tl.constexpr):
     pid_m = _query_tile_index()  # reversed: a later tile walks more blocks, so the longest programs start first
     pid_bg = tl.program_id(1)
     b = pid_bg // G
@@ -155,7 +115,7 @@ def select_blocks_kernel(Q, KC, QD, KCD, LSE, BLOCKS, T, num_cmp, scale,
                             other=0.0)
             lse2 = tl.load(LSE + row_q, mask=m_ok, other=0.0) * LOG2E
             s2 = tl.dot(q, tl.trans(kc), input_precision=DOT_PRECISION) * (scale * LOG2E)
-            p_sum += tl.where(vis, _exp2_split(s2 - lse2[:, None], EXP_FMA), 0.0)
+            p_sum += tl.where(vis, tl.exp2(s2 - lse2[:, None]), 0.0)
         imp = tl.dot(p_sum, weights, input_precision="ieee")  # exact: weights are small integers
         imp += tl.where(offs_j[None, :] == 0, carry[:, None], 0.0)
         carry = tl.sum(p_sum * carry_weights[None, :], axis=1)

@@ -66,9 +66,6 @@ PHI_KERNELS = ("fused", "torch")
 # branches' dQ), or in the epilogue of the compressed and window branches' two-range dQ kernel, which then runs
 # after the selected branch (kernels-notes.md v29)
 SLOT_SUMS = ("pass", "range_dq")
-# the selection's exponentials: all on the exponential unit (0), or a half (2) or a quarter (4) of them as a
-# polynomial on the FMA pipe (kernels/selection.py, _exp2_split; kernels-notes.md v34)
-SELECT_EXP_FMA = (0, 2, 4)
 
 
 RANGE_TILE_FIELDS = ("range_fwd", "range_dq", "range_dkdv", "range_fwd_d64", "range_dq_d64", "range_dkdv_d64")
@@ -91,7 +88,6 @@ class LaunchConfig:
     # second stream, 1024 beat 2048 by 0.05 ms at 125m 4 x 8k and 16 x 2k, a tie at paper 64k; 512 lost 0.9 ms there)
     range_dkdv_programs: int = 1024
     select_warps: int = 4
-    select_exp_fma: int = 4  # one of SELECT_EXP_FMA (v34: 0.197 -> 0.159 ms at 125m 4 x 8k on the H100)
     slc_warps: int = 2  # selected attention forward and dQ (2 beat 4 in the v2 sweep on H100)
     slc_stages: int = 2
     # the tiled forward's stages at head dims > 64 (v25; v24 measured 3 stages at paper 8k: 1.515 -> 1.422 ms,
@@ -132,9 +128,9 @@ class LaunchConfig:
                    "delta_kernel": DELTA_KERNELS, "window_dkdv": WINDOW_DKDV, "slc_partial": PARTIAL_DTYPES,
                    "slc_dq": SELECTED_DQ, "slc_dkdv": SELECTED_DKDV, "range_pair": RANGE_PAIR,
                    "range_loads": RANGE_LOADS, "phi_kernel": PHI_KERNELS,
-                   "slc_slot_sum": SLOT_SUMS, "select_exp_fma": SELECT_EXP_FMA}
+                   "slc_slot_sum": SLOT_SUMS}
         for name, allowed in choices.items():
-            if getattr(self, name) not in allowed or isinstance(getattr(self, name), bool):
+            if getattr(self, name) not in allowed:
                 raise ValueError(f"LaunchConfig.{name}: must be one of {allowed}, got {getattr(self, name)!r}")
         for name in BOOL_FIELDS:
             if not isinstance(getattr(self, name), bool):
@@ -497,8 +493,7 @@ def select_blocks(q, k_cmp, lse, cfg: NSAConfig, scale: float):
         BLOCK_DK=_pow2(q.shape[-1]),
         CMP_BLOCK=cfg.cmp_block, CMP_STRIDE=cfg.cmp_stride, SEL_BLOCK=cfg.sel_block, N_SELECT=n,
         N_INIT=cfg.n_init_blocks, N_LOCAL=cfg.n_local_blocks, BLOCK_M=bm, N_PAD=n_pad, CHUNK_SPLITS=splits,
-        TOK_PAD=tok_pad, DOT_PRECISION=_dot_precision(q.dtype), EXP_FMA=_config.select_exp_fma,
-        num_warps=_config.select_warps, **tiles)
+        TOK_PAD=tok_pad, DOT_PRECISION=_dot_precision(q.dtype), num_warps=_config.select_warps, **tiles)
     return blocks
 
 
