@@ -156,8 +156,9 @@ def run_shape(family: str, B: int, T: int, variants: dict) -> dict:
     return row
 
 
-OLD_EXP = [("lse2 = tl.load(LSE + row_q, mask=m_ok, other=0.0) * LOG2E", "lse2 = tl.load(LSE + row_q, mask=m_ok, other=0.0)"),
-           ("* (scale * LOG2E)", "* scale"), ("tl.exp2(s2 - lse2[:, None])", "tl.exp(s2 - lse2[:, None])")]
+LSE_LOAD = "lse2 = tl.load(LSE + row_q, mask=m_ok, other=0.0)"
+OLD_EXP = [(LSE_LOAD + " * LOG2E", LSE_LOAD), ("* (scale * LOG2E)", "* scale"),  # the selection before v34
+           ("tl.exp2(s2 - lse2[:, None])", "tl.exp(s2 - lse2[:, None])")]
 SELECTION_VARIANTS = {"exp2, log2(e) folded (as it is)": [], "tl.exp (before v34)": OLD_EXP,
                       "fma quarter d4": [("tl.exp2(", "_exp2_v("), (IMPORT, IMPORT + VARIANTS["fma quarter d4"])],
                       "fma half d4": [("tl.exp2(", "_exp2_v("), (IMPORT, IMPORT + VARIANTS["fma half d4"])]}

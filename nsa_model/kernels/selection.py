@@ -6,10 +6,11 @@ chunk it recomputes p_cmp = exp(s * q.k_cmp - lse) for the compressed tokens tha
 the group's heads, turns it into block importance with one small matmul against the overlap weights W (integers,
 computed from indices), and merges the chunk into a running top-N_PAD list. No T x Tc score or T x (T / l')
 importance ever reaches memory. The matmul stays in full fp32 ("ieee"): tf32x3 on the matrix units ran 8-20%
-slower (v32). The exponential is exp2 of scores and lse both scaled by log2(e) beforehand, one ex2.approx each:
-the natural exp of (s - lse) in fp32 cost about a quarter of the kernel more (197 -> 148 us at 125M 4 x 8k on the H100,
-kernels-notes.md v34), as much as leaving the exponential out; a polynomial on the FMA pipe for a quarter or half
-of them (FlashAttention-4's device) was slower again (bench/probe_exp2.py).
+slower (v32). The exponential is exp2 of scores and lse both scaled by log2(e) beforehand, one ex2.approx.ftz
+each: fp32 `exp` lowers to a non-flushing ex2 that ptxas wraps in a denormal check (three FMA-pipe instructions
+more), which bound this kernel (192.6 -> 147.4 us at 125M 4 x 8k on the H100, kernels-notes.md v34). A
+polynomial on the FMA pipe for a quarter or half of the exponentials (FlashAttention-4's device) was slower again
+(bench/probe_exp2.py).
 
 Ordering: each (query, block) gets one int64 key = (float bits of importance) << 32 | (2^31 - 1 - block), so a
 larger key means more important, and among equal importance the lower block index. Forced blocks get the bits of
