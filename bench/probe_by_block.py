@@ -22,7 +22,6 @@ Writes probe-<device>-<date><suffix>.json and .md.
 
 import argparse
 import dataclasses
-import datetime
 import json
 import pathlib
 
@@ -31,7 +30,7 @@ import triton
 from triton.testing import do_bench_cudagraph
 
 from bench.kernel_variants import edited_module
-from bench.provenance import git_commit
+from bench.provenance import git_commit, result_stem
 from nsa_model.config import NSAConfig
 from nsa_model.ops import triton_impl as ti
 
@@ -126,12 +125,8 @@ def probe(B: int, T: int, chunks: list[int]) -> dict:
 
 
 def write(out_dir: pathlib.Path, suffix: str, commit: str, results: dict) -> pathlib.Path:
-    device = torch.cuda.get_device_name()
-    tag = "h200" if "H200" in device else "h100" if "H100" in device else device.split()[-1].lower()
-    stamp = datetime.datetime.now(datetime.timezone.utc)
-    stem = out_dir / f"probe-{tag}-{stamp:%Y-%m-%d}{suffix}"
-    meta = {"device": device, "date": f"{stamp:%Y-%m-%d %H:%M} UTC", "commit": commit, "torch": torch.__version__,
-            "triton": triton.__version__}
+    stem, meta = result_stem(out_dir, "probe", suffix, commit)
+    device = meta["device"]
     stem.with_suffix(".json").write_text(json.dumps({"meta": meta, "us": results}, indent=1))
     names = list(next(iter(results.values())))
     lines = [f"# Probe: where by_block's time goes: {device}, {meta['date']}", "",

@@ -27,7 +27,6 @@ the largest value), a check that the polynomial variants compute what the produc
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import pathlib
 
@@ -36,7 +35,7 @@ import triton
 
 from bench.kernel_variants import KERNELS, edited_module
 from bench.kernels import PAPER_NSA, SHAPES, bench_graph, kernel_breakdown, make_inputs
-from bench.provenance import git_commit
+from bench.provenance import git_commit, result_stem
 from nsa_model.ops import triton_impl as ti
 
 MODULES = {  # kernel module -> the kernels of it that triton_impl launches
@@ -135,7 +134,7 @@ def run_shape(family: str, B: int, T: int, variants: dict) -> dict:
         o.backward(do)
         return [o.detach().float()] + [t.grad.float() for t in leaves]
 
-    prod = {k: getattr(ti, k) for ks in MODULES.values() for k in ks}
+    prod = kernels_of("prod")
     row, ref = {}, None
     try:
         for name, kernels in variants.items():
@@ -197,12 +196,8 @@ def time_selection(family: str, B: int, T: int) -> dict:
 
 
 def write_selection(out_dir: pathlib.Path, suffix: str, commit: str, results: dict) -> pathlib.Path:
-    device = torch.cuda.get_device_name()
-    tag = "h200" if "H200" in device else "h100" if "H100" in device else device.split()[-1].lower()
-    stamp = datetime.datetime.now(datetime.timezone.utc)
-    stem = out_dir / f"probe-{tag}-{stamp:%Y-%m-%d}{suffix}"
-    meta = {"device": device, "date": f"{stamp:%Y-%m-%d %H:%M} UTC", "commit": commit, "torch": torch.__version__,
-            "triton": triton.__version__}
+    stem, meta = result_stem(out_dir, "probe", suffix, commit)
+    device = meta["device"]
     stem.with_suffix(".json").write_text(json.dumps({"meta": meta, "selection": results}, indent=1))
     names = list(SELECTION_VARIANTS)
     lines = [f"# Probe: the selection kernel's exponential: {device}, {meta['date']}", "",
@@ -221,12 +216,8 @@ def write_selection(out_dir: pathlib.Path, suffix: str, commit: str, results: di
 
 
 def write(out_dir: pathlib.Path, suffix: str, commit: str, results: dict) -> pathlib.Path:
-    device = torch.cuda.get_device_name()
-    tag = "h200" if "H200" in device else "h100" if "H100" in device else device.split()[-1].lower()
-    stamp = datetime.datetime.now(datetime.timezone.utc)
-    stem = out_dir / f"probe-{tag}-{stamp:%Y-%m-%d}{suffix}"
-    meta = {"device": device, "date": f"{stamp:%Y-%m-%d %H:%M} UTC", "commit": commit, "torch": torch.__version__,
-            "triton": triton.__version__}
+    stem, meta = result_stem(out_dir, "probe", suffix, commit)
+    device = meta["device"]
     stem.with_suffix(".json").write_text(json.dumps({"meta": meta, "shapes": results}, indent=1))
     lines = [f"# Probe: the exponential unit in the attention kernels: {device}, {meta['date']}", "",
              f"commit {commit}, torch {meta['torch']}, triton {meta['triton']}. `bench/probe_exp2.py`: NSA core "
