@@ -2,7 +2,7 @@
 their exponentials onto the FMA pipe gives back (kernels-notes.md v34).
 
     python bench/probe_exp2.py --out DIR [--commit SHA] [--suffix=-v34a] [--shapes 125m:4:8192,paper:1:8192]
-    python bench/probe_exp2.py --selection --out DIR ...   # the selection kernel alone, as it is and edited
+    python bench/probe_exp2.py --selection --out DIR ...   # the selection kernel alone, as it is and as it was
 
 On Hopper each multiprocessor computes 16 exponentials a clock (MUFU.EX2; a half-precision pair is two of them:
 sm_90 has no packed form) against 128 fp32 FMAs. At head dim 64 one 64 x 64 tile of scores costs as many clocks
@@ -158,9 +158,15 @@ def run_shape(family: str, B: int, T: int, variants: dict) -> dict:
 LSE_LOAD = "lse2 = tl.load(LSE + row_q, mask=m_ok, other=0.0)"
 OLD_EXP = [(LSE_LOAD + " * LOG2E", LSE_LOAD), ("* (scale * LOG2E)", "* scale"),  # the selection before v34
            ("tl.exp2(s2 - lse2[:, None])", "tl.exp(s2 - lse2[:, None])")]
-SELECTION_VARIANTS = {"exp2, log2(e) folded (as it is)": [], "tl.exp (before v34)": OLD_EXP,
-                      "fma quarter d4": [("tl.exp2(", "_exp2_v("), (IMPORT, IMPORT + VARIANTS["fma quarter d4"])],
-                      "fma half d4": [("tl.exp2(", "_exp2_v("), (IMPORT, IMPORT + VARIANTS["fma half d4"])]}
+# v35: the visibility mask once per chunk instead of per head, and the importance as a banded sum instead of the
+# fp32 [tokens x blocks] matmul; these edits put back what the kernel did before (the mask in the head loop, and
+# the matmul, which stays the kernel's path where l'/d is not a power of 2)
+PER_HEAD_MASK = [("p_sum += tl.exp2(s2 - lse2[:, None])", "p_sum += tl.where(vis, tl.exp2(s2 - lse2[:, None]), 0.0)")]
+MATMUL_IMPORTANCE = [("BANDED: tl.constexpr = TOK_PAD == TOKENS_PER_CHUNK", "BANDED: tl.constexpr = False")]
+SELECTION_VARIANTS = {"as it is (v35)": [], "before v35 (mask per head, matmul)": PER_HEAD_MASK + MATMUL_IMPORTANCE,
+                      "mask per head": PER_HEAD_MASK, "matmul importance": MATMUL_IMPORTANCE,
+                      "tl.exp (before v34)": PER_HEAD_MASK + MATMUL_IMPORTANCE + OLD_EXP,
+                      "fma quarter d4": [("tl.exp2(", "_exp2_v("), (IMPORT, IMPORT + VARIANTS["fma quarter d4"])]}
 
 
 def selection_variant(name: str):
@@ -200,10 +206,11 @@ def write_selection(out_dir: pathlib.Path, suffix: str, commit: str, results: di
     device = meta["device"]
     stem.with_suffix(".json").write_text(json.dumps({"meta": meta, "selection": results}, indent=1))
     names = list(SELECTION_VARIANTS)
-    lines = [f"# Probe: the selection kernel's exponential: {device}, {meta['date']}", "",
+    lines = [f"# Probe: the selection kernel as it is and as it was: {device}, {meta['date']}", "",
              f"commit {commit}, torch {meta['torch']}, triton {meta['triton']}. `bench/probe_exp2.py --selection`: "
              "select_blocks_kernel alone (`do_bench_cudagraph` median, us), bf16, random inputs, as it is and as "
-             "variants edited from it: the `tl.exp(s - lse)` it had before v34, and a quarter or half of its "
+             "variants edited from it: before v35 (the visibility mask applied per head, the importance as an "
+             "fp32 matmul), each of those two alone, the `tl.exp(s - lse)` it had before v34, and a quarter of its "
              "exponentials as a degree-4 polynomial on the FMA pipe. In brackets the share of (query, group) rows "
              "whose set differs from the kernel's as it is (near-ties).", "",
              "| shape | " + " | ".join(names) + " | before / as it is |", "|---|" + "---|" * (len(names) + 1)]
@@ -246,7 +253,7 @@ def main() -> None:
     parser.add_argument("--shapes", default="125m:4:8192,125m:16:2048,125m:1:32768,paper:1:8192")
     parser.add_argument("--variants", default=",".join(VARIANTS))
     parser.add_argument("--selection", action="store_true", help="only the selection kernel: as it is, as it was "
-                        "before v34, and with its exponentials partly on the FMA pipe")
+                        "before v35 and v34, and with its exponentials partly on the FMA pipe")
     args = parser.parse_args()
     out_dir = pathlib.Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)

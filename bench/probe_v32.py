@@ -33,8 +33,7 @@ SELECT_EDITS = {  # each variant's edits of kernels/selection.py as it is now (t
     "prod": [],
     "no sorts": [("chunk_top = tl.sort(key, dim=1)", "chunk_top = key"), (MERGE, "top = tl.maximum(top, chunk_top)")],
     "no merge": [(MERGE, "top = tl.maximum(top, chunk_top)")],
-    "no exp": [("p_sum += tl.where(vis, tl.exp2(s2 - lse2[:, None]), 0.0)",
-                "p_sum += tl.where(vis, s2 - lse2[:, None], 0.0)")],
+    "no exp": [("p_sum += tl.exp2(s2 - lse2[:, None])", "p_sum += s2 - lse2[:, None]")],
 }
 
 

@@ -139,6 +139,26 @@ def test_selection_across_chunks_matches_reference(chunk_splits, loads):
         assert ((chosen == forced[:, None]).any(-1) | ~valid).all()
 
 
+@pytest.mark.parametrize("cmp_block,cmp_stride,sel_block", [(8, 4, 12), (8, 8, 16), (16, 4, 16), (8, 4, 16)])
+def test_selection_block_shapes_match_reference(cmp_block, cmp_stride, sel_block):
+    """Block importance for every shape of the overlap weights W: l'/d = 3 is not a power of 2, so the kernel
+    takes the [tokens x blocks] matmul; the others go through the banded sum (kernels/selection.py,
+    _banded_importance) with no spill into the next block (l = d), a token as long as a block (l = l'), and a
+    spill of one piece. One local block only, so the block before the query's is chosen by importance too."""
+    cfg = NSAConfig(cmp_block=cmp_block, cmp_stride=cmp_stride, sel_block=sel_block, n_selected=5, window=16,
+                    n_local_blocks=1)
+    B, T, H, G, Dk = 1, 300, 4, 2, 16
+    inputs = make_inputs(B, T, H, G, Dk, Dk, cfg, seed=11)
+    q, k_cmp, v_cmp = inputs["q"], inputs["k_cmp"], inputs["v_cmp"]
+    scale = Dk ** -0.5
+    _, lse_ref = reference.compressed_attention(q, k_cmp, v_cmp, cfg, scale)
+    blocks_ref = reference.select_blocks(q, k_cmp, lse_ref, cfg, scale)
+    _, lse = triton_impl.compressed_attention(q.float().to(DEVICE), k_cmp.float().to(DEVICE),
+                                              v_cmp.float().to(DEVICE), cfg, scale)
+    blocks = triton_impl.select_blocks(q.float().to(DEVICE), k_cmp.float().to(DEVICE), lse, cfg, scale)
+    assert same_block_sets(blocks, blocks_ref)
+
+
 def test_causality_under_perturbation():
     """Invariant 2: changing every input after t0 (and the compressed tokens t0 cannot see) leaves o[:, :t0+1]
     and the selection up to t0 unchanged."""

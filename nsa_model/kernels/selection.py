@@ -5,8 +5,11 @@ CHUNK_BLOCKS = N_PAD * 2^CHUNK_SPLITS blocks (larger chunks reload the group's q
 chunk it recomputes p_cmp = exp(s * q.k_cmp - lse) for the compressed tokens that start in the chunk, summed over
 the group's heads, turns it into block importance with one small matmul against the overlap weights W (integers,
 computed from indices), and merges the chunk into a running top-N_PAD list. No T x Tc score or T x (T / l')
-importance ever reaches memory. The matmul stays in full fp32 ("ieee"): tf32x3 on the matrix units ran 8-20%
-slower (v32). The exponential is exp2 of scores and lse both scaled by log2(e) beforehand, one ex2.approx.ftz
+importance ever reaches memory. W is banded (a token overlaps its own block and at most the next), so where l'/d
+is a power of 2 the importance is a per-block sum of the tokens grouped by a reshape plus one neighbour's spill
+(_banded_importance); elsewhere the matmul, in full fp32 ("ieee"): tf32x3 on the matrix units ran 8-20% slower
+(v32). The visibility mask is applied once to the group's summed p, not per head (v35: together about 25% fewer
+instructions a chunk, SASS compiled offline). The exponential is exp2 of scores and lse both scaled by log2(e) beforehand, one ex2.approx.ftz
 each: fp32 `exp` lowers to a non-flushing ex2 that ptxas wraps in a denormal check (three FMA-pipe instructions
 more), which bound this kernel (192.6 -> 147.4 us at 125M 4 x 8k on the H100, kernels-notes.md v34). A
 polynomial on the FMA pipe for a quarter or half of the exponentials (FlashAttention-4's device) was slower again
@@ -47,6 +50,25 @@ def _overlap(piece, block, PIECES_PER_TOKEN: tl.constexpr, PIECES_PER_BLOCK: tl.
 
 
 @triton.jit
+def _banded_importance(p, BLOCK_M: tl.constexpr, CHUNK_BLOCKS: tl.constexpr, PIECES_PER_TOKEN: tl.constexpr,
+                       PIECES_PER_BLOCK: tl.constexpr):
+    """(own, spill) [BLOCK_M, CHUNK_BLOCKS] of a chunk's token probabilities p [BLOCK_M, CHUNK_BLOCKS * l'/d]:
+    W is banded. Token i starts at piece i and covers l/d <= l'/d pieces, so it overlaps its own block (the one
+    it starts in) and at most the next one; own[:, j] sums the tokens starting in block j weighted by their
+    overlap with it, spill[:, j] the same tokens weighted by their overlap with block j + 1. Importance of block
+    j is own[:, j] + spill[:, j - 1]. Grouping the tokens by block is a reshape when l'/d is a power of 2; it
+    replaces the [BLOCK_M, tokens] x [tokens, blocks] fp32 matmul (on the FMA pipe: 512 FFMA and 128 shared
+    loads per thread a chunk at nsa-125m) with a few multiply-adds per token."""
+    p3 = tl.reshape(p, [BLOCK_M, CHUNK_BLOCKS, PIECES_PER_BLOCK])
+    start = tl.arange(0, PIECES_PER_BLOCK)  # piece of the block the token starts at
+    w_own = _overlap(start, 0, PIECES_PER_TOKEN, PIECES_PER_BLOCK).to(tl.float32)
+    w_next = _overlap(start, 1, PIECES_PER_TOKEN, PIECES_PER_BLOCK).to(tl.float32)
+    own = tl.sum(p3 * w_own[None, None, :], axis=2)
+    spill = tl.sum(p3 * w_next[None, None, :], axis=2)
+    return own, spill
+
+
+@triton.jit
 def _merge_descending(x, BLOCK_M: tl.constexpr, N: tl.constexpr):
     """x [BLOCK_M, N] with each row bitonic (descending, then ascending) -> each row sorted descending: for
     stride N/2, N/4, .., 1 every pair (i, i + stride) with i & stride = 0 gets the larger value at i. The row is
@@ -77,6 +99,7 @@ def select_blocks_kernel(Q, KC, QD, KCD, LSE, BLOCKS, T, num_cmp, scale,
     PIECES_PER_BLOCK: tl.constexpr = SEL_BLOCK // CMP_STRIDE
     CHUNK_BLOCKS: tl.constexpr = N_PAD * (1 << CHUNK_SPLITS)
     TOKENS_PER_CHUNK: tl.constexpr = CHUNK_BLOCKS * PIECES_PER_BLOCK
+    BANDED: tl.constexpr = TOK_PAD == TOKENS_PER_CHUNK  # l' / d a power of 2 (see _banded_importance)
 
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     m_ok = offs_m < T
@@ -116,10 +139,19 @@ def select_blocks_kernel(Q, KC, QD, KCD, LSE, BLOCKS, T, num_cmp, scale,
                             other=0.0)
             lse2 = tl.load(LSE + row_q, mask=m_ok, other=0.0) * LOG2E
             s2 = tl.dot(q, tl.trans(kc), input_precision=DOT_PRECISION) * (scale * LOG2E)
-            p_sum += tl.where(vis, tl.exp2(s2 - lse2[:, None]), 0.0)
-        imp = tl.dot(p_sum, weights, input_precision="ieee")  # exact: weights are small integers
-        imp += tl.where(offs_j[None, :] == 0, carry[:, None], 0.0)
-        carry = tl.sum(p_sum * carry_weights[None, :], axis=1)
+            p_sum += tl.exp2(s2 - lse2[:, None])
+        # masked once for the group's heads, not per head: invisible entries may be inf (scores past t), never
+        # NaN (scores and lse are finite, or lse is -inf for a row that sees no token), and only visible ones stay
+        p_sum = tl.where(vis, p_sum, 0.0)
+        if BANDED:
+            imp, spill = _banded_importance(p_sum, BLOCK_M, CHUNK_BLOCKS, PIECES_PER_TOKEN, PIECES_PER_BLOCK)
+            prev = tl.gather(spill, tl.broadcast_to(tl.maximum(offs_j - 1, 0)[None, :], [BLOCK_M, CHUNK_BLOCKS]), 1)
+            imp += tl.where(offs_j[None, :] == 0, carry[:, None], prev)
+            carry = tl.sum(tl.where(offs_j[None, :] == CHUNK_BLOCKS - 1, spill, 0.0), axis=1)
+        else:
+            imp = tl.dot(p_sum, weights, input_precision="ieee")  # exact: weights are small integers
+            imp += tl.where(offs_j[None, :] == 0, carry[:, None], 0.0)
+            carry = tl.sum(p_sum * carry_weights[None, :], axis=1)
 
         blk = j0 + offs_j
         cand = (blk[None, :] * SEL_BLOCK) <= offs_m[:, None]
