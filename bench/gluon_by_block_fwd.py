@@ -40,7 +40,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from bench.provenance import git_commit
+from bench.provenance import file_suffix, git_commit
 
 LOG2E = 1.4426950408889634
 
@@ -354,7 +354,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True)
     ap.add_argument("--commit", default="", help="commit measured (default: git rev-parse of this checkout)")
-    ap.add_argument("--suffix", default="")
+    ap.add_argument("--suffix", type=file_suffix, default="")
     args = ap.parse_args()
     from nsa_model.config import NSAConfig
     from nsa_model.ops import triton_impl as ti

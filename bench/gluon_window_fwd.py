@@ -48,7 +48,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from bench.provenance import git_commit
+from bench.provenance import file_suffix, git_commit
 
 LOG2E = 1.4426950408889634
 
@@ -486,7 +486,7 @@ def main() -> int:
     ap.add_argument("--out", required=True)
     ap.add_argument("--commit", default="", help="commit measured (default: git rev-parse of this checkout)")
     ap.add_argument("--window", type=int, default=512)
-    ap.add_argument("--suffix", default="", help="suffix of the results file names")
+    ap.add_argument("--suffix", type=file_suffix, default="", help="suffix of the results file names")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     rows = []

@@ -31,7 +31,7 @@ import triton
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from nsa_model.config import NSAConfig  # noqa: E402
 from bench.launch import launch_overrides  # noqa: E402
-from bench.provenance import git_commit  # noqa: E402
+from bench.provenance import file_suffix, git_commit  # noqa: E402
 from nsa_model.ops import triton_impl as ti  # noqa: E402
 
 NAMES = ("q", "k_slc", "v_slc", "k_win", "v_win", "k_cmp", "v_cmp", "gates")
@@ -737,7 +737,7 @@ def main():
                     "(default: all of TIMINGS, in that order)")
     ap.add_argument("--sections", default=",".join(SECTIONS),
                     help=f"comma-separated optional parts of each timing row, of {SECTIONS}")
-    ap.add_argument("--suffix", default="", help="appended to the result files' names, e.g. -v4")
+    ap.add_argument("--suffix", type=file_suffix, default="", help="appended to the result files' names, e.g. -v4")
     ap.add_argument("--commit", default="", help="commit id to record, for a copy of the tree without its git")
     ap.add_argument("--launch", action="append", default=[], metavar="NAME=VALUE",
                     help="a LaunchConfig field to change for this run (repeatable), e.g. slc_dense_prefix=False")

@@ -29,7 +29,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.launch import launch_overrides  # noqa: E402,F401  (also this module's --launch parser)
-from bench.provenance import git_commit  # noqa: E402
+from bench.provenance import file_suffix, git_commit  # noqa: E402
 from nsa_model import Transformer, get_preset  # noqa: E402
 from pipeline.train.loop import FlatGradients, cudagraph_skips  # noqa: E402
 
@@ -315,7 +315,7 @@ def main() -> None:
     ap.add_argument("--model", action="append", default=[], metavar="NAME=VALUE",
                     help="a ModelConfig change for both models (repeatable), e.g. fused_qkv=False")
     ap.add_argument("--out", default="bench/results")
-    ap.add_argument("--suffix", default="")
+    ap.add_argument("--suffix", type=file_suffix, default="")
     ap.add_argument("--commit", default="")
     args = ap.parse_args()
     if not torch.cuda.is_available():

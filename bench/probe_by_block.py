@@ -30,7 +30,7 @@ import triton
 from triton.testing import do_bench_cudagraph
 
 from bench.kernel_variants import edited_module
-from bench.provenance import git_commit, result_stem
+from bench.provenance import file_suffix, git_commit, result_stem
 from nsa_model.config import NSAConfig
 from nsa_model.ops import triton_impl as ti
 
@@ -144,7 +144,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
     parser.add_argument("--commit", default=None)
-    parser.add_argument("--suffix", default="-by-block")
+    parser.add_argument("--suffix", type=file_suffix, default="-by-block")
     parser.add_argument("--chunks", default="", help="comma-separated slc_block_chunk values to time besides the "
                         "default's")
     args = parser.parse_args()

@@ -35,7 +35,7 @@ import triton
 
 from bench.kernel_variants import KERNELS, edited_module
 from bench.kernels import PAPER_NSA, SHAPES, bench_graph, kernel_breakdown, make_inputs
-from bench.provenance import git_commit, result_stem
+from bench.provenance import file_suffix, git_commit, result_stem
 from nsa_model.ops import triton_impl as ti
 
 MODULES = {  # kernel module -> the kernels of it that triton_impl launches
@@ -249,7 +249,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
     parser.add_argument("--commit", default=None)
-    parser.add_argument("--suffix", default="-exp2")
+    parser.add_argument("--suffix", type=file_suffix, default="-exp2")
     parser.add_argument("--shapes", default="125m:4:8192,125m:16:2048,125m:1:32768,paper:1:8192")
     parser.add_argument("--variants", default=",".join(VARIANTS))
     parser.add_argument("--selection", action="store_true", help="only the selection kernel: as it is, as it was "

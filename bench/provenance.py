@@ -2,7 +2,21 @@
 
 from __future__ import annotations
 
+import argparse
+import re
 import subprocess
+
+# What a result file's name may hold beyond its fixed parts: the device tool returns files from a GPU host only if
+# their names are letters, digits, '.', '_' and '-' (a tag with a comma cost two training results, kernels-notes v35)
+FILE_SUFFIX = re.compile(r"[A-Za-z0-9._-]*")
+
+
+def file_suffix(text: str) -> str:
+    """argparse type of a result file's suffix or tag: refused before anything runs unless FILE_SUFFIX matches."""
+    if not FILE_SUFFIX.fullmatch(text):
+        raise argparse.ArgumentTypeError(f"{text!r}: a result file's suffix may hold only letters, digits, '.', '_' "
+                                         "and '-' (files named otherwise do not come back from the GPU host)")
+    return text
 
 
 def git_commit() -> str:

@@ -30,7 +30,7 @@ from pathlib import Path
 import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench.provenance import git_commit  # noqa: E402
+from bench.provenance import file_suffix, git_commit  # noqa: E402
 from nsa_model import Transformer, get_preset  # noqa: E402
 
 
@@ -143,7 +143,7 @@ def main() -> None:
     ap.add_argument("--seq-lens", default="2048,8192,32768")
     ap.add_argument("--micro-tokens", type=int, default=32768, help="tokens per micro-batch (batch = this / T)")
     ap.add_argument("--out", default="bench/results")
-    ap.add_argument("--suffix", default="")
+    ap.add_argument("--suffix", type=file_suffix, default="")
     ap.add_argument("--recompute", default="", help="comma-separated: the models (nsa, dense) traced with "
                                                      "attention_recompute")
     args = ap.parse_args()

@@ -35,6 +35,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script from any directory
 
+from bench.provenance import file_suffix  # noqa: E402
+
 # Issue 9: NSA tokens/s over dense tokens/s, same run, per T; and NSA peak memory at 32768 <= dense.
 SPEED_TARGETS = {2048: 0.7, 8192: 1.0, 32768: 1.6}
 MEMORY_TARGET_T = 32768
@@ -250,7 +252,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="overrides of the dense runs only (printed in the results' header)")
     p.add_argument("--commit", default=None, help="commit to record (default: git rev-parse of this checkout)")
     p.add_argument("--out", default=str(Path(__file__).parent / "results"), help="results folder")
-    p.add_argument("--tag", default="", help="suffix of the results file names")
+    p.add_argument("--tag", type=file_suffix, default="", help="suffix of the results file names")
     return p.parse_args(argv)
 
 

@@ -100,3 +100,12 @@ def test_per_kind_overrides_reach_only_their_kind_and_the_header_names_them():
             "nsa_overrides": args.nsa_set, "dense_overrides": args.dense_set}
     header = tt.markdown(meta, runs, tt.compare(runs)).splitlines()[2]
     assert header.endswith("; nsa only: train.attention_recompute=true")
+
+
+def test_a_tag_the_gpu_host_cannot_return_is_refused_before_anything_runs(capsys):
+    """Result files come back from a GPU host only with names of letters, digits, '.', '_' and '-' (a tag with a
+    comma lost two runs' files, kernels-notes v35): the tag is refused at parsing, with the reason."""
+    with pytest.raises(SystemExit):
+        tt.parse_args(["--config", "c.yaml", "--tag=-v35-nsa,dense"])
+    assert "may hold only letters, digits" in capsys.readouterr().err
+    assert tt.parse_args(["--config", "c.yaml", "--tag=-v35_nsa-dense.2"]).tag == "-v35_nsa-dense.2"
