@@ -110,23 +110,31 @@ def test_nsa_matches_reference(case):
         assert rel_err(tri_in[name].grad, ref_in[name].grad) <= FP32_TOL, name
 
 
+def _selection_and_reference(cfg, *, T, H, G, Dk, seed, launch=None):
+    """(blocks, blocks_ref, lse, lse_ref) of one batch: the kernels' selection (under `launch`, else the default
+    launch config) on their own compressed-branch lse, and the float64 reference's on its own."""
+    inputs = make_inputs(1, T, H, G, Dk, Dk, cfg, seed=seed)
+    q, k_cmp, v_cmp = inputs["q"], inputs["k_cmp"], inputs["v_cmp"]
+    scale = Dk ** -0.5
+    _, lse_ref = reference.compressed_attention(q, k_cmp, v_cmp, cfg, scale)
+    blocks_ref = reference.select_blocks(q, k_cmp, lse_ref, cfg, scale)
+    q, k_cmp, v_cmp = (x.float().to(DEVICE) for x in (q, k_cmp, v_cmp))
+    _, lse = triton_impl.compressed_attention(q, k_cmp, v_cmp, cfg, scale)
+    with triton_impl.use_launch_config(launch or triton_impl.launch_config()):
+        blocks = triton_impl.select_blocks(q, k_cmp, lse, cfg, scale)
+    return blocks, blocks_ref, lse, lse_ref
+
+
 @pytest.mark.parametrize("chunk_splits,loads", [(0, "tma"), (1, "tma"), (2, "tma"), (0, "pointer")])
 def test_selection_across_chunks_matches_reference(chunk_splits, loads):
     """More blocks than one chunk of the selection kernel (8, 16 or 32 blocks: n_pad = 8 times 2^splits): the
     running top-n merge, the halving of a chunk to its top n_pad, and the carry of compressed tokens that straddle
     a chunk boundary must give the reference's sets; with tiles through descriptors or by pointer loads."""
     cfg = NSAConfig(cmp_block=16, cmp_stride=8, sel_block=16, n_selected=5, window=16, n_init_blocks=2)
-    B, T, H, G, Dk = 1, 560, 2, 1, 16
-    inputs = make_inputs(B, T, H, G, Dk, Dk, cfg, seed=3)
-    q, k_cmp, v_cmp = inputs["q"], inputs["k_cmp"], inputs["v_cmp"]
-    scale = Dk ** -0.5
-    _, lse_ref = reference.compressed_attention(q, k_cmp, v_cmp, cfg, scale)
-    blocks_ref = reference.select_blocks(q, k_cmp, lse_ref, cfg, scale)
-    _, lse = triton_impl.compressed_attention(q.float().to(DEVICE), k_cmp.float().to(DEVICE),
-                                              v_cmp.float().to(DEVICE), cfg, scale)
+    T = 560
+    launch = triton_impl.LaunchConfig(select_chunk_splits=chunk_splits, range_loads=loads)
+    blocks, blocks_ref, lse, lse_ref = _selection_and_reference(cfg, T=T, H=2, G=1, Dk=16, seed=3, launch=launch)
     assert rel_err(lse[:, cfg.cmp_block - 1:], lse_ref[:, cfg.cmp_block - 1:]) <= FP32_TOL
-    with triton_impl.use_launch_config(triton_impl.LaunchConfig(select_chunk_splits=chunk_splits, range_loads=loads)):
-        blocks = triton_impl.select_blocks(q.float().to(DEVICE), k_cmp.float().to(DEVICE), lse, cfg, scale)
     assert same_block_sets(blocks, blocks_ref)
     # Invariant 4 directly: |S| = min(n, |C(t)|) and the forced blocks are in S.
     t = torch.arange(T)
@@ -147,15 +155,7 @@ def test_selection_block_shapes_match_reference(cmp_block, cmp_stride, sel_block
     spill of one piece. One local block only, so the block before the query's is chosen by importance too."""
     cfg = NSAConfig(cmp_block=cmp_block, cmp_stride=cmp_stride, sel_block=sel_block, n_selected=5, window=16,
                     n_local_blocks=1)
-    B, T, H, G, Dk = 1, 300, 4, 2, 16
-    inputs = make_inputs(B, T, H, G, Dk, Dk, cfg, seed=11)
-    q, k_cmp, v_cmp = inputs["q"], inputs["k_cmp"], inputs["v_cmp"]
-    scale = Dk ** -0.5
-    _, lse_ref = reference.compressed_attention(q, k_cmp, v_cmp, cfg, scale)
-    blocks_ref = reference.select_blocks(q, k_cmp, lse_ref, cfg, scale)
-    _, lse = triton_impl.compressed_attention(q.float().to(DEVICE), k_cmp.float().to(DEVICE),
-                                              v_cmp.float().to(DEVICE), cfg, scale)
-    blocks = triton_impl.select_blocks(q.float().to(DEVICE), k_cmp.float().to(DEVICE), lse, cfg, scale)
+    blocks, blocks_ref, _, _ = _selection_and_reference(cfg, T=300, H=4, G=2, Dk=16, seed=11)
     assert same_block_sets(blocks, blocks_ref)
 
 
