@@ -359,7 +359,9 @@ SELECTED_VARIANTS = {"per_query": dict(slc_kernel="per_query"),
 # 128-chooser chunks (slower): see kernels-h100-2026-11-22-v6c.md.)
 # Selection (block importance + top-n): chunks of 16 * 2^splits blocks per pass over the query tiles. (v6d also
 # timed 32 and 64 blocks with 4 warps: 2-8x slower at every shape, see kernels-notes.md.)
-SELECT_VARIANTS = {"chunk16": dict(select_chunk_splits=0), "chunk32_w8": dict(select_chunk_splits=1, select_warps=8)}
+# (v36: the variants set both head-dim classes; the defaults differ by head dim, kernels-notes.md v36.)
+SELECT_VARIANTS = {"chunk16": dict(select=(64, 0, 4), select_d64=(64, 0, 4)),
+                   "chunk32_w8": dict(select=(64, 1, 8), select_d64=(64, 1, 8))}
 BY_BLOCK_MAX_HPG = 8  # by_block variants are timed for groups up to this size (v6a: 2x slower at 16 heads)
 
 
@@ -499,13 +501,17 @@ _RANGE_CANDIDATES_D128 = {
     "dq": [(64, 64, 4, 2), (64, 32, 4, 3), (128, 64, 8, 2), (128, 32, 8, 3), (64, 64, 4, 3), (128, 128, 8, 2)],
     "dkdv": [(64, 64, 4, 2), (64, 128, 8, 2), (32, 128, 4, 2), (64, 64, 4, 3), (128, 128, 8, 2), (32, 64, 4, 3)],
 }
+_SELECT_CANDIDATES = [(64, 0, 4), (64, 0, 8), (64, 1, 4), (64, 1, 8), (64, 2, 8), (128, 0, 8), (128, 1, 8),
+                      (32, 0, 4), (32, 1, 4)]
 SWEEP_GROUPS = {
     **{f"range_{k}_d64": ([{f"range_{k}_d64": t} for t in c], [("125m", 16, 2048), ("125m", 1, 32768)])
        for k, c in _RANGE_CANDIDATES.items()},
     **{f"range_{k}": ([{f"range_{k}": t} for t in c], [("paper", 1, 8192), ("paper", 1, 65536)])
        for k, c in _RANGE_CANDIDATES_D128.items()},
-    "select": ([dict(), dict(select_block_m=128), dict(select_block_m=32), dict(select_warps=8),
-                dict(select_block_m=128, select_warps=8)], [("125m", 16, 2048), ("125m", 1, 32768)]),
+    # the selection (query tile, chunk splits, warps), per head-dim class at its preset's shapes
+    "select_d64": ([{"select_d64": c} for c in _SELECT_CANDIDATES],
+                   [("125m", 16, 2048), ("125m", 4, 8192), ("125m", 1, 32768)]),
+    "select": ([{"select": c} for c in _SELECT_CANDIDATES], [("paper", 1, 8192), ("paper", 1, 65536)]),
     "by_block": ([dict(), dict(slc_block_chunk=128), dict(slc_block_chunk=512), dict(slc_block_warps=8),
                   dict(slc_block_stages=4), dict(slc_block_rows=128, slc_block_warps=8)],
                  [("125m", 16, 2048), ("125m", 1, 32768)]),
@@ -598,7 +604,7 @@ def time_pieces(family, B, T, cfg, group):
         with torch.no_grad():
             _, lse = ti.compressed_attention(x["q"], x["k_cmp"], x["v_cmp"], cfg, scale)
             blocks = ti.select_blocks(x["q"], x["k_cmp"], lse, cfg, scale)
-        if group == "select":
+        if group.startswith("select"):
             def select():
                 ti.select_blocks(x["q"], x["k_cmp"], lse, cfg, scale)
             return bench(select), gpu_kernel_ms(select)

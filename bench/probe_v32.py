@@ -67,7 +67,9 @@ def probe_selection(out: dict) -> None:
             finally:
                 ti.select_blocks_kernel = prod
         for warps in (8,):
-            with ti.use_launch_config(dataclasses.replace(ti.launch_config(), select_warps=warps)):
+            bm, splits, _ = ti.select_launch(D)
+            with ti.use_launch_config(dataclasses.replace(ti.launch_config(), select=(bm, splits, warps),
+                                                          select_d64=(bm, splits, warps))):
                 row[f"prod, {warps} warps"] = bench(lambda: ti.select_blocks(q, kc, lse, cfg, scale))
         out["selection"][shape] = row
         print(shape, {k: round(v * 1000, 1) for k, v in row.items()}, "us", flush=True)

@@ -132,7 +132,7 @@ def test_selection_across_chunks_matches_reference(chunk_splits, loads):
     a chunk boundary must give the reference's sets; with tiles through descriptors or by pointer loads."""
     cfg = NSAConfig(cmp_block=16, cmp_stride=8, sel_block=16, n_selected=5, window=16, n_init_blocks=2)
     T = 560
-    launch = triton_impl.LaunchConfig(select_chunk_splits=chunk_splits, range_loads=loads)
+    launch = triton_impl.LaunchConfig(select_d64=(64, chunk_splits, 4), range_loads=loads)
     blocks, blocks_ref, lse, lse_ref = _selection_and_reference(cfg, T=T, H=2, G=1, Dk=16, seed=3, launch=launch)
     assert rel_err(lse[:, cfg.cmp_block - 1:], lse_ref[:, cfg.cmp_block - 1:]) <= FP32_TOL
     assert same_block_sets(blocks, blocks_ref)
@@ -145,6 +145,20 @@ def test_selection_across_chunks_matches_reference(chunk_splits, loads):
     for forced in (torch.zeros_like(t), torch.ones_like(t), current, current - 1):
         valid = (forced >= 0) & (forced <= current)
         assert ((chosen == forced[:, None]).any(-1) | ~valid).all()
+
+
+def test_selection_launch_follows_the_head_dim():
+    """Head dims above 64 take LaunchConfig.select, the others select_d64 (v36: the paper shape's 16 heads of 128
+    run 32-block chunks on 8 warps, the 125M shape 16-block chunks on 4); at head dim 128 the sets of the wider
+    chunks are the reference's."""
+    cfg = NSAConfig(cmp_block=16, cmp_stride=8, sel_block=16, n_selected=5, window=16, n_init_blocks=2)
+    launch = triton_impl.LaunchConfig(select=(64, 2, 8), select_d64=(32, 0, 4))
+    with triton_impl.use_launch_config(launch):
+        assert triton_impl.select_launch(64) == (32, 0, 4)
+        assert triton_impl.select_launch(65) == (64, 2, 8)
+        assert triton_impl.select_launch(128) == (64, 2, 8)
+    blocks, blocks_ref, _, _ = _selection_and_reference(cfg, T=300, H=2, G=1, Dk=128, seed=5, launch=launch)
+    assert same_block_sets(blocks, blocks_ref)
 
 
 @pytest.mark.parametrize("cmp_block,cmp_stride,sel_block", [(8, 4, 12), (8, 8, 16), (16, 4, 16), (8, 4, 16)])
@@ -226,6 +240,12 @@ def test_bad_inputs_are_refused():
         triton_impl.LaunchConfig(slc_tile_fwd_stages_d128=0)
     with pytest.raises(ValueError, match="LaunchConfig.side_stream: must be a bool"):
         triton_impl.LaunchConfig(side_stream="both")
+    with pytest.raises(ValueError, match="LaunchConfig.select: must be a tuple"):
+        triton_impl.LaunchConfig(select=(64, -1, 8))
+    with pytest.raises(ValueError, match="LaunchConfig.select_d64: must be a tuple"):
+        triton_impl.LaunchConfig(select_d64=(64, 0, 6))
+    with pytest.raises(ValueError, match="LaunchConfig.select query tile"):
+        triton_impl.LaunchConfig(select=(48, 0, 4))
     with pytest.raises(ValueError, match=r"dq_add: expected a contiguous torch.float32 \(1, 16, 2, 16\) tensor"):
         triton_impl._dq_scratch(torch.zeros(1, 2, 16, 16).transpose(1, 2), torch.zeros(1, 16, 2, 16))
     with pytest.raises(ValueError, match="blocks: expected int32"):

@@ -69,6 +69,7 @@ SLOT_SUMS = ("pass", "range_dq")
 
 
 RANGE_TILE_FIELDS = ("range_fwd", "range_dq", "range_dkdv", "range_fwd_d64", "range_dq_d64", "range_dkdv_d64")
+SELECT_FIELDS = ("select", "select_d64")
 BOOL_FIELDS = ("slc_dense_prefix", "side_stream")
 
 
@@ -82,12 +83,15 @@ class LaunchConfig:
     range_fwd_d64: tuple[int, int, int, int] = (64, 64, 4, 2)
     range_dq_d64: tuple[int, int, int, int] = (64, 32, 4, 3)  # v8 sweep (cmp + win fwd+bwd): -23% at 16 x 2k
     range_dkdv_d64: tuple[int, int, int, int] = (64, 64, 4, 3)  # v8 sweep: -8% at 32k
-    select_block_m: int = 64  # query tile of the selection kernel
-    select_chunk_splits: int = 0  # selection walks chunks of n_pad * 2**this blocks (see kernels/selection.py)
+    # Selection kernel, (query tile, chunk splits, warps): it walks chunks of n_pad * 2**splits blocks
+    # (kernels/selection.py); for head dims > 64 and for head dims <= 64. Since v34/v35 made the chunk's own work
+    # cheaper, 32-block chunks with 8 warps win at the paper shape (16 heads of 128 a group); the 125M shape keeps
+    # 16 blocks and 4 warps (kernels-notes.md v36).
+    select: tuple[int, int, int] = (64, 1, 8)
+    select_d64: tuple[int, int, int] = (64, 0, 4)
     # compressed dK/dV: split the query axis until about this many programs (v26f: beside the selected branch on the
     # second stream, 1024 beat 2048 by 0.05 ms at 125m 4 x 8k and 16 x 2k, a tie at paper 64k; 512 lost 0.9 ms there)
     range_dkdv_programs: int = 1024
-    select_warps: int = 4
     slc_warps: int = 2  # selected attention forward and dQ (2 beat 4 in the v2 sweep on H100)
     slc_stages: int = 2
     # the tiled forward's stages at head dims > 64 (v25; v24 measured 3 stages at paper 8k: 1.515 -> 1.422 ms,
@@ -136,11 +140,10 @@ class LaunchConfig:
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"LaunchConfig.{name}: must be a bool, got {getattr(self, name)!r}")
         for f in dataclasses.fields(self):
-            if f.name in choices or f.name in RANGE_TILE_FIELDS or f.name in BOOL_FIELDS:
+            if f.name in choices or f.name in RANGE_TILE_FIELDS or f.name in BOOL_FIELDS or f.name in SELECT_FIELDS:
                 continue
             value = getattr(self, f.name)
-            low = 0 if f.name in ("select_chunk_splits", "slc_auto_tiled_fwd_blocks",
-                                  "slc_block_prefetch_dims") else 1
+            low = 0 if f.name in ("slc_auto_tiled_fwd_blocks", "slc_block_prefetch_dims") else 1
             if not isinstance(value, int) or value < low:
                 raise ValueError(f"LaunchConfig.{f.name}: must be an int >= {low}, got {value!r}")
         for name in RANGE_TILE_FIELDS:
@@ -149,16 +152,23 @@ class LaunchConfig:
                     or min(value) < 1):
                 raise ValueError(f"LaunchConfig.{name}: must be a tuple of 4 positive ints (query tile, key tile, "
                                  f"warps, stages), got {value!r}")
-        tiles = [(name, getattr(self, name)) for name in ("select_block_m", "dkdv_rows", "slc_tile_rows",
-                                                            "slc_block_rows", "phi_rows")]
+        for name in SELECT_FIELDS:
+            value = getattr(self, name)
+            if (not isinstance(value, tuple) or len(value) != 3 or not all(isinstance(x, int) for x in value)
+                    or value[1] < 0 or value[2] < 1 or value[2] & (value[2] - 1)):
+                raise ValueError(f"LaunchConfig.{name}: must be a tuple (query tile, chunk splits >= 0, warps a power "
+                                 f"of two), got {value!r}")
+        tiles = [(name, getattr(self, name)) for name in ("dkdv_rows", "slc_tile_rows", "slc_block_rows", "phi_rows")]
         tiles += [(f"{name} tiles", getattr(self, name)[i]) for name in RANGE_TILE_FIELDS for i in (0, 1)]
+        tiles += [(f"{name} query tile", getattr(self, name)[0]) for name in SELECT_FIELDS]
         for name, value in tiles:
             if value < 16 or value & (value - 1):
                 raise ValueError(f"LaunchConfig.{name}: must be a power of two >= 16, got {value}")
 
 
 # Small tiles in the interpreter: it costs per program and per op, and CI shapes are small.
-_INTERPRETER_CONFIG = LaunchConfig(select_block_m=128, dkdv_rows=32, dkdv_chunk=64, slc_block_chunk=64)
+_INTERPRETER_CONFIG = LaunchConfig(select=(128, 1, 8), select_d64=(128, 0, 4), dkdv_rows=32, dkdv_chunk=64,
+                                   slc_block_chunk=64)
 _config = _INTERPRETER_CONFIG if INTERPRETED else LaunchConfig()
 
 
@@ -483,9 +493,8 @@ def select_blocks(q, k_cmp, lse, cfg: NSAConfig, scale: float):
     num_cmp, G = k_cmp.shape[1], k_cmp.shape[2]
     n = cfg.n_selected
     n_pad = _pow2(n)
-    splits = _config.select_chunk_splits
+    bm, splits, warps = select_launch(q.shape[-1])
     blocks = torch.empty(B, T, G, n, dtype=torch.int32, device=q.device)
-    bm = _config.select_block_m
     tok_pad = _pow2((n_pad << splits) * (cfg.sel_block // cfg.cmp_stride))
     tiles = _tile_args(dict(BLOCK_M=bm, BLOCK_N=tok_pad), dict(QD=q), dict(KCD=k_cmp))
     select_blocks_kernel[(triton.cdiv(T, bm), B * G)](
@@ -493,8 +502,13 @@ def select_blocks(q, k_cmp, lse, cfg: NSAConfig, scale: float):
         BLOCK_DK=_pow2(q.shape[-1]),
         CMP_BLOCK=cfg.cmp_block, CMP_STRIDE=cfg.cmp_stride, SEL_BLOCK=cfg.sel_block, N_SELECT=n,
         N_INIT=cfg.n_init_blocks, N_LOCAL=cfg.n_local_blocks, BLOCK_M=bm, N_PAD=n_pad, CHUNK_SPLITS=splits,
-        TOK_PAD=tok_pad, DOT_PRECISION=_dot_precision(q.dtype), num_warps=_config.select_warps, **tiles)
+        TOK_PAD=tok_pad, DOT_PRECISION=_dot_precision(q.dtype), num_warps=warps, **tiles)
     return blocks
+
+
+def select_launch(head_dim: int) -> tuple[int, int, int]:
+    """(query tile, chunk splits, warps) of the selection kernel at this head dim (LaunchConfig.select*)."""
+    return _config.select_d64 if head_dim <= 64 else _config.select
 
 
 # --- selected branch ------------------------------------------------------------------------------------------
