@@ -360,8 +360,8 @@ SELECTED_VARIANTS = {"per_query": dict(slc_kernel="per_query"),
 # Selection (block importance + top-n): chunks of 16 * 2^splits blocks per pass over the query tiles. (v6d also
 # timed 32 and 64 blocks with 4 warps: 2-8x slower at every shape, see kernels-notes.md.)
 # (v36: the variants set both head-dim classes; the defaults differ by head dim, kernels-notes.md v36.)
-SELECT_VARIANTS = {"chunk16": dict(select=(64, 0, 4), select_d64=(64, 0, 4)),
-                   "chunk32_w8": dict(select=(64, 1, 8), select_d64=(64, 1, 8))}
+SELECT_VARIANTS = {"chunk16": dict(select_d128=(64, 0, 4), select_d64=(64, 0, 4)),
+                   "chunk32": dict(select_d128=(64, 1, 4), select_d64=(64, 1, 4))}
 BY_BLOCK_MAX_HPG = 8  # by_block variants are timed for groups up to this size (v6a: 2x slower at 16 heads)
 
 
@@ -511,7 +511,7 @@ SWEEP_GROUPS = {
     # the selection (query tile, chunk splits, warps), per head-dim class at its preset's shapes
     "select_d64": ([{"select_d64": c} for c in _SELECT_CANDIDATES],
                    [("125m", 16, 2048), ("125m", 4, 8192), ("125m", 1, 32768)]),
-    "select": ([{"select": c} for c in _SELECT_CANDIDATES], [("paper", 1, 8192), ("paper", 1, 65536)]),
+    "select_d128": ([{"select_d128": c} for c in _SELECT_CANDIDATES], [("paper", 1, 8192), ("paper", 1, 65536)]),
     "by_block": ([dict(), dict(slc_block_chunk=128), dict(slc_block_chunk=512), dict(slc_block_warps=8),
                   dict(slc_block_stages=4), dict(slc_block_rows=128, slc_block_warps=8)],
                  [("125m", 16, 2048), ("125m", 1, 32768)]),

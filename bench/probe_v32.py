@@ -68,7 +68,7 @@ def probe_selection(out: dict) -> None:
                 ti.select_blocks_kernel = prod
         for warps in (8,):
             bm, splits, _ = ti.select_launch(D)
-            with ti.use_launch_config(dataclasses.replace(ti.launch_config(), select=(bm, splits, warps),
+            with ti.use_launch_config(dataclasses.replace(ti.launch_config(), select_d128=(bm, splits, warps),
                                                           select_d64=(bm, splits, warps))):
                 row[f"prod, {warps} warps"] = bench(lambda: ti.select_blocks(q, kc, lse, cfg, scale))
         out["selection"][shape] = row

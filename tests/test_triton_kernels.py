@@ -148,15 +148,17 @@ def test_selection_across_chunks_matches_reference(chunk_splits, loads):
 
 
 def test_selection_launch_follows_the_head_dim():
-    """Head dims above 64 take LaunchConfig.select, the others select_d64 (v36: the paper shape's 16 heads of 128
-    run 32-block chunks on 8 warps, the 125M shape 16-block chunks on 4); at head dim 128 the sets of the wider
-    chunks are the reference's."""
+    """Head dims up to 64 take LaunchConfig.select_d64, 65 to 128 select_d128, larger ones select (v36: the paper
+    shape's 16 heads of 128 run 32-block chunks, the 125M shape 16-block chunks, and head dim 192's tiles fit
+    only in 16-block chunks); at head dim 128 the sets of the wider chunks are the reference's."""
     cfg = NSAConfig(cmp_block=16, cmp_stride=8, sel_block=16, n_selected=5, window=16, n_init_blocks=2)
-    launch = triton_impl.LaunchConfig(select=(64, 2, 8), select_d64=(32, 0, 4))
+    launch = triton_impl.LaunchConfig(select=(128, 0, 8), select_d128=(64, 2, 8), select_d64=(32, 0, 4))
     with triton_impl.use_launch_config(launch):
         assert triton_impl.select_launch(64) == (32, 0, 4)
         assert triton_impl.select_launch(65) == (64, 2, 8)
         assert triton_impl.select_launch(128) == (64, 2, 8)
+        assert triton_impl.select_launch(129) == (128, 0, 8)
+        assert triton_impl.select_launch(192) == (128, 0, 8)
     blocks, blocks_ref, _, _ = _selection_and_reference(cfg, T=300, H=2, G=1, Dk=128, seed=5, launch=launch)
     assert same_block_sets(blocks, blocks_ref)
 
@@ -246,6 +248,8 @@ def test_bad_inputs_are_refused():
         triton_impl.LaunchConfig(select_d64=(64, 0, 6))
     with pytest.raises(ValueError, match="LaunchConfig.select query tile"):
         triton_impl.LaunchConfig(select=(48, 0, 4))
+    with pytest.raises(ValueError, match="LaunchConfig.select_d128: must be a tuple"):
+        triton_impl.LaunchConfig(select_d128=(64, 1))
     with pytest.raises(ValueError, match=r"dq_add: expected a contiguous torch.float32 \(1, 16, 2, 16\) tensor"):
         triton_impl._dq_scratch(torch.zeros(1, 2, 16, 16).transpose(1, 2), torch.zeros(1, 16, 2, 16))
     with pytest.raises(ValueError, match="blocks: expected int32"):

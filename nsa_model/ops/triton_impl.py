@@ -69,7 +69,7 @@ SLOT_SUMS = ("pass", "range_dq")
 
 
 RANGE_TILE_FIELDS = ("range_fwd", "range_dq", "range_dkdv", "range_fwd_d64", "range_dq_d64", "range_dkdv_d64")
-SELECT_FIELDS = ("select", "select_d64")
+SELECT_FIELDS = ("select", "select_d128", "select_d64")
 BOOL_FIELDS = ("slc_dense_prefix", "side_stream")
 
 
@@ -84,10 +84,12 @@ class LaunchConfig:
     range_dq_d64: tuple[int, int, int, int] = (64, 32, 4, 3)  # v8 sweep (cmp + win fwd+bwd): -23% at 16 x 2k
     range_dkdv_d64: tuple[int, int, int, int] = (64, 64, 4, 3)  # v8 sweep: -8% at 32k
     # Selection kernel, (query tile, chunk splits, warps): it walks chunks of n_pad * 2**splits blocks
-    # (kernels/selection.py); for head dims > 64 and for head dims <= 64. Since v34/v35 made the chunk's own work
-    # cheaper, 32-block chunks with 8 warps win at the paper shape (16 heads of 128 a group); the 125M shape keeps
-    # 16 blocks and 4 warps (kernels-notes.md v36).
-    select: tuple[int, int, int] = (64, 1, 8)
+    # (kernels/selection.py); for head dims <= 64, 65 to 128, and above. Since v34/v35 made a chunk's own work
+    # cheaper, 32-block chunks halve the paper shape's selection (16 heads of 128 a group: 11.8 -> 6.5 ms at 64k on
+    # the H100) while the 125M shape's stays fastest at 16 blocks (kernels-notes.md v36). Above 128 the wider
+    # chunk's key tiles do not fit in shared memory (head dim 192: 232 KB, over the H100's 227).
+    select: tuple[int, int, int] = (64, 0, 4)
+    select_d128: tuple[int, int, int] = (64, 1, 4)
     select_d64: tuple[int, int, int] = (64, 0, 4)
     # compressed dK/dV: split the query axis until about this many programs (v26f: beside the selected branch on the
     # second stream, 1024 beat 2048 by 0.05 ms at 125m 4 x 8k and 16 x 2k, a tie at paper 64k; 512 lost 0.9 ms there)
@@ -167,8 +169,8 @@ class LaunchConfig:
 
 
 # Small tiles in the interpreter: it costs per program and per op, and CI shapes are small.
-_INTERPRETER_CONFIG = LaunchConfig(select=(128, 1, 8), select_d64=(128, 0, 4), dkdv_rows=32, dkdv_chunk=64,
-                                   slc_block_chunk=64)
+_INTERPRETER_CONFIG = LaunchConfig(select=(128, 0, 4), select_d128=(128, 1, 4), select_d64=(128, 0, 4),
+                                   dkdv_rows=32, dkdv_chunk=64, slc_block_chunk=64)
 _config = _INTERPRETER_CONFIG if INTERPRETED else LaunchConfig()
 
 
@@ -508,7 +510,9 @@ def select_blocks(q, k_cmp, lse, cfg: NSAConfig, scale: float):
 
 def select_launch(head_dim: int) -> tuple[int, int, int]:
     """(query tile, chunk splits, warps) of the selection kernel at this head dim (LaunchConfig.select*)."""
-    return _config.select_d64 if head_dim <= 64 else _config.select
+    if head_dim <= 64:
+        return _config.select_d64
+    return _config.select_d128 if head_dim <= 128 else _config.select
 
 
 # --- selected branch ------------------------------------------------------------------------------------------
