@@ -12,7 +12,9 @@
 # The MLflow store is packed into $OUT after every phase, so a call cut short still returns what ran.
 # The carried wheels need ray[default]'s dashboard packages: jobs/pretrain.py starts its local cluster with the State
 # API (pipeline/ray_cluster.py). Made with ../shared/tools/gpu_wheels.py .whl_ray "ray[default,train,data,tune]==2.60.0"
-# mlflow-skinny, then py_spy, virtualenv, distlib, platformdirs and python_discovery left out to fit a call's 64 MiB.
+# mlflow-skinny, then py_spy, virtualenv, distlib, platformdirs and python_discovery left out to fit a call's 64 MiB
+# (with mlflow-skinny 3.17 also cryptography, cffi, pycparser, gitpython, gitdb, smmap, tzdata and tensorboardx:
+# none is imported by ray.init with the dashboard, Ray Data or MLflow's file store; stop 38 ran it so on 2 H100s).
 # Read back with bench/train_pipeline_report.py --resume-step 20.
 set -u
 export MLFLOW_ALLOW_FILE_STORE=true  # MLflow 3.x file store opt-in; the GPU host has no sqlalchemy for sqlite

@@ -3,6 +3,7 @@ shards, per-rank shares (each rank reads only its own fragments or row groups), 
 shares, exact resume, and the hub path through a local fsspec stand-in."""
 
 import itertools
+import logging
 import os
 
 import numpy as np
@@ -157,6 +158,21 @@ def test_streamed_blocks_conserve_every_token(corpus, streamed_train):
     assert stats.dropped == ref_stats.dropped and stats.altered == ref_stats.altered
     assert stats.documents_read + stats.documents_other_split == 3 * 60 + 6
     assert stats.fragments_read == len(source_fragments(corpus)) == 10
+
+
+def test_the_stream_is_built_with_no_deprecated_ray_data_argument(ray_local, corpus):
+    """Ray Data 2.51+ logs a deprecation for map_batches(concurrency=...) (seen in every GPU pipeline log until
+    stop 38); the tokenize stage passes its task count as compute=TaskPoolStrategy(size=...) instead."""
+    records = []
+    handler = logging.Handler(level=logging.WARNING)
+    handler.emit = records.append
+    ray_data_log = logging.getLogger("ray.data")
+    ray_data_log.addHandler(handler)
+    try:
+        block_dataset(corpus, "train")  # builds the plan: map_batches resolves its compute strategy here
+    finally:
+        ray_data_log.removeHandler(handler)
+    assert [r.getMessage() for r in records if "deprecated" in r.getMessage()] == []
 
 
 def test_bad_rows_are_counted_in_the_stream_stats(corpus, streamed_train):

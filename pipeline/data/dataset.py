@@ -102,7 +102,7 @@ def _stream_blocks(cfg: DataConfig, split: str, shares: Shares, rank: int, start
         # each, 2 cores), each with the tokenizer's own thread pool, ran at half the speed: the tasks and
         # their threads oversubscribe the cores, and the head fragment, which the ordered packer waits for, gets
         # a small share of them. Fractional num_cpus still lets Ray Train workers hold whole CPUs.
-        concurrency=tokenize_concurrency(cfg, shares.world_size),
+        compute=ray.data.TaskPoolStrategy(size=tokenize_concurrency(cfg, shares.world_size)),
         runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false"}},  # thread count only: same tokens
         fn_kwargs={"fs": shares.fs, "cfg": cfg, "split": split})
     blocks = chunks.map_batches(
