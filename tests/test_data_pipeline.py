@@ -5,6 +5,7 @@ shares, exact resume, and the hub path through a local fsspec stand-in."""
 import itertools
 import logging
 import os
+import warnings
 
 import numpy as np
 import pyarrow.parquet as pq
@@ -173,6 +174,17 @@ def test_the_stream_is_built_with_no_deprecated_ray_data_argument(ray_local, cor
     finally:
         ray_data_log.removeHandler(handler)
     assert [r.getMessage() for r in records if "deprecated" in r.getMessage()] == []
+
+
+def test_the_tokenize_stage_runs_no_more_tasks_than_a_rank_has_fragments(ray_local, corpus):
+    """More tokenize tasks asked for than a rank has fragments: the stage takes one per fragment, so Ray Data has
+    no unusable concurrency to warn about (seen for the small validation shares on the GPU hosts, stop 38)."""
+    cfg = corpus.replace(tokenize_tasks=64)  # the corpus has 10 fragments
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        index, _ = collect(block_dataset(cfg, "train"))
+    assert len(index) > 0
+    assert [str(w.message) for w in caught if "concurrent tasks" in str(w.message)] == []
 
 
 def test_bad_rows_are_counted_in_the_stream_stats(corpus, streamed_train):

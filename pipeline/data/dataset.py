@@ -101,8 +101,9 @@ def _stream_blocks(cfg: DataConfig, split: str, shares: Shares, rank: int, start
         # One single-threaded tokenizing task per core. Measured (bench/data.py): 8 concurrent tasks (0.25 CPU
         # each, 2 cores), each with the tokenizer's own thread pool, ran at half the speed: the tasks and
         # their threads oversubscribe the cores, and the head fragment, which the ordered packer waits for, gets
-        # a small share of them. Fractional num_cpus still lets Ray Train workers hold whole CPUs.
-        compute=ray.data.TaskPoolStrategy(size=tokenize_concurrency(cfg, shares.world_size)),
+        # a small share of them. Fractional num_cpus still lets Ray Train workers hold whole CPUs. No more tasks
+        # than the rank has fragments: one task a fragment is all the stage can run (Ray Data warns otherwise).
+        compute=ray.data.TaskPoolStrategy(size=min(len(pieces), tokenize_concurrency(cfg, shares.world_size))),
         runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false"}},  # thread count only: same tokens
         fn_kwargs={"fs": shares.fs, "cfg": cfg, "split": split})
     blocks = chunks.map_batches(
@@ -113,6 +114,8 @@ def _stream_blocks(cfg: DataConfig, split: str, shares: Shares, rank: int, start
         fn_constructor_kwargs={"block_len": cfg.block_len, "dtype": block_dtype(tokenizer.vocab_size),
                                "start_block": start_block, "stats": stats, "part": rank},
         # A restarted packer would have lost its tail and block count: fail loudly instead of restarting.
+        # (These three go through map_batches' **ray_remote_args, which Ray 2.60 marks deprecated for 2.64 with a
+        # RayDeprecationWarning; it has no named parameter for them yet, and its own actor pool reads them there.)
         max_restarts=0, max_task_retries=0,
         # Ray Data creates its actors with allow_out_of_order_execution=True: a call whose chunk is not yet
         # local would let a later chunk be packed first (its output is still reordered by input, so the blocks
