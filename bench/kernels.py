@@ -357,9 +357,9 @@ SELECTED_VARIANTS = {"per_query": dict(slc_kernel="per_query"),
                      "tiled_by_block": dict(slc_kernel="tiled_by_block", slc_tile_rows=64, slc_tile_warps=4)}
 # (v6b/v6c also timed by_block with fp32 partials (+1 ms at 125M, 2x the partials' memory), 4 stages (= 3) and
 # 128-chooser chunks (slower): see kernels-h100-2026-11-22-v6c.md.)
-# Selection (block importance + top-n): chunks of 16 * 2^splits blocks per pass over the query tiles. (v6d also
-# timed 32 and 64 blocks with 4 warps: 2-8x slower at every shape, see kernels-notes.md.)
-# (v36: the variants set both head-dim classes; the defaults differ by head dim, kernels-notes.md v36.)
+# Selection (block importance + top-n): chunks of 16 * 2^splits blocks per pass over the query tiles. v6d found
+# 32 and 64 blocks 2-8x slower (spills); since v34/v35 32 blocks win at head dim 128 and lose at 64, so the
+# defaults differ by head dim and each variant sets both classes (kernels-notes.md v36).
 SELECT_VARIANTS = {"chunk16": dict(select_d128=(64, 0, 4), select_d64=(64, 0, 4)),
                    "chunk32": dict(select_d128=(64, 1, 4), select_d64=(64, 1, 4))}
 BY_BLOCK_MAX_HPG = 8  # by_block variants are timed for groups up to this size (v6a: 2x slower at 16 heads)
