@@ -517,18 +517,20 @@ SWEEP_GROUPS = {
                  [("125m", 16, 2048), ("125m", 1, 32768)]),
     # the tiled forward's rows (queries x heads, unpadded), warps and stages, at the shape auto gives it
     "slc_tiled": ([dict(), dict(slc_tile_rows=128, slc_tile_warps=8), dict(slc_tile_rows=128, slc_tile_warps=4),
-                   dict(slc_tile_warps=8), dict(slc_stages=3), dict(slc_tile_rows=32, slc_tile_warps=2)],
+                   dict(slc_tile_warps=8), dict(slc_tile_stages=3), dict(slc_tile_rows=32, slc_tile_warps=2)],
                   [("125m", 16, 2048)]),
     # the selected variant at small groups: by_block (partials + combine) against tiled's forward on chip
     "slc_variant": ([dict(), dict(slc_kernel="tiled_by_block"),
                      dict(slc_kernel="tiled_by_block", slc_tile_rows=128, slc_tile_warps=8),
                      dict(slc_kernel="tiled_by_block", slc_tile_rows=32, slc_tile_warps=2)],
                     [("125m", 16, 2048), ("125m", 4, 8192)]),
-    "slc": ([dict(), dict(slc_warps=2), dict(slc_stages=3)], [("paper", 1, 8192), ("125m", 16, 2048)]),
-    # the per-query forward and dQ (auto's choice past 8n blocks at large groups: paper 16k-64k), whose warps and
-    # stages date from v2; "slc" above times them only where auto picks the tiled kernels
-    "slc_per_query": ([dict(), dict(slc_warps=4), dict(slc_warps=4, slc_stages=3), dict(slc_stages=3),
-                       dict(slc_warps=8), dict(slc_stages=1), dict(slc_warps=4, slc_stages=1)],
+    # the tiled forward's and dQ's stages where auto picks them (paper 8k; the forward at 125M 16 x 2k)
+    "slc": ([dict(), dict(slc_tile_stages=3), dict(slc_tile_fwd_stages_d128=2)],
+            [("paper", 1, 8192), ("125m", 16, 2048)]),
+    # the per-query forward and dQ (auto's choice past 8n blocks at large groups: paper 16k-64k); v37 swept them
+    # for the first time since v2 and took 3 stages
+    "slc_per_query": ([dict(), dict(slc_stages=2), dict(slc_warps=4), dict(slc_warps=4, slc_stages=2),
+                       dict(slc_stages=4), dict(slc_warps=8), dict(slc_stages=1)],
                       [("paper", 1, 16384), ("paper", 1, 65536)]),
     "dkdv": ([dict(), dict(dkdv_rows=128, dkdv_warps=8), dict(dkdv_rows=64, dkdv_warps=8)],
              [("paper", 1, 8192), ("125m", 16, 2048)]),

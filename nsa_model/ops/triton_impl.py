@@ -94,8 +94,10 @@ class LaunchConfig:
     # compressed dK/dV: split the query axis until about this many programs (v26f: beside the selected branch on the
     # second stream, 1024 beat 2048 by 0.05 ms at 125m 4 x 8k and 16 x 2k, a tie at paper 64k; 512 lost 0.9 ms there)
     range_dkdv_programs: int = 1024
-    slc_warps: int = 2  # selected attention forward and dQ (2 beat 4 in the v2 sweep on H100)
-    slc_stages: int = 2
+    slc_warps: int = 2  # per-query selected forward and dQ (2 beat 4 in the v2 sweep on H100; v37 again)
+    slc_stages: int = 3  # per-query forward and dQ (v37 sweep: 2 -> 3 took 3% off paper 16k's selected branch)
+    # the tiled forward at head dims <= 64 and the tiled dQ (v37: 3 stages cost paper 8k's dQ 1.64 -> 1.83 ms)
+    slc_tile_stages: int = 2
     # the tiled forward's stages at head dims > 64 (v25; v24 measured 3 stages at paper 8k: 1.515 -> 1.422 ms,
     # while at head dim 64 they lost, 0.418 -> 0.485 at 16 x 2k, and the tiled dQ lost at both)
     slc_tile_fwd_stages_d128: int = 3
@@ -705,8 +707,8 @@ def _selected_fwd(q, k, v, blocks, sel_block: int, scale: float, prefix: int = 0
 
 
 def _tiled_fwd_stages(q: torch.Tensor, v: torch.Tensor) -> int:
-    """Pipeline stages of the tiled forward (its dQ keeps slc_stages)."""
-    return _config.slc_stages if max(q.shape[-1], v.shape[-1]) <= 64 else _config.slc_tile_fwd_stages_d128
+    """Pipeline stages of the tiled forward (its dQ keeps slc_tile_stages)."""
+    return _config.slc_tile_stages if max(q.shape[-1], v.shape[-1]) <= 64 else _config.slc_tile_fwd_stages_d128
 
 
 def _block_prefetch(q: torch.Tensor, v: torch.Tensor) -> bool:
@@ -789,7 +791,7 @@ def _selected_bwd(q, k, v, blocks, o, lse, index, do, sel_block: int, scale: flo
         selected_tiled_bwd_dq_kernel[(union.shape[1], B * G)](
             q, k, v, BLOCKS=blocks, UNION=union, COUNT=count, DO=do, LSE=lse, DELTA=delta, DQ=dq, T=T,
             num_tiles=union.shape[1], scale=scale, N_PAD=triton.next_power_of_2(n), ROWS=rows, TILE_Q=tile_q,
-            **common, num_warps=config.slc_tile_warps, num_stages=config.slc_stages, ACCUMULATE=accumulate,
+            **common, num_warps=config.slc_tile_warps, num_stages=config.slc_tile_stages, ACCUMULATE=accumulate,
             **_block_tiles(rows, common, k, v))
     else:
         selected_attn_bwd_dq_kernel[(T, B * G)](
