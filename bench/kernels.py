@@ -9,6 +9,10 @@
    repeated to all heads) and fla-core's parallel_nsa where it applies, with peak memory, at the paper and the
    125M-class configurations of ../shared/ANCHORS.md.
 Writes DIR/kernels-<device>-<date>.json and .md; prints the table last.
+
+fla-core is timed when it imports; the GPU image lacks it. Its wheel is pure Python: `pip download --no-deps
+fla-core==0.6.0 einops -d .whl_fla` here, carry `.whl_fla` to the GPU machine and there `pip install --no-index
+--no-deps --target /tmp/site .whl_fla/*.whl` with /tmp/site on PYTHONPATH (kernels-notes.md v37).
 """
 
 from __future__ import annotations
