@@ -35,7 +35,10 @@ from bench.provenance import file_suffix, git_commit  # noqa: E402
 # columns, 2 x 64 key columns), as the runtime would specialize them.
 DIVISIBLE_INTS = ("T", "K_ROW", "V_ROW", "num_keys", "num_queries", "num_rows", "window", "num_blocks")
 
-_PTX = r"""
+# One kernel case compiled for sm_90 in a fresh interpreter: argv[1] is the JSON of (module, name, pointer dtypes,
+# scalar types, constexprs, launch options, integer arguments divisible by 16, hints on or off), argv[2] where to
+# write the PTX (or ""). Prints the cubin's size. tests/test_triton_compile.py runs it too (hints off).
+COMPILE = r"""
 import importlib, json, sys
 import triton
 from triton.backends.compiler import GPUTarget
@@ -47,16 +50,16 @@ signature = {}
 for arg in fn.arg_names:
     if arg in constexprs:
         signature[arg] = "constexpr"
-    elif arg in scalars:
+    elif arg in scalars:  # a list: a tuple argument of such scalars
         kind = scalars[arg]
         signature[arg] = tuple(kind) if isinstance(kind, list) else kind
-    else:
+    else:  # a list: a tuple of pointers; a tensor descriptor by its type
         kind = pointers.get(arg, "bf16")
         if isinstance(kind, list):
             signature[arg] = tuple("*" + k for k in kind)
         else:
             signature[arg] = kind if kind.startswith("tensordesc") else "*" + kind
-constexprs = {k: tuple(v) if isinstance(v, list) else v for k, v in constexprs.items()}
+constexprs = {k: tuple(v) if isinstance(v, list) else v for k, v in constexprs.items()}  # JSON gave lists
 attrs = {}
 if hints:
     for i, arg in enumerate(fn.arg_names):
@@ -65,8 +68,10 @@ if hints:
             attrs[(i,)] = [["tt.divisibility", 16]]
 kernel = triton.compile(ASTSource(fn, signature, constexprs, attrs), target=GPUTarget("cuda", 90, 32),
                         options=options)
-with open(sys.argv[2], "w") as f:
-    f.write(kernel.asm["ptx"])
+if sys.argv[2]:
+    with open(sys.argv[2], "w") as f:
+        f.write(kernel.asm["ptx"])
+print(len(kernel.asm["cubin"]))
 """
 
 
@@ -89,7 +94,7 @@ def compile_case(module, name, pointers, scalars, constexprs, options, hints=Tru
         env["TRITON_CACHE_DIR"] = tmp  # compile for real
         ptx = os.path.join(tmp, "kernel.ptx")
         spec = json.dumps([module, name, pointers, scalars, constexprs, options, DIVISIBLE_INTS, hints])
-        run = subprocess.run([sys.executable, "-c", _PTX, spec, ptx], capture_output=True, text=True, env=env,
+        run = subprocess.run([sys.executable, "-c", COMPILE, spec, ptx], capture_output=True, text=True, env=env,
                              timeout=300)
         if run.returncode:
             raise RuntimeError(f"{name}: the sm_90 compile failed: {run.stderr[-2000:]}")

@@ -15,6 +15,8 @@ import sys
 
 import pytest
 
+from bench.kernel_registers import COMPILE  # the compile script, shared with the register survey
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # Each case: (kernel, module, pointer dtypes by argument name (bf16 where not named), scalar types, constexprs,
@@ -135,31 +137,6 @@ CASES = [
           dict(PHI, STRIDE=16, PIECES=2, BLOCK_R=64), PHI_RUN),
 ]
 
-COMPILE = r"""
-import importlib, json, sys
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-
-module, name, pointers, scalars, constexprs, options = json.loads(sys.argv[1])
-fn = getattr(importlib.import_module(module), name)
-signature = {}
-for arg in fn.arg_names:
-    if arg in constexprs:
-        signature[arg] = "constexpr"
-    elif arg in scalars:  # a list: a tuple argument of such scalars
-        kind = scalars[arg]
-        signature[arg] = tuple(kind) if isinstance(kind, list) else kind
-    else:  # a list: a tuple of pointers; a tensor descriptor by its type
-        kind = pointers.get(arg, "bf16")
-        if isinstance(kind, list):
-            signature[arg] = tuple("*" + k for k in kind)
-        else:
-            signature[arg] = kind if kind.startswith("tensordesc") else "*" + kind
-constexprs = {k: tuple(v) if isinstance(v, list) else v for k, v in constexprs.items()}  # JSON gave lists
-kernel = triton.compile(ASTSource(fn, signature, constexprs), target=GPUTarget("cuda", 90, 32), options=options)
-print(len(kernel.asm["cubin"]))
-"""
 
 
 @pytest.mark.parametrize("module, name, pointers, scalars, constexprs, options", CASES)
@@ -167,7 +144,8 @@ def test_kernel_compiles_for_hopper(module, name, pointers, scalars, constexprs,
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_CACHE_DIR"] = str(tmp_path)  # compile for real, not from an earlier run's cache
     env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
-    spec = json.dumps([module, name, pointers, scalars, constexprs, options])
-    run = subprocess.run([sys.executable, "-c", COMPILE, spec], capture_output=True, text=True, env=env, timeout=300)
+    spec = json.dumps([module, name, pointers, scalars, constexprs, options, [], False])
+    run = subprocess.run([sys.executable, "-c", COMPILE, spec, ""], capture_output=True, text=True, env=env,
+                         timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
     assert int(run.stdout.split()[-1]) > 0  # a cubin of some bytes
