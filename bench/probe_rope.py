@@ -24,7 +24,7 @@ from bench.provenance import file_suffix, git_commit, result_stem  # noqa: E402
 
 # (label, heads, head dims, rotated) of the fused projection's parts, as nsa_model/attention.py builds them
 PARTS = {
-    "nsa-125m": ([12, 2, 2, 2, 2, 2, 2, 1], [64] * 7 + [64], [True] * 4 + [False] * 4),
+    "nsa-125m": ([12, 2, 2, 2, 2, 2, 2, 1], [64] * 8, [True] * 4 + [False] * 4),
     "dense-125m": ([12, 2, 2], [64] * 3, [True, True, False]),
 }
 
