@@ -543,9 +543,6 @@ SWEEP_GROUPS = {
                     dict(slc_kernel="shared", slc_shared_warps=8, slc_shared_stages=3),
                     dict(slc_kernel="shared", slc_shared_queries=2)],
                    [("paper", 1, 8192), ("paper", 1, 16384), ("paper", 1, 65536)]),
-    # two warps (the per-query kernels' count), with 1, 2 and 4 queries a program
-    "slc_shared_w2": ([dict(), *[dict(slc_kernel="shared", slc_shared_warps=2, slc_shared_queries=q) for q in (1, 2, 4)]],
-                      [("paper", 1, 8192), ("paper", 1, 16384)]),
     "dkdv": ([dict(), dict(dkdv_rows=128, dkdv_warps=8), dict(dkdv_rows=64, dkdv_warps=8)],
              [("paper", 1, 8192), ("125m", 16, 2048)]),
 }
