@@ -59,8 +59,8 @@ def union_ratio(blocks, tile_q: int):
     if pad:
         blocks = torch.cat([blocks, blocks.new_full((B, pad, G, n), -1)], dim=1)
     per_tile = blocks.view(B, -1, tile_q, G, n).permute(0, 1, 3, 2, 4).reshape(B, -1, G, tile_q * n)
-    ids = per_tile.sort(-1).values  # -1 (none) first
-    distinct = (ids[..., :1] >= 0).sum(-1) + ((ids[..., 1:] != ids[..., :-1]) & (ids[..., 1:] >= 0)).sum(-1)
+    ids = per_tile.sort(-1).values  # -1 (none) first, so every change of value along a row is to a new block
+    distinct = (ids[..., :1] >= 0).sum(-1) + (ids[..., 1:] != ids[..., :-1]).sum(-1)
     chosen = distinct > 0
     return float(distinct[chosen].double().mean() / n) if chosen.any() else float("nan")
 
@@ -99,7 +99,7 @@ def corpus_bytes(min_tokens: int):
         data += row["text"].encode("utf-8") + b"\0"
     if len(data) < min_tokens:
         raise SystemExit(f"embedded corpus: {len(data)} bytes, fewer than the {min_tokens} tokens of one batch")
-    return torch.frombuffer(bytes(data), dtype=torch.uint8).clone()
+    return torch.frombuffer(data, dtype=torch.uint8).clone()
 
 
 def layer_inputs(model, tokens):

@@ -803,13 +803,19 @@ def test_segment_sort_uses_the_narrowest_keys_that_hold_every_segment(num_blocks
     assert torch.equal(order, wide_order) and torch.equal(sorted_segment.long(), wide_sorted)
 
 
-# up to a tile's tile_q * 4 slots, the kernel; more, the sorts. tile_q = 5: the kernel reads 8 queries per step
-@pytest.mark.parametrize("num_blocks, tile_q", [(9, 8), (9, 5), (40, 8)])
-def test_tile_block_union(num_blocks, tile_q):
+# up to 4 times a tile's tile_q * 4 slots in blocks, the kernel; more, the sorts. tile_q = 5: the kernel reads 8
+# queries per step; 40 blocks over 8 x 4 slots: the kernel past the width; 200: the sorts
+@pytest.mark.parametrize("num_blocks, tile_q", [(9, 8), (9, 5), (40, 8), (200, 8)])
+def test_tile_block_union(num_blocks, tile_q, monkeypatch):
     """Each tile's union is its queries' distinct valid blocks, ascending, counted, padded after the count."""
     gen = torch.Generator().manual_seed(13)
     blocks = torch.randint(-1, 9, (2, 21, 3, 4), generator=gen, dtype=torch.int32)
+    seen = []
+    real = {name: getattr(triton_impl, name) for name in ("_union_by_kernel", "_union_by_sort")}
+    for name, fn in real.items():
+        monkeypatch.setattr(triton_impl, name, lambda *a, fn=fn, name=name: seen.append(name) or fn(*a))
     union, count = (x.cpu() for x in triton_impl.tile_block_union(blocks.to(DEVICE), tile_q, num_blocks))
+    assert seen == ["_union_by_kernel" if num_blocks <= 4 * tile_q * 4 else "_union_by_sort"]
     tiles = -(-21 // tile_q)
     assert union.shape == (2, tiles, 3, tile_q * 4) and count.shape == (2, tiles, 3)
     for b in range(2):

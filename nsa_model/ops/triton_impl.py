@@ -569,9 +569,11 @@ def tile_block_union(blocks: torch.Tensor, tile_q: int, num_blocks: int, shapes_
     if shapes_only:
         return (blocks.new_empty(B, num_tiles, G, width, dtype=torch.int32),
                 blocks.new_empty(B, num_tiles, G, dtype=torch.int32))
-    # The kernel compares each choice with every block id: no more work than the tiles' choices times their
-    # width while num_blocks <= width; beyond (long sequences), two sorts of each tile's choices.
-    if num_blocks <= width:
+    # The kernel compares each choice with every block id, T * n * num_blocks compares in all, which grows with
+    # T squared; up to _UNION_KERNEL_WIDTHS times the tile's width in blocks that is still a few microseconds
+    # (paper 8k: 128 blocks, width 64, where the two sorts took 0.10 ms of the 7.9 ms call, v38); beyond (long
+    # sequences), two sorts of each tile's choices.
+    if num_blocks <= _UNION_KERNEL_WIDTHS * width:
         return _union_by_kernel(blocks, tile_q, num_blocks)
     pad = num_tiles * tile_q - T
     if pad:
@@ -580,6 +582,7 @@ def tile_block_union(blocks: torch.Tensor, tile_q: int, num_blocks: int, shapes_
     return _union_by_sort(per_tile)
 
 
+_UNION_KERNEL_WIDTHS = 4
 _ABSENT = torch.iinfo(torch.int32).max  # the union's padding: after every block id (kernels/block_index.py's)
 _UNION_COMPARES = 8192  # choice x block comparisons per step of tile_union_kernel
 
