@@ -536,13 +536,6 @@ SWEEP_GROUPS = {
     "slc_per_query": ([dict(), dict(slc_stages=2), dict(slc_warps=4), dict(slc_warps=4, slc_stages=2),
                        dict(slc_stages=4), dict(slc_warps=8), dict(slc_stages=1)],
                       [("paper", 1, 16384), ("paper", 1, 65536)]),
-    # per-query matrix work over block loads shared by a tile's queries (kernels/selected_shared.py) against
-    # auto's tiled (paper 8k) and per_query (16k, 64k) forward and dQ
-    "slc_shared": ([dict(), dict(slc_kernel="shared"), dict(slc_kernel="shared", slc_shared_warps=8),
-                    dict(slc_kernel="shared", slc_shared_stages=3),
-                    dict(slc_kernel="shared", slc_shared_warps=8, slc_shared_stages=3),
-                    dict(slc_kernel="shared", slc_shared_queries=2)],
-                   [("paper", 1, 8192), ("paper", 1, 16384), ("paper", 1, 65536)]),
     "dkdv": ([dict(), dict(dkdv_rows=128, dkdv_warps=8), dict(dkdv_rows=64, dkdv_warps=8)],
              [("paper", 1, 8192), ("125m", 16, 2048)]),
 }

@@ -23,7 +23,6 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # launch options). The shapes are nsa-125m's (12 heads, 2 groups, head dim 64), the options the defaults'.
 D64 = dict(DK=64, DV=64, BLOCK_DK=64, BLOCK_DV=64, DOT_PRECISION="tf32")
 SEL = dict(H=12, G=2, SEL_BLOCK=64, BLOCK_S=64, N_SELECT=16, **D64)
-SEL_PAPER = dict(SEL, H=64, G=4, DK=128, DV=128, BLOCK_DK=128, BLOCK_DV=128)  # issue 4's paper shape
 RANGE = dict(H=12, G=2, BLOCK_M=64, BLOCK_N=64, EDGE_SPLIT=True, **D64)
 KV_ROWS = dict(K_ROW="i32", V_ROW="i32")
 RANGE_SCALARS = dict(T="i32", num_queries="i32", num_keys="i32", scale="fp32", key_stride="i32", key_offset="i32",
@@ -47,10 +46,10 @@ def _case(name, module, pointers, scalars, constexprs, options=WARPS4, label="")
                         id=f"{name}[{label}]" if label else name)
 
 
-def _tma_cases(name, module, pointers, scalars, constexprs, options=WARPS4, label="", descs=None, dims=64):
+def _tma_cases(name, module, pointers, scalars, constexprs, options=WARPS4, label="", descs=None):
     """The kernel with TMA = True, its tile arguments tensor descriptors of the block rows in descs (head dim
-    `dims`, bf16), and with TMA = False, those arguments plain pointers (unread), as the launchers pass them."""
-    with_desc = dict(pointers, **{arg: f"tensordesc<bf16[{rows}, {dims}]>" for arg, rows in descs.items()})
+    64, bf16), and with TMA = False, those arguments plain pointers (unread), as the launchers pass them."""
+    with_desc = dict(pointers, **{arg: f"tensordesc<bf16[{rows}, 64]>" for arg, rows in descs.items()})
     return [_case(name, module, ptrs, scalars, dict(constexprs, TMA=tma), options,
                   ",".join(x for x in (label, f"TMA={tma}") if x))
             for tma, ptrs in ((True, with_desc), (False, pointers))]
@@ -92,15 +91,6 @@ CASES = [
     *_tma_cases("selected_tiled_bwd_dq_kernel", "selected_tiled",
                 dict(BLOCKS="i32", UNION="i32", COUNT="i32", **ROW_TERMS), dict(num_tiles="i32", **SLC_SCALARS),
                 dict(N_PAD=16, ROWS=64, TILE_Q=10, ACCUMULATE=True, **SEL), descs=dict(KD=64, VD=64)),
-    # the shared kernels at the paper shape they are for (16 heads a group, head dim 128), 4 queries a program
-    *_tma_cases("selected_shared_fwd_kernel", "selected_shared",
-                dict(BLOCKS="i32", UNION="i32", COUNT="i32", LSE="fp32"), dict(num_tiles="i32", **SLC_SCALARS),
-                dict(SEL_PAPER, N_PAD=16, HEADS_PAD=16, QUERIES=4), dict(num_warps=4, num_stages=2),
-                descs=dict(KD=64, VD=64), dims=128),
-    *_tma_cases("selected_shared_bwd_dq_kernel", "selected_shared",
-                dict(BLOCKS="i32", UNION="i32", COUNT="i32", **ROW_TERMS), dict(num_tiles="i32", **SLC_SCALARS),
-                dict(SEL_PAPER, N_PAD=16, HEADS_PAD=16, QUERIES=4, ACCUMULATE=True), dict(num_warps=4, num_stages=2),
-                descs=dict(KD=64, VD=64), dims=128),
     *[c for prefetch in (True, False) for c in _tma_cases(
         "selected_block_fwd_kernel", "selected_by_block", dict(LSE2_PART="fp32", **BLOCK_INDEX),
         dict(num_blocks="i32", **SLC_SCALARS), dict(ROWS=64, CHUNK=512, PREFETCH=prefetch, **SEL),

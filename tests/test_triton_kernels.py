@@ -301,11 +301,6 @@ SELECTED_VARIANTS = {
     # dK/dV of the query-driven variants by the by_block kernel (no dQ), 2 choosers of 6 heads per 16 rows
     "tiled64_dkdv_by_block": dict(slc_kernel="tiled", slc_tile_rows=64, slc_dkdv="by_block", slc_block_rows=16,
                                   slc_block_chunk=8),
-    # per-query matrix work, block loads shared by 4, 2 or 1 neighbouring queries (T = 43: the last tile partial)
-    "shared4": dict(slc_kernel="shared", slc_shared_queries=4, slc_dkdv="inverted"),
-    "shared2_dkdv_by_block": dict(slc_kernel="shared", slc_shared_queries=2, slc_dkdv="by_block", slc_block_rows=16,
-                                  slc_block_chunk=8),
-    "shared1": dict(slc_kernel="shared", slc_shared_queries=1, slc_dkdv="inverted"),
     # 16 rows hold 2 choosers of 6 heads (4 rows idle); chunks of 8 choosers split the busy blocks over programs
     "by_block16_partial": dict(slc_kernel="by_block", slc_block_rows=16, slc_block_chunk=8),
     "by_block64_atomic": dict(slc_kernel="by_block", slc_block_rows=64, slc_block_chunk=16, slc_dq="atomic"),
@@ -393,9 +388,6 @@ CORE_VARIANTS = {  # three with the dense prefix: its dK/dV by groups (tiled_by_
     # the paper shapes' variant: tiled dQ adding into the two ranges' dQ (ACCUMULATE), by_block's dK/dV
     "tiled_dkdv_by_block": dict(slc_kernel="tiled", slc_tile_rows=16, slc_dkdv="by_block", slc_block_rows=16,
                                 slc_block_chunk=8),
-    # the shared dQ adding into the two ranges' dQ (ACCUMULATE), by_block's dK/dV
-    "shared_dkdv_by_block": dict(slc_kernel="shared", slc_shared_queries=4, slc_dkdv="by_block", slc_block_rows=16,
-                                 slc_block_chunk=8),
     "by_block_partial": dict(slc_kernel="by_block", slc_block_rows=16, slc_block_chunk=8),
     "by_block_atomic": dict(slc_kernel="by_block", slc_block_rows=16, slc_block_chunk=8, slc_dq="atomic"),
     "by_block_no_prefetch": dict(slc_kernel="by_block", slc_block_rows=16, slc_block_chunk=16,

@@ -33,7 +33,6 @@ from nsa_model.kernels.selected_attention import (selected_attn_bwd_dkdv_kernel,
                                                   selected_attn_fwd_kernel)
 from nsa_model.kernels.selected_by_block import (selected_block_bwd_kernel, selected_block_fwd_kernel,
                                                  selected_combine_kernel, selected_dq_sum_kernel)
-from nsa_model.kernels.selected_shared import selected_shared_bwd_dq_kernel, selected_shared_fwd_kernel
 from nsa_model.kernels.selected_tiled import selected_tiled_bwd_dq_kernel, selected_tiled_fwd_kernel
 from nsa_model.kernels.selection import select_blocks_kernel
 
@@ -45,7 +44,7 @@ SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # (by_block up to slc_auto_max_hpg heads per group, tiled above: bench/results/kernels-notes.md, v6), or
 # tiled_by_block: tiled's forward (a tile's partial outputs stay on chip: no partials, no combine pass) with
 # by_block's fused backward
-SELECTED_KERNELS = ("per_query", "tiled", "shared", "by_block", "tiled_by_block", "auto")
+SELECTED_KERNELS = ("per_query", "tiled", "by_block", "tiled_by_block", "auto")
 BY_BLOCK_BACKWARD = ("by_block", "tiled_by_block")  # the variants whose backward is by_block's
 PARTIAL_DTYPES = ("fp32", "input")  # by_block: partial outputs and dQ contributions in float32 or the input dtype
 SELECTED_DQ = ("partial", "atomic")  # by_block dQ: per-slot contributions summed by a kernel, or fp32 atomics
@@ -119,9 +118,6 @@ class LaunchConfig:
     slc_dkdv: str = "by_block"  # one of SELECTED_DKDV
     slc_tile_rows: int = 64  # rows (queries x heads, unpadded) of one program of the tiled selected kernels
     slc_tile_warps: int = 4
-    slc_shared_queries: int = 4  # shared: queries whose block loads one program shares (1, 2 or 4)
-    slc_shared_warps: int = 4  # shared: warps of its forward and dQ programs
-    slc_shared_stages: int = 2
     gate_kernel: str = "fused"  # one of GATE_KERNELS
     range_kernel: str = "split"  # one of RANGE_KERNELS
     range_loads: str = "tma"  # one of RANGE_LOADS
@@ -169,8 +165,6 @@ class LaunchConfig:
         tiles = [(name, getattr(self, name)) for name in ("dkdv_rows", "slc_tile_rows", "slc_block_rows", "phi_rows")]
         tiles += [(f"{name} tiles", getattr(self, name)[i]) for name in RANGE_TILE_FIELDS for i in (0, 1)]
         tiles += [(f"{name} query tile", getattr(self, name)[0]) for name in SELECT_FIELDS]
-        if self.slc_shared_queries not in (1, 2, 4):
-            raise ValueError(f"LaunchConfig.slc_shared_queries: must be 1, 2 or 4, got {self.slc_shared_queries!r}")
         for name, value in tiles:
             if value < 16 or value & (value - 1):
                 raise ValueError(f"LaunchConfig.{name}: must be a power of two >= 16, got {value}")
@@ -706,13 +700,6 @@ def _selected_fwd(q, k, v, blocks, sel_block: int, scale: float, prefix: int = 0
             q, k, v, BLOCKS=blocks, UNION=union, COUNT=count, O=o, LSE=lse, T=T, num_tiles=union.shape[1],
             scale=scale, N_PAD=triton.next_power_of_2(n), ROWS=rows, TILE_Q=tile_q, **common,
             num_warps=_config.slc_tile_warps, num_stages=_tiled_fwd_stages(q, v), **_block_tiles(rows, common, k, v))
-    elif kernel == "shared":
-        union, count = index
-        selected_shared_fwd_kernel[(union.shape[1], B * G)](
-            q, k, v, BLOCKS=blocks, UNION=union, COUNT=count, O=o, LSE=lse, T=T, num_tiles=union.shape[1],
-            scale=scale, N_PAD=triton.next_power_of_2(n), HEADS_PAD=_pow2(H // G), QUERIES=_config.slc_shared_queries,
-            **common, num_warps=_config.slc_shared_warps, num_stages=_config.slc_shared_stages,
-            **_block_tiles(_pow2(H // G), common, k, v))
     else:
         selected_attn_fwd_kernel[(T, B * G)](
             q, k, v, BLOCKS=blocks, O=o, LSE=lse, T=T, scale=scale, HEADS_PAD=_pow2(H // G), **common, **_slc_launch(),
@@ -774,9 +761,6 @@ def _selected_index(blocks, sel_block: int, kernel: str, hpg: int,
     if kernel == "tiled":
         return tile_block_union(blocks, _selected_tile(hpg)[1], triton.cdiv(blocks.shape[1], sel_block),
                                 shapes_only)
-    if kernel == "shared":
-        return tile_block_union(blocks, _config.slc_shared_queries, triton.cdiv(blocks.shape[1], sel_block),
-                                shapes_only)
     return ()
 
 
@@ -812,13 +796,6 @@ def _selected_bwd(q, k, v, blocks, o, lse, index, do, sel_block: int, scale: flo
             num_tiles=union.shape[1], scale=scale, N_PAD=triton.next_power_of_2(n), ROWS=rows, TILE_Q=tile_q,
             **common, num_warps=config.slc_tile_warps, num_stages=config.slc_tile_stages, ACCUMULATE=accumulate,
             **_block_tiles(rows, common, k, v))
-    elif kernel == "shared":
-        union, count = index[:2]
-        selected_shared_bwd_dq_kernel[(union.shape[1], B * G)](
-            q, k, v, BLOCKS=blocks, UNION=union, COUNT=count, DO=do, LSE=lse, DELTA=delta, DQ=dq, T=T,
-            num_tiles=union.shape[1], scale=scale, N_PAD=triton.next_power_of_2(n), HEADS_PAD=_pow2(hpg),
-            QUERIES=config.slc_shared_queries, **common, num_warps=config.slc_shared_warps,
-            num_stages=config.slc_shared_stages, ACCUMULATE=accumulate, **_block_tiles(_pow2(hpg), common, k, v))
     else:
         selected_attn_bwd_dq_kernel[(T, B * G)](
             q, k, v, BLOCKS=blocks, DO=do, LSE=lse, DELTA=delta, DQ=dq, T=T, scale=scale, HEADS_PAD=_pow2(hpg),
