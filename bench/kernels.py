@@ -533,7 +533,7 @@ SWEEP_GROUPS = {
             [("paper", 1, 8192), ("125m", 16, 2048)]),
     # the per-query forward and dQ (auto's choice past 8n blocks at large groups: paper 16k-64k); v37 swept them
     # for the first time since v2 and took 3 stages
-    # (v38: their speed comes from occupancy, many small programs, so one warp a program was added)
+    # (v38 added one warp a program, for twice the programs a multiprocessor: it lost)
     "slc_per_query": ([dict(), dict(slc_stages=2), dict(slc_warps=4), dict(slc_warps=4, slc_stages=2),
                        dict(slc_stages=4), dict(slc_warps=8), dict(slc_stages=1), dict(slc_warps=1),
                        dict(slc_warps=1, slc_stages=2)],

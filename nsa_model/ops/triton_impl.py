@@ -576,7 +576,7 @@ def tile_block_union(blocks: torch.Tensor, tile_q: int, num_blocks: int, shapes_
     return _union_by_sort(per_tile)
 
 
-_UNION_KERNEL_WIDTHS = 4
+_UNION_KERNEL_WIDTHS = 4  # tile_block_union: the kernel up to this many times a tile's width in blocks
 _ABSENT = torch.iinfo(torch.int32).max  # the union's padding: after every block id (kernels/block_index.py's)
 _UNION_COMPARES = 8192  # choice x block comparisons per step of tile_union_kernel
 
