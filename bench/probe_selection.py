@@ -103,44 +103,36 @@ def corpus_bytes(min_tokens: int):
 
 
 def layer_inputs(model, tokens):
-    """{layer: (q, k_slc, v_slc, blocks)} of one forward over tokens, from each NSA layer's own projection."""
+    """{layer: (q, k_slc, v_slc, blocks)} of one forward over tokens: each NSA layer's selected-branch inputs from
+    its own projection, and its selections (_attend's third result), taken by wrapping each layer's _attend."""
     import torch
 
     from nsa_model.attention import project_qkv
 
     captured = {}
 
-    def hook(index):
-        def run(module, args):
-            x = args[0]
-            q, *kv, _ = project_qkv(x, module.wq, module.wk, module.wv, module.rope, module.cfg, module.kv_sets,
-                                    module.backend, gate=module.gate)
-            k_slc = kv[1] if module.kv_sets > 1 else kv[0]
-            v_slc = kv[module.kv_sets + 1] if module.kv_sets > 1 else kv[1]
-            captured[index] = [q, k_slc, v_slc]
+    def spy(index, attn):
+        attend = attn._attend
+
+        def run(x):
+            q, *kv, _ = project_qkv(x, attn.wq, attn.wk, attn.wv, attn.rope, attn.cfg, attn.kv_sets, attn.backend,
+                                    gate=attn.gate)
+            sets = attn.kv_sets  # kv: the key sets (cmp, slc, win, or one shared), then the value sets
+            k_slc, v_slc = (kv[1], kv[sets + 1]) if sets > 1 else (kv[0], kv[1])
+            o, gates, blocks = attend(x)
+            captured[index] = (q, k_slc, v_slc, blocks)
+            return o, gates, blocks
         return run
 
-    handles = [block.attn.register_forward_pre_hook(hook(i)) for i, block in enumerate(model.blocks)]
-    stash = {}
-    originals = []
-    for i, block in enumerate(model.blocks):  # the selections: _attend's third result
-        attend = block.attn._attend
-
-        def wrapped(x, attend=attend, i=i):
-            o, gates, blocks = attend(x)
-            stash[i] = blocks
-            return o, gates, blocks
-        originals.append(attend)
-        block.attn._attend = wrapped
+    for i, block in enumerate(model.blocks):
+        block.attn._attend = spy(i, block.attn)
     try:
         with torch.no_grad():
             model(tokens)
     finally:
-        for h in handles:
-            h.remove()
-        for block, attend in zip(model.blocks, originals):
-            del block.attn._attend
-    return {i: (*captured[i], stash[i]) for i in captured}
+        for block in model.blocks:
+            del block.attn._attend  # the class's method again
+    return captured
 
 
 def time_variants(q, k, v, blocks, nsa, scale: float) -> dict:
