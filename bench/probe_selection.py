@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import math
 import os
 import sys
 import time
@@ -230,22 +229,12 @@ def main():
         mean_union = sum(r["union"] for r in layers) / len(layers)
         print(f"step {step}: loss {loss:.3f}, mean union {mean_union:.2f} n, "
               f"shared {sum(r['shared'] for r in layers) / len(layers):.3f}", flush=True)
-    write(args, cfg, tile_q, records, device)
+    write(args, cfg, tile_q, records)
 
 
-def write(args, cfg, tile_q: int, records: list, device: str) -> None:
-    import datetime
-    import pathlib
-
-    import torch
-
+def write(args, cfg, tile_q: int, records: list) -> None:
     commit = args.commit or git_commit()
-    if device == "cuda":
-        stem, meta = result_stem(args.out, "probe-selection", args.suffix, commit)
-    else:  # result_stem names GPUs only
-        stamp = datetime.datetime.now(datetime.timezone.utc)
-        stem = pathlib.Path(args.out) / f"probe-selection-cpu-{stamp:%Y-%m-%d}{args.suffix}"
-        meta = {"device": "cpu", "date": f"{stamp:%Y-%m-%d %H:%M} UTC", "commit": commit, "torch": torch.__version__}
+    stem, meta = result_stem(args.out, "probe-selection", args.suffix, commit)
     stem.parent.mkdir(parents=True, exist_ok=True)
     name = meta["device"]
     result = {**meta, "preset": args.preset, "seq_len": args.seq_len, "batch": args.batch, "lr": args.lr,
@@ -254,8 +243,8 @@ def write(args, cfg, tile_q: int, records: list, device: str) -> None:
     with open(f"{stem}.json", "w") as f:
         json.dump(result, f, indent=1)
     lines = [f"# Selections as {args.preset} trains: {name}", "",
-             f"{meta['date']}, commit {commit}, B x T = {args.batch} x {args.seq_len}, byte tokens of the embedded corpus, "
-             f"AdamW lr {args.lr} ({args.warmup_steps} warm-up steps); union: distinct blocks of a tile of {tile_q} "
+             f"{meta['date']}, commit {commit}, B x T = {args.batch} x {args.seq_len}, byte tokens of the embedded "
+             f"corpus, AdamW lr {args.lr} ({args.warmup_steps} warm-up steps); union: distinct blocks of a tile of {tile_q} "
              f"queries over n = {cfg.nsa.n_selected} (1 = all shared, {tile_q} = all distinct); shared: fraction of a "
              "query's blocks the query before it chose too.", "",
              "| step | train loss | mean union | min / max union over layers | mean shared |",

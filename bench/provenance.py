@@ -32,15 +32,16 @@ def git_commit() -> str:
 
 
 def result_stem(out_dir, prefix: str, suffix: str, commit: str):
-    """(stem, meta) of a GPU result file: out_dir/<prefix>-<device tag>-<date><suffix> (add .json or .md) and what
-    it was measured on: device, UTC date, commit, torch and triton versions."""
+    """(stem, meta) of a result file: out_dir/<prefix>-<device tag>-<date><suffix> (add .json or .md) and what
+    it was measured on: device (the GPU's name, or "cpu" without CUDA), UTC date, commit, torch and triton
+    versions."""
     import datetime
     import pathlib
 
     import torch
     import triton
 
-    device = torch.cuda.get_device_name()
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     tag = "h200" if "H200" in device else "h100" if "H100" in device else device.split()[-1].lower()
     stamp = datetime.datetime.now(datetime.timezone.utc)
     meta = {"device": device, "date": f"{stamp:%Y-%m-%d %H:%M} UTC", "commit": commit, "torch": torch.__version__,
