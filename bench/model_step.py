@@ -9,7 +9,9 @@ parameters, fused AdamW, `torch.compile` of the whole model unless --eager, the 
 --measure steps after --warmup), tokens/s, peak memory; then, unless --no-profile, one profiled step: wall time,
 GPU busy time (kernel time summed), the largest kernels, and kernel time by category (NSA core kernels, the
 rest of the model's compiled kernels, matmuls, elementwise glue), so that a gap between NSA and dense can be put
-on the attention kernels, on the glue around them, or on the host.
+on the attention kernels, on the glue around them, or on the host; and the step's timeline: how long the GPU runs
+no kernel at all, how much kernel time runs beside other kernels (NSA's second stream), and between which kernels
+the idle gaps fall.
 
 This isolates the model from the pipeline; bench/train_throughput.py measures the same through the project's own
 training loop (issue 9's numbers). Writes bench/results/model-step-<device>-<date>.{json,md}.
@@ -93,7 +95,47 @@ def make_step(fwd, opt, batches, cudagraphs: bool = False):
     return step
 
 
+GPU_ACTIVITY = ("kernel", "gpu_memset", "gpu_memcpy")  # what the GPU runs, by the profiler's trace categories
+
+
+def trace_activity(trace: dict) -> list[tuple[str, float, float, str]]:
+    """(name, start us, duration us, stream) of every kernel, memset and copy in a chrome trace's events."""
+    return [(e["name"], float(e["ts"]), float(e.get("dur", 0.0)), str(e.get("tid", "")))
+            for e in trace.get("traceEvents", []) if e.get("ph") == "X" and e.get("cat") in GPU_ACTIVITY]
+
+
+def timeline(activity: list[tuple[str, float, float, str]], top: int = 12) -> dict:
+    """When the GPU works and when it waits, from (name, start us, duration us, stream) intervals.
+
+    busy: time with at least one kernel running (the union over streams); idle: the span less busy; concurrent:
+    kernel time that ran beside other kernels (the summed time less busy). The idle gaps are added up by the pair
+    of kernels around them (the last to end before the gap, the first to start after it), largest first: where
+    a step waits on a dependency rather than on work."""
+    if not activity:
+        return {"span_ms": 0.0, "busy_ms": 0.0, "idle_ms": 0.0, "concurrent_ms": 0.0, "streams": 0, "gaps": []}
+    spans = sorted((start, start + dur, name) for name, start, dur, _ in activity)
+    busy, gaps = 0.0, {}
+    seg_start, seg_end, last_name = spans[0][0], spans[0][1], spans[0][2]
+    for start, end, name in spans[1:]:
+        if start > seg_end:  # a gap: nothing runs between seg_end and start
+            busy += seg_end - seg_start
+            key = (last_name[:60], name[:60])
+            total, count = gaps.get(key, (0.0, 0))
+            gaps[key] = (total + start - seg_end, count + 1)
+            seg_start, seg_end, last_name = start, end, name
+        elif end >= seg_end:
+            seg_end, last_name = end, name
+    busy += seg_end - seg_start
+    span = seg_end - spans[0][0]
+    summed = sum(dur for _, _, dur, _ in activity)
+    ranked = sorted(gaps.items(), key=lambda kv: -kv[1][0])[:top]
+    return {"span_ms": span / 1e3, "busy_ms": busy / 1e3, "idle_ms": (span - busy) / 1e3,
+            "concurrent_ms": (summed - busy) / 1e3, "streams": len({s for *_, s in activity}),
+            "gaps": [{"before": a, "after": b, "ms": t / 1e3, "count": n} for (a, b), (t, n) in ranked]}
+
+
 def profile_step(step) -> dict:
+    import tempfile
     from torch.profiler import ProfilerActivity, profile
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
@@ -101,6 +143,9 @@ def profile_step(step) -> dict:
         step()
         torch.cuda.synchronize()
         wall_ms = (time.perf_counter() - start) * 1e3
+    with tempfile.TemporaryDirectory() as tmp:
+        prof.export_chrome_trace(f"{tmp}/trace.json")
+        gpu_timeline = timeline(trace_activity(json.loads(Path(f"{tmp}/trace.json").read_text())))
     kernels, counts, categories, cpu_ops = {}, {}, {}, {}
     for e in prof.key_averages():
         gpu_us = getattr(e, "self_device_time_total", None)
@@ -117,7 +162,7 @@ def profile_step(step) -> dict:
     top_cpu = dict(sorted(cpu_ops.items(), key=lambda kv: -kv[1])[:10])
     return {"wall_ms": wall_ms, "gpu_busy_ms": sum(kernels.values()), "kernel_count": len(kernels),
             "categories_ms": dict(sorted(categories.items(), key=lambda kv: -kv[1])), "top_kernels_ms": top,
-            "top_cpu_self_ms": top_cpu,
+            "top_cpu_self_ms": top_cpu, "timeline": gpu_timeline,
             "kernels": {k: {"ms": v, "calls": counts[k]} for k, v in sorted(kernels.items(), key=lambda kv: -kv[1])}}
 
 
@@ -277,6 +322,14 @@ def markdown(meta, rows) -> str:
             lines += ["- by category: " + ", ".join(f"{k} {v:.1f}" for k, v in p["categories_ms"].items())]
             lines += ["- largest: " + ", ".join(f"{k} {v:.2f}" for k, v in p["top_kernels_ms"].items())]
             lines += ["- host (self CPU ms): " + ", ".join(f"{k} {v:.1f}" for k, v in p["top_cpu_self_ms"].items())]
+            tl = p.get("timeline")
+            if tl:
+                lines += [f"- timeline: span {tl['span_ms']:.1f} ms, GPU busy (any stream) {tl['busy_ms']:.1f}, idle "
+                          f"{tl['idle_ms']:.1f}, kernel time beside other kernels {tl['concurrent_ms']:.1f}, "
+                          f"{tl['streams']} streams",
+                          "- largest idle gaps, by the kernels around them (ms, count): "
+                          + "; ".join(f"`{g['before']}` -> `{g['after']}` {g['ms']:.2f} ({g['count']})"
+                                      for g in tl["gaps"])]
     for t, pair in by_t.items():
         if "kernels" in pair.get("nsa", {}).get("profile", {}) and "kernels" in pair.get("dense", {}).get("profile", {}):
             diff = kernel_difference(pair["nsa"]["profile"]["kernels"], pair["dense"]["profile"]["kernels"])

@@ -85,3 +85,31 @@ def test_launch_overrides_parse_literals_and_words_and_refuse_a_bare_name():
     assert got == {"slc_auto_tiled_fwd_blocks": 8, "slc_kernel": "by_block", "range_fwd": (64, 64, 4, 3)}
     with pytest.raises(ValueError, match="NAME=VALUE"):
         model_step.launch_overrides(["slc_kernel"])
+
+
+def test_timeline_counts_idle_time_where_no_stream_runs_and_names_the_kernels_around_each_gap():
+    # stream 7: a 0-10, b 30-40; stream 9 (beside it): w 5-20, then c 50-55 after a gap
+    activity = [("a", 0.0, 10.0, "7"), ("w", 5.0, 15.0, "9"), ("b", 30.0, 10.0, "7"), ("c", 50.0, 5.0, "9"),
+                ("a", 60.0, 10.0, "7"), ("w", 62.0, 3.0, "9")]
+    tl = model_step.timeline(activity)
+    assert tl["span_ms"] * 1e3 == pytest.approx(70.0)
+    assert tl["busy_ms"] * 1e3 == pytest.approx(20.0 + 10.0 + 5.0 + 10.0)  # the union over both streams
+    assert tl["idle_ms"] * 1e3 == pytest.approx(25.0)  # 20-30, 40-50, 55-60
+    assert tl["concurrent_ms"] * 1e3 == pytest.approx(5.0 + 3.0)  # a and w overlap 5-10; w inside a 62-65
+    assert tl["streams"] == 2
+    gaps = {(g["before"], g["after"]): (g["ms"] * 1e3, g["count"]) for g in tl["gaps"]}
+    # the gap after 20 follows w (it ended last), not a
+    assert gaps == {("w", "b"): (pytest.approx(10.0), 1), ("b", "c"): (pytest.approx(10.0), 1),
+                    ("c", "a"): (pytest.approx(5.0), 1)}
+    assert [g["ms"] for g in tl["gaps"]] == sorted((g["ms"] for g in tl["gaps"]), reverse=True)
+    assert model_step.timeline([])["idle_ms"] == 0.0
+
+
+def test_trace_activity_keeps_the_gpus_kernels_memsets_and_copies_only():
+    trace = {"traceEvents": [
+        {"ph": "X", "cat": "kernel", "name": "k", "ts": 5, "dur": 2, "tid": 7},
+        {"ph": "X", "cat": "gpu_memset", "name": "Memset", "ts": 8, "dur": 1, "tid": 7},
+        {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 1, "dur": 9, "tid": 1},
+        {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": 1, "dur": 1, "tid": 1},
+        {"ph": "f", "cat": "ac2g", "name": "flow", "ts": 5, "tid": 7}]}
+    assert model_step.trace_activity(trace) == [("k", 5.0, 2.0, "7"), ("Memset", 8.0, 1.0, "7")]
