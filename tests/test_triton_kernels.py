@@ -295,38 +295,6 @@ def test_work_beside_the_selected_branch_runs_once_at_the_join_off_a_gpu(side_st
     assert calls == [0] and torch.equal(out, torch.ones(3))
 
 
-@pytest.mark.parametrize("point", ["with_cmp", "after_cmp", "after_select"])
-def test_the_window_forward_starts_at_the_configured_point_only_and_joins_once(point, monkeypatch):
-    """nsa::core's forward calls start_at at each of its points in order; only the one LaunchConfig.window_fwd_start
-    names starts the window's work (beside the rest on a GPU; here at the join), which then runs once."""
-    calls = []
-    monkeypatch.setattr(triton_impl, "_range_fwd_into", lambda *args: calls.append(args[5]))
-    q, kv = torch.zeros(1, 8, 2, 4), torch.zeros(1, 8, 1, 4)
-    with triton_impl.use_launch_config(triton_impl.LaunchConfig(window_fwd_start=point)):
-        win = triton_impl._WindowForward(q, kv, kv, window=4, scale=0.5)
-        started = []
-        for at in triton_impl.WINDOW_FWD_STARTS:
-            win.start_at(at)
-            started.append(win.beside is not None)
-        o, lse = win.join()
-    first = triton_impl.WINDOW_FWD_STARTS.index(point)
-    assert started == [i >= first for i in range(3)]
-    assert calls == [8] and o.shape == (1, 8, 2, 4) and lse.shape == (1, 8, 2)
-    with pytest.raises(ValueError, match="no start point 'late'"):
-        win.start_at("late")
-    with pytest.raises(ValueError, match="LaunchConfig.window_fwd_start: must be one of"):
-        triton_impl.LaunchConfig(window_fwd_start="late")
-
-
-def test_a_window_forward_joined_before_it_started_is_refused():
-    q, kv = torch.zeros(1, 8, 2, 4), torch.zeros(1, 8, 1, 4)
-    with triton_impl.use_launch_config(triton_impl.LaunchConfig(window_fwd_start="after_select")):
-        win = triton_impl._WindowForward(q, kv, kv, window=4, scale=0.5)
-        win.start_at("with_cmp")
-        with pytest.raises(RuntimeError, match="joined before it was started"):
-            win.join()
-
-
 SELECTED_VARIANTS = {
     "per_query": dict(slc_kernel="per_query", slc_dkdv="inverted"),
     "tiled16": dict(slc_kernel="tiled", slc_tile_rows=16, slc_dkdv="inverted"),

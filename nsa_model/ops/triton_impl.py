@@ -66,10 +66,6 @@ PHI_KERNELS = ("fused", "torch")
 # branches' dQ), or in the epilogue of the compressed and window branches' two-range dQ kernel, which then runs
 # after the selected branch (kernels-notes.md v29)
 SLOT_SUMS = ("pass", "range_dq")
-# When nsa::core's window forward starts on the second stream (side_stream): with the compressed forward, after it
-# (beside the selection and the selected branch's index, kernels that leave most of the GPU idle), or after the
-# selection (beside the index and the selected forward)
-WINDOW_FWD_STARTS = ("with_cmp", "after_cmp", "after_select")
 
 
 RANGE_TILE_FIELDS = ("range_fwd", "range_dq", "range_dkdv", "range_fwd_d64", "range_dq_d64", "range_dkdv_d64")
@@ -133,7 +129,6 @@ class LaunchConfig:
     side_stream: bool = True  # nsa::core's window forward and range dK/dV on a second CUDA stream (_Beside; v26)
     phi_kernel: str = "fused"  # one of PHI_KERNELS
     slc_slot_sum: str = "range_dq"  # one of SLOT_SUMS
-    window_fwd_start: str = "with_cmp"  # one of WINDOW_FWD_STARTS
     phi_rows: int = 32  # compressed tokens per program of phi's forward and its row backward (v29: 64 lost)
 
     def __post_init__(self) -> None:
@@ -141,7 +136,7 @@ class LaunchConfig:
                    "delta_kernel": DELTA_KERNELS, "window_dkdv": WINDOW_DKDV, "slc_partial": PARTIAL_DTYPES,
                    "slc_dq": SELECTED_DQ, "slc_dkdv": SELECTED_DKDV, "range_pair": RANGE_PAIR,
                    "range_loads": RANGE_LOADS, "phi_kernel": PHI_KERNELS,
-                   "slc_slot_sum": SLOT_SUMS, "window_fwd_start": WINDOW_FWD_STARTS}
+                   "slc_slot_sum": SLOT_SUMS}
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise ValueError(f"LaunchConfig.{name}: must be one of {allowed}, got {getattr(self, name)!r}")
@@ -1130,15 +1125,12 @@ def _core(q: torch.Tensor, k_slc: torch.Tensor, v_slc: torch.Tensor, k_win: torc
     cfg = _core_nsa_config(cmp_block, cmp_stride, sel_block, n_selected, window, n_init_blocks, n_local_blocks)
     T = q.shape[1]
     q = q.contiguous()
-    win = _WindowForward(q, k_win, v_win, window, scale)
-    win.start_at("with_cmp")
-    o_cmp, lse_cmp = _range_fwd(q, k_cmp, v_cmp, *_cmp_range(cmp_block, cmp_stride, T), scale)
-    win.start_at("after_cmp")
+    (o_cmp, lse_cmp), (o_win, lse_win), win = _range_forwards(q, k_win, v_win, k_cmp, v_cmp, cmp_block, cmp_stride,
+                                                              window, scale)
     blocks = select_blocks(q, k_cmp, lse_cmp, cfg, scale)
-    win.start_at("after_select")
     o_slc, lse_slc, _, index = _selected_fwd(q, k_slc, v_slc, blocks, sel_block, scale,
                                              prefix=_dense_prefix(T, n_selected, sel_block))
-    o_win, lse_win = win.join()
+    win.join()
     o = _gated_fwd(gates, o_cmp, o_slc, o_win)
     if recompute:
         o_cmp, o_win = _empty_range_output(q), _empty_range_output(q)
@@ -1165,41 +1157,22 @@ def _empty_range_output(q: torch.Tensor) -> torch.Tensor:
     return q.new_empty(0)
 
 
-class _WindowForward:
-    """The window branch's forward, run beside the others (_Beside) from the point of nsa::core's forward that
-    launch_config().window_fwd_start names: start_at(point) starts it there and is a no-op at every other point;
-    join() returns (o_win, lse_win). Started with the compressed forward, the two compete for the GPU; started
-    after it, the window fills what the selection and the selected branch's index (small kernels and a sort)
-    leave idle."""
-
-    def __init__(self, q, k_win, v_win, window: int, scale: float) -> None:
-        self.o, self.lse = _range_outputs(q, v_win)
-        T = q.shape[1]
-        self.work = lambda: _range_fwd_into(q, k_win, v_win, self.o, self.lse, T, *_win_range(window, T), scale)
-        self.device, self.beside = q.device, None
-
-    def start_at(self, point: str) -> None:
-        if point not in WINDOW_FWD_STARTS:
-            raise ValueError(f"window forward: no start point {point!r} (one of {WINDOW_FWD_STARTS})")
-        if point == _config.window_fwd_start and self.beside is None:
-            self.beside = _Beside(self.device, self.work)
-
-    def join(self) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.beside is None:
-            raise RuntimeError("window forward joined before it was started")
-        self.beside.join()
-        return self.o, self.lse
+def _range_forwards(q, k_win, v_win, k_cmp, v_cmp, cmp_block: int, cmp_stride: int, window: int, scale: float):
+    """((o_cmp, lse_cmp), (o_win, lse_win), win) of q (contiguous): the compressed branch in order, the window's
+    started beside it; its results are there once win.join() has run."""
+    T = q.shape[1]
+    o_win, lse_win = _range_outputs(q, v_win)
+    win = _Beside(q.device, lambda: _range_fwd_into(q, k_win, v_win, o_win, lse_win, T, *_win_range(window, T),
+                                                    scale))
+    return _range_fwd(q, k_cmp, v_cmp, *_cmp_range(cmp_block, cmp_stride, T), scale), (o_win, lse_win), win
 
 
 def _recomputed_ranges(q, k_win, v_win, k_cmp, v_cmp, cmp_block: int, cmp_stride: int, window: int,
                        scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """o_cmp and o_win as nsa::core's forward computed them: the same kernels on the same inputs (bit for bit;
-    none of them adds atomically), the window's beside the compressed one."""
-    T = q.shape[1]
-    o_win, lse_win = _range_outputs(q, v_win)
-    win = _Beside(q.device, lambda: _range_fwd_into(q, k_win, v_win, o_win, lse_win, T, *_win_range(window, T),
-                                                    scale))
-    o_cmp, _ = _range_fwd(q, k_cmp, v_cmp, *_cmp_range(cmp_block, cmp_stride, T), scale)
+    none of them adds atomically)."""
+    (o_cmp, _), (o_win, _), win = _range_forwards(q, k_win, v_win, k_cmp, v_cmp, cmp_block, cmp_stride, window,
+                                                  scale)
     win.join()
     return o_cmp, o_win
 
