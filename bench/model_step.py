@@ -107,8 +107,8 @@ def trace_activity(trace: dict) -> list[tuple[str, float, float, str]]:
 def timeline(activity: list[tuple[str, float, float, str]], top: int = 12) -> dict:
     """When the GPU works and when it waits, from (name, start us, duration us, stream) intervals.
 
-    busy: time with at least one kernel running (the union over streams); idle: the span less busy; concurrent:
-    kernel time that ran beside other kernels (the summed time less busy). The idle gaps are added up by the pair
+    busy: time with at least one kernel, memset or copy running (the union over streams); idle: the span less
+    busy; concurrent: the time that ran beside other work (the summed time less busy). The idle gaps are added up by the pair
     of kernels around them (the last to end before the gap, the first to start after it), largest first: where
     a step waits on a dependency rather than on work."""
     if not activity:
