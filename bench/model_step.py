@@ -24,6 +24,7 @@ import datetime as dt
 import json
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -135,7 +136,6 @@ def timeline(activity: list[tuple[str, float, float, str]], top: int = 12) -> di
 
 
 def profile_step(step) -> dict:
-    import tempfile
     from torch.profiler import ProfilerActivity, profile
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:

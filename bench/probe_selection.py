@@ -101,36 +101,25 @@ def corpus_bytes(min_tokens: int):
     return torch.frombuffer(data, dtype=torch.uint8).clone()
 
 
-def layer_inputs(model, tokens):
-    """{layer: (q, k_slc, v_slc, blocks)} of one forward over tokens: each NSA layer's selected-branch inputs from
-    its own projection, and its selections (_attend's third result), taken by wrapping each layer's _attend."""
+def layer_inputs(model, tokens) -> list:
+    """[(q, k_slc, v_slc, blocks)] of one forward over tokens, one per NSA layer in order: the selected branch's
+    inputs and the layer's selections, as each layer hands them to ops.nsa_attention (caught there, so nothing is
+    projected twice and the key/value sets are the layer's own)."""
+    from unittest import mock
+
     import torch
 
-    from nsa_model.attention import project_qkv
+    from nsa_model import ops
 
-    captured = {}
+    captured, real = [], ops.nsa_attention
 
-    def spy(index, attn):
-        attend = attn._attend
+    def spy(q, k_slc, v_slc, *args, **kwargs):
+        o, blocks = real(q, k_slc, v_slc, *args, **kwargs)  # NSAAttention asks for return_blocks=True
+        captured.append((q, k_slc, v_slc, blocks))
+        return o, blocks
 
-        def run(x):
-            q, *kv, _ = project_qkv(x, attn.wq, attn.wk, attn.wv, attn.rope, attn.cfg, attn.kv_sets, attn.backend,
-                                    gate=attn.gate)
-            sets = attn.kv_sets  # kv: the key sets (cmp, slc, win, or one shared), then the value sets
-            k_slc, v_slc = (kv[1], kv[sets + 1]) if sets > 1 else (kv[0], kv[1])
-            o, gates, blocks = attend(x)
-            captured[index] = (q, k_slc, v_slc, blocks)
-            return o, gates, blocks
-        return run
-
-    for i, block in enumerate(model.blocks):
-        block.attn._attend = spy(i, block.attn)
-    try:
-        with torch.no_grad():
-            model(tokens)
-    finally:
-        for block in model.blocks:
-            del block.attn._attend  # the class's method again
+    with mock.patch.object(ops, "nsa_attention", spy), torch.no_grad():
+        model(tokens)
     return captured
 
 
@@ -217,6 +206,8 @@ def main():
         model.eval()
         with autocast:
             captured = layer_inputs(model, held_out)
+        if len(captured) != cfg.n_layers:
+            raise RuntimeError(f"caught {len(captured)} calls of ops.nsa_attention in a {cfg.n_layers}-layer model")
         model.train()
         layers = []
         for i in range(cfg.n_layers):
