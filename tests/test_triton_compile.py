@@ -61,8 +61,14 @@ CASES = [
                 dict(H=12, G=2, DK=64, BLOCK_DK=64, CMP_BLOCK=32, CMP_STRIDE=16, SEL_BLOCK=64, N_SELECT=16, N_INIT=1,
                      N_LOCAL=2, BLOCK_M=64, N_PAD=16, CHUNK_SPLITS=0, TOK_PAD=64, DOT_PRECISION="tf32"),
                 descs=dict(QD=64, KCD=64)),
-    *_tma_cases("range_attn_fwd_kernel", "range_attention", dict(LSE="fp32"), RANGE_SCALARS, RANGE,
-                descs=dict(QD=64, KD=64, VD=64)),
+    # the window forward with by_block's combine and the gated sum in its epilogue (nsa::core), and without
+    *[c for slots in (16, 0) for c in _tma_cases(
+        "range_attn_fwd_kernel", "range_attention",
+        dict(LSE="fp32", **(dict(SLC_LSE2_PART="fp32", SLC_BLOCKS="i32", LSE_SLC="fp32") if slots else {})),
+        RANGE_SCALARS,
+        dict(RANGE, N_SLOTS=slots, **({} if slots else dict.fromkeys(
+            ("SLC_PART", "SLC_LSE2_PART", "SLC_BLOCKS", "O_SLC", "LSE_SLC", "GATES", "O_CMP", "O_GATED")))),
+        label=f"N_SLOTS={slots}", descs=dict(QD=64, KD=64, VD=64))],
     # both ranges with by_block's dQ slots summed in (nsa::core's backward), and one range without them
     *[c for two, slots in ((True, 16), (False, 0)) for c in _tma_cases(
         "range_attn_bwd_dq_kernel", "range_attention",

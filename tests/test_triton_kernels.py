@@ -407,6 +407,9 @@ CORE_VARIANTS = {  # three with the dense prefix: its dK/dV by groups (tiled_by_
     "by_block_slot_sum_pass": dict(slc_kernel="by_block", slc_block_rows=16, slc_block_chunk=8, slc_slot_sum="pass"),
     "tiled_by_block_slot_sum_pass": dict(slc_kernel="tiled_by_block", slc_tile_rows=16, slc_block_rows=16,
                                          slc_block_chunk=8, slc_slot_sum="pass"),
+    # by_block's partials combined, and the gates summed, by passes of their own, not in the window forward's
+    # epilogue (slc_combine "window_fwd", the default the by_block variants above run)
+    "by_block_combine_pass": dict(slc_kernel="by_block", slc_block_rows=16, slc_block_chunk=8, slc_combine="pass"),
 }
 
 
@@ -438,6 +441,59 @@ def test_slot_sum_runs_in_the_range_dq_kernel_where_asked_and_possible(slot_sum,
         triton_impl.nsa_attention(*x.values(), cfg, scale=0.25).square().sum().backward()
     in_range = slot_sum == "range_dq" and not variant
     assert seen == {"slot_sum_pass": 0 if in_range else 1, "range_dq_with_slots": 1 if in_range else 0}
+
+
+@pytest.mark.parametrize("combine, variant", [("window_fwd", {}), ("pass", {}),
+                                             ("window_fwd", dict(slc_dense_prefix=True)),
+                                             ("window_fwd", dict(gate_kernel="torch")),
+                                             ("window_fwd", dict(slc_kernel="tiled_by_block", slc_tile_rows=16))])
+def test_combine_and_gates_run_in_the_window_forward_where_asked_and_possible(combine, variant, monkeypatch):
+    """slc_combine = "window_fwd": nsa::core's forward hands by_block's partials and the gates to the window
+    forward, whose epilogue writes the selected branch's output and the gated output, and runs neither the combine
+    pass nor the gate pass. It keeps them with the dense prefix (whose rows no partial covers) or the torch gates;
+    tiled_by_block's forward writes no partials (no combine) and keeps the gate pass. Either way the core's output
+    and the selected branch's output and lse (what the backward reads) are the passes' (exactly, in the
+    interpreter); the variant tests check the gradients."""
+    cfg = NSAConfig(cmp_block=8, cmp_stride=4, sel_block=8, n_selected=3, window=8)
+    x = [t.float().to(DEVICE) for t in make_inputs(1, 29, 6, 2, 16, 32, cfg, seed=5).values()]
+    seen = {"combine_pass": 0, "gate_pass": 0, "window_epilogue": 0}
+    real = {name: getattr(triton_impl, name) for name in ("selected_combine_kernel", "gated_sum_fwd_kernel",
+                                                           "_range_fwd_into")}
+
+    class Counted:
+        def __init__(self, name, key):
+            self.name, self.key = name, key
+
+        def __getitem__(self, grid):
+            seen[self.key] += 1
+            return real[self.name][grid]
+
+    def fwd_into(*args, epilogue=None, **kwargs):
+        seen["window_epilogue"] += epilogue is not None
+        return real["_range_fwd_into"](*args, epilogue=epilogue, **kwargs)
+    monkeypatch.setattr(triton_impl, "selected_combine_kernel", Counted("selected_combine_kernel", "combine_pass"))
+    monkeypatch.setattr(triton_impl, "gated_sum_fwd_kernel", Counted("gated_sum_fwd_kernel", "gate_pass"))
+    monkeypatch.setattr(triton_impl, "_range_fwd_into", fwd_into)
+    outs = {}
+    for which in (combine, "pass"):
+        launch = triton_impl.LaunchConfig(**{"slc_kernel": "by_block", "slc_block_rows": 16, "slc_block_chunk": 8,
+                                             "slc_combine": which, **variant})
+        with triton_impl.use_launch_config(launch):
+            core = torch.ops.nsa.core(*x, cfg.cmp_block, cfg.cmp_stride, cfg.sel_block, cfg.n_selected, cfg.window,
+                                      cfg.n_init_blocks, cfg.n_local_blocks, 0.25, False)
+        outs[which] = [core[i] for i in (0, 4, 5)]  # o, o_slc, lse_slc
+        if which == combine:
+            counts, seen = seen, dict.fromkeys(seen, 0)
+    fused = combine == "window_fwd" and not variant
+    tiled_forward = variant.get("slc_kernel") == "tiled_by_block"
+    torch_gates = variant.get("gate_kernel") == "torch"
+    assert counts == {"combine_pass": 0 if fused or tiled_forward else 1,
+                      "gate_pass": 0 if fused or torch_gates else 1, "window_epilogue": 1 if fused else 0}
+    for name, a, b in zip(("o", "o_slc", "lse_slc"), outs[combine], outs["pass"]):
+        if ON_GPU:
+            assert rel_err(a, b) <= 1e-6, name
+        else:
+            assert torch.equal(a, b), name
 
 
 @pytest.mark.parametrize("kernel", ["per_query", "tiled"])

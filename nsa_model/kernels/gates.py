@@ -26,6 +26,20 @@ import triton.language as tl
 
 
 @triton.jit
+def gate_rows(GATES, rows64, r_ok, o_cmp, o_slc, o_win):
+    """g_cmp * o_cmp + g_slc * o_slc + g_win * o_win (fp32) of rows rows64 (int64) of the [ROWS, 3] gates, the branch
+    outputs given as fp32 [rows, BLOCK_D] of their stored values. The forward kernel below and the window forward's
+    epilogue (range_attention.py) both sum through it, so the two give the same o."""
+    g_cmp = tl.load(GATES + rows64 * 3, mask=r_ok, other=0.0).to(tl.float32)
+    g_slc = tl.load(GATES + rows64 * 3 + 1, mask=r_ok, other=0.0).to(tl.float32)
+    g_win = tl.load(GATES + rows64 * 3 + 2, mask=r_ok, other=0.0).to(tl.float32)
+    o = g_cmp[:, None] * o_cmp
+    o += g_slc[:, None] * o_slc
+    o += g_win[:, None] * o_win
+    return o
+
+
+@triton.jit
 def gated_sum_fwd_kernel(GATES, O_CMP, O_SLC, O_WIN, O, num_rows, DV: tl.constexpr, BLOCK_R: tl.constexpr,
                          BLOCK_D: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -34,12 +48,9 @@ def gated_sum_fwd_kernel(GATES, O_CMP, O_SLC, O_WIN, O, num_rows, DV: tl.constex
     rows64 = rows.to(tl.int64)
     ok = r_ok[:, None] & (offs_d < DV)[None, :]
     at = rows64[:, None] * DV + offs_d[None, :]
-    g_cmp = tl.load(GATES + rows64 * 3, mask=r_ok, other=0.0).to(tl.float32)
-    g_slc = tl.load(GATES + rows64 * 3 + 1, mask=r_ok, other=0.0).to(tl.float32)
-    g_win = tl.load(GATES + rows64 * 3 + 2, mask=r_ok, other=0.0).to(tl.float32)
-    o = g_cmp[:, None] * tl.load(O_CMP + at, mask=ok, other=0.0).to(tl.float32)
-    o += g_slc[:, None] * tl.load(O_SLC + at, mask=ok, other=0.0).to(tl.float32)
-    o += g_win[:, None] * tl.load(O_WIN + at, mask=ok, other=0.0).to(tl.float32)
+    o = gate_rows(GATES, rows64, r_ok, tl.load(O_CMP + at, mask=ok, other=0.0).to(tl.float32),
+                  tl.load(O_SLC + at, mask=ok, other=0.0).to(tl.float32),
+                  tl.load(O_WIN + at, mask=ok, other=0.0).to(tl.float32))
     tl.store(O + at, o.to(O.dtype.element_ty), mask=ok)
 
 

@@ -198,13 +198,14 @@ def selected_block_fwd_kernel(Q, K, V, KD, VD, ORDER, STARTS, WORK_SEG, WORK_CHU
 
 
 @triton.jit
-def selected_combine_kernel(O_PART, LSE2_PART, BLOCKS, O, LSE, num_rows, H: tl.constexpr, G: tl.constexpr,
-                            DV: tl.constexpr, BLOCK_DV: tl.constexpr, N_SELECT: tl.constexpr, BLOCK_R: tl.constexpr):
-    """o[b, t, h] and lse from the n partials of (b, t, h); slots with block -1 hold nothing and are skipped."""
+def combine_slots(O_PART, LSE2_PART, BLOCKS, rows, r_ok, H: tl.constexpr, G: tl.constexpr, DV: tl.constexpr,
+                  BLOCK_DV: tl.constexpr, N_SELECT: tl.constexpr, BLOCK_R: tl.constexpr):
+    """(o [BLOCK_R, BLOCK_DV] fp32, lse [BLOCK_R] natural log) of rows (b * T + t) * H + hh (int64 [BLOCK_R]) from
+    their n partials;
+    slots with block -1 hold nothing and are skipped. The combine pass below, and the window forward's epilogue
+    (range_attention.py), run it."""
     HPG: tl.constexpr = H // G
-    rows = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)  # (b * T + t) * H + hh
     offs_dv = tl.arange(0, BLOCK_DV)
-    r_ok = rows < num_rows
     bt = rows // H
     hh = rows % H
     slot0 = (bt * G + hh // HPG) * N_SELECT
@@ -226,9 +227,20 @@ def selected_combine_kernel(O_PART, LSE2_PART, BLOCKS, O, LSE, num_rows, H: tl.c
         l_i += w
     has_key = l_i > 0
     l_safe = tl.where(has_key, l_i, 1.0)
-    tl.store(O + rows[:, None] * DV + offs_dv[None, :], (acc / l_safe[:, None]).to(O.dtype.element_ty),
+    return acc / l_safe[:, None], tl.where(has_key, (m_safe + tl.log2(l_safe)) / LOG2E, float("-inf"))
+
+
+@triton.jit
+def selected_combine_kernel(O_PART, LSE2_PART, BLOCKS, O, LSE, num_rows, H: tl.constexpr, G: tl.constexpr,
+                            DV: tl.constexpr, BLOCK_DV: tl.constexpr, N_SELECT: tl.constexpr, BLOCK_R: tl.constexpr):
+    """o[b, t, h] and lse from the n partials of (b, t, h) (combine_slots)."""
+    rows = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)  # (b * T + t) * H + hh
+    offs_dv = tl.arange(0, BLOCK_DV)
+    r_ok = rows < num_rows
+    o, lse = combine_slots(O_PART, LSE2_PART, BLOCKS, rows, r_ok, H, G, DV, BLOCK_DV, N_SELECT, BLOCK_R)
+    tl.store(O + rows[:, None] * DV + offs_dv[None, :], o.to(O.dtype.element_ty),
              mask=r_ok[:, None] & (offs_dv < DV)[None, :])
-    tl.store(LSE + rows, tl.where(has_key, (m_safe + tl.log2(l_safe)) / LOG2E, float("-inf")), mask=r_ok)
+    tl.store(LSE + rows, lse, mask=r_ok)
 
 
 @triton.jit
