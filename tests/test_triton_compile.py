@@ -61,14 +61,8 @@ CASES = [
                 dict(H=12, G=2, DK=64, BLOCK_DK=64, CMP_BLOCK=32, CMP_STRIDE=16, SEL_BLOCK=64, N_SELECT=16, N_INIT=1,
                      N_LOCAL=2, BLOCK_M=64, N_PAD=16, CHUNK_SPLITS=0, TOK_PAD=64, DOT_PRECISION="tf32"),
                 descs=dict(QD=64, KCD=64)),
-    # the window forward with by_block's combine and the gated sum in its epilogue (nsa::core), and without
-    *[c for slots in (16, 0) for c in _tma_cases(
-        "range_attn_fwd_kernel", "range_attention",
-        dict(LSE="fp32", **(dict(SLC_LSE2_PART="fp32", SLC_BLOCKS="i32", LSE_SLC="fp32") if slots else {})),
-        RANGE_SCALARS,
-        dict(RANGE, N_SLOTS=slots, **({} if slots else dict.fromkeys(
-            ("SLC_PART", "SLC_LSE2_PART", "SLC_BLOCKS", "O_SLC", "LSE_SLC", "GATES", "O_CMP", "O_GATED")))),
-        label=f"N_SLOTS={slots}", descs=dict(QD=64, KD=64, VD=64))],
+    *_tma_cases("range_attn_fwd_kernel", "range_attention", dict(LSE="fp32"), RANGE_SCALARS, RANGE,
+                descs=dict(QD=64, KD=64, VD=64)),
     # both ranges with by_block's dQ slots summed in (nsa::core's backward), and one range without them
     *[c for two, slots in ((True, 16), (False, 0)) for c in _tma_cases(
         "range_attn_bwd_dq_kernel", "range_attention",
@@ -102,8 +96,11 @@ CASES = [
         dict(num_blocks="i32", **SLC_SCALARS), dict(ROWS=64, CHUNK=512, PREFETCH=prefetch, **SEL),
         dict(num_warps=4, num_stages=3, **(dict(maxnreg=168) if prefetch else {})), f"PREFETCH={prefetch}",
         descs=dict(KD=64, VD=64))],
-    _case("selected_combine_kernel", "selected_by_block", dict(LSE2_PART="fp32", BLOCKS="i32", LSE="fp32"),
-          dict(num_rows="i32"), dict(H=12, G=2, DV=64, BLOCK_DV=64, N_SELECT=16, BLOCK_R=32)),
+    # alone, and with the gated sum in its epilogue (nsa::core's forward)
+    *[_case("selected_combine_kernel", "selected_by_block", dict(LSE2_PART="fp32", BLOCKS="i32", LSE="fp32"),
+            dict(num_rows="i32"), dict(H=12, G=2, DV=64, BLOCK_DV=64, N_SELECT=16, BLOCK_R=32, GATED=gated,
+                                       **({} if gated else dict.fromkeys(("GATES", "O_CMP", "O_WIN", "O_GATED")))),
+            label=f"GATED={gated}") for gated in (True, False)],
     *[c for mode, final, prefetch in ((0, True, False), (1, True, False), (1, False, False), (2, False, False),
                                       (1, True, True), (0, True, True)) for c in _tma_cases(
         "selected_block_bwd_kernel", "selected_by_block", dict(BLOCK_INDEX, DONE="i32", **ROW_TERMS, **ACCS),

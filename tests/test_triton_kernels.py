@@ -407,9 +407,9 @@ CORE_VARIANTS = {  # three with the dense prefix: its dK/dV by groups (tiled_by_
     "by_block_slot_sum_pass": dict(slc_kernel="by_block", slc_block_rows=16, slc_block_chunk=8, slc_slot_sum="pass"),
     "tiled_by_block_slot_sum_pass": dict(slc_kernel="tiled_by_block", slc_tile_rows=16, slc_block_rows=16,
                                          slc_block_chunk=8, slc_slot_sum="pass"),
-    # by_block's partials combined, and the gates summed, by passes of their own, not in the window forward's
-    # epilogue (slc_combine "window_fwd", the default the by_block variants above run)
-    "by_block_combine_pass": dict(slc_kernel="by_block", slc_block_rows=16, slc_block_chunk=8, slc_combine="pass"),
+    # by_block's partials combined, and the gates summed, by a pass each, not the gated sum in the combine pass's
+    # epilogue (slc_combine "gated", the default the by_block variants above run)
+    "by_block_combine_plain": dict(slc_kernel="by_block", slc_block_rows=16, slc_block_chunk=8, slc_combine="plain"),
 }
 
 
@@ -443,53 +443,47 @@ def test_slot_sum_runs_in_the_range_dq_kernel_where_asked_and_possible(slot_sum,
     assert seen == {"slot_sum_pass": 0 if in_range else 1, "range_dq_with_slots": 1 if in_range else 0}
 
 
-@pytest.mark.parametrize("combine, variant", [("window_fwd", {}), ("pass", {}),
-                                             ("window_fwd", dict(slc_dense_prefix=True)),
-                                             ("window_fwd", dict(gate_kernel="torch")),
-                                             ("window_fwd", dict(slc_kernel="tiled_by_block", slc_tile_rows=16))])
-def test_combine_and_gates_run_in_the_window_forward_where_asked_and_possible(combine, variant, monkeypatch):
-    """slc_combine = "window_fwd": nsa::core's forward hands by_block's partials and the gates to the window
-    forward, whose epilogue writes the selected branch's output and the gated output, and runs neither the combine
-    pass nor the gate pass. It keeps them with the dense prefix (whose rows no partial covers) or the torch gates;
-    tiled_by_block's forward writes no partials (no combine) and keeps the gate pass. Either way the core's output
-    and the selected branch's output and lse (what the backward reads) are the passes' (exactly, in the
-    interpreter); the variant tests check the gradients."""
+@pytest.mark.parametrize("combine, variant", [("gated", {}), ("plain", {}), ("gated", dict(slc_dense_prefix=True)),
+                                             ("gated", dict(gate_kernel="torch")),
+                                             ("gated", dict(slc_kernel="tiled_by_block", slc_tile_rows=16))])
+def test_gates_are_summed_in_the_combine_pass_where_asked_and_possible(combine, variant, monkeypatch):
+    """slc_combine = "gated": nsa::core's forward runs by_block's combine with the gated sum in its epilogue and no
+    gate pass. It keeps the gate pass with the dense prefix (whose rows no partial covers) or the torch gates, and
+    tiled_by_block's forward has no combine. Either way the core's output and the selected branch's output and lse
+    (what the backward reads) are those of the separate passes (exactly, in the interpreter); the variant tests
+    check the gradients."""
     cfg = NSAConfig(cmp_block=8, cmp_stride=4, sel_block=8, n_selected=3, window=8)
     x = [t.float().to(DEVICE) for t in make_inputs(1, 29, 6, 2, 16, 32, cfg, seed=5).values()]
-    seen = {"combine_pass": 0, "gate_pass": 0, "window_epilogue": 0}
-    real = {name: getattr(triton_impl, name) for name in ("selected_combine_kernel", "gated_sum_fwd_kernel",
-                                                           "_range_fwd_into")}
+    seen = {"plain_combine": 0, "gated_combine": 0, "gate_pass": 0}
+    real_combine, real_gates = triton_impl.selected_combine_kernel, triton_impl.gated_sum_fwd_kernel
 
-    class Counted:
-        def __init__(self, name, key):
-            self.name, self.key = name, key
-
+    class CountedCombine:
         def __getitem__(self, grid):
-            seen[self.key] += 1
-            return real[self.name][grid]
+            def launch(*args, GATED=False, **kwargs):
+                seen["gated_combine" if GATED else "plain_combine"] += 1
+                return real_combine[grid](*args, GATED=GATED, **kwargs)
+            return launch
 
-    def fwd_into(*args, epilogue=None, **kwargs):
-        seen["window_epilogue"] += epilogue is not None
-        return real["_range_fwd_into"](*args, epilogue=epilogue, **kwargs)
-    monkeypatch.setattr(triton_impl, "selected_combine_kernel", Counted("selected_combine_kernel", "combine_pass"))
-    monkeypatch.setattr(triton_impl, "gated_sum_fwd_kernel", Counted("gated_sum_fwd_kernel", "gate_pass"))
-    monkeypatch.setattr(triton_impl, "_range_fwd_into", fwd_into)
-    outs = {}
-    for which in (combine, "pass"):
+    class CountedGates:
+        def __getitem__(self, grid):
+            seen["gate_pass"] += 1
+            return real_gates[grid]
+    monkeypatch.setattr(triton_impl, "selected_combine_kernel", CountedCombine())
+    monkeypatch.setattr(triton_impl, "gated_sum_fwd_kernel", CountedGates())
+    outs, counts = {}, {}
+    for which in (combine, "plain"):
+        seen.update(dict.fromkeys(seen, 0))
         launch = triton_impl.LaunchConfig(**{"slc_kernel": "by_block", "slc_block_rows": 16, "slc_block_chunk": 8,
                                              "slc_combine": which, **variant})
         with triton_impl.use_launch_config(launch):
             core = torch.ops.nsa.core(*x, cfg.cmp_block, cfg.cmp_stride, cfg.sel_block, cfg.n_selected, cfg.window,
                                       cfg.n_init_blocks, cfg.n_local_blocks, 0.25, False)
-        outs[which] = [core[i] for i in (0, 4, 5)]  # o, o_slc, lse_slc
-        if which == combine:
-            counts, seen = seen, dict.fromkeys(seen, 0)
-    fused = combine == "window_fwd" and not variant
-    tiled_forward = variant.get("slc_kernel") == "tiled_by_block"
-    torch_gates = variant.get("gate_kernel") == "torch"
-    assert counts == {"combine_pass": 0 if fused or tiled_forward else 1,
-                      "gate_pass": 0 if fused or torch_gates else 1, "window_epilogue": 1 if fused else 0}
-    for name, a, b in zip(("o", "o_slc", "lse_slc"), outs[combine], outs["pass"]):
+        outs[which], counts[which] = [core[i] for i in (0, 4, 5)], dict(seen)  # o, o_slc, lse_slc
+    gated = combine == "gated" and not variant
+    combines = 0 if variant.get("slc_kernel") == "tiled_by_block" else 1
+    assert counts[combine] == {"plain_combine": 0 if gated else combines, "gated_combine": 1 if gated else 0,
+                               "gate_pass": 0 if gated or variant.get("gate_kernel") == "torch" else 1}
+    for name, a, b in zip(("o", "o_slc", "lse_slc"), outs[combine], outs["plain"]):
         if ON_GPU:
             assert rel_err(a, b) <= 1e-6, name
         else:
@@ -963,7 +957,7 @@ def test_attention_recompute_runs_the_projection_again_and_the_core_once(attenti
     model = Transformer(cfg, backend="triton", attention_recompute=attention_recompute).to(DEVICE)
     x = torch.randint(0, 64, (2, 33), generator=torch.Generator().manual_seed(0)).to(DEVICE)
     runs = {"core": 0, "rope_split": 0}
-    selected_fwd, rope_launch = triton_impl._selected_fwd, triton_impl._rope_launch
+    select_blocks, rope_launch = triton_impl.select_blocks, triton_impl._rope_launch
 
     def count(name, fn, when=lambda *a, **k: True):
         def counted(*args, **kwargs):
@@ -971,7 +965,7 @@ def test_attention_recompute_runs_the_projection_again_and_the_core_once(attenti
             return fn(*args, **kwargs)
         return counted
 
-    monkeypatch.setattr(triton_impl, "_selected_fwd", count("core", selected_fwd))
+    monkeypatch.setattr(triton_impl, "select_blocks", count("core", select_blocks))  # once a core forward
     monkeypatch.setattr(triton_impl, "_rope_launch", count("rope_split", rope_launch,
                                                            lambda *a, inverse: not inverse))
     model(x[:, :-1], x[:, 1:])[1].backward()

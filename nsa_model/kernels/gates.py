@@ -28,8 +28,8 @@ import triton.language as tl
 @triton.jit
 def gate_rows(GATES, rows64, r_ok, o_cmp, o_slc, o_win):
     """g_cmp * o_cmp + g_slc * o_slc + g_win * o_win (fp32) of rows rows64 (int64) of the [ROWS, 3] gates, the branch
-    outputs given as fp32 [rows, BLOCK_D] of their stored values. The forward kernel below and the window forward's
-    epilogue (range_attention.py) both sum through it, so the two give the same o."""
+    outputs given as fp32 [rows, BLOCK_D] of their stored values. The forward kernel below and by_block's combine
+    with its gated epilogue (selected_by_block.py) both sum through it, so the two give the same o."""
     g_cmp = tl.load(GATES + rows64 * 3, mask=r_ok, other=0.0).to(tl.float32)
     g_slc = tl.load(GATES + rows64 * 3 + 1, mask=r_ok, other=0.0).to(tl.float32)
     g_win = tl.load(GATES + rows64 * 3 + 2, mask=r_ok, other=0.0).to(tl.float32)

@@ -41,9 +41,6 @@ tile (the v4 kernels, kept selectable for the benchmark).
 import triton
 import triton.language as tl
 
-from nsa_model.kernels.gates import gate_rows
-from nsa_model.kernels.selected_by_block import combine_slots
-
 
 LOG2E = tl.constexpr(1.4426950408889634)
 
@@ -162,13 +159,7 @@ def range_attn_fwd_kernel(Q, K, V, QD, KD, VD, O, LSE, T, num_queries, num_keys,
                           H: tl.constexpr, G: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
                           BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr,
                           BLOCK_N: tl.constexpr, EDGE_SPLIT: tl.constexpr, TMA: tl.constexpr,
-                          DOT_PRECISION: tl.constexpr, SLC_PART=None, SLC_LSE2_PART=None, SLC_BLOCKS=None,
-                          O_SLC=None, LSE_SLC=None, GATES=None, O_CMP=None, O_GATED=None, N_SLOTS: tl.constexpr = 0):
-    """N_SLOTS > 0 (the window branch in nsa::core, after by_block's forward): the epilogue also combines the
-    selected branch's N_SLOTS partials of each row (SLC_PART, SLC_LSE2_PART, SLC_BLOCKS as selected_by_block.py's
-    combine reads them) into O_SLC and LSE_SLC, and stores the gated output O_GATED = g_cmp O_CMP + g_slc O_SLC +
-    g_win O from the stored values of the three ([B, T, H, 3] GATES): the combine and the gated sum without passes
-    of their own, their reads overlapping other programs' matrix work (kernels-notes.md v40)."""
+                          DOT_PRECISION: tl.constexpr):
     pid_m = _query_tile_index()
     pid_bh = tl.program_id(1)
     b = pid_bh // H
@@ -201,20 +192,9 @@ def range_attn_fwd_kernel(Q, K, V, QD, KD, VD, O, LSE, T, num_queries, num_keys,
     l_safe = tl.where(has_key, l_i, 1.0)
     o = acc / l_safe[:, None]
     lse = tl.where(has_key, (m_i + tl.log2(l_safe)) / LOG2E, float("-inf"))
-    o = o.to(O.dtype.element_ty)
-    at = row_q[:, None] * DV + offs_dv[None, :]
-    o_ok = m_ok[:, None] & (offs_dv < DV)[None, :]
-    tl.store(O + at, o, mask=o_ok)
+    tl.store(O + row_q[:, None] * DV + offs_dv[None, :], o.to(O.dtype.element_ty),
+             mask=m_ok[:, None] & (offs_dv < DV)[None, :])
     tl.store(LSE + row_q, lse, mask=m_ok)
-    if N_SLOTS > 0:
-        o_slc, lse_slc = combine_slots(SLC_PART, SLC_LSE2_PART, SLC_BLOCKS, row_q, m_ok, H, G, DV, BLOCK_DV, N_SLOTS,
-                                       BLOCK_M)
-        o_slc = o_slc.to(O_SLC.dtype.element_ty)
-        tl.store(O_SLC + at, o_slc, mask=o_ok)
-        tl.store(LSE_SLC + row_q, lse_slc, mask=m_ok)
-        o_cmp = tl.load(O_CMP + at, mask=o_ok, other=0.0).to(tl.float32)
-        gated = gate_rows(GATES, row_q, m_ok, o_cmp, o_slc.to(tl.float32), o.to(tl.float32))
-        tl.store(O_GATED + at, gated.to(O_GATED.dtype.element_ty), mask=o_ok)
 
 
 @triton.jit

@@ -44,6 +44,7 @@ flat slot * HPG + head), lse/delta [B, T, H] fp32.
 import triton
 import triton.language as tl
 
+from nsa_model.kernels.gates import gate_rows
 from nsa_model.kernels.selected_tiled import _backward_rows
 
 
@@ -201,9 +202,7 @@ def selected_block_fwd_kernel(Q, K, V, KD, VD, ORDER, STARTS, WORK_SEG, WORK_CHU
 def combine_slots(O_PART, LSE2_PART, BLOCKS, rows, r_ok, H: tl.constexpr, G: tl.constexpr, DV: tl.constexpr,
                   BLOCK_DV: tl.constexpr, N_SELECT: tl.constexpr, BLOCK_R: tl.constexpr):
     """(o [BLOCK_R, BLOCK_DV] fp32, lse [BLOCK_R] natural log) of rows (b * T + t) * H + hh (int64 [BLOCK_R]) from
-    their n partials;
-    slots with block -1 hold nothing and are skipped. The combine pass below, and the window forward's epilogue
-    (range_attention.py), run it."""
+    their n partials; slots with block -1 hold nothing and are skipped."""
     HPG: tl.constexpr = H // G
     offs_dv = tl.arange(0, BLOCK_DV)
     bt = rows // H
@@ -232,15 +231,25 @@ def combine_slots(O_PART, LSE2_PART, BLOCKS, rows, r_ok, H: tl.constexpr, G: tl.
 
 @triton.jit
 def selected_combine_kernel(O_PART, LSE2_PART, BLOCKS, O, LSE, num_rows, H: tl.constexpr, G: tl.constexpr,
-                            DV: tl.constexpr, BLOCK_DV: tl.constexpr, N_SELECT: tl.constexpr, BLOCK_R: tl.constexpr):
-    """o[b, t, h] and lse from the n partials of (b, t, h) (combine_slots)."""
+                            DV: tl.constexpr, BLOCK_DV: tl.constexpr, N_SELECT: tl.constexpr, BLOCK_R: tl.constexpr,
+                            GATES=None, O_CMP=None, O_WIN=None, O_GATED=None, GATED: tl.constexpr = False):
+    """o[b, t, h] and lse from the n partials of (b, t, h) (combine_slots). GATED (nsa::core): also the gated output
+    O_GATED = g_cmp O_CMP + g_slc O + g_win O_WIN from the stored values of the three ([ROWS, 3] GATES; gates.py),
+    the gate pass's work in this one's epilogue, where o is still in registers (kernels-notes.md v40)."""
     rows = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)  # (b * T + t) * H + hh
     offs_dv = tl.arange(0, BLOCK_DV)
     r_ok = rows < num_rows
     o, lse = combine_slots(O_PART, LSE2_PART, BLOCKS, rows, r_ok, H, G, DV, BLOCK_DV, N_SELECT, BLOCK_R)
-    tl.store(O + rows[:, None] * DV + offs_dv[None, :], o.to(O.dtype.element_ty),
-             mask=r_ok[:, None] & (offs_dv < DV)[None, :])
+    o = o.to(O.dtype.element_ty)
+    at = rows[:, None] * DV + offs_dv[None, :]
+    ok = r_ok[:, None] & (offs_dv < DV)[None, :]
+    tl.store(O + at, o, mask=ok)
     tl.store(LSE + rows, lse, mask=r_ok)
+    if GATED:
+        o_cmp = tl.load(O_CMP + at, mask=ok, other=0.0).to(tl.float32)
+        o_win = tl.load(O_WIN + at, mask=ok, other=0.0).to(tl.float32)
+        gated = gate_rows(GATES, rows, r_ok, o_cmp, o.to(tl.float32), o_win)
+        tl.store(O_GATED + at, gated.to(O_GATED.dtype.element_ty), mask=ok)
 
 
 @triton.jit

@@ -66,9 +66,9 @@ PHI_KERNELS = ("fused", "torch")
 # branches' dQ), or in the epilogue of the compressed and window branches' two-range dQ kernel, which then runs
 # after the selected branch (kernels-notes.md v29)
 SLOT_SUMS = ("pass", "range_dq")
-# by_block's combine of its forward partials and the gated sum in nsa::core's forward: a pass each, or in the
-# epilogue of the window forward, which then runs after by_block's forward (kernels-notes.md v40)
-SLC_COMBINES = ("pass", "window_fwd")
+# nsa::core's forward with by_block's partials: the combine pass, then the gate pass; or the combine pass also
+# summing the gated output in its epilogue (one pass less; kernels-notes.md v40)
+SLC_COMBINES = ("plain", "gated")
 
 
 RANGE_TILE_FIELDS = ("range_fwd", "range_dq", "range_dkdv", "range_fwd_d64", "range_dq_d64", "range_dkdv_d64")
@@ -132,7 +132,7 @@ class LaunchConfig:
     side_stream: bool = True  # nsa::core's window forward and range dK/dV on a second CUDA stream (_Beside; v26)
     phi_kernel: str = "fused"  # one of PHI_KERNELS
     slc_slot_sum: str = "range_dq"  # one of SLOT_SUMS
-    slc_combine: str = "window_fwd"  # one of SLC_COMBINES
+    slc_combine: str = "gated"  # one of SLC_COMBINES
     phi_rows: int = 32  # compressed tokens per program of phi's forward and its row backward (v29: 64 lost)
 
     def __post_init__(self) -> None:
@@ -332,10 +332,9 @@ def _range_outputs(q, v) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _range_fwd_into(q, k, v, o, lse, num_queries: int, key_stride: int, key_offset: int, window: int,
-                    scale: float, epilogue: dict | None = None) -> None:
+                    scale: float) -> None:
     """_range_fwd for queries t < num_queries only, written into rows t < num_queries of o and lse (contiguous
-    [B, T, H, Dv] and [B, T, H]); the other rows are left as they are. epilogue: the kernel's combine and gated-sum
-    arguments (_selected_and_window_fwd)."""
+    [B, T, H, Dv] and [B, T, H]); the other rows are left as they are."""
     k, v = _kv_rows(k), _kv_rows(v)
     B, T, H, _ = q.shape
     num_keys, G = k.shape[1], k.shape[2]
@@ -343,7 +342,7 @@ def _range_fwd_into(q, k, v, o, lse, num_queries: int, key_stride: int, key_offs
     range_attn_fwd_kernel[(triton.cdiv(num_queries, launch["BLOCK_M"]), B * H)](
         q, k, v, O=o, LSE=lse, T=T, num_queries=num_queries, num_keys=num_keys, scale=scale, key_stride=key_stride,
         key_offset=key_offset, window=window, **_kv_strides(k, v), H=H, G=G, **_head_dims(q, v), **launch,
-        **_tile_args(launch, dict(QD=q), dict(KD=k, VD=v)), **(epilogue or {}))
+        **_tile_args(launch, dict(QD=q), dict(KD=k, VD=v)))
 
 
 def _range_bwd(q, k, v, o, lse, do, key_stride: int, key_offset: int, window: int, scale: float, delta=None):
@@ -858,13 +857,19 @@ class _SelectedAttention(torch.autograd.Function):
 def _selected_by_block_fwd(q, k, v, blocks, o, lse, index, common, scale):
     """Forward of the by_block variant into o and lse, over the work list `index` (_by_block_index): the partials,
     then the combine pass."""
-    B, T, H, _ = q.shape
-    G, n, dv = k.shape[2], blocks.shape[-1], v.shape[-1]
-    o_part, lse2_part = _selected_by_block_partials(q, k, v, index, n, common, scale)
-    rows = B * T * H
-    selected_combine_kernel[(triton.cdiv(rows, _COMBINE_ROWS),)](
-        o_part, lse2_part, blocks, o, lse, rows, H=H, G=G, DV=dv, BLOCK_DV=common["BLOCK_DV"], N_SELECT=n,
-        BLOCK_R=_COMBINE_ROWS)
+    o_part, lse2_part = _selected_by_block_partials(q, k, v, index, blocks.shape[-1], common, scale)
+    _combine_partials(o_part, lse2_part, blocks, o, lse, common)
+
+
+def _combine_partials(o_part, lse2_part, blocks, o, lse, common, gated: dict | None = None) -> None:
+    """o, lse [B, T, H, (Dv)] of by_block's forward from its partials (one pass). gated: also the gated output, in
+    the same pass (selected_combine_kernel's GATES, O_CMP, O_WIN, O_GATED)."""
+    rows = o.numel() // o.shape[-1] if o.shape[-1] else 0
+    if rows:
+        selected_combine_kernel[(triton.cdiv(rows, _COMBINE_ROWS),)](
+            o_part, lse2_part, blocks, o, lse, rows, H=common["H"], G=common["G"], DV=common["DV"],
+            BLOCK_DV=common["BLOCK_DV"], N_SELECT=blocks.shape[-1], BLOCK_R=_COMBINE_ROWS,
+            **(dict(gated, GATED=True) if gated else {}))
 
 
 def _selected_by_block_partials(q, k, v, index, n: int, common, scale):
@@ -1141,16 +1146,14 @@ def _core(q: torch.Tensor, k_slc: torch.Tensor, v_slc: torch.Tensor, k_win: torc
     T = q.shape[1]
     q = q.contiguous()
     prefix = _dense_prefix(T, n_selected, sel_block)
-    if _combine_in_window_fwd(selected_kernel(q.shape[2] // k_slc.shape[2], triton.cdiv(T, sel_block), n_selected),
-                              prefix):
-        o_cmp, lse_cmp = _range_fwd(q, k_cmp, v_cmp, *_cmp_range(cmp_block, cmp_stride, T), scale)
-        blocks = select_blocks(q, k_cmp, lse_cmp, cfg, scale)
-        o, o_slc, lse_slc, o_win, lse_win, index = _selected_and_window_fwd(q, k_slc, v_slc, k_win, v_win, blocks,
-                                                                            o_cmp, gates, sel_block, window, scale)
+    (o_cmp, lse_cmp), (o_win, lse_win), win = _range_forwards(q, k_win, v_win, k_cmp, v_cmp, cmp_block, cmp_stride,
+                                                              window, scale)
+    blocks = select_blocks(q, k_cmp, lse_cmp, cfg, scale)
+    if _gates_in_combine(selected_kernel(q.shape[2] // k_slc.shape[2], triton.cdiv(T, sel_block), n_selected),
+                         prefix):
+        o, o_slc, lse_slc, index = _selected_gated_fwd(q, k_slc, v_slc, blocks, sel_block, scale, gates, o_cmp, o_win,
+                                                       win)
     else:
-        (o_cmp, lse_cmp), (o_win, lse_win), win = _range_forwards(q, k_win, v_win, k_cmp, v_cmp, cmp_block,
-                                                                  cmp_stride, window, scale)
-        blocks = select_blocks(q, k_cmp, lse_cmp, cfg, scale)
         o_slc, lse_slc, _, index = _selected_fwd(q, k_slc, v_slc, blocks, sel_block, scale, prefix=prefix)
         win.join()
         o = _gated_fwd(gates, o_cmp, o_slc, o_win)
@@ -1174,32 +1177,29 @@ def _core_fake(q, k_slc, v_slc, k_win, v_win, k_cmp, v_cmp, gates, cmp_block, cm
             lse.new_empty(lse.shape), *_padded_index(index, q.device)]
 
 
-def _combine_in_window_fwd(kernel: str, prefix: int) -> bool:
-    """Whether nsa::core's forward runs by_block's combine and the gated sum in the window forward's epilogue
-    (slc_combine = "window_fwd"): where by_block's forward writes partials for all rows (no dense prefix) and
-    the gates are the fused kernel's."""
-    return _config.slc_combine == "window_fwd" and kernel == "by_block" and not prefix and _config.gate_kernel == "fused"
+def _gates_in_combine(kernel: str, prefix: int) -> bool:
+    """Whether nsa::core's forward sums the gated output in by_block's combine pass (slc_combine = "gated"): where
+    by_block's forward writes partials for every row (no dense prefix) and the gates are the fused kernel's."""
+    return _config.slc_combine == "gated" and kernel == "by_block" and not prefix and _config.gate_kernel == "fused"
 
 
-def _selected_and_window_fwd(q, k_slc, v_slc, k_win, v_win, blocks, o_cmp, gates, sel_block: int, window: int,
-                             scale: float):
-    """(o, o_slc, lse_slc, o_win, lse_win, index) of nsa::core's forward given the compressed branch's output and the
-    selections: by_block's partials, then the window forward, whose epilogue combines them into o_slc, lse_slc and
-    sums the gated output o (kernels/range_attention.py). The window forward thus follows by_block's on one
-    stream: the combine and gate passes' reads overlap its matrix work instead (kernels-notes.md v40)."""
-    k_slc, v_slc, blocks = _kv_rows(k_slc), _kv_rows(v_slc), blocks.contiguous()
+def _selected_gated_fwd(q, k, v, blocks, sel_block: int, scale: float, gates, o_cmp, o_win, win: _Beside):
+    """(o, o_slc, lse_slc, index) of nsa::core's forward under _gates_in_combine: by_block's partials, then, once the
+    window forward (win) has finished, one pass that combines them into o_slc, lse_slc and sums the gated output o
+    from o_cmp, o_slc and o_win (the gate pass's work; kernels-notes.md v40)."""
+    k, v, blocks = _kv_rows(k), _kv_rows(v), blocks.contiguous()
     B, T, H, _ = q.shape
-    G, n = k_slc.shape[2], blocks.shape[-1]
-    common = dict(H=H, G=G, SEL_BLOCK=sel_block, BLOCK_S=_pow2(sel_block), N_SELECT=n, **_head_dims(q, v_slc),
-                  **_kv_strides(k_slc, v_slc))
+    G, n = k.shape[2], blocks.shape[-1]
+    common = dict(H=H, G=G, SEL_BLOCK=sel_block, BLOCK_S=_pow2(sel_block), N_SELECT=n, **_head_dims(q, v),
+                  **_kv_strides(k, v))
     index = _selected_index(blocks, sel_block, "by_block", H // G)
-    o_part, lse2_part = _selected_by_block_partials(q, k_slc, v_slc, index, n, common, scale)
-    (o_slc, lse_slc), (o_win, lse_win) = _range_outputs(q, v_slc), _range_outputs(q, v_win)
+    o_part, lse2_part = _selected_by_block_partials(q, k, v, index, n, common, scale)
+    o_slc, lse_slc = _range_outputs(q, v)
     o = torch.empty_like(o_cmp)
-    _range_fwd_into(q, k_win, v_win, o_win, lse_win, T, *_win_range(window, T), scale, epilogue=dict(
-        SLC_PART=o_part, SLC_LSE2_PART=lse2_part, SLC_BLOCKS=blocks, O_SLC=o_slc, LSE_SLC=lse_slc,
-        GATES=gates.contiguous(), O_CMP=o_cmp, O_GATED=o, N_SLOTS=n))
-    return o, o_slc, lse_slc, o_win, lse_win, index
+    win.join()
+    _combine_partials(o_part, lse2_part, blocks, o_slc, lse_slc, common,
+                      gated=dict(GATES=gates.contiguous(), O_CMP=o_cmp, O_WIN=o_win, O_GATED=o))
+    return o, o_slc, lse_slc, index
 
 
 def _empty_range_output(q: torch.Tensor) -> torch.Tensor:
