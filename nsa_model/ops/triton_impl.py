@@ -1192,10 +1192,13 @@ def _selected_gated_fwd(q, k, v, blocks, sel_block: int, scale: float, gates, o_
     G, n = k.shape[2], blocks.shape[-1]
     common = dict(H=H, G=G, SEL_BLOCK=sel_block, BLOCK_S=_pow2(sel_block), N_SELECT=n, **_head_dims(q, v),
                   **_kv_strides(k, v))
-    index = _selected_index(blocks, sel_block, "by_block", H // G)
-    o_part, lse2_part = _selected_by_block_partials(q, k, v, index, n, common, scale)
+    # the outputs first, the partials after, as on the plain path: the partials' memory, freed after the combine,
+    # is then one piece for what follows (allocated after them, the outputs left the T = 8192 training step 3 GB
+    # more reserved memory, kernels-notes.md v40)
     o_slc, lse_slc = _range_outputs(q, v)
     o = torch.empty_like(o_cmp)
+    index = _selected_index(blocks, sel_block, "by_block", H // G)
+    o_part, lse2_part = _selected_by_block_partials(q, k, v, index, n, common, scale)
     win.join()
     _combine_partials(o_part, lse2_part, blocks, o_slc, lse_slc, common,
                       gated=dict(GATES=gates.contiguous(), O_CMP=o_cmp, O_WIN=o_win, O_GATED=o))
