@@ -12,7 +12,8 @@ Forward: a chooser sees only part of its keys here, so the program writes a part
 the softmax-normalized output over this block's visible keys and its log2-sum-exp. `selected_combine_kernel`
 then merges each query's n partials (max-shifted weights exp2(lse_i - m)) into the output and its lse. The
 partials live at the query's own slot (ORDER maps a sorted entry back to its flat (b, t, g, slot) position), so
-combining reads n contiguous rows and needs no second index.
+combining reads n contiguous rows and needs no second index. In nsa::core the combine also sums the gated output
+of the three branches in its epilogue (GATED), so no gate pass follows it.
 
 Backward: one fused kernel per block slice computes dK and dV (accumulated over its choosers, then added once
 into float32 buffers where slices of one block meet, the last slice casting the sums; a block of one slice stores
