@@ -680,6 +680,13 @@ def _partial_dtype(x: torch.Tensor, config: LaunchConfig) -> torch.dtype:
 _COMBINE_ROWS = 32  # (b, t, h) rows per program of the combine and dQ-sum kernels
 
 
+def _selected_common(q, k, v, sel_block: int, n: int) -> dict:
+    """The shape and layout arguments every selected-branch kernel takes (k, v as _kv_rows gives them)."""
+    H, G = q.shape[2], k.shape[2]
+    return dict(H=H, G=G, SEL_BLOCK=sel_block, BLOCK_S=_pow2(sel_block), N_SELECT=n, **_head_dims(q, v),
+                **_kv_strides(k, v))
+
+
 def _selected_fwd(q, k, v, blocks, sel_block: int, scale: float, prefix: int = 0):
     """(o, lse, kernel, index) of the selected branch: the variant that ran and the index its backward reuses.
     prefix: the first queries to run as dense causal attention (_dense_prefix); only for blocks from NSA's own
@@ -689,8 +696,7 @@ def _selected_fwd(q, k, v, blocks, sel_block: int, scale: float, prefix: int = 0
     G, n = k.shape[2], blocks.shape[-1]
     o = torch.empty(*q.shape[:3], v.shape[-1], dtype=q.dtype, device=q.device)
     lse = torch.empty(B, T, H, dtype=torch.float32, device=q.device)
-    common = dict(H=H, G=G, SEL_BLOCK=sel_block, BLOCK_S=_pow2(sel_block), N_SELECT=n, **_head_dims(q, v),
-                  **_kv_strides(k, v))
+    common = _selected_common(q, k, v, sel_block, n)
     kernel = selected_kernel(H // G, triton.cdiv(T, sel_block), n)
     blocks = _blocks_past_prefix(blocks, prefix)  # the selected kernels leave the prefix's rows empty
     index = _selected_index(blocks, sel_block, kernel, H // G)
@@ -782,8 +788,7 @@ def _selected_bwd(q, k, v, blocks, o, lse, index, do, sel_block: int, scale: flo
     hpg, config = H // G, _config
     delta = _delta(do, o) if delta is None else delta
     blocks = _blocks_past_prefix(blocks, prefix)  # as the forward's index was built
-    common = dict(H=H, G=G, SEL_BLOCK=sel_block, BLOCK_S=_pow2(sel_block), N_SELECT=n, **_head_dims(q, v),
-                  **_kv_strides(k, v))
+    common = _selected_common(q, k, v, sel_block, n)
     if kernel in BY_BLOCK_BACKWARD:
         dq, dk, dv = _selected_by_block_bwd(q, k, v, blocks, do, lse, delta, tuple(index[:4]), common, scale,
                                             dq_add=dq_add, final_kv=not prefix, dq_slots=dq_slots)
@@ -857,22 +862,21 @@ class _SelectedAttention(torch.autograd.Function):
 def _selected_by_block_fwd(q, k, v, blocks, o, lse, index, common, scale):
     """Forward of the by_block variant into o and lse, over the work list `index` (_by_block_index): the partials,
     then the combine pass."""
-    o_part, lse2_part = _selected_by_block_partials(q, k, v, index, blocks.shape[-1], common, scale)
+    o_part, lse2_part = _selected_by_block_partials(q, k, v, index, common, scale)
     _combine_partials(o_part, lse2_part, blocks, o, lse, common)
 
 
 def _combine_partials(o_part, lse2_part, blocks, o, lse, common, gated: dict | None = None) -> None:
     """o, lse [B, T, H, (Dv)] of by_block's forward from its partials (one pass). gated: also the gated output, in
     the same pass (selected_combine_kernel's GATES, O_CMP, O_WIN, O_GATED)."""
-    rows = o.numel() // o.shape[-1] if o.shape[-1] else 0
-    if rows:
-        selected_combine_kernel[(triton.cdiv(rows, _COMBINE_ROWS),)](
-            o_part, lse2_part, blocks, o, lse, rows, H=common["H"], G=common["G"], DV=common["DV"],
-            BLOCK_DV=common["BLOCK_DV"], N_SELECT=blocks.shape[-1], BLOCK_R=_COMBINE_ROWS,
-            **(dict(gated, GATED=True) if gated else {}))
+    rows = lse.numel()  # (b, t, h)
+    selected_combine_kernel[(triton.cdiv(rows, _COMBINE_ROWS),)](
+        o_part, lse2_part, blocks, o, lse, rows, H=common["H"], G=common["G"], DV=common["DV"],
+        BLOCK_DV=common["BLOCK_DV"], N_SELECT=common["N_SELECT"], BLOCK_R=_COMBINE_ROWS,
+        **(dict(gated, GATED=True) if gated else {}))
 
 
-def _selected_by_block_partials(q, k, v, index, n: int, common, scale):
+def _selected_by_block_partials(q, k, v, index, common, scale):
     """(o_part [B*T*G*n*hpg, Dv], lse2_part [B*T*G*n*hpg] fp32): by_block's forward, each chooser's result over its
     slot's block (kernels/selected_by_block.py), for a combine to merge."""
     B, T, H, _ = q.shape
@@ -880,7 +884,7 @@ def _selected_by_block_partials(q, k, v, index, n: int, common, scale):
     hpg, c = H // G, _config
     num_blocks = triton.cdiv(T, common["SEL_BLOCK"])
     order, starts, work_seg, work_chunk = index
-    slots = B * T * G * n * hpg
+    slots = B * T * G * common["N_SELECT"] * hpg
     o_part = torch.empty(slots, dv, dtype=_partial_dtype(q, c), device=q.device)
     lse2_part = torch.empty(slots, dtype=torch.float32, device=q.device)
     prefetch = _block_prefetch(q, v)
@@ -1188,17 +1192,14 @@ def _selected_gated_fwd(q, k, v, blocks, sel_block: int, scale: float, gates, o_
     window forward (win) has finished, one pass that combines them into o_slc, lse_slc and sums the gated output o
     from o_cmp, o_slc and o_win (the gate pass's work; kernels-notes.md v40)."""
     k, v, blocks = _kv_rows(k), _kv_rows(v), blocks.contiguous()
-    B, T, H, _ = q.shape
-    G, n = k.shape[2], blocks.shape[-1]
-    common = dict(H=H, G=G, SEL_BLOCK=sel_block, BLOCK_S=_pow2(sel_block), N_SELECT=n, **_head_dims(q, v),
-                  **_kv_strides(k, v))
+    common = _selected_common(q, k, v, sel_block, blocks.shape[-1])
     # the outputs first, the partials after, as on the plain path: the partials' memory, freed after the combine,
     # is then one piece for what follows (allocated after them, the outputs left the T = 8192 training step 3 GB
     # more reserved memory, kernels-notes.md v40)
     o_slc, lse_slc = _range_outputs(q, v)
     o = torch.empty_like(o_cmp)
-    index = _selected_index(blocks, sel_block, "by_block", H // G)
-    o_part, lse2_part = _selected_by_block_partials(q, k, v, index, n, common, scale)
+    index = _selected_index(blocks, sel_block, "by_block", common["H"] // common["G"])
+    o_part, lse2_part = _selected_by_block_partials(q, k, v, index, common, scale)
     win.join()
     _combine_partials(o_part, lse2_part, blocks, o_slc, lse_slc, common,
                       gated=dict(GATES=gates.contiguous(), O_CMP=o_cmp, O_WIN=o_win, O_GATED=o))
