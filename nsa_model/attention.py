@@ -233,13 +233,25 @@ class NSAAttention(nn.Module):
 
     @torch.no_grad()
     def _record_stats(self, gates: torch.Tensor, blocks: torch.Tensor) -> None:
+        sums = self._stat_sums(gates, blocks)  # gate cmp, slc, win; chosen slots; their distances in blocks
+        B, T, H, _ = gates.shape
+        gate_means = sums[:3] / max(B * T * H, 1)
+        sel_count = sums[3:4] / max(blocks[..., 0].numel(), 1)
+        sel_distance = sums[4:5] / sums[3:4].clamp(min=1)
+        self.stats.copy_(torch.cat([gate_means, sel_count, sel_distance]))
+
+    def _stat_sums(self, gates: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+        """[5] float32: the sums of the three gates over (b, t, h), the number of chosen slots and the sum of their
+        distances t // l' - block. On the triton backend one kernel (nsa::attention_stat_sums); in PyTorch ops the
+        same sums were about seven reductions a layer call under torch.compile, 0.5 ms of the T = 8192 training
+        step (kernels-notes.md v41)."""
+        if ops.resolve_backend(self.backend, gates) == "triton":
+            return ops.backend_module("triton", gates).attention_stat_sums(blocks, gates, self.nsa.sel_block)
         valid = blocks >= 0
         query_block = torch.arange(blocks.shape[1], device=blocks.device)[None, :, None, None] // self.nsa.sel_block
-        distance = torch.where(valid, query_block - blocks, torch.zeros_like(blocks)).float()
-        sel_count = valid.float().sum(-1).mean()
-        sel_distance = distance.sum() / valid.float().sum().clamp(min=1)
-        gate_means = gates.float().mean(dim=(0, 1, 2))
-        self.stats.copy_(torch.cat([gate_means, sel_count[None], sel_distance[None]]))
+        distance = torch.where(valid, query_block - blocks, torch.zeros_like(blocks))
+        return torch.cat([gates.float().sum(dim=(0, 1, 2)), valid.sum()[None].float(),
+                          distance.sum()[None].float()])
 
 
 class DenseAttention(nn.Module):

@@ -1140,6 +1140,13 @@ def test_rope_split_passes_torch_library_opcheck():
                           [y.requires_grad_(), rope.cos, rope.sin, *ROPE_PARTS.values()])
 
 
+def test_attention_stat_sums_passes_torch_library_opcheck():
+    gen = torch.Generator().manual_seed(6)
+    blocks = torch.randint(-1, 3, (2, 9, 2, 3), generator=gen, dtype=torch.int32).to(DEVICE)
+    torch.library.opcheck(torch.ops.nsa.attention_stat_sums.default,
+                          [blocks, torch.rand(2, 9, 4, 3, generator=gen).to(DEVICE), 4])
+
+
 @pytest.mark.parametrize("bad, match", [(dict(heads=[3, 1]), "must tile y's width"),
                                         (dict(table_rows=5), "cos: expected a contiguous float32"),
                                         (dict(strided=True), "contiguous columns")])
@@ -1344,3 +1351,45 @@ def test_attention_on_the_triton_backend_splits_and_rotates_q_k_v_as_the_torch_p
     assert torch.allclose(out, out_ref, rtol=1e-5, atol=1e-6)
     for name in grads:
         assert torch.allclose(grads[name], grads_ref[name], rtol=1e-4, atol=1e-6), name
+
+
+@pytest.mark.parametrize("shape", [(2, 300, 3, 5, 6), (1, 7, 1, 2, 2), (3, 0, 2, 4, 4)])
+def test_attention_stat_sums_match_the_pytorch_sums(shape):
+    """nsa::attention_stat_sums: the three gate sums, the chosen slots and their distances t // l' - block, as the
+    PyTorch formula gives them, over several programs with a partial last one (9000 slots of 1024-slot steps),
+    programs without gate rows, one program, and an empty sequence."""
+    B, T, G, n, H = shape
+    sel_block = 4
+    gen = torch.Generator().manual_seed(sum(shape))
+    t = torch.arange(T)[None, :, None, None]
+    blocks = (torch.rand(B, T, G, n, generator=gen) * (t // sel_block + 1)).to(torch.int32)
+    blocks[torch.rand(B, T, G, n, generator=gen) < 0.3] = -1
+    gates = torch.rand(B, T, H, 3, generator=gen)
+    sums = triton_impl.attention_stat_sums(blocks.to(DEVICE), gates.to(DEVICE), sel_block).cpu()
+    valid = blocks >= 0
+    distance = torch.where(valid, t // sel_block - blocks, 0)
+    expected = torch.tensor([*gates.double().sum(dim=(0, 1, 2)).tolist(), valid.sum().item(), distance.sum().item()],
+                            dtype=torch.float64)
+    assert torch.allclose(sums.double(), expected, rtol=1e-5, atol=1e-3), (sums, expected)
+
+
+def test_nsa_statistics_on_the_triton_backend_are_the_torch_backends(monkeypatch):
+    """NSAAttention's stats buffer (gate means, blocks a query, their distance) from the kernel's sums equals the
+    PyTorch sums' for the same layer's gates and selections."""
+    from nsa_model.attention import build_attention
+
+    if not ON_GPU:
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    cfg = ModelConfig(vocab_size=64, dim=32, n_layers=1, n_heads=4, n_kv_heads=2, head_dim=8, max_seq_len=64,
+                      attention="nsa", nsa=NSAConfig(cmp_block=4, cmp_stride=2, sel_block=4, n_selected=3, window=6))
+    torch.manual_seed(0)
+    layer = build_attention(cfg, backend="triton").to(DEVICE)
+    with torch.no_grad():
+        _, gates, blocks = layer._attend(torch.randn(2, 37, 32, generator=torch.Generator().manual_seed(1)).to(DEVICE))
+    stats = {}
+    for backend in ("triton", "torch"):
+        layer.backend = backend
+        layer._record_stats(gates, blocks)
+        stats[backend] = layer.stats.clone()
+    assert torch.allclose(stats["triton"], stats["torch"], rtol=1e-5, atol=1e-6), stats
+    assert (stats["triton"][:3] > 0).all() and stats["triton"][3] > 1 and stats["triton"][4] > 0

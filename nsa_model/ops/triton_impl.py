@@ -35,6 +35,7 @@ from nsa_model.kernels.selected_by_block import (selected_block_bwd_kernel, sele
                                                  selected_combine_kernel, selected_dq_sum_kernel)
 from nsa_model.kernels.selected_tiled import selected_tiled_bwd_dq_kernel, selected_tiled_fwd_kernel
 from nsa_model.kernels.selection import select_blocks_kernel
+from nsa_model.kernels.stats import attention_stats_kernel
 
 # triton.jit decided at import: an interpreted kernel runs on CPU tensors, a compiled one on CUDA tensors.
 INTERPRETED = not isinstance(range_attn_fwd_kernel, triton.runtime.JITFunction)
@@ -1427,6 +1428,50 @@ def rope_split(y: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: lis
     (tables cos, sin [>= T, D/2] float32) where rotate_i, copied otherwise; one Triton launch each way."""
     _check_rope_parts(y, cos, sin, heads, head_dims, rotate)
     return torch.ops.nsa.rope_split(y, cos, sin, list(heads), list(head_dims), list(rotate))
+
+
+# --- the attention module's statistics (outside the NSA core; kernels/stats.py) ------------------------------------
+_STATS_SLOTS = 1024  # selection slots per step of the statistics kernel
+_STATS_ROWS = 256  # gate rows per step
+_STATS_PROGRAMS = 128  # programs at most: about a wave, whose rows the caller adds up
+
+
+def _stats_programs(num_slots: int) -> int:
+    return max(1, min(_STATS_PROGRAMS, triton.cdiv(num_slots, _STATS_SLOTS)))
+
+
+@torch.library.custom_op("nsa::attention_stat_sums", mutates_args=())
+def _attention_stat_sums(blocks: torch.Tensor, gates: torch.Tensor, sel_block: int) -> torch.Tensor:
+    """[programs, 5] float32: each program's sums of the three gates, of the chosen slots and of their distances
+    (t // sel_block - block); the statistics are the column sums (attention_stat_sums)."""
+    B, T, G, n = blocks.shape
+    blocks, gates = blocks.contiguous(), gates.contiguous()
+    num_slots, num_rows = blocks.numel(), gates.numel() // 3
+    programs = _stats_programs(num_slots)
+    parts = torch.empty(programs, 5, dtype=torch.float32, device=blocks.device)
+    slots_per_program = triton.cdiv(triton.cdiv(num_slots, programs), _STATS_SLOTS) * _STATS_SLOTS
+    rows_per_program = triton.cdiv(triton.cdiv(num_rows, programs), _STATS_ROWS) * _STATS_ROWS
+    attention_stats_kernel[(programs,)](blocks, gates, parts, num_slots, num_rows, T, slots_per_program,
+                                        rows_per_program, G=G, N=n, SEL_BLOCK=sel_block, BLOCK=_STATS_SLOTS,
+                                        BLOCK_R=_STATS_ROWS)
+    return parts
+
+
+@_attention_stat_sums.register_fake
+def _attention_stat_sums_fake(blocks, gates, sel_block):
+    return blocks.new_empty(_stats_programs(blocks.numel()), 5, dtype=torch.float32)
+
+
+def attention_stat_sums(blocks: torch.Tensor, gates: torch.Tensor, sel_block: int) -> torch.Tensor:
+    """[5] float32 for selections blocks [B, T, G, n] (int32, -1 = none) and gates [B, T, H, 3]: the sums of
+    gate cmp, slc and win over every (b, t, h), the number of chosen slots, and the sum of the chosen blocks'
+    distances t // sel_block - block. One Triton launch, then a sum over its few hundred partial rows."""
+    _check_inputs(gates=gates)
+    if blocks.dim() != 4 or blocks.dtype != torch.int32 or gates.dim() != 4 or gates.shape[-1] != 3 or \
+            gates.shape[:2] != blocks.shape[:2]:
+        raise ValueError(f"attention_stat_sums: expected blocks [B, T, G, n] int32 and gates [B, T, H, 3] of the "
+                         f"same B, T; got {blocks.dtype} {tuple(blocks.shape)} and {tuple(gates.shape)}")
+    return torch.ops.nsa.attention_stat_sums(blocks, gates, sel_block).sum(0)
 
 
 # --- phi = mlp: the attention module's compression of a K or V set (outside the NSA core; kernels/compress.py) ----
