@@ -7,8 +7,9 @@ hundred values; torch.compile fuses that with the division into the means). As P
 were about seven inductor reductions a layer call, most of them a few microseconds of launch each: 0.5 ms of the
 T = 8192 training step on nsa-125m (kernels-notes.md v41).
 
-Layouts (contiguous): BLOCKS [num_slots], slot = ((b * T + t) * G + g) * N + i; GATES [num_rows, 3];
-PARTS [programs, 5] float32.
+Layouts (contiguous): BLOCKS [num_slots], slot = ((b * T + t) * G + g) * N + i; GATES [num_gates], element
+row * 3 + branch; PARTS [programs, 5] float32. About a thousand programs, each a step or two: a DRAM pass of a few
+megabytes wants that many loads in flight (128 programs of eight steps took 16 us a call at 4 x 8k on the H200, v41).
 """
 
 import triton
@@ -16,9 +17,9 @@ import triton.language as tl
 
 
 @triton.jit
-def attention_stats_kernel(BLOCKS, GATES, PARTS, num_slots, num_rows, T, slots_per_program, rows_per_program,
+def attention_stats_kernel(BLOCKS, GATES, PARTS, num_slots, num_gates, T, slots_per_program, gates_per_program,
                            G: tl.constexpr, N: tl.constexpr, SEL_BLOCK: tl.constexpr, BLOCK: tl.constexpr,
-                           BLOCK_R: tl.constexpr):
+                           BLOCK_G: tl.constexpr):
     pid = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     chosen = tl.zeros([BLOCK], tl.float32)
@@ -34,16 +35,17 @@ def attention_stats_kernel(BLOCKS, GATES, PARTS, num_slots, num_rows, T, slots_p
         chosen += used.to(tl.float32)
         distance += tl.where(used, (t // SEL_BLOCK - block).to(tl.float32), 0.0)
 
-    offs_r = tl.arange(0, BLOCK_R)
-    cols = tl.arange(0, 4)  # the three gates, padded to a power of two
-    gate_sum = tl.zeros([BLOCK_R, 4], tl.float32)
-    first_row = pid * rows_per_program
-    last_row = tl.minimum(first_row + rows_per_program, num_rows)
-    for r0 in range(first_row, last_row, BLOCK_R):
-        row = r0 + offs_r
-        ok = (row < last_row)[:, None] & (cols < 3)[None, :]
-        gate_sum += tl.load(GATES + row[:, None] * 3 + cols[None, :], mask=ok, other=0.0).to(tl.float32)
-    gates = tl.sum(gate_sum, axis=0)  # [4], the last one 0
+    # the gates as a flat [num_rows * 3] run, loaded contiguously (a [rows, 3] tile would load element by element)
+    offs_g = tl.arange(0, BLOCK_G)
+    gate_sums = tl.zeros([BLOCK_G, 4], tl.float32)  # by column of the gates, padded to a power of two
+    cols = tl.arange(0, 4)
+    first_gate = pid * gates_per_program
+    last_gate = tl.minimum(first_gate + gates_per_program, num_gates)
+    for e0 in range(first_gate, last_gate, BLOCK_G):
+        element = e0 + offs_g
+        g = tl.load(GATES + element, mask=element < last_gate, other=0.0).to(tl.float32)
+        gate_sums += tl.where((element % 3)[:, None] == cols[None, :], g[:, None], 0.0)
+    gates = tl.sum(gate_sums, axis=0)  # [4], the last one 0
 
     at = PARTS + pid * 5
     tl.store(at + cols, gates, mask=cols < 3)

@@ -1432,8 +1432,8 @@ def rope_split(y: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: lis
 
 # --- the attention module's statistics (outside the NSA core; kernels/stats.py) ------------------------------------
 _STATS_SLOTS = 1024  # selection slots per step of the statistics kernel
-_STATS_ROWS = 256  # gate rows per step
-_STATS_PROGRAMS = 128  # programs at most: about a wave, whose rows the caller adds up
+_STATS_GATES = 1024  # gate values per step
+_STATS_PROGRAMS = 1024  # programs at most, whose rows the caller adds up
 
 
 def _stats_programs(num_slots: int) -> int:
@@ -1446,14 +1446,14 @@ def _attention_stat_sums(blocks: torch.Tensor, gates: torch.Tensor, sel_block: i
     (t // sel_block - block); the statistics are the column sums (attention_stat_sums)."""
     B, T, G, n = blocks.shape
     blocks, gates = blocks.contiguous(), gates.contiguous()
-    num_slots, num_rows = blocks.numel(), gates.numel() // 3
+    num_slots, num_gates = blocks.numel(), gates.numel()
     programs = _stats_programs(num_slots)
     parts = torch.empty(programs, 5, dtype=torch.float32, device=blocks.device)
     slots_per_program = triton.cdiv(triton.cdiv(num_slots, programs), _STATS_SLOTS) * _STATS_SLOTS
-    rows_per_program = triton.cdiv(triton.cdiv(num_rows, programs), _STATS_ROWS) * _STATS_ROWS
-    attention_stats_kernel[(programs,)](blocks, gates, parts, num_slots, num_rows, T, slots_per_program,
-                                        rows_per_program, G=G, N=n, SEL_BLOCK=sel_block, BLOCK=_STATS_SLOTS,
-                                        BLOCK_R=_STATS_ROWS)
+    gates_per_program = triton.cdiv(triton.cdiv(num_gates, programs), _STATS_GATES) * _STATS_GATES
+    attention_stats_kernel[(programs,)](blocks, gates, parts, num_slots, num_gates, T, slots_per_program,
+                                        gates_per_program, G=G, N=n, SEL_BLOCK=sel_block, BLOCK=_STATS_SLOTS,
+                                        BLOCK_G=_STATS_GATES)
     return parts
 
 
