@@ -129,8 +129,8 @@ CASES = [
             dict(NSA_PARTS, INVERSE=inverse, BLOCK_T=8), label=f"INVERSE={inverse}")
       for inverse in (False, True)],
     _case("attention_stats_kernel", "stats", dict(BLOCKS="i32", PARTS="fp32"),
-          dict(num_slots="i32", num_gates="i32", T="i32", slots_per_program="i32", gates_per_program="i32"),
-          dict(G=2, N=16, SEL_BLOCK=64, BLOCK=1024, BLOCK_G=1024)),
+          dict(num_tokens="i32", T="i32", tokens_per_program="i32"),
+          dict(SLOTS=32, SLOTS_PAD=32, GATE_COLS=36, GATE_PAD=64, SEL_BLOCK=64, TOKENS=32)),
     # phi = mlp (nsa::phi_mlp) at nsa-125m's l = 32, d = 16, hidden 128
     _case("phi_fwd_kernel", "compress", dict(BIAS1="fp32", W2="fp32", B2="fp32", HS="fp32"),
           dict(R="i32", TC="i32", x_sb="i32", x_st="i32", x_sg="i32"), dict(PHI, L=32, STRIDE=16, BLOCK_R=32), PHI_RUN),

@@ -1353,11 +1353,11 @@ def test_attention_on_the_triton_backend_splits_and_rotates_q_k_v_as_the_torch_p
         assert torch.allclose(grads[name], grads_ref[name], rtol=1e-4, atol=1e-6), name
 
 
-@pytest.mark.parametrize("shape", [(2, 300, 3, 5, 6), (1, 7, 1, 2, 2), (3, 0, 2, 4, 4)])
+@pytest.mark.parametrize("shape", [(2, 300, 3, 5, 6), (1, 7, 1, 2, 2), (3, 0, 2, 4, 4), (1, 40000, 1, 1, 1)])
 def test_attention_stat_sums_match_the_pytorch_sums(shape):
     """nsa::attention_stat_sums: the three gate sums, the chosen slots and their distances t // l' - block, as the
-    PyTorch formula gives them, over several programs with a partial last one (9000 slots of 1024-slot steps),
-    programs without gate rows, one program, and an empty sequence."""
+    PyTorch formula gives them, over several programs with a partial last one (600 tokens in 32-token steps), one
+    program with padded slot and gate columns, an empty sequence, and programs of two steps (40000 tokens)."""
     B, T, G, n, H = shape
     sel_block = 4
     gen = torch.Generator().manual_seed(sum(shape))

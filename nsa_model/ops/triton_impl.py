@@ -1431,13 +1431,12 @@ def rope_split(y: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: lis
 
 
 # --- the attention module's statistics (outside the NSA core; kernels/stats.py) ------------------------------------
-_STATS_SLOTS = 1024  # selection slots per step of the statistics kernel
-_STATS_GATES = 1024  # gate values per step
+_STATS_TOKENS = 32  # token rows per step of the statistics kernel
 _STATS_PROGRAMS = 1024  # programs at most, whose rows the caller adds up
 
 
-def _stats_programs(num_slots: int) -> int:
-    return max(1, min(_STATS_PROGRAMS, triton.cdiv(num_slots, _STATS_SLOTS)))
+def _stats_programs(num_tokens: int) -> int:
+    return max(1, min(_STATS_PROGRAMS, triton.cdiv(num_tokens, _STATS_TOKENS)))
 
 
 @torch.library.custom_op("nsa::attention_stat_sums", mutates_args=())
@@ -1445,21 +1444,20 @@ def _attention_stat_sums(blocks: torch.Tensor, gates: torch.Tensor, sel_block: i
     """[programs, 5] float32: each program's sums of the three gates, of the chosen slots and of their distances
     (t // sel_block - block); the statistics are the column sums (attention_stat_sums)."""
     B, T, G, n = blocks.shape
+    H = gates.shape[2]
     blocks, gates = blocks.contiguous(), gates.contiguous()
-    num_slots, num_gates = blocks.numel(), gates.numel()
-    programs = _stats_programs(num_slots)
+    programs = _stats_programs(B * T)
     parts = torch.empty(programs, 5, dtype=torch.float32, device=blocks.device)
-    slots_per_program = triton.cdiv(triton.cdiv(num_slots, programs), _STATS_SLOTS) * _STATS_SLOTS
-    gates_per_program = triton.cdiv(triton.cdiv(num_gates, programs), _STATS_GATES) * _STATS_GATES
-    attention_stats_kernel[(programs,)](blocks, gates, parts, num_slots, num_gates, T, slots_per_program,
-                                        gates_per_program, G=G, N=n, SEL_BLOCK=sel_block, BLOCK=_STATS_SLOTS,
-                                        BLOCK_G=_STATS_GATES)
+    tokens_per_program = triton.cdiv(triton.cdiv(B * T, programs), _STATS_TOKENS) * _STATS_TOKENS
+    attention_stats_kernel[(programs,)](blocks, gates, parts, B * T, T, tokens_per_program, SLOTS=G * n,
+                                        SLOTS_PAD=_pow2(G * n, floor=1), GATE_COLS=H * 3,
+                                        GATE_PAD=_pow2(H * 3, floor=4), SEL_BLOCK=sel_block, TOKENS=_STATS_TOKENS)
     return parts
 
 
 @_attention_stat_sums.register_fake
 def _attention_stat_sums_fake(blocks, gates, sel_block):
-    return blocks.new_empty(_stats_programs(blocks.numel()), 5, dtype=torch.float32)
+    return blocks.new_empty(_stats_programs(blocks.shape[0] * blocks.shape[1]), 5, dtype=torch.float32)
 
 
 def attention_stat_sums(blocks: torch.Tensor, gates: torch.Tensor, sel_block: int) -> torch.Tensor:
