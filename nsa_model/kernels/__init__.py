@@ -14,6 +14,8 @@
   delta.py               the backward row term sum(do * o) of every attention branch, one read of each
   rope.py                RoPE over the rows of the attention's q/k/v projection and its split into parts, both
                          ways (outside the NSA core: the attention modules' nsa::rope_split op)
+  stats.py               the sums behind NSAAttention's per-call statistics (gates, blocks chosen, their distance),
+                         one pass (outside the core: nsa::attention_stat_sums)
 
 The kernels run on CUDA, or on CPU under Triton's own interpreter (TRITON_INTERPRET=1 set before this package is
 imported: triton.jit reads it when a kernel is defined).
