@@ -1373,6 +1373,16 @@ def test_attention_stat_sums_match_the_pytorch_sums(shape):
     assert torch.allclose(sums.double(), expected, rtol=1e-5, atol=1e-3), (sums, expected)
 
 
+@pytest.mark.parametrize("bad, match", [(dict(blocks_dtype=torch.int64), "blocks \\[B, T, G, n\\] int32"),
+                                        (dict(gate_cols=2), "gates \\[B, T, H, 3\\]"),
+                                        (dict(gate_tokens=5), "of the same B, T")])
+def test_attention_stat_sums_refuses_inputs_it_does_not_sum(bad, match):
+    blocks = torch.zeros(2, 6, 2, 3, dtype=bad.get("blocks_dtype", torch.int32)).to(DEVICE)
+    gates = torch.rand(2, bad.get("gate_tokens", 6), 4, bad.get("gate_cols", 3)).to(DEVICE)
+    with pytest.raises(ValueError, match=match):
+        triton_impl.attention_stat_sums(blocks, gates, 4)
+
+
 def test_nsa_statistics_on_the_triton_backend_are_the_torch_backends(monkeypatch):
     """NSAAttention's stats buffer (gate means, blocks a query, their distance) from the kernel's sums equals the
     PyTorch sums' for the same layer's gates and selections."""

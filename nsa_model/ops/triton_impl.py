@@ -1463,7 +1463,7 @@ def _attention_stat_sums_fake(blocks, gates, sel_block):
 def attention_stat_sums(blocks: torch.Tensor, gates: torch.Tensor, sel_block: int) -> torch.Tensor:
     """[5] float32 for selections blocks [B, T, G, n] (int32, -1 = none) and gates [B, T, H, 3]: the sums of
     gate cmp, slc and win over every (b, t, h), the number of chosen slots, and the sum of the chosen blocks'
-    distances t // sel_block - block. One Triton launch, then a sum over its few hundred partial rows."""
+    distances t // sel_block - block. One Triton launch, then a sum over its programs' rows (at most 1024)."""
     _check_inputs(gates=gates)
     if blocks.dim() != 4 or blocks.dtype != torch.int32 or gates.dim() != 4 or gates.shape[-1] != 3 or \
             gates.shape[:2] != blocks.shape[:2]:
