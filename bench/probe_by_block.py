@@ -8,6 +8,7 @@ only their times matter), each timed on NSA's own selections of random inputs at
 as CUDA graphs (do_bench_cudagraph medians):
 
 - forward (`_selected_by_block_fwd`: the block kernel and the combine pass) and the combine pass alone;
+- the forward with its partial rows divided by their sums element by element, as before v41 (its result is right);
 - the forward with each partial output row stored as 4 bytes instead of 128 (what the block kernel would take if
   the partials never left the chip); stored whole, but each program's rows into 64 rows of a 4 MB window (about
   the same instructions and registers, no DRAM traffic: which of the two the stores cost); with the query rows
@@ -36,8 +37,10 @@ from nsa_model.ops import triton_impl as ti
 
 SHAPES = {"125m 4x8k": (4, 8192), "125m 16x2k": (16, 2048), "125m 1x32k": (1, 32768)}  # H = 12, G = 2, D = 64
 O_STORE = ("tl.store(O_PART + row_p[:, None] * DV + offs_dv[None, :],\n"
-           "                     (acc / l_safe[:, None]).to(O_PART.dtype.element_ty), "
-           "mask=r_ok[:, None] & (offs_dv < DV)[None, :])")
+           "                     (acc * (1.0 / l_safe)[:, None]).to(O_PART.dtype.element_ty),\n"
+           "                     mask=r_ok[:, None] & (offs_dv < DV)[None, :])")
+# the store as it was before v41: a division an element instead of a reciprocal a row
+O_STORE_DIV = O_STORE.replace("(acc * (1.0 / l_safe)[:, None])", "(acc / l_safe[:, None])")
 O_STORE_4B = "tl.store(LSE2_PART + row_p, tl.sum(acc, axis=1) / l_safe, mask=r_ok)"
 # each program's rows into 64 rows of its own in a 4 MB window (512 windows): the same instructions and about the
 # same registers, but no DRAM traffic
@@ -54,7 +57,8 @@ DQ_STORE_L2 = DQ_STORE.replace("DQ_OUT + row_p[:, None]", f"DQ_OUT + {WINDOW}[:,
 FORWARD_EDITS = {"prod": [], "o partial 4 B a row": [(O_STORE, O_STORE_4B)],
                  "o partial rows into a 4 MB window": [(O_STORE, O_STORE_L2)],
                  "q rows contiguous": [(Q_GATHER, Q_CONTIGUOUS)],
-                 "both": [(O_STORE, O_STORE_4B), (Q_GATHER, Q_CONTIGUOUS)]}
+                 "both": [(O_STORE, O_STORE_4B), (Q_GATHER, Q_CONTIGUOUS)],
+                 "o divided element by element (before v41)": [(O_STORE, O_STORE_DIV)]}
 BACKWARD_EDITS = {"prod": [], "dQ slot 4 B a row": [(DQ_STORE, DQ_STORE_4B)],
                   "dQ slot rows into a 4 MB window": [(DQ_STORE, DQ_STORE_L2)]}
 

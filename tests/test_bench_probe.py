@@ -28,7 +28,7 @@ def test_every_selection_variant_of_the_probe_applies_to_the_kernel_as_it_is():
 
 def test_every_by_block_variant_of_the_probe_applies_to_the_kernels_as_they_are():
     """bench/probe_by_block.py's variants edit kernels/selected_by_block.py the same way."""
-    assert _variants_applied("probe_by_block", "{**p.FORWARD_EDITS, **p.BACKWARD_EDITS}") == 7
+    assert _variants_applied("probe_by_block", "{**p.FORWARD_EDITS, **p.BACKWARD_EDITS}") == 8
 
 
 def test_every_exp2_variant_of_the_probe_applies_to_the_kernels_as_they_are():

@@ -191,8 +191,11 @@ def selected_block_fwd_kernel(Q, K, V, KD, VD, ORDER, STARTS, WORK_SEG, WORK_CHU
             acc = tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
             has_key = l_i > 0
             l_safe = tl.where(has_key, l_i, 1.0)
+            # one reciprocal a row and a multiply an element: a division an element is a MUFU op and a multiply each,
+            # 32 a thread a step beside the step's 32 exponentials (kernels-notes.md v41)
             tl.store(O_PART + row_p[:, None] * DV + offs_dv[None, :],
-                     (acc / l_safe[:, None]).to(O_PART.dtype.element_ty), mask=r_ok[:, None] & (offs_dv < DV)[None, :])
+                     (acc * (1.0 / l_safe)[:, None]).to(O_PART.dtype.element_ty),
+                     mask=r_ok[:, None] & (offs_dv < DV)[None, :])
             tl.store(LSE2_PART + row_p, tl.where(has_key, m_safe + tl.log2(l_safe), float("-inf")), mask=r_ok)
             if PREFETCH:
                 r_ok, t, row_q, row_p, q = r_ok_n, t_n, row_q_n, row_p_n, q_n
