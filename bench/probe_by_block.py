@@ -9,6 +9,8 @@ as CUDA graphs (do_bench_cudagraph medians):
 
 - forward (`_selected_by_block_fwd`: the block kernel and the combine pass) and the combine pass alone;
 - the forward with its partial rows divided by their sums element by element, as before v41 (its result is right);
+- the forward and the backward with the scores' scale folded into the exponential's argument, one FMA an element
+  (right results; a candidate, kernels-notes v41);
 - the forward with each partial output row stored as 4 bytes instead of 128 (what the block kernel would take if
   the partials never left the chip); stored whole, but each program's rows into 64 rows of a 4 MB window (about
   the same instructions and registers, no DRAM traffic: which of the two the stores cost); with the query rows
@@ -54,13 +56,25 @@ DQ_STORE = ("tl.store(DQ_OUT + row_p[:, None] * DK + offs_dk[None, :], dq.to(DQ_
             "mask=q_ok)")
 DQ_STORE_4B = "tl.store(DQ_OUT + row_p * DK, tl.sum(dq, axis=1).to(DQ_OUT.dtype.element_ty), mask=r_ok)"
 DQ_STORE_L2 = DQ_STORE.replace("DQ_OUT + row_p[:, None]", f"DQ_OUT + {WINDOW}[:, None]")
+# the scores' scale folded into the exponential's argument (one FMA an element instead of a multiply and a
+# subtraction; kernels-notes v41, counted offline: 1,152 -> 1,120 SASS instructions in the forward); right results
+SCORES = "s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale"
+RAW_SCORES = "s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)"
+FWD_MASK = "\n            if not _sees_whole_block("
+FWD_FMA = [(SCORES + FWD_MASK, RAW_SCORES + FWD_MASK), ("m = tl.max(s, axis=1)", "m = tl.max(s, axis=1) * qk_scale"),
+           ("p = tl.exp2(s - m_safe[:, None])", "p = tl.exp2(s * qk_scale - m_safe[:, None])")]
+BWD_NOTE = "\n            # Always masked"
+BWD_FMA = [(SCORES + BWD_NOTE, RAW_SCORES + BWD_NOTE),
+           ("tl.exp2(s - lse2[:, None])", "tl.exp2(s * qk_scale - lse2[:, None])")]
 FORWARD_EDITS = {"prod": [], "o partial 4 B a row": [(O_STORE, O_STORE_4B)],
                  "o partial rows into a 4 MB window": [(O_STORE, O_STORE_L2)],
                  "q rows contiguous": [(Q_GATHER, Q_CONTIGUOUS)],
                  "both": [(O_STORE, O_STORE_4B), (Q_GATHER, Q_CONTIGUOUS)],
-                 "o divided element by element (before v41)": [(O_STORE, O_STORE_DIV)]}
+                 "o divided element by element (before v41)": [(O_STORE, O_STORE_DIV)],
+                 "scale as an FMA": FWD_FMA}
 BACKWARD_EDITS = {"prod": [], "dQ slot 4 B a row": [(DQ_STORE, DQ_STORE_4B)],
-                  "dQ slot rows into a 4 MB window": [(DQ_STORE, DQ_STORE_L2)]}
+                  "dQ slot rows into a 4 MB window": [(DQ_STORE, DQ_STORE_L2)],
+                  "scale as an FMA": BWD_FMA}
 
 
 def variant(name: str, edits):
