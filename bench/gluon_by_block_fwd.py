@@ -334,7 +334,8 @@ def _tl_partials(q, k, v, blocks, index, scale, sel_block, fill: float | None = 
     selected_block_fwd_kernel[(work_seg.numel(), )](
         q, k, v, ORDER=order, STARTS=starts, WORK_SEG=work_seg, WORK_CHUNK=work_chunk, O_PART=o_part,
         LSE2_PART=lse2_part, T=T, num_blocks=triton.cdiv(T, sel_block), scale=scale, ROWS=rows,
-        CHUNK=c.slc_block_chunk, PREFETCH=prefetch, **common, num_warps=c.slc_block_warps,
+        CHUNK=c.slc_block_chunk, PREFETCH=prefetch, OFFSETS_64=ti._offsets_64(q, k, v, o_part), **common,
+        num_warps=c.slc_block_warps,
         num_stages=c.slc_block_stages, **(dict(maxnreg=c.slc_block_fwd_maxnreg) if prefetch else {}),
         **ti._block_tiles(rows, common, k, v))
     return o_part, lse2_part

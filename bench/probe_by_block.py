@@ -8,9 +8,9 @@ only their times matter), each timed on NSA's own selections of random inputs at
 as CUDA graphs (do_bench_cudagraph medians):
 
 - forward (`_selected_by_block_fwd`: the block kernel and the combine pass) and the combine pass alone;
-- the forward with its partial rows divided by their sums element by element, as before v41 (its result is right);
-- the forward and the backward with the scores' scale folded into the exponential's argument, one FMA an element
-  (right results; a candidate, kernels-notes v41);
+- the forward as before v42 (right results): with the scores scaled before their maximum (a multiply and a
+  subtraction an element, where it now takes one FMA), and with 64-bit element offsets (OFFSETS_64 forced), and
+  both; the backward with 64-bit offsets, and with its scale folded into the exponential's argument (a candidate);
 - the forward with each partial output row stored as 4 bytes instead of 128 (what the block kernel would take if
   the partials never left the chip); stored whole, but each program's rows into 64 rows of a 4 MB window (about
   the same instructions and registers, no DRAM traffic: which of the two the stores cost); with the query rows
@@ -41,8 +41,6 @@ SHAPES = {"125m 4x8k": (4, 8192), "125m 16x2k": (16, 2048), "125m 1x32k": (1, 32
 O_STORE = ("tl.store(O_PART + row_p[:, None] * DV + offs_dv[None, :],\n"
            "                     (acc * (1.0 / l_safe)[:, None]).to(O_PART.dtype.element_ty),\n"
            "                     mask=r_ok[:, None] & (offs_dv < DV)[None, :])")
-# the store as it was before v41: a division an element instead of a reciprocal a row
-O_STORE_DIV = O_STORE.replace("(acc * (1.0 / l_safe)[:, None])", "(acc / l_safe[:, None])")
 O_STORE_4B = "tl.store(LSE2_PART + row_p, tl.sum(acc, axis=1) / l_safe, mask=r_ok)"
 # each program's rows into 64 rows of its own in a 4 MB window (512 windows): the same instructions and about the
 # same registers, but no DRAM traffic
@@ -56,24 +54,29 @@ DQ_STORE = ("tl.store(DQ_OUT + row_p[:, None] * DK + offs_dk[None, :], dq.to(DQ_
             "mask=q_ok)")
 DQ_STORE_4B = "tl.store(DQ_OUT + row_p * DK, tl.sum(dq, axis=1).to(DQ_OUT.dtype.element_ty), mask=r_ok)"
 DQ_STORE_L2 = DQ_STORE.replace("DQ_OUT + row_p[:, None]", f"DQ_OUT + {WINDOW}[:, None]")
-# the scores' scale folded into the exponential's argument (one FMA an element instead of a multiply and a
-# subtraction; kernels-notes v41, counted offline: 1,152 -> 1,120 SASS instructions in the forward); right results
+# the scale in the exponential's argument (one FMA an element, v42) and, as before v42, a multiply of the scores
+# first (right results either way)
 SCORES = "s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale"
 RAW_SCORES = "s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)"
 FWD_MASK = "\n            if not _sees_whole_block("
-FWD_FMA = [(SCORES + FWD_MASK, RAW_SCORES + FWD_MASK), ("m = tl.max(s, axis=1)", "m = tl.max(s, axis=1) * qk_scale"),
-           ("p = tl.exp2(s - m_safe[:, None])", "p = tl.exp2(s * qk_scale - m_safe[:, None])")]
+FWD_MULTIPLY = [(RAW_SCORES + FWD_MASK, SCORES + FWD_MASK),
+                ("m = tl.max(s, axis=1) * qk_scale", "m = tl.max(s, axis=1)"),
+                ("p = tl.exp2(s * qk_scale - m_safe[:, None])", "p = tl.exp2(s - m_safe[:, None])")]
 BWD_NOTE = "\n            # Always masked"
 BWD_FMA = [(SCORES + BWD_NOTE, RAW_SCORES + BWD_NOTE),
            ("tl.exp2(s - lse2[:, None])", "tl.exp2(s * qk_scale - lse2[:, None])")]
+# 64-bit element offsets whatever the sizes (OFFSETS_64 forced), as before v42
+OFFSETS_64 = [("    if OFFSETS_64:\n        return x.to(tl.int64)", "    if True:\n        return x.to(tl.int64)")]
 FORWARD_EDITS = {"prod": [], "o partial 4 B a row": [(O_STORE, O_STORE_4B)],
                  "o partial rows into a 4 MB window": [(O_STORE, O_STORE_L2)],
                  "q rows contiguous": [(Q_GATHER, Q_CONTIGUOUS)],
                  "both": [(O_STORE, O_STORE_4B), (Q_GATHER, Q_CONTIGUOUS)],
-                 "o divided element by element (before v41)": [(O_STORE, O_STORE_DIV)],
-                 "scale as an FMA": FWD_FMA}
+                 "scale a multiply first (before v42)": FWD_MULTIPLY,
+                 "64-bit offsets (before v42)": OFFSETS_64,
+                 "both (as before v42)": FWD_MULTIPLY + OFFSETS_64}
 BACKWARD_EDITS = {"prod": [], "dQ slot 4 B a row": [(DQ_STORE, DQ_STORE_4B)],
                   "dQ slot rows into a 4 MB window": [(DQ_STORE, DQ_STORE_L2)],
+                  "64-bit offsets (before v42)": OFFSETS_64,
                   "scale as an FMA": BWD_FMA}
 
 

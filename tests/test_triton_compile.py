@@ -91,22 +91,24 @@ CASES = [
     *_tma_cases("selected_tiled_bwd_dq_kernel", "selected_tiled",
                 dict(BLOCKS="i32", UNION="i32", COUNT="i32", **ROW_TERMS), dict(num_tiles="i32", **SLC_SCALARS),
                 dict(N_PAD=16, ROWS=64, TILE_Q=10, ACCUMULATE=True, **SEL), descs=dict(KD=64, VD=64)),
-    *[c for prefetch in (True, False) for c in _tma_cases(
+    # OFFSETS_64 where a tensor passes int32 offsets (triton_impl._offsets_64)
+    *[c for prefetch, wide in ((True, False), (False, False), (True, True)) for c in _tma_cases(
         "selected_block_fwd_kernel", "selected_by_block", dict(LSE2_PART="fp32", **BLOCK_INDEX),
-        dict(num_blocks="i32", **SLC_SCALARS), dict(ROWS=64, CHUNK=512, PREFETCH=prefetch, **SEL),
-        dict(num_warps=4, num_stages=3, **(dict(maxnreg=168) if prefetch else {})), f"PREFETCH={prefetch}",
-        descs=dict(KD=64, VD=64))],
+        dict(num_blocks="i32", **SLC_SCALARS), dict(ROWS=64, CHUNK=512, PREFETCH=prefetch, OFFSETS_64=wide, **SEL),
+        dict(num_warps=4, num_stages=3, **(dict(maxnreg=168) if prefetch else {})),
+        f"PREFETCH={prefetch},OFFSETS_64={wide}", descs=dict(KD=64, VD=64))],
     # alone, and with the gated sum in its epilogue (nsa::core's forward)
     *[_case("selected_combine_kernel", "selected_by_block", dict(LSE2_PART="fp32", BLOCKS="i32", LSE="fp32"),
             dict(num_rows="i32"), dict(H=12, G=2, DV=64, BLOCK_DV=64, N_SELECT=16, BLOCK_R=32, GATED=gated,
                                        **({} if gated else dict.fromkeys(("GATES", "O_CMP", "O_WIN", "O_GATED")))),
             label=f"GATED={gated}") for gated in (True, False)],
-    *[c for mode, final, prefetch in ((0, True, False), (1, True, False), (1, False, False), (2, False, False),
-                                      (1, True, True), (0, True, True)) for c in _tma_cases(
+    *[c for mode, final, prefetch, wide in ((0, True, False, False), (1, True, False, False), (1, False, False, False),
+                                            (2, False, False, False), (1, True, True, False), (0, True, True, False),
+                                            (1, True, True, True)) for c in _tma_cases(
         "selected_block_bwd_kernel", "selected_by_block", dict(BLOCK_INDEX, DONE="i32", **ROW_TERMS, **ACCS),
         dict(num_blocks="i32", **SLC_SCALARS),
-        dict(ROWS=64, CHUNK=512, DQ_MODE=mode, FINAL_KV=final, PREFETCH=prefetch, **SEL),
-        dict(num_warps=4, num_stages=3), f"DQ_MODE={mode},FINAL_KV={final},PREFETCH={prefetch}",
+        dict(ROWS=64, CHUNK=512, DQ_MODE=mode, FINAL_KV=final, PREFETCH=prefetch, OFFSETS_64=wide, **SEL),
+        dict(num_warps=4, num_stages=3), f"DQ_MODE={mode},FINAL_KV={final},PREFETCH={prefetch},OFFSETS_64={wide}",
         descs=dict(KD=64, VD=64))],
     *[_case("selected_dq_sum_kernel", "selected_by_block", dict(BLOCKS="i32"), dict(num_rows="i32"),
             dict(H=12, G=2, DK=64, BLOCK_DK=64, N_SELECT=16, BLOCK_R=32, NUM_ADD=adds), label=f"NUM_ADD={adds}")

@@ -356,6 +356,47 @@ def check_selected_against_reference(x, blocks, cfg, launch):
         assert rel_err(a.grad, r.grad) <= FP32_TOL, name
 
 
+def test_offsets_64_counts_a_tensors_span_by_its_strides():
+    """The by_block kernels' element offsets are int32 unless some tensor spans more than _INT32_SPAN elements from
+    its first to its last, by its strides: a view of few elements can span many."""
+    big = torch.empty(3, 2 ** 30, device="meta")
+    assert triton_impl._offsets_64(torch.empty(2 ** 31, device="meta"))
+    assert not triton_impl._offsets_64(torch.empty(2 ** 30, device="meta"), torch.empty(0, 5, device="meta"))
+    assert triton_impl._offsets_64(torch.empty(4), big[:, :10])  # 30 elements, 2^31 + 10 apart
+    assert not triton_impl._offsets_64(big[:2, :10])
+
+
+@pytest.mark.parametrize("variant", ["by_block16_partial", "by_block64_atomic", "tiled64_dkdv_by_block"])
+def test_by_block_kernels_with_64_bit_offsets_match_reference(variant, monkeypatch):
+    """OFFSETS_64 (taken where a tensor passes 2^31 elements, as at paper 1 x 64k) forced by a span limit of 100
+    elements: forward and gradients against the reference, and every by_block launch took the int64 path."""
+    monkeypatch.setattr(triton_impl, "_INT32_SPAN", 100)
+    taken = []
+    offsets_64 = triton_impl._offsets_64
+    monkeypatch.setattr(triton_impl, "_offsets_64", lambda *xs: taken.append(offsets_64(*xs)) or taken[-1])
+    cfg = NSAConfig(cmp_block=8, cmp_stride=4, sel_block=8, n_selected=3, window=8)
+    B, T, H, G, Dk, Dv = 2, 43, 6, 2, 16, 32
+    x = make_inputs(B, T, H, G, Dk, Dv, cfg, seed=13)
+    num_blocks = (T + cfg.sel_block - 1) // cfg.sel_block
+    gen = torch.Generator().manual_seed(14)
+    current = (torch.arange(T) // cfg.sel_block).view(1, T, 1, 1).expand(B, T, G, 1)
+    others = (current + 1 + torch.randint(0, num_blocks - 1, (B, T, G, 2), generator=gen)) % num_blocks
+    blocks = torch.cat([current, others], dim=-1).to(torch.int32)
+    check_selected_against_reference(x, blocks, cfg, triton_impl.LaunchConfig(**SELECTED_VARIANTS[variant]))
+    assert taken and all(taken)
+
+
+def test_by_block_refuses_a_scale_that_is_not_positive():
+    """by_block's forward scales a row's maximum score after taking it, right only for a positive scale."""
+    cfg = NSAConfig(cmp_block=8, cmp_stride=4, sel_block=8, n_selected=3, window=8)
+    x = make_inputs(1, 16, 6, 2, 16, 16, cfg, seed=15)
+    blocks = (torch.arange(16) // 8).view(1, 16, 1, 1).expand(1, 16, 2, 3).contiguous().to(torch.int32)
+    with triton_impl.use_launch_config(triton_impl.LaunchConfig(slc_kernel="by_block")):
+        with pytest.raises(ValueError, match="positive softmax scale, got -0.25"):
+            triton_impl.selected_attention(*(x[n].float().to(DEVICE) for n in ("q", "k_slc", "v_slc")),
+                                           blocks.to(DEVICE), cfg, -0.25)
+
+
 @pytest.mark.parametrize("rows,chunk", [(16, 7), (16, 16), (64, 16)])
 @pytest.mark.parametrize("prefetch_dims", [64, 0])
 def test_by_block_steps_skip_the_mask_only_where_every_chooser_sees_the_whole_block(rows, chunk, prefetch_dims):

@@ -145,7 +145,7 @@ def selected_attn_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, QUERY_OF_ENTRY, START
         offs_dk = tl.arange(0, BLOCK_DK)
         offs_dv = tl.arange(0, BLOCK_DV)
         k, v, pos, s_ok, row_k = _block_kv(K, V, K, V, K_ROW, V_ROW, b, g, pid_j, T, G, DK, DV, BLOCK_DK, BLOCK_DV,
-                                           SEL_BLOCK, BLOCK_S, False)
+                                           SEL_BLOCK, BLOCK_S, False, True)  # int64 offsets, as always here
         # Row r of a step is (entry r // HEADS_PAD, head r % HEADS_PAD).
         offs_r = tl.arange(0, ROWS)
         slot = offs_r // HEADS_PAD

@@ -53,6 +53,17 @@ LOG2E = tl.constexpr(1.4426950408889634)
 
 
 @triton.jit
+def _offsets(x, OFFSETS_64: tl.constexpr):
+    """x as the element offsets' integer type: int64 where some tensor's elements reach 2^31 (the launchers'
+    OFFSETS_64), else int32, whose multiply-adds are one instruction each where int64's take two to four: 9% of the
+    backward's sm_90 instructions, 2% of the forward's (kernels-notes.md v42)."""
+    if OFFSETS_64:
+        return x.to(tl.int64)
+    else:
+        return x
+
+
+@triton.jit
 def _work_item(WORK_SEG, WORK_CHUNK, STARTS, num_blocks, G: tl.constexpr, CHUNK: tl.constexpr):
     """(segment, b, g, block j, first entry, end entry) of this program; segment -1: nothing to do."""
     pid = tl.program_id(0)
@@ -69,13 +80,13 @@ def _work_item(WORK_SEG, WORK_CHUNK, STARTS, num_blocks, G: tl.constexpr, CHUNK:
 @triton.jit
 def _block_kv(K, V, KD, VD, K_ROW, V_ROW, b, g, j, T, G: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
               BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, SEL_BLOCK: tl.constexpr, BLOCK_S: tl.constexpr,
-              TMA: tl.constexpr):
+              TMA: tl.constexpr, OFFSETS_64: tl.constexpr):
     offs_s = tl.arange(0, BLOCK_S)
     offs_dk = tl.arange(0, BLOCK_DK)
     offs_dv = tl.arange(0, BLOCK_DV)
     pos = j * SEL_BLOCK + offs_s
     s_ok = (offs_s < SEL_BLOCK) & (pos < T)
-    tok = (b * T + pos).to(tl.int64)
+    tok = _offsets(b * T + pos, OFFSETS_64)
     row_k = tok * G + g  # the gradients' rows: dK and dV are contiguous
     if TMA:
         k = KD.load([b * T + j * SEL_BLOCK, g * DK])
@@ -99,7 +110,8 @@ def _chooser_flat(ORDER, e0, end, HPG: tl.constexpr, ROWS: tl.constexpr):
 
 
 @triton.jit
-def _chooser_decode(flat, b, g, T, H: tl.constexpr, G: tl.constexpr, N_SELECT: tl.constexpr, ROWS: tl.constexpr):
+def _chooser_decode(flat, b, g, T, H: tl.constexpr, G: tl.constexpr, N_SELECT: tl.constexpr, ROWS: tl.constexpr,
+                    OFFSETS_64: tl.constexpr):
     """(query t, row in [B*T*H], row in the partials) of _chooser_flat's rows.
 
     Index arithmetic stays in int32 (ORDER is int32, so flat slots fit) with constexpr divisors, which compile to
@@ -108,8 +120,8 @@ def _chooser_decode(flat, b, g, T, H: tl.constexpr, G: tl.constexpr, N_SELECT: t
     head = tl.arange(0, ROWS) % HPG
     bt = flat // (G * N_SELECT)
     t = bt - b * T
-    row_q = bt.to(tl.int64) * H + (g * HPG + head)
-    row_p = flat.to(tl.int64) * HPG + head
+    row_q = _offsets(bt, OFFSETS_64) * H + (g * HPG + head)
+    row_p = _offsets(flat, OFFSETS_64) * HPG + head
     return t, row_q, row_p
 
 
@@ -134,9 +146,9 @@ def _visible(t, r_ok, pos, s_ok, SEL_BLOCK: tl.constexpr, BLOCK_S: tl.constexpr)
 
 @triton.jit
 def _chooser_fwd_tiles(Q, flat, r_ok, b, g, T, H: tl.constexpr, G: tl.constexpr, DK: tl.constexpr,
-                       BLOCK_DK: tl.constexpr, N_SELECT: tl.constexpr, ROWS: tl.constexpr):
+                       BLOCK_DK: tl.constexpr, N_SELECT: tl.constexpr, ROWS: tl.constexpr, OFFSETS_64: tl.constexpr):
     """(t, row_q, row_p, q) of the forward's rows (_chooser_flat's): the query tile is a gather of their rows."""
-    t, row_q, row_p = _chooser_decode(flat, b, g, T, H, G, N_SELECT, ROWS)
+    t, row_q, row_p = _chooser_decode(flat, b, g, T, H, G, N_SELECT, ROWS, OFFSETS_64)
     offs_dk = tl.arange(0, BLOCK_DK)
     q = tl.load(Q + row_q[:, None] * DK + offs_dk[None, :], mask=r_ok[:, None] & (offs_dk < DK)[None, :], other=0.0)
     return t, row_q, row_p, q
@@ -145,9 +157,9 @@ def _chooser_fwd_tiles(Q, flat, r_ok, b, g, T, H: tl.constexpr, G: tl.constexpr,
 @triton.jit
 def _chooser_bwd_tiles(Q, DO, LSE, DELTA, flat, r_ok, b, g, T, H: tl.constexpr, G: tl.constexpr, DK: tl.constexpr,
                        DV: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, N_SELECT: tl.constexpr,
-                       ROWS: tl.constexpr):
+                       ROWS: tl.constexpr, OFFSETS_64: tl.constexpr):
     """(t, row_q, row_p, q, do, lse2, delta) of the backward's rows (_chooser_flat's)."""
-    t, row_q, row_p = _chooser_decode(flat, b, g, T, H, G, N_SELECT, ROWS)
+    t, row_q, row_p = _chooser_decode(flat, b, g, T, H, G, N_SELECT, ROWS, OFFSETS_64)
     q, do, lse2, delta = _backward_rows(Q, DO, LSE, DELTA, row_q, r_ok, DK, DV, BLOCK_DK, BLOCK_DV)
     lse2 = tl.where(lse2 == float("-inf"), 0.0, lse2)  # a query that sees no key: its p is masked anyway
     return t, row_q, row_p, q, do, lse2, delta
@@ -160,33 +172,37 @@ def selected_block_fwd_kernel(Q, K, V, KD, VD, ORDER, STARTS, WORK_SEG, WORK_CHU
                               BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, SEL_BLOCK: tl.constexpr,
                               BLOCK_S: tl.constexpr, N_SELECT: tl.constexpr, ROWS: tl.constexpr,
                               CHUNK: tl.constexpr, TMA: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                              PREFETCH: tl.constexpr = False):
+                              OFFSETS_64: tl.constexpr, PREFETCH: tl.constexpr = False):
     HPG: tl.constexpr = H // G
     ENTRIES: tl.constexpr = ROWS // HPG
     seg, b, g, j, start, end = _work_item(WORK_SEG, WORK_CHUNK, STARTS, num_blocks, G, CHUNK)
     if seg >= 0:
         k, v, pos, s_ok, _ = _block_kv(K, V, KD, VD, K_ROW, V_ROW, b, g, j, T, G, DK, DV, BLOCK_DK, BLOCK_DV,
-                                       SEL_BLOCK, BLOCK_S, TMA)
+                                       SEL_BLOCK, BLOCK_S, TMA, OFFSETS_64)
         offs_dv = tl.arange(0, BLOCK_DV)
         qk_scale = scale * LOG2E
         if PREFETCH:  # step e0's rows and query tile come from the step before (module docstring)
             flat, r_ok = _chooser_flat(ORDER, start, end, HPG, ROWS)
-            t, row_q, row_p, q = _chooser_fwd_tiles(Q, flat, r_ok, b, g, T, H, G, DK, BLOCK_DK, N_SELECT, ROWS)
+            t, row_q, row_p, q = _chooser_fwd_tiles(Q, flat, r_ok, b, g, T, H, G, DK, BLOCK_DK, N_SELECT, ROWS,
+                                                    OFFSETS_64)
             flat_n, r_ok_n = _chooser_flat(ORDER, start + ENTRIES, end, HPG, ROWS)
         for e0 in tl.range(start, end, ENTRIES, num_stages=1 if PREFETCH else None):
             if PREFETCH:
                 flat_nn, r_ok_nn = _chooser_flat(ORDER, e0 + 2 * ENTRIES, end, HPG, ROWS)
                 t_n, row_q_n, row_p_n, q_n = _chooser_fwd_tiles(Q, flat_n, r_ok_n, b, g, T, H, G, DK, BLOCK_DK,
-                                                                N_SELECT, ROWS)
+                                                                N_SELECT, ROWS, OFFSETS_64)
             else:
                 flat, r_ok = _chooser_flat(ORDER, e0, end, HPG, ROWS)
-                t, row_q, row_p, q = _chooser_fwd_tiles(Q, flat, r_ok, b, g, T, H, G, DK, BLOCK_DK, N_SELECT, ROWS)
-            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+                t, row_q, row_p, q = _chooser_fwd_tiles(Q, flat, r_ok, b, g, T, H, G, DK, BLOCK_DK, N_SELECT, ROWS,
+                                                        OFFSETS_64)
+            # the scale goes into the exponential's argument, one FMA an element instead of a multiply and a
+            # subtraction (kernels-notes.md v42)
+            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
             if not _sees_whole_block(t, r_ok, j, T, SEL_BLOCK, BLOCK_S):
                 s = tl.where(_visible(t, r_ok, pos, s_ok, SEL_BLOCK, BLOCK_S), s, float("-inf"))
-            m = tl.max(s, axis=1)
+            m = tl.max(s, axis=1) * qk_scale
             m_safe = tl.where(m == float("-inf"), 0.0, m)  # a chooser that sees none of the block (block after t)
-            p = tl.exp2(s - m_safe[:, None])
+            p = tl.exp2(s * qk_scale - m_safe[:, None])
             l_i = tl.sum(p, axis=1)
             acc = tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
             has_key = l_i > 0
@@ -263,7 +279,8 @@ def selected_block_bwd_kernel(Q, K, V, KD, VD, DO, LSE, DELTA, ORDER, STARTS, WO
                               BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, SEL_BLOCK: tl.constexpr,
                               BLOCK_S: tl.constexpr, N_SELECT: tl.constexpr, ROWS: tl.constexpr,
                               CHUNK: tl.constexpr, DQ_MODE: tl.constexpr, FINAL_KV: tl.constexpr,
-                              TMA: tl.constexpr, DOT_PRECISION: tl.constexpr, PREFETCH: tl.constexpr = False):
+                              TMA: tl.constexpr, DOT_PRECISION: tl.constexpr, OFFSETS_64: tl.constexpr,
+                              PREFETCH: tl.constexpr = False):
     """DQ_MODE: 0 no dQ (the query-driven variants compute it), 1 store each chooser's contribution at its slot
     (DQ_OUT rows as the partials), 2 add it atomically into a float32 DQ_OUT [B, T, H, DK].
 
@@ -277,7 +294,7 @@ def selected_block_bwd_kernel(Q, K, V, KD, VD, DO, LSE, DELTA, ORDER, STARTS, WO
     seg, b, g, j, start, end = _work_item(WORK_SEG, WORK_CHUNK, STARTS, num_blocks, G, CHUNK)
     if seg >= 0:
         k, v, pos, s_ok, row_k = _block_kv(K, V, KD, VD, K_ROW, V_ROW, b, g, j, T, G, DK, DV, BLOCK_DK, BLOCK_DV,
-                                           SEL_BLOCK, BLOCK_S, TMA)
+                                           SEL_BLOCK, BLOCK_S, TMA, OFFSETS_64)
         offs_dk = tl.arange(0, BLOCK_DK)
         offs_dv = tl.arange(0, BLOCK_DV)
         qk_scale = scale * LOG2E
@@ -286,18 +303,20 @@ def selected_block_bwd_kernel(Q, K, V, KD, VD, DO, LSE, DELTA, ORDER, STARTS, WO
         if PREFETCH:  # as in the forward
             flat, r_ok = _chooser_flat(ORDER, start, end, HPG, ROWS)
             t, row_q, row_p, q, do, lse2, delta = _chooser_bwd_tiles(Q, DO, LSE, DELTA, flat, r_ok, b, g, T, H, G,
-                                                                     DK, DV, BLOCK_DK, BLOCK_DV, N_SELECT, ROWS)
+                                                                     DK, DV, BLOCK_DK, BLOCK_DV, N_SELECT, ROWS,
+                                                                     OFFSETS_64)
             flat_n, r_ok_n = _chooser_flat(ORDER, start + ENTRIES, end, HPG, ROWS)
         for e0 in tl.range(start, end, ENTRIES, num_stages=1 if PREFETCH else None):
             if PREFETCH:
                 flat_nn, r_ok_nn = _chooser_flat(ORDER, e0 + 2 * ENTRIES, end, HPG, ROWS)
                 t_n, row_q_n, row_p_n, q_n, do_n, lse2_n, delta_n = _chooser_bwd_tiles(
-                    Q, DO, LSE, DELTA, flat_n, r_ok_n, b, g, T, H, G, DK, DV, BLOCK_DK, BLOCK_DV, N_SELECT, ROWS)
+                    Q, DO, LSE, DELTA, flat_n, r_ok_n, b, g, T, H, G, DK, DV, BLOCK_DK, BLOCK_DV, N_SELECT, ROWS,
+                    OFFSETS_64)
             else:
                 flat, r_ok = _chooser_flat(ORDER, e0, end, HPG, ROWS)
                 t, row_q, row_p, q, do, lse2, delta = _chooser_bwd_tiles(Q, DO, LSE, DELTA, flat, r_ok, b, g, T, H,
                                                                          G, DK, DV, BLOCK_DK, BLOCK_DV, N_SELECT,
-                                                                         ROWS)
+                                                                         ROWS, OFFSETS_64)
             q_ok = r_ok[:, None] & (offs_dk < DK)[None, :]
             s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
             # Always masked: the unmasked branch the forward takes (_sees_whole_block) made this kernel 6-12% slower

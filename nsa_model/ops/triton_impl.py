@@ -679,6 +679,20 @@ def _partial_dtype(x: torch.Tensor, config: LaunchConfig) -> torch.dtype:
 
 
 _COMBINE_ROWS = 32  # (b, t, h) rows per program of the combine and dQ-sum kernels
+_INT32_SPAN = 2 ** 31 - 2 ** 16  # int32 offsets, with room for a tile's padded columns past a tensor's end
+
+
+def _offsets_64(*tensors: torch.Tensor) -> bool:
+    """Whether a kernel's element offsets into these tensors need int64 (OFFSETS_64 of the by_block kernels): some
+    tensor spans more elements than _INT32_SPAN, counted by its strides from its first element to its last."""
+    return any(1 + sum((n - 1) * s for n, s in zip(x.shape, x.stride())) > _INT32_SPAN for x in tensors)
+
+
+def _check_scale(scale: float) -> None:
+    """The by_block forward takes a row's maximum score before scaling it (an FMA an element; kernels-notes.md
+    v42), which is the scaled maximum only for a positive scale."""
+    if not scale > 0:
+        raise ValueError(f"scale: the triton backend takes a positive softmax scale, got {scale}")
 
 
 def _selected_common(q, k, v, sel_block: int, n: int) -> dict:
@@ -889,11 +903,12 @@ def _selected_by_block_partials(q, k, v, index, common, scale):
     o_part = torch.empty(slots, dv, dtype=_partial_dtype(q, c), device=q.device)
     lse2_part = torch.empty(slots, dtype=torch.float32, device=q.device)
     prefetch = _block_prefetch(q, v)
+    _check_scale(scale)
     selected_block_fwd_kernel[(work_seg.numel(),)](
         q, k, v, ORDER=order, STARTS=starts, WORK_SEG=work_seg, WORK_CHUNK=work_chunk, O_PART=o_part,
         LSE2_PART=lse2_part, T=T, num_blocks=num_blocks, scale=scale, ROWS=_block_rows(hpg, c),
-        CHUNK=c.slc_block_chunk, PREFETCH=prefetch, **common, num_warps=c.slc_block_warps,
-        num_stages=c.slc_block_stages, **(dict(maxnreg=c.slc_block_fwd_maxnreg) if prefetch else {}),
+        CHUNK=c.slc_block_chunk, PREFETCH=prefetch, OFFSETS_64=_offsets_64(q, k, v, o_part), **common,
+        num_warps=c.slc_block_warps, num_stages=c.slc_block_stages, **(dict(maxnreg=c.slc_block_fwd_maxnreg) if prefetch else {}),
         **_block_tiles(_block_rows(hpg, c), common, k, v))
     return o_part, lse2_part
 
@@ -941,7 +956,9 @@ def _selected_by_block_bwd(q, k, v, blocks, do, lse, delta, index, common, scale
         q, k, v, DO=do, LSE=lse, DELTA=delta, ORDER=order, STARTS=starts, WORK_SEG=work_seg, WORK_CHUNK=work_chunk,
         DK_ACC=dk_acc, DV_ACC=dv_acc, DQ_OUT=dq_out, DK_OUT=dk_out, DV_OUT=dv_out, DONE=done, T=T,
         num_blocks=num_blocks, scale=scale, ROWS=_block_rows(hpg, c), CHUNK=c.slc_block_chunk, DQ_MODE=dq_mode,
-        FINAL_KV=final_kv, PREFETCH=_block_prefetch(q, v), **common, num_warps=c.slc_block_warps,
+        FINAL_KV=final_kv, PREFETCH=_block_prefetch(q, v),
+        OFFSETS_64=_offsets_64(q, k, v, do, dk_acc, dv_acc, dq_out, dk_out, dv_out), **common,
+        num_warps=c.slc_block_warps,
         num_stages=c.slc_block_stages,
         **_block_tiles(_block_rows(hpg, c), common, k, v))
     dq = None
