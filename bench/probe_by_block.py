@@ -10,7 +10,8 @@ as CUDA graphs (do_bench_cudagraph medians):
 - forward (`_selected_by_block_fwd`: the block kernel and the combine pass) and the combine pass alone;
 - the forward as before v42 (right results): with the scores scaled before their maximum (a multiply and a
   subtraction an element, where it now takes one FMA), and with 64-bit element offsets (OFFSETS_64 forced), and
-  both; the backward with 64-bit offsets, and with its scale folded into the exponential's argument (a candidate);
+  both; the backward with 64-bit offsets, with dQ multiplied by the scale (where p and ds now carry it), and
+  both, and with its scale folded into the exponential's argument (a candidate);
 - the forward with each partial output row stored as 4 bytes instead of 128 (what the block kernel would take if
   the partials never left the chip); stored whole, but each program's rows into 64 rows of a 4 MB window (about
   the same instructions and registers, no DRAM traffic: which of the two the stores cost); with the query rows
@@ -64,7 +65,15 @@ FWD_MULTIPLY = [(RAW_SCORES + FWD_MASK, SCORES + FWD_MASK),
                 ("p = tl.exp2(s * qk_scale - m_safe[:, None])", "p = tl.exp2(s - m_safe[:, None])")]
 BWD_NOTE = "\n            # Always masked"
 BWD_FMA = [(SCORES + BWD_NOTE, RAW_SCORES + BWD_NOTE),
-           ("tl.exp2(s - lse2[:, None])", "tl.exp2(s * qk_scale - lse2[:, None])")]
+           ("tl.exp2(s - (lse2 - log2_scale)[:, None])", "tl.exp2(s * qk_scale - (lse2 - log2_scale)[:, None])")]
+# the backward as before v42: p without the scale, ds rounded apart for dK and dQ, dQ multiplied by the scale
+BWD_SCALE_ON_DQ = [("        log2_scale = tl.log2(scale)\n", ""),
+                   ("tl.exp2(s - (lse2 - log2_scale)[:, None]), 0.0)", "tl.exp2(s - lse2[:, None]), 0.0)"),
+                   ("ds = (p * (dp - delta[:, None])).to(q.dtype)", "ds = p * (dp - delta[:, None])"),
+                   ("dk += tl.dot(tl.trans(ds), q,", "dk += tl.dot(tl.trans(ds).to(q.dtype), q,"),
+                   ("dq = tl.dot(ds, k, input_precision=DOT_PRECISION)\n",
+                    "dq = tl.dot(ds.to(k.dtype), k, input_precision=DOT_PRECISION) * scale\n"),
+                   ("        dv = dv * (1.0 / scale)\n", "        dk = dk * scale\n")]
 # 64-bit element offsets whatever the sizes (OFFSETS_64 forced), as before v42
 OFFSETS_64 = [("    if OFFSETS_64:\n        return x.to(tl.int64)", "    if True:\n        return x.to(tl.int64)")]
 FORWARD_EDITS = {"prod": [], "o partial 4 B a row": [(O_STORE, O_STORE_4B)],
@@ -77,6 +86,8 @@ FORWARD_EDITS = {"prod": [], "o partial 4 B a row": [(O_STORE, O_STORE_4B)],
 BACKWARD_EDITS = {"prod": [], "dQ slot 4 B a row": [(DQ_STORE, DQ_STORE_4B)],
                   "dQ slot rows into a 4 MB window": [(DQ_STORE, DQ_STORE_L2)],
                   "64-bit offsets (before v42)": OFFSETS_64,
+                  "scale a multiply of dQ (before v42)": BWD_SCALE_ON_DQ,
+                  "both (as before v42)": BWD_SCALE_ON_DQ + OFFSETS_64,
                   "scale as an FMA": BWD_FMA}
 
 

@@ -379,9 +379,10 @@ def test_by_block_kernels_with_64_bit_offsets_match_reference(variant, monkeypat
     x = make_inputs(B, T, H, G, Dk, Dv, cfg, seed=13)
     num_blocks = (T + cfg.sel_block - 1) // cfg.sel_block
     gen = torch.Generator().manual_seed(14)
+    # the query's own block and two other distinct ones, possibly after it
+    others = torch.stack([torch.randperm(num_blocks - 1, generator=gen)[:2] for _ in range(B * T * G)])
     current = (torch.arange(T) // cfg.sel_block).view(1, T, 1, 1).expand(B, T, G, 1)
-    others = (current + 1 + torch.randint(0, num_blocks - 1, (B, T, G, 2), generator=gen)) % num_blocks
-    blocks = torch.cat([current, others], dim=-1).to(torch.int32)
+    blocks = torch.cat([current, (current + 1 + others.view(B, T, G, 2)) % num_blocks], dim=-1).to(torch.int32)
     check_selected_against_reference(x, blocks, cfg, triton_impl.LaunchConfig(**SELECTED_VARIANTS[variant]))
     assert taken and all(taken)
 

@@ -298,6 +298,7 @@ def selected_block_bwd_kernel(Q, K, V, KD, VD, DO, LSE, DELTA, ORDER, STARTS, WO
         offs_dk = tl.arange(0, BLOCK_DK)
         offs_dv = tl.arange(0, BLOCK_DV)
         qk_scale = scale * LOG2E
+        log2_scale = tl.log2(scale)
         dk = tl.zeros([BLOCK_S, BLOCK_DK], tl.float32)
         dv = tl.zeros([BLOCK_S, BLOCK_DV], tl.float32)
         if PREFETCH:  # as in the forward
@@ -321,21 +322,24 @@ def selected_block_bwd_kernel(Q, K, V, KD, VD, DO, LSE, DELTA, ORDER, STARTS, WO
             s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
             # Always masked: the unmasked branch the forward takes (_sees_whole_block) made this kernel 6-12% slower
             # on the H100 (v24), as a branch around part of the elementwise work.
-            p = tl.where(_visible(t, r_ok, pos, s_ok, SEL_BLOCK, BLOCK_S), tl.exp2(s - lse2[:, None]), 0.0)
+            # p and ds carry the softmax scale (p * scale = exp2(s - (lse2 - log2 scale))): dK and dQ take ds * scale
+            # with no multiply an element, and dV divides it out once at the end (kernels-notes.md v42)
+            p = tl.where(_visible(t, r_ok, pos, s_ok, SEL_BLOCK, BLOCK_S),
+                         tl.exp2(s - (lse2 - log2_scale)[:, None]), 0.0)
             dv += tl.dot(tl.trans(p).to(do.dtype), do, input_precision=DOT_PRECISION)
             dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
-            ds = p * (dp - delta[:, None])
-            dk += tl.dot(tl.trans(ds).to(q.dtype), q, input_precision=DOT_PRECISION)
+            ds = (p * (dp - delta[:, None])).to(q.dtype)  # rounded once for dK and dQ
+            dk += tl.dot(tl.trans(ds), q, input_precision=DOT_PRECISION)
             if DQ_MODE == 1:
-                dq = tl.dot(ds.to(k.dtype), k, input_precision=DOT_PRECISION) * scale
+                dq = tl.dot(ds, k, input_precision=DOT_PRECISION)
                 tl.store(DQ_OUT + row_p[:, None] * DK + offs_dk[None, :], dq.to(DQ_OUT.dtype.element_ty), mask=q_ok)
             elif DQ_MODE == 2:
-                dq = tl.dot(ds.to(k.dtype), k, input_precision=DOT_PRECISION) * scale
+                dq = tl.dot(ds, k, input_precision=DOT_PRECISION)
                 tl.atomic_add(DQ_OUT + row_q[:, None] * DK + offs_dk[None, :], dq, mask=q_ok)
             if PREFETCH:
                 r_ok, t, row_q, row_p, q, do, lse2, delta = r_ok_n, t_n, row_q_n, row_p_n, q_n, do_n, lse2_n, delta_n
                 flat_n, r_ok_n = flat_nn, r_ok_nn
-        dk = dk * scale
+        dv = dv * (1.0 / scale)
         k_rows = row_k[:, None] * DK + offs_dk[None, :]
         v_rows = row_k[:, None] * DV + offs_dv[None, :]
         k_ok = s_ok[:, None] & (offs_dk < DK)[None, :]
