@@ -20,6 +20,9 @@ gathers run (copies waited for up to 5 steps late, 2-6 slots) changes nothing. S
 what bounds this kernel either, and the tl kernel, with its one-step register prefetch, is within 5% of the
 hand-scheduled one. The tl kernels stay.
 
+Since v41-v42 the tl kernel scales its partial rows by a reciprocal and its scores inside the exponential's FMA;
+this spike keeps v30's arithmetic, so its o_err and lse_err against the tl kernel are now rounding-sized, not 0.
+
 Run on the GPU: PYTHONPATH=. python3 bench/gluon_by_block_fwd.py --out DIR (checks each variant's partials against
 the tl kernel's, then times both).
 """
