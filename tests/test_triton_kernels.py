@@ -387,20 +387,15 @@ def test_by_block_kernels_with_64_bit_offsets_match_reference(variant, monkeypat
     assert taken and all(taken)
 
 
-@pytest.mark.parametrize("branch", ["by_block", "tiled", "window", "compressed"])
-def test_forward_kernels_refuse_a_scale_that_is_not_positive(branch):
-    """The forward kernels scale a row's maximum score after taking it, right only for a positive scale."""
+def test_by_block_refuses_a_scale_that_is_not_positive():
+    """by_block's forward scales a row's maximum score after taking it, right only for a positive scale."""
     cfg = NSAConfig(cmp_block=8, cmp_stride=4, sel_block=8, n_selected=3, window=8)
-    x = {n: t.float().to(DEVICE) for n, t in make_inputs(1, 16, 6, 2, 16, 16, cfg, seed=15).items()}
-    blocks = (torch.arange(16) // 8).view(1, 16, 1, 1).expand(1, 16, 2, 3).contiguous().to(torch.int32).to(DEVICE)
-    with pytest.raises(ValueError, match="positive softmax scale, got -0.25"):
-        if branch == "window":
-            triton_impl.window_attention(x["q"], x["k_win"], x["v_win"], cfg.window, -0.25)
-        elif branch == "compressed":
-            triton_impl.compressed_attention(x["q"], x["k_cmp"], x["v_cmp"], cfg, -0.25)
-        else:
-            with triton_impl.use_launch_config(triton_impl.LaunchConfig(slc_kernel=branch, slc_tile_rows=16)):
-                triton_impl.selected_attention(x["q"], x["k_slc"], x["v_slc"], blocks, cfg, -0.25)
+    x = make_inputs(1, 16, 6, 2, 16, 16, cfg, seed=15)
+    blocks = (torch.arange(16) // 8).view(1, 16, 1, 1).expand(1, 16, 2, 3).contiguous().to(torch.int32)
+    with triton_impl.use_launch_config(triton_impl.LaunchConfig(slc_kernel="by_block")):
+        with pytest.raises(ValueError, match="positive softmax scale, got -0.25"):
+            triton_impl.selected_attention(*(x[n].float().to(DEVICE) for n in ("q", "k_slc", "v_slc")),
+                                           blocks.to(DEVICE), cfg, -0.25)
 
 
 @pytest.mark.parametrize("rows,chunk", [(16, 7), (16, 16), (64, 16)])

@@ -336,7 +336,6 @@ def _range_fwd_into(q, k, v, o, lse, num_queries: int, key_stride: int, key_offs
                     scale: float) -> None:
     """_range_fwd for queries t < num_queries only, written into rows t < num_queries of o and lse (contiguous
     [B, T, H, Dv] and [B, T, H]); the other rows are left as they are."""
-    _check_scale(scale)
     k, v = _kv_rows(k), _kv_rows(v)
     B, T, H, _ = q.shape
     num_keys, G = k.shape[1], k.shape[2]
@@ -690,8 +689,8 @@ def _offsets_64(*tensors: torch.Tensor) -> bool:
 
 
 def _check_scale(scale: float) -> None:
-    """The forward kernels (range, tiled, by_block) take a row's maximum score before scaling it (an FMA an
-    element; kernels-notes.md v42), which is the scaled maximum only for a positive scale."""
+    """The by_block forward takes a row's maximum score before scaling it (an FMA an element; kernels-notes.md
+    v42), which is the scaled maximum only for a positive scale."""
     if not scale > 0:
         raise ValueError(f"scale: the triton backend takes a positive softmax scale, got {scale}")
 
@@ -707,7 +706,6 @@ def _selected_fwd(q, k, v, blocks, sel_block: int, scale: float, prefix: int = 0
     """(o, lse, kernel, index) of the selected branch: the variant that ran and the index its backward reuses.
     prefix: the first queries to run as dense causal attention (_dense_prefix); only for blocks from NSA's own
     selection, where it is exact."""
-    _check_scale(scale)
     q, k, v, blocks = q.contiguous(), _kv_rows(k), _kv_rows(v), blocks.contiguous()
     B, T, H, _ = q.shape
     G, n = k.shape[2], blocks.shape[-1]
