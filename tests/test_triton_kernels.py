@@ -373,7 +373,11 @@ def test_by_block_kernels_with_64_bit_offsets_match_reference(variant, monkeypat
     monkeypatch.setattr(triton_impl, "_INT32_SPAN", 100)
     taken = []
     offsets_64 = triton_impl._offsets_64
-    monkeypatch.setattr(triton_impl, "_offsets_64", lambda *xs: taken.append(offsets_64(*xs)) or taken[-1])
+
+    def recorded(*tensors):
+        taken.append(offsets_64(*tensors))
+        return taken[-1]
+    monkeypatch.setattr(triton_impl, "_offsets_64", recorded)
     cfg = NSAConfig(cmp_block=8, cmp_stride=4, sel_block=8, n_selected=3, window=8)
     B, T, H, G, Dk, Dv = 2, 43, 6, 2, 16, 32
     x = make_inputs(B, T, H, G, Dk, Dv, cfg, seed=13)
@@ -387,12 +391,14 @@ def test_by_block_kernels_with_64_bit_offsets_match_reference(variant, monkeypat
     assert taken and all(taken)
 
 
-def test_by_block_refuses_a_scale_that_is_not_positive():
-    """by_block's forward scales a row's maximum score after taking it, right only for a positive scale."""
+@pytest.mark.parametrize("variant", ["by_block16_partial", "tiled_by_block", "tiled64_dkdv_by_block"])
+def test_selected_forward_refuses_a_scale_that_is_not_positive(variant):
+    """by_block's forward scales a row's maximum score after taking it and its backward takes log2(scale), right
+    only for a positive scale; the variants that run only by_block's backward refuse it in the forward too."""
     cfg = NSAConfig(cmp_block=8, cmp_stride=4, sel_block=8, n_selected=3, window=8)
     x = make_inputs(1, 16, 6, 2, 16, 16, cfg, seed=15)
     blocks = (torch.arange(16) // 8).view(1, 16, 1, 1).expand(1, 16, 2, 3).contiguous().to(torch.int32)
-    with triton_impl.use_launch_config(triton_impl.LaunchConfig(slc_kernel="by_block")):
+    with triton_impl.use_launch_config(triton_impl.LaunchConfig(**SELECTED_VARIANTS[variant])):
         with pytest.raises(ValueError, match="positive softmax scale, got -0.25"):
             triton_impl.selected_attention(*(x[n].float().to(DEVICE) for n in ("q", "k_slc", "v_slc")),
                                            blocks.to(DEVICE), cfg, -0.25)

@@ -689,8 +689,9 @@ def _offsets_64(*tensors: torch.Tensor) -> bool:
 
 
 def _check_scale(scale: float) -> None:
-    """The by_block forward takes a row's maximum score before scaling it (an FMA an element; kernels-notes.md
-    v42), which is the scaled maximum only for a positive scale."""
+    """by_block's forward takes a row's maximum score before scaling it (an FMA an element) and its backward takes
+    log2(scale) (kernels-notes.md v42): right only for a positive scale. Any selected variant may run by_block's
+    backward, so the selected branch's forward refuses any other scale before it starts."""
     if not scale > 0:
         raise ValueError(f"scale: the triton backend takes a positive softmax scale, got {scale}")
 
@@ -706,6 +707,7 @@ def _selected_fwd(q, k, v, blocks, sel_block: int, scale: float, prefix: int = 0
     """(o, lse, kernel, index) of the selected branch: the variant that ran and the index its backward reuses.
     prefix: the first queries to run as dense causal attention (_dense_prefix); only for blocks from NSA's own
     selection, where it is exact."""
+    _check_scale(scale)
     q, k, v, blocks = q.contiguous(), _kv_rows(k), _kv_rows(v), blocks.contiguous()
     B, T, H, _ = q.shape
     G, n = k.shape[2], blocks.shape[-1]
@@ -903,12 +905,12 @@ def _selected_by_block_partials(q, k, v, index, common, scale):
     o_part = torch.empty(slots, dv, dtype=_partial_dtype(q, c), device=q.device)
     lse2_part = torch.empty(slots, dtype=torch.float32, device=q.device)
     prefetch = _block_prefetch(q, v)
-    _check_scale(scale)
     selected_block_fwd_kernel[(work_seg.numel(),)](
         q, k, v, ORDER=order, STARTS=starts, WORK_SEG=work_seg, WORK_CHUNK=work_chunk, O_PART=o_part,
         LSE2_PART=lse2_part, T=T, num_blocks=num_blocks, scale=scale, ROWS=_block_rows(hpg, c),
         CHUNK=c.slc_block_chunk, PREFETCH=prefetch, OFFSETS_64=_offsets_64(q, k, v, o_part), **common,
-        num_warps=c.slc_block_warps, num_stages=c.slc_block_stages, **(dict(maxnreg=c.slc_block_fwd_maxnreg) if prefetch else {}),
+        num_warps=c.slc_block_warps, num_stages=c.slc_block_stages,
+        **(dict(maxnreg=c.slc_block_fwd_maxnreg) if prefetch else {}),
         **_block_tiles(_block_rows(hpg, c), common, k, v))
     return o_part, lse2_part
 
@@ -1209,6 +1211,7 @@ def _selected_gated_fwd(q, k, v, blocks, sel_block: int, scale: float, gates, o_
     """(o, o_slc, lse_slc, index) of nsa::core's forward under _gates_in_combine: by_block's partials, then, once the
     window forward (win) has finished, one pass that combines them into o_slc, lse_slc and sums the gated output o
     from o_cmp, o_slc and o_win (the gate pass's work; kernels-notes.md v40)."""
+    _check_scale(scale)
     k, v, blocks = _kv_rows(k), _kv_rows(v), blocks.contiguous()
     common = _selected_common(q, k, v, sel_block, blocks.shape[-1])
     # the outputs first, the partials after, as on the plain path: the partials' memory, freed after the combine,
