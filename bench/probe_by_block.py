@@ -14,13 +14,13 @@ as CUDA graphs (do_bench_cudagraph medians):
   both, and with its scale folded into the exponential's argument (a candidate);
 - the forward with each partial output row stored as 4 bytes instead of 128 (what the block kernel would take if
   the partials never left the chip); stored whole, but each program's rows into 64 rows of a 4 MB window (about
-  the same instructions and registers, no DRAM traffic: which of the two the stores cost); with the query rows
+  the same instructions and registers, no DRAM traffic: which of the two the stores cost); stored whole at their
+  entries' places in the sorted order (each program's rows one contiguous run); with the query rows
   loaded contiguously instead of gathered; and the first and third together;
 - the backward (`_selected_by_block_bwd` with dQ slots, not summed) and the same with each dQ slot row stored as 4
-  bytes or into a 4 MB window, and the slot sum's read of them alone (`selected_dq_sum_kernel`);
-- L2 eviction hints (candidates, right results): the forward's partials and the backward's dQ slots stored
-  evict_first (or the forward's as streaming stores, .cs), the gathered query rows (and the backward's do rows)
-  loaded evict_last, both, and the combine pass alone with its partials read evict_first;
+  bytes, into a 4 MB window or in the sorted order, and the slot sum's read of them alone (`selected_dq_sum_kernel`);
+- the forward's partials and the backward's dQ slots stored without their L2 eviction hint (evict_first), as
+  before v43 (right results);
 - the forward and the backward as they are with shorter programs (slc_block_chunk, choosers per program: --chunks),
   what a work list of short items costs by itself.
 
@@ -44,7 +44,7 @@ from nsa_model.ops import triton_impl as ti
 SHAPES = {"125m 4x8k": (4, 8192), "125m 16x2k": (16, 2048), "125m 1x32k": (1, 32768)}  # H = 12, G = 2, D = 64
 O_STORE = ("tl.store(O_PART + row_p[:, None] * DV + offs_dv[None, :],\n"
            "                     (acc * (1.0 / l_safe)[:, None]).to(O_PART.dtype.element_ty),\n"
-           "                     mask=r_ok[:, None] & (offs_dv < DV)[None, :])")
+           "                     mask=r_ok[:, None] & (offs_dv < DV)[None, :], eviction_policy=\"evict_first\")")
 O_STORE_4B = "tl.store(LSE2_PART + row_p, tl.sum(acc, axis=1) / l_safe, mask=r_ok)"
 # each program's rows into 64 rows of its own in a 4 MB window (512 windows): the same instructions and about the
 # same registers, but no DRAM traffic
@@ -55,9 +55,14 @@ Q_GATHER = ("q = tl.load(Q + row_q[:, None] * DK + offs_dk[None, :], mask=r_ok[:
 Q_CONTIGUOUS = ("q = tl.load(Q + (b * T * H + tl.arange(0, ROWS)).to(tl.int64)[:, None] * DK + offs_dk[None, :], "
                 "mask=r_ok[:, None] & (offs_dk < DK)[None, :], other=0.0)")
 DQ_STORE = ("tl.store(DQ_OUT + row_p[:, None] * DK + offs_dk[None, :], dq.to(DQ_OUT.dtype.element_ty), "
-            "mask=q_ok)")
+            "mask=q_ok,\n                         eviction_policy=\"evict_first\")")
 DQ_STORE_4B = "tl.store(DQ_OUT + row_p * DK, tl.sum(dq, axis=1).to(DQ_OUT.dtype.element_ty), mask=r_ok)"
 DQ_STORE_L2 = DQ_STORE.replace("DQ_OUT + row_p[:, None]", f"DQ_OUT + {WINDOW}[:, None]")
+# each step's rows at its entries' places in the sorted order (entry e's head rows at e * HPG ..): every program
+# writes one contiguous run, the whole kernel one sequential stream (the combine would then need each slot's place)
+WORK_ORDER = "(e0 * HPG + tl.arange(0, ROWS)).to(tl.int64)"
+O_STORE_ORDERED = O_STORE.replace("O_PART + row_p[:, None]", f"O_PART + {WORK_ORDER}[:, None]")
+DQ_STORE_ORDERED = DQ_STORE.replace("DQ_OUT + row_p[:, None]", f"DQ_OUT + {WORK_ORDER}[:, None]")
 # the scale in the exponential's argument (one FMA an element, v42) and, as before v42, a multiply of the scores
 # first (right results either way)
 SCORES = "s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale"
@@ -77,50 +82,34 @@ BWD_SCALE_ON_DQ = [("        log2_scale = tl.log2(scale)\n", ""),
                    ("dq = tl.dot(ds, k, input_precision=DOT_PRECISION)\n",
                     "dq = tl.dot(ds.to(k.dtype), k, input_precision=DOT_PRECISION) * scale\n"),
                    ("        dv = dv * (1.0 / scale)\n", "        dk = dk * scale\n")]
-# L2 eviction hints (candidates, right results): the partials and dQ slots stream through L2 once (evict_first, or
-# the streaming store .cs), the gathered query rows are read by up to 16 programs (evict_last)
-O_MASK = "mask=r_ok[:, None] & (offs_dv < DV)[None, :])"
-LSE2_STORE = 'tl.store(LSE2_PART + row_p, tl.where(has_key, m_safe + tl.log2(l_safe), float("-inf")), mask=r_ok'
-PARTIALS_EVICT_FIRST = [(O_STORE, O_STORE.replace(O_MASK, O_MASK[:-1] + ', eviction_policy="evict_first")')),
-                        (LSE2_STORE + ")", LSE2_STORE + ', eviction_policy="evict_first")')]
-PARTIALS_STREAMING = [(O_STORE, O_STORE.replace(O_MASK, O_MASK[:-1] + ', cache_modifier=".cs")')),
-                      (LSE2_STORE + ")", LSE2_STORE + ', cache_modifier=".cs")')]
-Q_EVICT_LAST = [(Q_GATHER, Q_GATHER[:-1] + ', eviction_policy="evict_last")')]
-DQ_EVICT_FIRST = [(DQ_STORE, DQ_STORE[:-1] + ', eviction_policy="evict_first")')]
-BWD_ROWS = "q, do, lse2, delta = _backward_rows(Q, DO, LSE, DELTA, row_q, r_ok, DK, DV, BLOCK_DK, BLOCK_DV)"
-BWD_ROWS_EVICT_LAST = [(BWD_ROWS, """offs_dk = tl.arange(0, BLOCK_DK)
-    offs_dv = tl.arange(0, BLOCK_DV)
-    q = tl.load(Q + row_q[:, None] * DK + offs_dk[None, :], mask=r_ok[:, None] & (offs_dk < DK)[None, :], other=0.0,
-                eviction_policy="evict_last")
-    do = tl.load(DO + row_q[:, None] * DV + offs_dv[None, :], mask=r_ok[:, None] & (offs_dv < DV)[None, :],
-                 other=0.0, eviction_policy="evict_last")
-    lse2 = tl.load(LSE + row_q, mask=r_ok, other=0.0) * LOG2E
-    delta = tl.load(DELTA + row_q, mask=r_ok, other=0.0)""")]
-COMBINE_PART = ("part = tl.load(O_PART + row_p[:, None] * DV + offs_dv[None, :], mask=used[:, None] & "
-                "(offs_dv < DV)[None, :],\n                       other=0.0)")
-COMBINE_EVICT_FIRST = [(COMBINE_PART, COMBINE_PART[:-1] + ', eviction_policy="evict_first")')]
+# as before v43: the partials and dQ slots stored without the L2 eviction hint evict_first (they stream through L2
+# once). v43's candidates that lost (kernels-notes.md): streaming stores (.cs) for the partials, the gathered query
+# and do rows loaded evict_last, the combine's partial reads evict_first.
+HINT = ', eviction_policy="evict_first"'
+LSE2_STORE = ('tl.store(LSE2_PART + row_p, tl.where(has_key, m_safe + tl.log2(l_safe), float("-inf")), mask=r_ok,\n'
+              '                     eviction_policy="evict_first")')
+PARTIALS_NO_HINT = [(O_STORE, O_STORE.replace(HINT, "")),
+                    (LSE2_STORE, LSE2_STORE.replace(',\n                     eviction_policy="evict_first"', ""))]
+DQ_NO_HINT = [(DQ_STORE, DQ_STORE.replace(',\n                         eviction_policy="evict_first"', ""))]
 # 64-bit element offsets whatever the sizes (OFFSETS_64 forced), as before v42
 OFFSETS_64 = [("    if OFFSETS_64:\n        return x.to(tl.int64)", "    if True:\n        return x.to(tl.int64)")]
 FORWARD_EDITS = {"prod": [], "o partial 4 B a row": [(O_STORE, O_STORE_4B)],
                  "o partial rows into a 4 MB window": [(O_STORE, O_STORE_L2)],
+                 "o partial rows in work order": [(O_STORE, O_STORE_ORDERED)],
                  "q rows contiguous": [(Q_GATHER, Q_CONTIGUOUS)],
                  "both": [(O_STORE, O_STORE_4B), (Q_GATHER, Q_CONTIGUOUS)],
                  "scale a multiply first (before v42)": FWD_MULTIPLY,
                  "64-bit offsets (before v42)": OFFSETS_64,
                  "both (as before v42)": FWD_MULTIPLY + OFFSETS_64,
-                 "partials evict_first": PARTIALS_EVICT_FIRST,
-                 "partials streamed (.cs)": PARTIALS_STREAMING,
-                 "q rows evict_last": Q_EVICT_LAST,
-                 "partials evict_first, q rows evict_last": PARTIALS_EVICT_FIRST + Q_EVICT_LAST}
+                 "partials without the eviction hint (before v43)": PARTIALS_NO_HINT}
 BACKWARD_EDITS = {"prod": [], "dQ slot 4 B a row": [(DQ_STORE, DQ_STORE_4B)],
                   "dQ slot rows into a 4 MB window": [(DQ_STORE, DQ_STORE_L2)],
+                  "dQ slot rows in work order": [(DQ_STORE, DQ_STORE_ORDERED)],
                   "64-bit offsets (before v42)": OFFSETS_64,
                   "scale a multiply of dQ (before v42)": BWD_SCALE_ON_DQ,
                   "both (as before v42)": BWD_SCALE_ON_DQ + OFFSETS_64,
                   "scale as an FMA": BWD_FMA,
-                  "dQ slots evict_first": DQ_EVICT_FIRST,
-                  "q, do rows evict_last": BWD_ROWS_EVICT_LAST,
-                  "dQ slots evict_first, q, do rows evict_last": DQ_EVICT_FIRST + BWD_ROWS_EVICT_LAST}
+                  "dQ slots without the eviction hint (before v43)": DQ_NO_HINT}
 
 
 def variant(name: str, edits):
@@ -165,12 +154,9 @@ def probe(B: int, T: int, chunks: list[int]) -> dict:
         o_part = torch.randn(slots, v.shape[-1], device="cuda").bfloat16()
         lse_part = torch.randn(slots, device="cuda")
         rows = B * T * H
-        for name, combine in (("combine pass alone", ti.selected_combine_kernel),
-                              ("combine pass alone, partials read evict_first",
-                               variant("combine evict_first", COMBINE_EVICT_FIRST).selected_combine_kernel)):
-            row[name] = bench(lambda: combine[(triton.cdiv(rows, ti._COMBINE_ROWS),)](
-                o_part, lse_part, blocks, o, lse, rows, H=H, G=G, DV=v.shape[-1], BLOCK_DV=common["BLOCK_DV"],
-                N_SELECT=n, BLOCK_R=ti._COMBINE_ROWS))
+        row["combine pass alone"] = bench(lambda: ti.selected_combine_kernel[(triton.cdiv(rows, ti._COMBINE_ROWS),)](
+            o_part, lse_part, blocks, o, lse, rows, H=H, G=G, DV=v.shape[-1], BLOCK_DV=common["BLOCK_DV"],
+            N_SELECT=n, BLOCK_R=ti._COMBINE_ROWS))
         for name, edits in BACKWARD_EDITS.items():
             ti.selected_block_bwd_kernel = variant(name, edits).selected_block_bwd_kernel
             row[f"backward, dQ slots: {name}"] = bench(lambda: ti._selected_by_block_bwd(

@@ -208,11 +208,13 @@ def selected_block_fwd_kernel(Q, K, V, KD, VD, ORDER, STARTS, WORK_SEG, WORK_CHU
             has_key = l_i > 0
             l_safe = tl.where(has_key, l_i, 1.0)
             # one reciprocal a row and a multiply an element: a division an element is a MUFU op and a multiply each,
-            # 32 a thread a step beside the step's 32 exponentials (kernels-notes.md v41)
+            # 32 a thread a step beside the step's 32 exponentials (kernels-notes.md v41). The partials pass through
+            # L2 once, on their way to the combine: evict_first leaves L2 to the gathered query rows (v43)
             tl.store(O_PART + row_p[:, None] * DV + offs_dv[None, :],
                      (acc * (1.0 / l_safe)[:, None]).to(O_PART.dtype.element_ty),
-                     mask=r_ok[:, None] & (offs_dv < DV)[None, :])
-            tl.store(LSE2_PART + row_p, tl.where(has_key, m_safe + tl.log2(l_safe), float("-inf")), mask=r_ok)
+                     mask=r_ok[:, None] & (offs_dv < DV)[None, :], eviction_policy="evict_first")
+            tl.store(LSE2_PART + row_p, tl.where(has_key, m_safe + tl.log2(l_safe), float("-inf")), mask=r_ok,
+                     eviction_policy="evict_first")
             if PREFETCH:
                 r_ok, t, row_q, row_p, q = r_ok_n, t_n, row_q_n, row_p_n, q_n
                 flat_n, r_ok_n = flat_nn, r_ok_nn
@@ -332,7 +334,8 @@ def selected_block_bwd_kernel(Q, K, V, KD, VD, DO, LSE, DELTA, ORDER, STARTS, WO
             dk += tl.dot(tl.trans(ds), q, input_precision=DOT_PRECISION)
             if DQ_MODE == 1:
                 dq = tl.dot(ds, k, input_precision=DOT_PRECISION)
-                tl.store(DQ_OUT + row_p[:, None] * DK + offs_dk[None, :], dq.to(DQ_OUT.dtype.element_ty), mask=q_ok)
+                tl.store(DQ_OUT + row_p[:, None] * DK + offs_dk[None, :], dq.to(DQ_OUT.dtype.element_ty), mask=q_ok,
+                         eviction_policy="evict_first")  # as the forward's partials (v43)
             elif DQ_MODE == 2:
                 dq = tl.dot(ds, k, input_precision=DOT_PRECISION)
                 tl.atomic_add(DQ_OUT + row_q[:, None] * DK + offs_dk[None, :], dq, mask=q_ok)
