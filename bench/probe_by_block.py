@@ -15,7 +15,8 @@ as CUDA graphs (do_bench_cudagraph medians):
 - the forward with each partial output row stored as 4 bytes instead of 128 (what the block kernel would take if
   the partials never left the chip); stored whole, but each program's rows into 64 rows of a 4 MB window (about
   the same instructions and registers, no DRAM traffic: which of the two the stores cost); stored whole at their
-  entries' places in the sorted order (each program's rows one contiguous run); with the query rows
+  entries' places in the sorted order (each program's rows one contiguous run); into the 4 MB window by TMA
+  stores (the tile through shared memory and the copy engine); with the query rows
   loaded contiguously instead of gathered; and the first and third together;
 - the backward (`_selected_by_block_bwd` with dQ slots, not summed) and the same with each dQ slot row stored as 4
   bytes, into a 4 MB window or in the sorted order, and the slot sum's read of them alone (`selected_dq_sum_kernel`);
@@ -63,6 +64,14 @@ DQ_STORE_L2 = DQ_STORE.replace("DQ_OUT + row_p[:, None]", f"DQ_OUT + {WINDOW}[:,
 WORK_ORDER = "(e0 * HPG + tl.arange(0, ROWS)).to(tl.int64)"
 O_STORE_ORDERED = O_STORE.replace("O_PART + row_p[:, None]", f"O_PART + {WORK_ORDER}[:, None]")
 DQ_STORE_ORDERED = DQ_STORE.replace("DQ_OUT + row_p[:, None]", f"DQ_OUT + {WORK_ORDER}[:, None]")
+# each program's rows into the same 4 MB window by a TMA store (a tensor descriptor made in the kernel; the
+# probe sets Triton's allocator for it): the tile goes to shared memory and the copy engine writes it, where the
+# pointer store converts it through shared memory and writes it from registers
+FWD_LOOP = "        if PREFETCH:  # step e0's rows and query tile come from the step before"
+O_DESC = ("        o_desc = tl.make_tensor_descriptor(O_PART, shape=[32768, DV], strides=[DV, 1], "
+          "block_shape=[ROWS, BLOCK_DV])\n")
+O_STORE_TMA = ("o_desc.store([(tl.program_id(0) % 512) * ROWS, 0], "
+               "(acc * (1.0 / l_safe)[:, None]).to(O_PART.dtype.element_ty))")
 # the scale in the exponential's argument (one FMA an element, v42) and, as before v42, a multiply of the scores
 # first (right results either way)
 SCORES = "s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale"
@@ -96,6 +105,7 @@ OFFSETS_64 = [("    if OFFSETS_64:\n        return x.to(tl.int64)", "    if True
 FORWARD_EDITS = {"prod": [], "o partial 4 B a row": [(O_STORE, O_STORE_4B)],
                  "o partial rows into a 4 MB window": [(O_STORE, O_STORE_L2)],
                  "o partial rows in work order": [(O_STORE, O_STORE_ORDERED)],
+                 "o partial rows into a 4 MB window by TMA": [(FWD_LOOP, O_DESC + FWD_LOOP), (O_STORE, O_STORE_TMA)],
                  "q rows contiguous": [(Q_GATHER, Q_CONTIGUOUS)],
                  "both": [(O_STORE, O_STORE_4B), (Q_GATHER, Q_CONTIGUOUS)],
                  "scale a multiply first (before v42)": FWD_MULTIPLY,
@@ -202,6 +212,8 @@ def main() -> None:
                         "default's")
     args = parser.parse_args()
     chunks = [int(c) for c in args.chunks.split(",") if c]
+    # the TMA-store variant makes its tensor descriptor in the kernel, which needs a global scratch allocator
+    triton.set_allocator(lambda size, alignment, stream: torch.empty(size, dtype=torch.int8, device="cuda"))
     results = {}
     for shape, (B, T) in SHAPES.items():
         results[shape] = probe(B, T, chunks)
