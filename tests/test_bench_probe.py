@@ -33,6 +33,11 @@ def test_every_by_block_variant_of_the_probe_applies_to_the_kernels_as_they_are(
     assert _variants_applied("probe_by_block", both) == 20
 
 
+def test_every_per_query_variant_of_the_probe_applies_to_the_kernels_as_they_are():
+    """bench/probe_per_query.py's variants edit kernels/selected_attention.py: every hint finds its load or store."""
+    assert _variants_applied("probe_per_query", "p.VARIANTS") == 2
+
+
 def test_every_exp2_variant_of_the_probe_applies_to_the_kernels_as_they_are():
     """bench/probe_exp2.py edits every kernel module that exponentiates: each variant builds them all, and each
     module's exponentials are all routed through the variant's helper (none left on the unit by accident)."""
