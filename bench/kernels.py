@@ -35,7 +35,7 @@ import triton
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from nsa_model.config import NSAConfig  # noqa: E402
 from bench.launch import launch_overrides  # noqa: E402
-from bench.provenance import file_suffix, git_commit  # noqa: E402
+from bench.provenance import code_fingerprint, file_suffix, git_commit  # noqa: E402
 from nsa_model.ops import triton_impl as ti  # noqa: E402
 
 NAMES = ("q", "k_slc", "v_slc", "k_win", "v_win", "k_cmp", "v_cmp", "gates")
@@ -639,7 +639,8 @@ def fmt(v, spec=".2f"):
 
 def markdown(meta, checks, rows):
     lines = [f"# Triton NSA kernels: {meta['device']}, {meta['date']}", "",
-             f"commit {meta['commit']}, torch {meta['torch']}, triton {meta['triton']}, bf16, "
+             f"commit {meta['commit']} (nsa_model {meta.get('nsa_model', '?').split()[0]}), torch {meta['torch']}, "
+             f"triton {meta['triton']}, bf16, "
              f"median of triton.testing.do_bench, fwd+bwd unless marked.", "",
              f"launch config: {meta['launch_config']}", "",
              "## Correctness (bf16 vs float64 reference on the GPU)", "",
@@ -777,7 +778,8 @@ def main():
     device = torch.cuda.get_device_name()
     meta = {"device": device, "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
             "commit": commit, "torch": torch.__version__, "triton": triton.__version__,
-            "python": platform.python_version(), "launch_config": ti.launch_config().__dict__}
+            "python": platform.python_version(), "nsa_model": code_fingerprint(),
+            "launch_config": ti.launch_config().__dict__}
     slug = "h200" if "H200" in device else "h100" if "H100" in device else device.split()[-1].lower()
     stem = os.path.join(args.out, f"kernels-{slug}-{meta['date'][:10]}{args.suffix}")
     checks, rows = [], []

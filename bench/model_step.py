@@ -32,7 +32,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.launch import launch_overrides  # noqa: E402,F401  (also this module's --launch parser)
-from bench.provenance import file_suffix, git_commit  # noqa: E402
+from bench.provenance import code_fingerprint, file_suffix, git_commit  # noqa: E402
 from nsa_model import Transformer, get_preset  # noqa: E402
 from pipeline.train.loop import FlatGradients, cudagraph_skips  # noqa: E402
 
@@ -387,7 +387,8 @@ def main() -> None:
     device = torch.cuda.get_device_name()
     now = dt.datetime.now(dt.timezone.utc)
     meta = {"device": device, "date": now.strftime("%Y-%m-%d %H:%M UTC"), "commit": args.commit or git_commit(),
-            "torch": torch.__version__, "preset": args.preset, "tokens_per_step": args.tokens_per_step,
+            "torch": torch.__version__, "nsa_model": code_fingerprint(), "preset": args.preset,
+            "tokens_per_step": args.tokens_per_step,
             "micro_tokens": args.micro_tokens, "eager": args.eager, "warmup": args.warmup, "measure": args.measure,
             "compile_mode": args.compile_mode, "launch_overrides": overrides,
             "model_overrides": launch_overrides(args.model)}

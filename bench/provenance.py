@@ -31,10 +31,28 @@ def git_commit() -> str:
         return "uncommitted"
 
 
+def code_fingerprint(package=None) -> str:
+    """"<hash> at <folder>": a short sha256 of the .py sources of the nsa_model package this process imported, and
+    where it lies. A result file carries it beside the commit, so an A/B of two trees in one call shows which code
+    each side ran: a bench that puts its own checkout first on sys.path runs that checkout's nsa_model whatever
+    PYTHONPATH says: kernels-notes v43 found that v42's A/B (and, made the same way, v41's model-step one) had timed
+    one tree against itself."""
+    import hashlib
+    import pathlib
+
+    if package is None:
+        import nsa_model as package
+    root = pathlib.Path(package.__file__).resolve().parent
+    digest = hashlib.sha256()
+    for path in sorted(root.rglob("*.py")):
+        digest.update(path.relative_to(root).as_posix().encode() + b"\0" + path.read_bytes() + b"\0")
+    return f"{digest.hexdigest()[:12]} at {root}"
+
+
 def result_stem(out_dir, prefix: str, suffix: str, commit: str):
     """(stem, meta) of a result file: out_dir/<prefix>-<device tag>-<date><suffix> (add .json or .md) and what
     it was measured on: device (the GPU's name, or "cpu" without CUDA), UTC date, commit, torch and triton
-    versions."""
+    versions, and the nsa_model sources it ran (code_fingerprint)."""
     import datetime
     import pathlib
 
@@ -45,5 +63,5 @@ def result_stem(out_dir, prefix: str, suffix: str, commit: str):
     tag = "h200" if "H200" in device else "h100" if "H100" in device else device.split()[-1].lower()
     stamp = datetime.datetime.now(datetime.timezone.utc)
     meta = {"device": device, "date": f"{stamp:%Y-%m-%d %H:%M} UTC", "commit": commit, "torch": torch.__version__,
-            "triton": triton.__version__}
+            "triton": triton.__version__, "nsa_model": code_fingerprint()}
     return pathlib.Path(out_dir) / f"{prefix}-{tag}-{stamp:%Y-%m-%d}{suffix}", meta

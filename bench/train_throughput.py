@@ -35,7 +35,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script from any directory
 
-from bench.provenance import file_suffix  # noqa: E402
+from bench.provenance import code_fingerprint, file_suffix  # noqa: E402
 
 # Issue 9: NSA tokens/s over dense tokens/s, same run, per T; and NSA peak memory at 32768 <= dense.
 SPEED_TARGETS = {2048: 0.7, 8192: 1.0, 32768: 1.6}
@@ -152,7 +152,8 @@ def markdown(meta: dict[str, Any], runs: dict[tuple[str, int], dict[str, Any]], 
         return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, fmt)
 
     lines = [f"# Training throughput, NSA vs dense: {meta['device']}, {meta['date']}", "",
-             f"commit {meta['commit']}, torch {meta['torch']}, preset {meta['preset']}, {meta['tokens_per_step']} "
+             f"commit {meta['commit']} (nsa_model {meta.get('nsa_model', '?').split()[0]}), torch {meta['torch']}, "
+             f"preset {meta['preset']}, {meta['tokens_per_step']} "
              f"tokens per optimizer step (micro-batches of {meta['micro_tokens']} tokens), {meta['warmup']} warm-up "
              f"steps excluded, {meta['measure']} measured; config {meta['config']}; {meta['compile_note']}"
              + "".join(f"; {kind} only: {', '.join(meta[f'{kind}_overrides'])}" for kind in ("nsa", "dense")
@@ -216,7 +217,8 @@ def write_results(args, base, runs: dict[tuple[str, int], dict[str, Any]]) -> st
     cuda_graphs = uses_cuda_graphs(base.train)
     preset = (base.raw.get("model") or {}).get("preset", "tiny")
     meta = {"device": name, "date": now.strftime("%Y-%m-%d %H:%M UTC"), "commit": args.commit or git_commit(),
-            "torch": torch.__version__, "preset": preset, "config": args.config, "overrides": args.set,
+            "torch": torch.__version__, "nsa_model": code_fingerprint(), "preset": preset, "config": args.config,
+            "overrides": args.set,
             "nsa_overrides": args.nsa_set, "dense_overrides": args.dense_set,
             "tokens_per_step": args.tokens_per_step, "micro_tokens": args.micro_tokens, "warmup": args.warmup,
             "measure": args.measure,

@@ -404,6 +404,19 @@ def test_selected_forward_refuses_a_scale_that_is_not_positive(variant):
                                            blocks.to(DEVICE), cfg, -0.25)
 
 
+@pytest.mark.parametrize("branch", ["window", "compressed"])
+def test_range_forward_refuses_a_scale_that_is_not_positive(branch):
+    """The range forward scales a row's maximum score after taking it (the scale inside the exponential's FMA),
+    right only for a positive scale."""
+    cfg = NSAConfig(cmp_block=8, cmp_stride=4, sel_block=8, n_selected=3, window=8)
+    x = {n: t.float().to(DEVICE) for n, t in make_inputs(1, 16, 6, 2, 16, 16, cfg, seed=15).items()}
+    with pytest.raises(ValueError, match="positive softmax scale, got -0.25"):
+        if branch == "window":
+            triton_impl.window_attention(x["q"], x["k_win"], x["v_win"], cfg.window, -0.25)
+        else:
+            triton_impl.compressed_attention(x["q"], x["k_cmp"], x["v_cmp"], cfg, -0.25)
+
+
 @pytest.mark.parametrize("rows,chunk", [(16, 7), (16, 16), (64, 16)])
 @pytest.mark.parametrize("prefetch_dims", [64, 0])
 def test_by_block_steps_skip_the_mask_only_where_every_chooser_sees_the_whole_block(rows, chunk, prefetch_dims):

@@ -136,16 +136,18 @@ def _fwd_tiles(acc, m_i, l_i, q, K, V, KD, VD, K_ROW, V_ROW, b, g, offs_m, start
         n_ok = offs_n < hi
         k, v = _key_tile(K, V, KD, VD, K_ROW, V_ROW, b, g, start_n, n_ok, num_keys, DK, DV, BLOCK_DK, BLOCK_DV,
                          BLOCK_N, MASKED, TMA)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+        # the raw scores' maximum, scaled once a row: the scale then goes into the exponential's argument, one FMA
+        # an element instead of a multiply and a subtraction (a positive scale; kernels-notes.md v42, v43)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
         if MASKED:
             vis = _visible(offs_m, offs_n, key_stride, key_offset, window) & n_ok[None, :]
             s = tl.where(vis, s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1) * qk_scale)
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet stay zeros
         else:
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))  # every row sees every key: finite
+            m_new = tl.maximum(m_i, tl.max(s, axis=1) * qk_scale)  # every row sees every key: finite
             m_safe = m_new
-        p = tl.exp2(s - m_safe[:, None])
+        p = tl.exp2(s * qk_scale - m_safe[:, None])
         alpha = tl.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, axis=1)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
@@ -289,7 +291,7 @@ def range_attn_bwd_dq_kernel(Q, K, V, DO, QD, KD, VD, DOD, K2D, V2D, LSE, DELTA,
             used = m_ok & (tl.load(SLOT_BLOCKS + slot0 + i, mask=m_ok, other=-1) >= 0)
             row_p = (slot0 + i) * (H // G) + h % (H // G)
             dq += tl.load(DQ_SLOTS + row_p[:, None] * DK + offs_dk[None, :], mask=used[:, None] & dq_ok,
-                          other=0.0).to(tl.float32)
+                          other=0.0, eviction_policy="evict_first").to(tl.float32)  # read once (v43)
     if ACCUMULATE:
         dq += tl.load(dq_ptrs, mask=dq_ok, other=0.0).to(tl.float32)
     tl.store(dq_ptrs, dq.to(DQ.dtype.element_ty), mask=dq_ok)

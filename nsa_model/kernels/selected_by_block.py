@@ -265,13 +265,16 @@ def selected_combine_kernel(O_PART, LSE2_PART, BLOCKS, O, LSE, num_rows, H: tl.c
     o = o.to(O.dtype.element_ty)
     at = rows[:, None] * DV + offs_dv[None, :]
     ok = r_ok[:, None] & (offs_dv < DV)[None, :]
-    tl.store(O + at, o, mask=ok)
-    tl.store(LSE + rows, lse, mask=r_ok)
-    if GATED:
-        o_cmp = tl.load(O_CMP + at, mask=ok, other=0.0).to(tl.float32)
-        o_win = tl.load(O_WIN + at, mask=ok, other=0.0).to(tl.float32)
+    if GATED:  # o and lse wait for the backward, and o_cmp and o_win are read here for the last time in the forward
+        tl.store(O + at, o, mask=ok, eviction_policy="evict_first")
+        tl.store(LSE + rows, lse, mask=r_ok, eviction_policy="evict_first")
+        o_cmp = tl.load(O_CMP + at, mask=ok, other=0.0, eviction_policy="evict_first").to(tl.float32)
+        o_win = tl.load(O_WIN + at, mask=ok, other=0.0, eviction_policy="evict_first").to(tl.float32)
         gated = gate_rows(GATES, rows, r_ok, o_cmp, o.to(tl.float32), o_win)
         tl.store(O_GATED + at, gated.to(O_GATED.dtype.element_ty), mask=ok)
+    else:
+        tl.store(O + at, o, mask=ok)
+        tl.store(LSE + rows, lse, mask=r_ok)
 
 
 @triton.jit

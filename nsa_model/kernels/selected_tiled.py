@@ -116,12 +116,12 @@ def selected_tiled_fwd_kernel(Q, K, V, KD, VD, BLOCKS, UNION, COUNT, O, LSE, T, 
         s_ok = (offs_s < SEL_BLOCK) & (pos < T)
         k, v = _block_tile(K, V, KD, VD, K_ROW, V_ROW, b, g, blk, pos, s_ok, T, DK, DV, BLOCK_DK, BLOCK_DV,
                            SEL_BLOCK, TMA)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # scaled in the exponential's FMA (range_attention)
         vis = (member & r_ok)[:, None] & s_ok[None, :] & (pos[None, :] <= t[:, None])
         s = tl.where(vis, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1) * qk_scale)
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that saw nothing yet adds 0
-        p = tl.exp2(s - m_safe[:, None])
+        p = tl.exp2(s * qk_scale - m_safe[:, None])
         alpha = tl.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, axis=1)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)

@@ -336,6 +336,7 @@ def _range_fwd_into(q, k, v, o, lse, num_queries: int, key_stride: int, key_offs
                     scale: float) -> None:
     """_range_fwd for queries t < num_queries only, written into rows t < num_queries of o and lse (contiguous
     [B, T, H, Dv] and [B, T, H]); the other rows are left as they are."""
+    _check_scale(scale)
     k, v = _kv_rows(k), _kv_rows(v)
     B, T, H, _ = q.shape
     num_keys, G = k.shape[1], k.shape[2]
@@ -689,9 +690,10 @@ def _offsets_64(*tensors: torch.Tensor) -> bool:
 
 
 def _check_scale(scale: float) -> None:
-    """by_block's forward takes a row's maximum score before scaling it (an FMA an element) and its backward takes
-    log2(scale) (kernels-notes.md v42): right only for a positive scale. Any selected variant may run by_block's
-    backward, so the selected branch's forward refuses any other scale before it starts."""
+    """The forward kernels (range, tiled, by_block) take a row's maximum score before scaling it (an FMA an
+    element) and by_block's backward takes log2(scale) (kernels-notes.md v42, v43): right only for a positive
+    scale. Any selected variant may run by_block's backward, so the selected branch's forward refuses any other
+    scale before it starts, and so does every range forward."""
     if not scale > 0:
         raise ValueError(f"scale: the triton backend takes a positive softmax scale, got {scale}")
 
