@@ -1,6 +1,7 @@
 """Kernel variants for the timing probes: a kernel module's source with text edits applied, loaded as a module of
-its own. The variants' results are wrong by construction; the probes (probe_v32.py, probe_by_block.py) time them
-to see what the edited-out piece costs."""
+its own. The variants' results are wrong by construction; the probes (probe_v32.py, probe_by_block.py,
+probe_per_query.py) time them to see what the edited-out piece costs. Also what those probes share: inputs with
+NSA's own selections, and the table of times they write."""
 
 from __future__ import annotations
 
@@ -28,3 +29,43 @@ def edited_module(kernel_file: str, name: str, edits: list[tuple[str, str]]):
     sys.modules[path.stem] = module
     spec.loader.exec_module(module)
     return module
+
+
+def selection_inputs(B: int, T: int, H: int, G: int, D: int):
+    """(cfg, q, k, v, do, blocks, scale): random bf16 inputs on the GPU (seed 0) and the blocks NSA's own selection
+    picks for them (the compressed branch's lse from its range forward, then select_blocks), NSAConfig's defaults."""
+    import torch
+
+    from nsa_model.config import NSAConfig
+    from nsa_model.ops import triton_impl as ti
+
+    cfg = NSAConfig()
+    gen = torch.Generator("cuda").manual_seed(0)
+    q = torch.randn(B, T, H, D, device="cuda", generator=gen).bfloat16()
+    k, v, do = (torch.randn(B, T, n, D, device="cuda", generator=gen).bfloat16() for n in (G, G, H))
+    tc = cfg.num_cmp_tokens(T)
+    kc, vc = (torch.randn(B, tc, G, D, device="cuda", generator=gen).bfloat16() for _ in range(2))
+    scale = D ** -0.5
+    _, lse_cmp = ti._range_fwd(q, kc, vc, *ti._cmp_range(cfg.cmp_block, cfg.cmp_stride, T), scale)
+    blocks = ti.select_blocks(q, kc, lse_cmp, cfg, scale)
+    return cfg, q, k, v, do, blocks, scale
+
+
+def write_times(out_dir, suffix: str, commit: str, results: dict, *, title: str, note: str, unit: str,
+                fmt: str, column=str) -> pathlib.Path:
+    """probe-<device>-<date><suffix>.json and .md of results {column key: {row name: time}}: the JSON with the
+    times under `unit`, the markdown a table of rows by columns (headed column(key)) after the title and note."""
+    import json
+
+    from bench.provenance import result_stem
+
+    stem, meta = result_stem(out_dir, "probe", suffix, commit)
+    stem.with_suffix(".json").write_text(json.dumps({"meta": meta, unit: results}, indent=1))
+    names = list(next(iter(results.values())))
+    lines = [f"# Probe: {title}: {meta['device']}, {meta['date']}", "",
+             f"commit {commit}, torch {meta['torch']}, triton {meta['triton']}. {note}", "",
+             "| | " + " | ".join(column(key) for key in results) + " |", "|---|" + "---|" * len(results)]
+    for name in names:
+        lines.append(f"| {name} | " + " | ".join(format(row[name], fmt) for row in results.values()) + " |")
+    stem.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    return stem

@@ -30,16 +30,14 @@ Writes probe-<device>-<date><suffix>.json and .md.
 
 import argparse
 import dataclasses
-import json
 import pathlib
 
 import torch
 import triton
 from triton.testing import do_bench_cudagraph
 
-from bench.kernel_variants import edited_module
-from bench.provenance import file_suffix, git_commit, result_stem
-from nsa_model.config import NSAConfig
+from bench.kernel_variants import edited_module, selection_inputs, write_times
+from bench.provenance import file_suffix, git_commit
 from nsa_model.ops import triton_impl as ti
 
 SHAPES = {"125m 4x8k": (4, 8192), "125m 16x2k": (16, 2048), "125m 1x32k": (1, 32768)}  # H = 12, G = 2, D = 64
@@ -131,21 +129,8 @@ def bench(fn) -> float:
     return do_bench_cudagraph(fn, rep=200) * 1000  # us
 
 
-def inputs(B: int, T: int):
-    cfg, H, G, D = NSAConfig(), 12, 2, 64
-    gen = torch.Generator("cuda").manual_seed(0)
-    q = torch.randn(B, T, H, D, device="cuda", generator=gen).bfloat16()
-    k, v, do = (torch.randn(B, T, n, D, device="cuda", generator=gen).bfloat16() for n in (G, G, H))
-    tc = cfg.num_cmp_tokens(T)
-    kc, vc = (torch.randn(B, tc, G, D, device="cuda", generator=gen).bfloat16() for _ in range(2))
-    scale = D ** -0.5
-    _, lse_cmp = ti._range_fwd(q, kc, vc, *ti._cmp_range(cfg.cmp_block, cfg.cmp_stride, T), scale)
-    blocks = ti.select_blocks(q, kc, lse_cmp, cfg, scale)
-    return cfg, q, k, v, do, blocks, scale
-
-
 def probe(B: int, T: int, chunks: list[int]) -> dict:
-    cfg, q, k, v, do, blocks, scale = inputs(B, T)
+    cfg, q, k, v, do, blocks, scale = selection_inputs(B, T, H=12, G=2, D=64)
     H, G, n = q.shape[2], k.shape[2], blocks.shape[-1]
     common = dict(H=H, G=G, SEL_BLOCK=cfg.sel_block, BLOCK_S=cfg.sel_block, N_SELECT=n, **ti._head_dims(q, v),
                   **ti._kv_strides(k, v))
@@ -188,19 +173,10 @@ def probe(B: int, T: int, chunks: list[int]) -> dict:
 
 
 def write(out_dir: pathlib.Path, suffix: str, commit: str, results: dict) -> pathlib.Path:
-    stem, meta = result_stem(out_dir, "probe", suffix, commit)
-    device = meta["device"]
-    stem.with_suffix(".json").write_text(json.dumps({"meta": meta, "us": results}, indent=1))
-    names = list(next(iter(results.values())))
-    lines = [f"# Probe: where by_block's time goes: {device}, {meta['date']}", "",
-             f"commit {commit}, torch {meta['torch']}, triton {meta['triton']}. `bench/probe_by_block.py`: by_block "
-             "forced, NSA's own selections of random inputs, `do_bench_cudagraph` medians in microseconds per call. "
-             "The edited variants give wrong results; only their times matter (the module docstring says what each "
-             "leaves out).", "", "| | " + " | ".join(results) + " |", "|---|" + "---|" * len(results)]
-    for name in names:
-        lines.append(f"| {name} | " + " | ".join(f"{row[name]:.1f}" for row in results.values()) + " |")
-    stem.with_suffix(".md").write_text("\n".join(lines) + "\n")
-    return stem
+    return write_times(out_dir, suffix, commit, results, title="where by_block's time goes", unit="us", fmt=".1f",
+                       note="`bench/probe_by_block.py`: by_block forced, NSA's own selections of random inputs, "
+                       "`do_bench_cudagraph` medians in microseconds per call. The edited variants give wrong "
+                       "results; only their times matter (the module docstring says what each leaves out).")
 
 
 def main() -> None:

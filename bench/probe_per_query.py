@@ -16,15 +16,13 @@ as CUDA graphs (do_bench_cudagraph medians, ms). Writes probe-<device>-<date><su
 """
 
 import argparse
-import json
 import pathlib
 
 import torch
 from triton.testing import do_bench_cudagraph
 
-from bench.kernel_variants import edited_module
-from bench.provenance import file_suffix, git_commit, result_stem
-from nsa_model.config import NSAConfig
+from bench.kernel_variants import edited_module, selection_inputs, write_times
+from bench.provenance import file_suffix, git_commit
 from nsa_model.ops import triton_impl as ti
 
 HINT = ', eviction_policy="evict_first")'
@@ -46,21 +44,8 @@ def variant(name: str, edits):
     return edited_module("selected_attention.py", name, edits)
 
 
-def inputs(T: int):
-    cfg, H, G, D = NSAConfig(), 64, 4, 128
-    gen = torch.Generator("cuda").manual_seed(0)
-    q = torch.randn(1, T, H, D, device="cuda", generator=gen).bfloat16()
-    k, v, do = (torch.randn(1, T, n, D, device="cuda", generator=gen).bfloat16() for n in (G, G, H))
-    tc = cfg.num_cmp_tokens(T)
-    kc, vc = (torch.randn(1, tc, G, D, device="cuda", generator=gen).bfloat16() for _ in range(2))
-    scale = D ** -0.5
-    _, lse_cmp = ti._range_fwd(q, kc, vc, *ti._cmp_range(cfg.cmp_block, cfg.cmp_stride, T), scale)
-    blocks = ti.select_blocks(q, kc, lse_cmp, cfg, scale)
-    return cfg, q, k, v, do, blocks, scale
-
-
 def probe(T: int) -> dict:
-    cfg, q, k, v, do, blocks, scale = inputs(T)
+    cfg, q, k, v, do, blocks, scale = selection_inputs(1, T, H=64, G=4, D=128)
     H, G, n = q.shape[2], k.shape[2], blocks.shape[-1]
     kernel = ti.selected_kernel(H // G, -(-T // cfg.sel_block), n)
     if kernel != "per_query":
@@ -84,18 +69,10 @@ def probe(T: int) -> dict:
 
 
 def write(out_dir: pathlib.Path, suffix: str, commit: str, results: dict) -> pathlib.Path:
-    stem, meta = result_stem(out_dir, "probe", suffix, commit)
-    stem.with_suffix(".json").write_text(json.dumps({"meta": meta, "ms": results}, indent=1))
-    names = list(next(iter(results.values())))
-    lines = [f"# Probe: the per-query selected kernels' streaming rows: {meta['device']}, {meta['date']}", "",
-             f"commit {commit}, torch {meta['torch']}, triton {meta['triton']}. `bench/probe_per_query.py`: paper "
-             "configuration (H = 64, G = 4, D = 128), batch 1, NSA's own selections of random inputs, "
-             "`do_bench_cudagraph` medians in milliseconds per call.", "",
-             "| | " + " | ".join(f"T = {t}" for t in results) + " |", "|---|" + "---|" * len(results)]
-    for name in names:
-        lines.append(f"| {name} | " + " | ".join(f"{row[name]:.3f}" for row in results.values()) + " |")
-    stem.with_suffix(".md").write_text("\n".join(lines) + "\n")
-    return stem
+    return write_times(out_dir, suffix, commit, results, title="the per-query selected kernels' streaming rows",
+                       unit="ms", fmt=".3f", column=lambda T: f"T = {T}",
+                       note="`bench/probe_per_query.py`: paper configuration (H = 64, G = 4, D = 128), batch 1, "
+                       "NSA's own selections of random inputs, `do_bench_cudagraph` medians in milliseconds per call.")
 
 
 def main() -> None:
