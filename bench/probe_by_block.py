@@ -8,10 +8,6 @@ only their times matter), each timed on NSA's own selections of random inputs at
 as CUDA graphs (do_bench_cudagraph medians):
 
 - forward (`_selected_by_block_fwd`: the block kernel and the combine pass) and the combine pass alone;
-- the forward as before v42 (right results): with the scores scaled before their maximum (a multiply and a
-  subtraction an element, where it now takes one FMA), and with 64-bit element offsets (OFFSETS_64 forced), and
-  both; the backward with 64-bit offsets, with dQ multiplied by the scale (where p and ds now carry it), and
-  both, and with its scale folded into the exponential's argument (a candidate);
 - the forward with each partial output row stored as 4 bytes instead of 128 (what the block kernel would take if
   the partials never left the chip); stored whole, but each program's rows into 64 rows of a 4 MB window (about
   the same instructions and registers, no DRAM traffic: which of the two the stores cost); stored whole at their
@@ -22,6 +18,8 @@ as CUDA graphs (do_bench_cudagraph medians):
   bytes, into a 4 MB window or in the sorted order, and the slot sum's read of them alone (`selected_dq_sum_kernel`);
 - the forward's partials and the backward's dQ slots stored without their L2 eviction hint (evict_first), as
   before v43 (right results);
+- both kernels with every step in their masked loop, as before v44 (right results): what the second, unmasked loop
+  saves;
 - the forward and the backward as they are with shorter programs (slc_block_chunk, choosers per program: --chunks),
   what a work list of short items costs by itself.
 
@@ -42,8 +40,8 @@ from nsa_model.ops import triton_impl as ti
 
 SHAPES = {"125m 4x8k": (4, 8192), "125m 16x2k": (16, 2048), "125m 1x32k": (1, 32768)}  # H = 12, G = 2, D = 64
 O_STORE = ("tl.store(O_PART + row_p[:, None] * DV + offs_dv[None, :],\n"
-           "                     (acc * (1.0 / l_safe)[:, None]).to(O_PART.dtype.element_ty),\n"
-           "                     mask=r_ok[:, None] & (offs_dv < DV)[None, :], eviction_policy=\"evict_first\")")
+           "                         (acc * (1.0 / l_safe)[:, None]).to(O_PART.dtype.element_ty),\n"
+           "                         mask=r_ok[:, None] & (offs_dv < DV)[None, :], eviction_policy=\"evict_first\")")
 O_STORE_4B = "tl.store(LSE2_PART + row_p, tl.sum(acc, axis=1) / l_safe, mask=r_ok)"
 # each program's rows into 64 rows of its own in a 4 MB window (512 windows): the same instructions and about the
 # same registers, but no DRAM traffic
@@ -53,8 +51,8 @@ Q_GATHER = ("q = tl.load(Q + row_q[:, None] * DK + offs_dk[None, :], mask=r_ok[:
             "other=0.0)")
 Q_CONTIGUOUS = ("q = tl.load(Q + (b * T * H + tl.arange(0, ROWS)).to(tl.int64)[:, None] * DK + offs_dk[None, :], "
                 "mask=r_ok[:, None] & (offs_dk < DK)[None, :], other=0.0)")
-DQ_STORE = ("tl.store(DQ_OUT + row_p[:, None] * DK + offs_dk[None, :], dq.to(DQ_OUT.dtype.element_ty), "
-            "mask=q_ok,\n                         eviction_policy=\"evict_first\")")
+DQ_STORE = ("tl.store(DQ_OUT + row_p[:, None] * DK + offs_dk[None, :], dq.to(DQ_OUT.dtype.element_ty),\n"
+            "                             mask=q_ok, eviction_policy=\"evict_first\")")
 DQ_STORE_4B = "tl.store(DQ_OUT + row_p * DK, tl.sum(dq, axis=1).to(DQ_OUT.dtype.element_ty), mask=r_ok)"
 DQ_STORE_L2 = DQ_STORE.replace("DQ_OUT + row_p[:, None]", f"DQ_OUT + {WINDOW}[:, None]")
 # each step's rows at its entries' places in the sorted order (entry e's head rows at e * HPG ..): every program
@@ -65,59 +63,37 @@ DQ_STORE_ORDERED = DQ_STORE.replace("DQ_OUT + row_p[:, None]", f"DQ_OUT + {WORK_
 # each program's rows into the same 4 MB window by a TMA store (a tensor descriptor made in the kernel; the
 # probe sets Triton's allocator for it): the tile goes to shared memory and the copy engine writes it, where the
 # pointer store converts it through shared memory and writes it from registers
-FWD_LOOP = "        if PREFETCH:  # step e0's rows and query tile come from the step before"
+FWD_LOOP = ("        split = _masked_steps_end(first, start, end, SEL_BLOCK, BLOCK_S, ENTRIES)\n"
+            "        for PHASE in tl.static_range(2):  # 0: the block's own")
 O_DESC = ("        o_desc = tl.make_tensor_descriptor(O_PART, shape=[32768, DV], strides=[DV, 1], "
           "block_shape=[ROWS, BLOCK_DV])\n")
 O_STORE_TMA = ("o_desc.store([(tl.program_id(0) % 512) * ROWS, 0], "
                "(acc * (1.0 / l_safe)[:, None]).to(O_PART.dtype.element_ty))")
-# the scale in the exponential's argument (one FMA an element, v42) and, as before v42, a multiply of the scores
-# first (right results either way)
-SCORES = "s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale"
-RAW_SCORES = "s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)"
-FWD_MASK = "\n            if not _sees_whole_block("
-FWD_MULTIPLY = [(RAW_SCORES + FWD_MASK, SCORES + FWD_MASK),
-                ("m = tl.max(s, axis=1) * qk_scale", "m = tl.max(s, axis=1)"),
-                ("p = tl.exp2(s * qk_scale - m_safe[:, None])", "p = tl.exp2(s - m_safe[:, None])")]
-BWD_NOTE = "\n            # Always masked"
-BWD_FMA = [(SCORES + BWD_NOTE, RAW_SCORES + BWD_NOTE),
-           ("tl.exp2(s - (lse2 - log2_scale)[:, None])", "tl.exp2(s * qk_scale - (lse2 - log2_scale)[:, None])")]
-# the backward as before v42: p without the scale, ds rounded apart for dK and dQ, dQ multiplied by the scale
-BWD_SCALE_ON_DQ = [("        log2_scale = tl.log2(scale)\n", ""),
-                   ("tl.exp2(s - (lse2 - log2_scale)[:, None]), 0.0)", "tl.exp2(s - lse2[:, None]), 0.0)"),
-                   ("ds = (p * (dp - delta[:, None])).to(q.dtype)", "ds = p * (dp - delta[:, None])"),
-                   ("dk += tl.dot(tl.trans(ds), q,", "dk += tl.dot(tl.trans(ds).to(q.dtype), q,"),
-                   ("dq = tl.dot(ds, k, input_precision=DOT_PRECISION)\n",
-                    "dq = tl.dot(ds.to(k.dtype), k, input_precision=DOT_PRECISION) * scale\n"),
-                   ("        dv = dv * (1.0 / scale)\n", "        dk = dk * scale\n")]
 # as before v43: the partials and dQ slots stored without the L2 eviction hint evict_first (they stream through L2
 # once). v43's candidates that lost (kernels-notes.md): streaming stores (.cs) for the partials, the gathered query
 # and do rows loaded evict_last, the combine's partial reads evict_first.
 HINT = ', eviction_policy="evict_first"'
-LSE2_STORE = ('tl.store(LSE2_PART + row_p, tl.where(has_key, m_safe + tl.log2(l_safe), float("-inf")), mask=r_ok,\n'
-              '                     eviction_policy="evict_first")')
-PARTIALS_NO_HINT = [(O_STORE, O_STORE.replace(HINT, "")),
-                    (LSE2_STORE, LSE2_STORE.replace(',\n                     eviction_policy="evict_first"', ""))]
-DQ_NO_HINT = [(DQ_STORE, DQ_STORE.replace(',\n                         eviction_policy="evict_first"', ""))]
-# 64-bit element offsets whatever the sizes (OFFSETS_64 forced), as before v42
-OFFSETS_64 = [("    if OFFSETS_64:\n        return x.to(tl.int64)", "    if True:\n        return x.to(tl.int64)")]
+LSE2_STORE = 'tl.store(LSE2_PART + row_p, lse2, mask=r_ok, eviction_policy="evict_first")'
+PARTIALS_NO_HINT = [(O_STORE, O_STORE.replace(HINT, "")), (LSE2_STORE, LSE2_STORE.replace(HINT, ""))]
+DQ_NO_HINT = [(DQ_STORE, DQ_STORE.replace(HINT, ""))]
+# every step through the first, masked loop, as before v44 (right results): the visibility mask's compares and
+# selects on every step (the backward masked every step before v44; the forward checked each step for choosers
+# inside the block and masked those)
+EVERY_STEP_MASKED = [("        split = _masked_steps_end(first, start, end, SEL_BLOCK, BLOCK_S, ENTRIES)\n",
+                      "        split = end\n")]
 FORWARD_EDITS = {"prod": [], "o partial 4 B a row": [(O_STORE, O_STORE_4B)],
                  "o partial rows into a 4 MB window": [(O_STORE, O_STORE_L2)],
                  "o partial rows in work order": [(O_STORE, O_STORE_ORDERED)],
                  "o partial rows into a 4 MB window by TMA": [(FWD_LOOP, O_DESC + FWD_LOOP), (O_STORE, O_STORE_TMA)],
                  "q rows contiguous": [(Q_GATHER, Q_CONTIGUOUS)],
                  "both": [(O_STORE, O_STORE_4B), (Q_GATHER, Q_CONTIGUOUS)],
-                 "scale a multiply first (before v42)": FWD_MULTIPLY,
-                 "64-bit offsets (before v42)": OFFSETS_64,
-                 "both (as before v42)": FWD_MULTIPLY + OFFSETS_64,
-                 "partials without the eviction hint (before v43)": PARTIALS_NO_HINT}
+                 "partials without the eviction hint (before v43)": PARTIALS_NO_HINT,
+                 "every step masked (before v44)": EVERY_STEP_MASKED}
 BACKWARD_EDITS = {"prod": [], "dQ slot 4 B a row": [(DQ_STORE, DQ_STORE_4B)],
                   "dQ slot rows into a 4 MB window": [(DQ_STORE, DQ_STORE_L2)],
                   "dQ slot rows in work order": [(DQ_STORE, DQ_STORE_ORDERED)],
-                  "64-bit offsets (before v42)": OFFSETS_64,
-                  "scale a multiply of dQ (before v42)": BWD_SCALE_ON_DQ,
-                  "both (as before v42)": BWD_SCALE_ON_DQ + OFFSETS_64,
-                  "scale as an FMA": BWD_FMA,
-                  "dQ slots without the eviction hint (before v43)": DQ_NO_HINT}
+                  "dQ slots without the eviction hint (before v43)": DQ_NO_HINT,
+                  "every step masked (before v44)": EVERY_STEP_MASKED}
 
 
 def variant(name: str, edits):

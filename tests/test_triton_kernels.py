@@ -419,24 +419,33 @@ def test_range_forward_refuses_a_scale_that_is_not_positive(branch):
 
 @pytest.mark.parametrize("rows,chunk", [(16, 7), (16, 16), (64, 16)])
 @pytest.mark.parametrize("prefetch_dims", [64, 0])
-def test_by_block_steps_skip_the_mask_only_where_every_chooser_sees_the_whole_block(rows, chunk, prefetch_dims):
-    """With the selection block as wide as the kernels' key tile (16), a by_block step whose choosers all sit at
-    or after its block's last key runs without the causal mask. Each query chooses its own block and up to two
-    earlier ones, so a block's chooser list starts with its own queries (masked) and goes on with later ones.
-    Steps of 5 or 21 choosers in chunks of 7 or 16 start on many positions of a block, among them its last two
-    queries (the mask's edge); the sequence's last block is partial. Forward and the three gradients against the
-    reference (the backward always masks)."""
+@pytest.mark.parametrize("later_blocks", [False, True])
+def test_by_block_steps_skip_the_mask_only_where_every_chooser_sees_the_whole_block(rows, chunk, prefetch_dims,
+                                                                                   later_blocks):
+    """With the selection block as wide as the kernels' key tile (16), by_block's steps whose choosers all sit at or
+    after their block's last key run without the causal mask (a second loop). Each query chooses its own block and
+    up to two earlier ones, so a block's chooser list starts with its own queries (masked) and goes on with later
+    ones. Steps of 5 or 21 choosers in chunks of 7 or 16 start on many positions of a block, among them its last two
+    queries (the mask's edge); the sequence's last block is partial. later_blocks: a third of the queries choose a
+    block after their own (or an id past the sequence) instead of an earlier one; such a block holds nothing for
+    them, and as choosers they would sort before the block's own queries and push those out of the masked steps,
+    unless selected_attention drops them first. Forward and the three gradients against the reference."""
     cfg = NSAConfig(cmp_block=8, cmp_stride=4, sel_block=16, n_selected=3, window=8)
     B, T, H, G, Dk, Dv = 2, 75, 6, 2, 16, 32
     x = make_inputs(B, T, H, G, Dk, Dv, cfg, seed=31)
     gen = torch.Generator().manual_seed(32)
     current = torch.arange(T) // cfg.sel_block
+    num_blocks = int(current[-1]) + 1
     rows_of_blocks = []
     for _ in range(B * G):
         per_query = []
         for t in range(T):
             earlier = torch.randperm(int(current[t]), generator=gen)[:2].tolist() if current[t] else []
-            per_query.append([int(current[t])] + earlier + [-1] * (2 - len(earlier)))
+            choice = [int(current[t])] + earlier + [-1] * (2 - len(earlier))
+            if later_blocks and t % 3 == 0:  # after the own block, up to one id past the last block
+                choice[2] = int(current[t]) + 1 + int(torch.randint(num_blocks - int(current[t]), (1,),
+                                                                    generator=gen))
+            per_query.append(choice)
         rows_of_blocks.append(per_query)
     blocks = torch.tensor(rows_of_blocks, dtype=torch.int32).view(B, G, T, 3).transpose(1, 2).contiguous()
     check_selected_against_reference(x, blocks, cfg, triton_impl.LaunchConfig(

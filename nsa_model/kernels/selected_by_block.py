@@ -33,6 +33,12 @@ and waits for them at the top of the next: a gather's full latency on every step
 v24). 7-12% off both kernels at head dim 64 on the H100. The launchers take it up to head dim 64 only: at 128 the
 backward's prefetched tiles do not fit in registers (1.43 -> 2.27 ms at paper 8k).
 
+Masked steps: a chooser needs the causal mask only while it sits inside the block (t < the block's last key).
+Every chosen block starts at or before its chooser (the selection's output; selected_attention sets other ids to
+-1), and a segment's choosers come sorted by query, so those are at most the segment's first SEL_BLOCK entries.
+Each kernel runs its steps in two loops, the first masked and the second, most of them, without the mask's
+compares and selects (_masked_steps_end; kernels-notes.md v44).
+
 Work list: programs are (segment, chunk) pairs, a segment being the choosers of one (b, g, block) and a chunk
 CHUNK consecutive of them; WORK_SEG = -1 marks the spare programs of a static upper bound (no host sync).
 
@@ -65,16 +71,33 @@ def _offsets(x, OFFSETS_64: tl.constexpr):
 
 @triton.jit
 def _work_item(WORK_SEG, WORK_CHUNK, STARTS, num_blocks, G: tl.constexpr, CHUNK: tl.constexpr):
-    """(segment, b, g, block j, first entry, end entry) of this program; segment -1: nothing to do."""
+    """(segment, b, g, block j, the segment's first entry, this program's first entry, its end entry) of this
+    program; segment -1: nothing to do."""
     pid = tl.program_id(0)
     seg = tl.load(WORK_SEG + pid)
     seg_c = tl.maximum(seg, 0)
     chunk = tl.load(WORK_CHUNK + pid)
-    start = tl.load(STARTS + seg_c) + chunk * CHUNK
+    first = tl.load(STARTS + seg_c)
+    start = first + chunk * CHUNK
     end = tl.minimum(tl.load(STARTS + seg_c + 1), start + CHUNK)
     j = seg_c % num_blocks
     bg = seg_c // num_blocks
-    return seg, bg // G, bg % G, j, start, end
+    return seg, bg // G, bg % G, j, first, start, end
+
+
+@triton.jit
+def _masked_steps_end(first, start, end, SEL_BLOCK: tl.constexpr, BLOCK_S: tl.constexpr, ENTRIES: tl.constexpr):
+    """Where this program's steps that need the visibility mask end: steps from start to the result run with it,
+    the rest without (two loops, so no step branches; a branch inside the backward's loop cost 6-12%,
+    kernels-notes.md v24). A segment's choosers come sorted by query, and a query chooses no block after its own,
+    so only the block's own queries, at most SEL_BLOCK and the segment's first entries, can miss some of its keys:
+    every later chooser's t is past the block's last key (which is then inside the sequence too). The result is
+    start plus whole steps (the prefetch's order), or end. A block narrower than its tile masks every step (the
+    tile's padded keys)."""
+    split = tl.minimum(start + tl.cdiv(tl.maximum(first + SEL_BLOCK - start, 0), ENTRIES) * ENTRIES, end)
+    if SEL_BLOCK != BLOCK_S:
+        split = end
+    return split
 
 
 @triton.jit
@@ -126,15 +149,6 @@ def _chooser_decode(flat, b, g, T, H: tl.constexpr, G: tl.constexpr, N_SELECT: t
 
 
 @triton.jit
-def _sees_whole_block(t, r_ok, j, T, SEL_BLOCK: tl.constexpr, BLOCK_S: tl.constexpr):
-    """Whether every chooser of the forward's step sees every key of block j, so that its scores need no mask.
-    Choosers come sorted by query, and a query chooses no block after its own, so only the first steps of a
-    block's list (its own queries) need one; a chooser past the block's last key also means the block is whole
-    inside the sequence. Rows past the list are zero rows whose results are not stored."""
-    return (tl.min(tl.where(r_ok, t, T), axis=0) >= (j + 1) * SEL_BLOCK - 1) & (SEL_BLOCK == BLOCK_S)
-
-
-@triton.jit
 def _visible(t, r_ok, pos, s_ok, SEL_BLOCK: tl.constexpr, BLOCK_S: tl.constexpr):
     """[rows, keys] mask of the keys each chooser row sees. With the block as wide as the tile, pos <= t alone does:
     t < T keeps out keys past the sequence, and rows past the chooser list are zero rows (q, do, lse and delta
@@ -175,49 +189,61 @@ def selected_block_fwd_kernel(Q, K, V, KD, VD, ORDER, STARTS, WORK_SEG, WORK_CHU
                               OFFSETS_64: tl.constexpr, PREFETCH: tl.constexpr = False):
     HPG: tl.constexpr = H // G
     ENTRIES: tl.constexpr = ROWS // HPG
-    seg, b, g, j, start, end = _work_item(WORK_SEG, WORK_CHUNK, STARTS, num_blocks, G, CHUNK)
+    seg, b, g, j, first, start, end = _work_item(WORK_SEG, WORK_CHUNK, STARTS, num_blocks, G, CHUNK)
     if seg >= 0:
         k, v, pos, s_ok, _ = _block_kv(K, V, KD, VD, K_ROW, V_ROW, b, g, j, T, G, DK, DV, BLOCK_DK, BLOCK_DV,
                                        SEL_BLOCK, BLOCK_S, TMA, OFFSETS_64)
         offs_dv = tl.arange(0, BLOCK_DV)
         qk_scale = scale * LOG2E
-        if PREFETCH:  # step e0's rows and query tile come from the step before (module docstring)
-            flat, r_ok = _chooser_flat(ORDER, start, end, HPG, ROWS)
-            t, row_q, row_p, q = _chooser_fwd_tiles(Q, flat, r_ok, b, g, T, H, G, DK, BLOCK_DK, N_SELECT, ROWS,
-                                                    OFFSETS_64)
-            flat_n, r_ok_n = _chooser_flat(ORDER, start + ENTRIES, end, HPG, ROWS)
-        for e0 in tl.range(start, end, ENTRIES, num_stages=1 if PREFETCH else None):
-            if PREFETCH:
-                flat_nn, r_ok_nn = _chooser_flat(ORDER, e0 + 2 * ENTRIES, end, HPG, ROWS)
-                t_n, row_q_n, row_p_n, q_n = _chooser_fwd_tiles(Q, flat_n, r_ok_n, b, g, T, H, G, DK, BLOCK_DK,
-                                                                N_SELECT, ROWS, OFFSETS_64)
-            else:
-                flat, r_ok = _chooser_flat(ORDER, e0, end, HPG, ROWS)
+        split = _masked_steps_end(first, start, end, SEL_BLOCK, BLOCK_S, ENTRIES)
+        for PHASE in tl.static_range(2):  # 0: the block's own queries' steps, masked; 1: the rest, unmasked
+            lo = start if PHASE == 0 else split
+            if PREFETCH:  # step e0's rows and query tile come from the step before (module docstring). Loaded
+                # again for each loop: carried from the first, they reached the second in one layout and were
+                # converted there through shared memory on every step
+                flat, r_ok = _chooser_flat(ORDER, lo, end, HPG, ROWS)
                 t, row_q, row_p, q = _chooser_fwd_tiles(Q, flat, r_ok, b, g, T, H, G, DK, BLOCK_DK, N_SELECT, ROWS,
                                                         OFFSETS_64)
-            # the scale goes into the exponential's argument, one FMA an element instead of a multiply and a
-            # subtraction (kernels-notes.md v42)
-            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
-            if not _sees_whole_block(t, r_ok, j, T, SEL_BLOCK, BLOCK_S):
-                s = tl.where(_visible(t, r_ok, pos, s_ok, SEL_BLOCK, BLOCK_S), s, float("-inf"))
-            m = tl.max(s, axis=1) * qk_scale
-            m_safe = tl.where(m == float("-inf"), 0.0, m)  # a chooser that sees none of the block (block after t)
-            p = tl.exp2(s * qk_scale - m_safe[:, None])
-            l_i = tl.sum(p, axis=1)
-            acc = tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-            has_key = l_i > 0
-            l_safe = tl.where(has_key, l_i, 1.0)
-            # one reciprocal a row and a multiply an element: a division an element is a MUFU op and a multiply each,
-            # 32 a thread a step beside the step's 32 exponentials (kernels-notes.md v41). The partials pass through
-            # L2 once, on their way to the combine: evict_first leaves L2 to the gathered query rows (v43)
-            tl.store(O_PART + row_p[:, None] * DV + offs_dv[None, :],
-                     (acc * (1.0 / l_safe)[:, None]).to(O_PART.dtype.element_ty),
-                     mask=r_ok[:, None] & (offs_dv < DV)[None, :], eviction_policy="evict_first")
-            tl.store(LSE2_PART + row_p, tl.where(has_key, m_safe + tl.log2(l_safe), float("-inf")), mask=r_ok,
-                     eviction_policy="evict_first")
-            if PREFETCH:
-                r_ok, t, row_q, row_p, q = r_ok_n, t_n, row_q_n, row_p_n, q_n
-                flat_n, r_ok_n = flat_nn, r_ok_nn
+                flat_n, r_ok_n = _chooser_flat(ORDER, lo + ENTRIES, end, HPG, ROWS)
+            for e0 in tl.range(lo, split if PHASE == 0 else end, ENTRIES, num_stages=1 if PREFETCH else None):
+                if PREFETCH:
+                    flat_nn, r_ok_nn = _chooser_flat(ORDER, e0 + 2 * ENTRIES, end, HPG, ROWS)
+                    t_n, row_q_n, row_p_n, q_n = _chooser_fwd_tiles(Q, flat_n, r_ok_n, b, g, T, H, G, DK, BLOCK_DK,
+                                                                    N_SELECT, ROWS, OFFSETS_64)
+                else:
+                    flat, r_ok = _chooser_flat(ORDER, e0, end, HPG, ROWS)
+                    t, row_q, row_p, q = _chooser_fwd_tiles(Q, flat, r_ok, b, g, T, H, G, DK, BLOCK_DK, N_SELECT,
+                                                            ROWS, OFFSETS_64)
+                # the scale goes into the exponential's argument, one FMA an element instead of a multiply and a
+                # subtraction (kernels-notes.md v42)
+                s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+                if PHASE == 0:
+                    s = tl.where(_visible(t, r_ok, pos, s_ok, SEL_BLOCK, BLOCK_S), s, float("-inf"))
+                    m = tl.max(s, axis=1) * qk_scale
+                    m_safe = tl.where(m == float("-inf"), 0.0, m)  # a row that sees none of the block
+                else:  # every row sees every key (rows past the list are zeros, not stored)
+                    m_safe = tl.max(s, axis=1) * qk_scale
+                p = tl.exp2(s * qk_scale - m_safe[:, None])
+                l_i = tl.sum(p, axis=1)
+                acc = tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+                if PHASE == 0:
+                    has_key = l_i > 0
+                    l_safe = tl.where(has_key, l_i, 1.0)
+                    lse2 = tl.where(has_key, m_safe + tl.log2(l_safe), float("-inf"))
+                else:  # the row's maximum gives p = 1: l_i >= 1
+                    l_safe = l_i
+                    lse2 = m_safe + tl.log2(l_i)
+                # one reciprocal a row and a multiply an element: a division an element is a MUFU op and a multiply
+                # each, 32 a thread a step beside the step's 32 exponentials (kernels-notes.md v41). The partials
+                # pass through L2 once, on their way to the combine: evict_first leaves L2 to the gathered query
+                # rows (v43)
+                tl.store(O_PART + row_p[:, None] * DV + offs_dv[None, :],
+                         (acc * (1.0 / l_safe)[:, None]).to(O_PART.dtype.element_ty),
+                         mask=r_ok[:, None] & (offs_dv < DV)[None, :], eviction_policy="evict_first")
+                tl.store(LSE2_PART + row_p, lse2, mask=r_ok, eviction_policy="evict_first")
+                if PREFETCH:
+                    r_ok, t, row_q, row_p, q = r_ok_n, t_n, row_q_n, row_p_n, q_n
+                    flat_n, r_ok_n = flat_nn, r_ok_nn
 
 
 @triton.jit
@@ -296,7 +322,7 @@ def selected_block_bwd_kernel(Q, K, V, KD, VD, DO, LSE, DELTA, ORDER, STARTS, WO
     counts itself done (DONE [segments] int32, zeroed), and the last one casts the sums."""
     HPG: tl.constexpr = H // G
     ENTRIES: tl.constexpr = ROWS // HPG
-    seg, b, g, j, start, end = _work_item(WORK_SEG, WORK_CHUNK, STARTS, num_blocks, G, CHUNK)
+    seg, b, g, j, first, start, end = _work_item(WORK_SEG, WORK_CHUNK, STARTS, num_blocks, G, CHUNK)
     if seg >= 0:
         k, v, pos, s_ok, row_k = _block_kv(K, V, KD, VD, K_ROW, V_ROW, b, g, j, T, G, DK, DV, BLOCK_DK, BLOCK_DV,
                                            SEL_BLOCK, BLOCK_S, TMA, OFFSETS_64)
@@ -306,45 +332,50 @@ def selected_block_bwd_kernel(Q, K, V, KD, VD, DO, LSE, DELTA, ORDER, STARTS, WO
         log2_scale = tl.log2(scale)
         dk = tl.zeros([BLOCK_S, BLOCK_DK], tl.float32)
         dv = tl.zeros([BLOCK_S, BLOCK_DV], tl.float32)
-        if PREFETCH:  # as in the forward
-            flat, r_ok = _chooser_flat(ORDER, start, end, HPG, ROWS)
-            t, row_q, row_p, q, do, lse2, delta = _chooser_bwd_tiles(Q, DO, LSE, DELTA, flat, r_ok, b, g, T, H, G,
-                                                                     DK, DV, BLOCK_DK, BLOCK_DV, N_SELECT, ROWS,
-                                                                     OFFSETS_64)
-            flat_n, r_ok_n = _chooser_flat(ORDER, start + ENTRIES, end, HPG, ROWS)
-        for e0 in tl.range(start, end, ENTRIES, num_stages=1 if PREFETCH else None):
-            if PREFETCH:
-                flat_nn, r_ok_nn = _chooser_flat(ORDER, e0 + 2 * ENTRIES, end, HPG, ROWS)
-                t_n, row_q_n, row_p_n, q_n, do_n, lse2_n, delta_n = _chooser_bwd_tiles(
-                    Q, DO, LSE, DELTA, flat_n, r_ok_n, b, g, T, H, G, DK, DV, BLOCK_DK, BLOCK_DV, N_SELECT, ROWS,
-                    OFFSETS_64)
-            else:
-                flat, r_ok = _chooser_flat(ORDER, e0, end, HPG, ROWS)
+        split = _masked_steps_end(first, start, end, SEL_BLOCK, BLOCK_S, ENTRIES)
+        for PHASE in tl.static_range(2):  # as in the forward: 0 masked, 1 every row sees every key
+            lo = start if PHASE == 0 else split
+            if PREFETCH:  # as in the forward
+                flat, r_ok = _chooser_flat(ORDER, lo, end, HPG, ROWS)
                 t, row_q, row_p, q, do, lse2, delta = _chooser_bwd_tiles(Q, DO, LSE, DELTA, flat, r_ok, b, g, T, H,
                                                                          G, DK, DV, BLOCK_DK, BLOCK_DV, N_SELECT,
                                                                          ROWS, OFFSETS_64)
-            q_ok = r_ok[:, None] & (offs_dk < DK)[None, :]
-            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
-            # Always masked: the unmasked branch the forward takes (_sees_whole_block) made this kernel 6-12% slower
-            # on the H100 (v24), as a branch around part of the elementwise work.
-            # p and ds carry the softmax scale (p * scale = exp2(s - (lse2 - log2 scale))): dK and dQ take ds * scale
-            # with no multiply an element, and dV divides it out once at the end (kernels-notes.md v42)
-            p = tl.where(_visible(t, r_ok, pos, s_ok, SEL_BLOCK, BLOCK_S),
-                         tl.exp2(s - (lse2 - log2_scale)[:, None]), 0.0)
-            dv += tl.dot(tl.trans(p).to(do.dtype), do, input_precision=DOT_PRECISION)
-            dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
-            ds = (p * (dp - delta[:, None])).to(q.dtype)  # rounded once for dK and dQ
-            dk += tl.dot(tl.trans(ds), q, input_precision=DOT_PRECISION)
-            if DQ_MODE == 1:
-                dq = tl.dot(ds, k, input_precision=DOT_PRECISION)
-                tl.store(DQ_OUT + row_p[:, None] * DK + offs_dk[None, :], dq.to(DQ_OUT.dtype.element_ty), mask=q_ok,
-                         eviction_policy="evict_first")  # as the forward's partials (v43)
-            elif DQ_MODE == 2:
-                dq = tl.dot(ds, k, input_precision=DOT_PRECISION)
-                tl.atomic_add(DQ_OUT + row_q[:, None] * DK + offs_dk[None, :], dq, mask=q_ok)
-            if PREFETCH:
-                r_ok, t, row_q, row_p, q, do, lse2, delta = r_ok_n, t_n, row_q_n, row_p_n, q_n, do_n, lse2_n, delta_n
-                flat_n, r_ok_n = flat_nn, r_ok_nn
+                flat_n, r_ok_n = _chooser_flat(ORDER, lo + ENTRIES, end, HPG, ROWS)
+            for e0 in tl.range(lo, split if PHASE == 0 else end, ENTRIES, num_stages=1 if PREFETCH else None):
+                if PREFETCH:
+                    flat_nn, r_ok_nn = _chooser_flat(ORDER, e0 + 2 * ENTRIES, end, HPG, ROWS)
+                    t_n, row_q_n, row_p_n, q_n, do_n, lse2_n, delta_n = _chooser_bwd_tiles(
+                        Q, DO, LSE, DELTA, flat_n, r_ok_n, b, g, T, H, G, DK, DV, BLOCK_DK, BLOCK_DV, N_SELECT, ROWS,
+                        OFFSETS_64)
+                else:
+                    flat, r_ok = _chooser_flat(ORDER, e0, end, HPG, ROWS)
+                    t, row_q, row_p, q, do, lse2, delta = _chooser_bwd_tiles(Q, DO, LSE, DELTA, flat, r_ok, b, g, T,
+                                                                             H, G, DK, DV, BLOCK_DK, BLOCK_DV,
+                                                                             N_SELECT, ROWS, OFFSETS_64)
+                q_ok = r_ok[:, None] & (offs_dk < DK)[None, :]
+                s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+                # p and ds carry the softmax scale (p * scale = exp2(s - (lse2 - log2 scale))): dK and dQ take
+                # ds * scale with no multiply an element, and dV divides it out once at the end (kernels-notes.md v42)
+                p = tl.exp2(s - (lse2 - log2_scale)[:, None])
+                if PHASE == 0:
+                    p = tl.where(_visible(t, r_ok, pos, s_ok, SEL_BLOCK, BLOCK_S), p, 0.0)
+                # (rows past the chooser list are zeros in q, do, lse and delta: p = scale there, but do = 0 and
+                # ds = 0, so they add nothing to dK, dV, and their dQ is not stored)
+                dv += tl.dot(tl.trans(p).to(do.dtype), do, input_precision=DOT_PRECISION)
+                dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
+                ds = (p * (dp - delta[:, None])).to(q.dtype)  # rounded once for dK and dQ
+                dk += tl.dot(tl.trans(ds), q, input_precision=DOT_PRECISION)
+                if DQ_MODE == 1:
+                    dq = tl.dot(ds, k, input_precision=DOT_PRECISION)
+                    tl.store(DQ_OUT + row_p[:, None] * DK + offs_dk[None, :], dq.to(DQ_OUT.dtype.element_ty),
+                             mask=q_ok, eviction_policy="evict_first")  # as the forward's partials (v43)
+                elif DQ_MODE == 2:
+                    dq = tl.dot(ds, k, input_precision=DOT_PRECISION)
+                    tl.atomic_add(DQ_OUT + row_q[:, None] * DK + offs_dk[None, :], dq, mask=q_ok)
+                if PREFETCH:
+                    r_ok, t, row_q, row_p, q, do, lse2, delta = r_ok_n, t_n, row_q_n, row_p_n, q_n, do_n, lse2_n, \
+                        delta_n
+                    flat_n, r_ok_n = flat_nn, r_ok_nn
         dv = dv * (1.0 / scale)
         k_rows = row_k[:, None] * DK + offs_dk[None, :]
         v_rows = row_k[:, None] * DV + offs_dv[None, :]

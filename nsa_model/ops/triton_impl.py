@@ -1015,7 +1015,17 @@ def selected_attention(q, k, v, blocks, cfg: NSAConfig, scale: float):
     if blocks.dtype != torch.int32 or tuple(blocks.shape[:3]) != (q.shape[0], q.shape[1], k.shape[2]):
         raise ValueError(f"blocks: expected int32 [B, T, G, n] = [{q.shape[0]}, {q.shape[1]}, {k.shape[2]}, n], "
                          f"got {blocks.dtype} {tuple(blocks.shape)}")
-    return _SelectedAttention.apply(q, k, v, blocks, cfg.sel_block, scale)
+    return _SelectedAttention.apply(q, k, v, _visible_blocks(blocks, cfg.sel_block), cfg.sel_block, scale)
+
+
+def _visible_blocks(blocks: torch.Tensor, sel_block: int) -> torch.Tensor:
+    """blocks with every id whose block starts after its query (an id past the sequence among them) set to -1.
+    Such a block holds no key its query sees (keys u <= t), so the result is the same function; and by_block's
+    kernels need it: they take a block's choosers to start with its own queries, the only ones that see part of
+    it (their masked steps, kernels/selected_by_block.py). The selection never picks such a block, so nsa::core
+    needs no pass; blocks given to selected_attention may hold them."""
+    t = torch.arange(blocks.shape[1], device=blocks.device, dtype=blocks.dtype).view(1, -1, 1, 1)
+    return torch.where(blocks * sel_block <= t, blocks, -1)
 
 
 # --- gated combination ----------------------------------------------------------------------------------------
