@@ -198,20 +198,23 @@ def selected_block_fwd_kernel(Q, K, V, KD, VD, ORDER, STARTS, WORK_SEG, WORK_CHU
         split = _masked_steps_end(first, start, end, SEL_BLOCK, BLOCK_S, ENTRIES)
         for PHASE in tl.static_range(2):  # 0: the block's own queries' steps, masked; 1: the rest, unmasked
             lo = start if PHASE == 0 else split
+            hi = split if PHASE == 0 else end
             if PREFETCH:  # step e0's rows and query tile come from the step before (module docstring). Loaded
-                # again for each loop: carried from the first, they reached the second in one layout and were
-                # converted there through shared memory on every step
-                flat, r_ok = _chooser_flat(ORDER, lo, end, HPG, ROWS)
+                # again for each loop (carried from the first, they reached the second in one layout and were
+                # converted there through shared memory on every step), and each loop's loads stop at its own end:
+                # a program with no masked step loads nothing for the first loop, and the first loop's last step
+                # loads nothing for the second
+                flat, r_ok = _chooser_flat(ORDER, lo, hi, HPG, ROWS)
                 t, row_q, row_p, q = _chooser_fwd_tiles(Q, flat, r_ok, b, g, T, H, G, DK, BLOCK_DK, N_SELECT, ROWS,
                                                         OFFSETS_64)
-                flat_n, r_ok_n = _chooser_flat(ORDER, lo + ENTRIES, end, HPG, ROWS)
-            for e0 in tl.range(lo, split if PHASE == 0 else end, ENTRIES, num_stages=1 if PREFETCH else None):
+                flat_n, r_ok_n = _chooser_flat(ORDER, lo + ENTRIES, hi, HPG, ROWS)
+            for e0 in tl.range(lo, hi, ENTRIES, num_stages=1 if PREFETCH else None):
                 if PREFETCH:
-                    flat_nn, r_ok_nn = _chooser_flat(ORDER, e0 + 2 * ENTRIES, end, HPG, ROWS)
+                    flat_nn, r_ok_nn = _chooser_flat(ORDER, e0 + 2 * ENTRIES, hi, HPG, ROWS)
                     t_n, row_q_n, row_p_n, q_n = _chooser_fwd_tiles(Q, flat_n, r_ok_n, b, g, T, H, G, DK, BLOCK_DK,
                                                                     N_SELECT, ROWS, OFFSETS_64)
                 else:
-                    flat, r_ok = _chooser_flat(ORDER, e0, end, HPG, ROWS)
+                    flat, r_ok = _chooser_flat(ORDER, e0, hi, HPG, ROWS)
                     t, row_q, row_p, q = _chooser_fwd_tiles(Q, flat, r_ok, b, g, T, H, G, DK, BLOCK_DK, N_SELECT,
                                                             ROWS, OFFSETS_64)
                 # the scale goes into the exponential's argument, one FMA an element instead of a multiply and a
@@ -335,20 +338,21 @@ def selected_block_bwd_kernel(Q, K, V, KD, VD, DO, LSE, DELTA, ORDER, STARTS, WO
         split = _masked_steps_end(first, start, end, SEL_BLOCK, BLOCK_S, ENTRIES)
         for PHASE in tl.static_range(2):  # as in the forward: 0 masked, 1 every row sees every key
             lo = start if PHASE == 0 else split
+            hi = split if PHASE == 0 else end
             if PREFETCH:  # as in the forward
-                flat, r_ok = _chooser_flat(ORDER, lo, end, HPG, ROWS)
+                flat, r_ok = _chooser_flat(ORDER, lo, hi, HPG, ROWS)
                 t, row_q, row_p, q, do, lse2, delta = _chooser_bwd_tiles(Q, DO, LSE, DELTA, flat, r_ok, b, g, T, H,
                                                                          G, DK, DV, BLOCK_DK, BLOCK_DV, N_SELECT,
                                                                          ROWS, OFFSETS_64)
-                flat_n, r_ok_n = _chooser_flat(ORDER, lo + ENTRIES, end, HPG, ROWS)
-            for e0 in tl.range(lo, split if PHASE == 0 else end, ENTRIES, num_stages=1 if PREFETCH else None):
+                flat_n, r_ok_n = _chooser_flat(ORDER, lo + ENTRIES, hi, HPG, ROWS)
+            for e0 in tl.range(lo, hi, ENTRIES, num_stages=1 if PREFETCH else None):
                 if PREFETCH:
-                    flat_nn, r_ok_nn = _chooser_flat(ORDER, e0 + 2 * ENTRIES, end, HPG, ROWS)
+                    flat_nn, r_ok_nn = _chooser_flat(ORDER, e0 + 2 * ENTRIES, hi, HPG, ROWS)
                     t_n, row_q_n, row_p_n, q_n, do_n, lse2_n, delta_n = _chooser_bwd_tiles(
                         Q, DO, LSE, DELTA, flat_n, r_ok_n, b, g, T, H, G, DK, DV, BLOCK_DK, BLOCK_DV, N_SELECT, ROWS,
                         OFFSETS_64)
                 else:
-                    flat, r_ok = _chooser_flat(ORDER, e0, end, HPG, ROWS)
+                    flat, r_ok = _chooser_flat(ORDER, e0, hi, HPG, ROWS)
                     t, row_q, row_p, q, do, lse2, delta = _chooser_bwd_tiles(Q, DO, LSE, DELTA, flat, r_ok, b, g, T,
                                                                              H, G, DK, DV, BLOCK_DK, BLOCK_DV,
                                                                              N_SELECT, ROWS, OFFSETS_64)
