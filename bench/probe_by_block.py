@@ -18,8 +18,7 @@ as CUDA graphs (do_bench_cudagraph medians):
   bytes, into a 4 MB window or in the sorted order, and the slot sum's read of them alone (`selected_dq_sum_kernel`);
 - the forward's partials and the backward's dQ slots stored without their L2 eviction hint (evict_first), as
   before v43 (right results);
-- both kernels with every step in their masked loop, as before v44 (right results): what the second, unmasked loop
-  saves;
+- the forward with every step in its masked loop (right results): what its second, unmasked loop saves (v44);
 - the forward and the backward as they are with shorter programs (slc_block_chunk, choosers per program: --chunks),
   what a work list of short items costs by itself.
 
@@ -51,8 +50,8 @@ Q_GATHER = ("q = tl.load(Q + row_q[:, None] * DK + offs_dk[None, :], mask=r_ok[:
             "other=0.0)")
 Q_CONTIGUOUS = ("q = tl.load(Q + (b * T * H + tl.arange(0, ROWS)).to(tl.int64)[:, None] * DK + offs_dk[None, :], "
                 "mask=r_ok[:, None] & (offs_dk < DK)[None, :], other=0.0)")
-DQ_STORE = ("tl.store(DQ_OUT + row_p[:, None] * DK + offs_dk[None, :], dq.to(DQ_OUT.dtype.element_ty),\n"
-            "                             mask=q_ok, eviction_policy=\"evict_first\")")
+DQ_STORE = ("tl.store(DQ_OUT + row_p[:, None] * DK + offs_dk[None, :], dq.to(DQ_OUT.dtype.element_ty), "
+            "mask=q_ok,\n                         eviction_policy=\"evict_first\")")
 DQ_STORE_4B = "tl.store(DQ_OUT + row_p * DK, tl.sum(dq, axis=1).to(DQ_OUT.dtype.element_ty), mask=r_ok)"
 DQ_STORE_L2 = DQ_STORE.replace("DQ_OUT + row_p[:, None]", f"DQ_OUT + {WINDOW}[:, None]")
 # each step's rows at its entries' places in the sorted order (entry e's head rows at e * HPG ..): every program
@@ -76,9 +75,8 @@ HINT = ', eviction_policy="evict_first"'
 LSE2_STORE = 'tl.store(LSE2_PART + row_p, lse2, mask=r_ok, eviction_policy="evict_first")'
 PARTIALS_NO_HINT = [(O_STORE, O_STORE.replace(HINT, "")), (LSE2_STORE, LSE2_STORE.replace(HINT, ""))]
 DQ_NO_HINT = [(DQ_STORE, DQ_STORE.replace(HINT, ""))]
-# every step through the first, masked loop, as before v44 (right results): the visibility mask's compares and
-# selects on every step (the backward masked every step before v44; the forward checked each step for choosers
-# inside the block and masked those)
+# every step of the forward through its first, masked loop (right results): the visibility mask's compares and
+# selects on every step (before v44 the forward checked each step for choosers inside the block and masked those)
 EVERY_STEP_MASKED = [("        split = _masked_steps_end(first, start, end, SEL_BLOCK, BLOCK_S, ENTRIES)\n",
                       "        split = end\n")]
 FORWARD_EDITS = {"prod": [], "o partial 4 B a row": [(O_STORE, O_STORE_4B)],
@@ -92,8 +90,7 @@ FORWARD_EDITS = {"prod": [], "o partial 4 B a row": [(O_STORE, O_STORE_4B)],
 BACKWARD_EDITS = {"prod": [], "dQ slot 4 B a row": [(DQ_STORE, DQ_STORE_4B)],
                   "dQ slot rows into a 4 MB window": [(DQ_STORE, DQ_STORE_L2)],
                   "dQ slot rows in work order": [(DQ_STORE, DQ_STORE_ORDERED)],
-                  "dQ slots without the eviction hint (before v43)": DQ_NO_HINT,
-                  "every step masked (before v44)": EVERY_STEP_MASKED}
+                  "dQ slots without the eviction hint (before v43)": DQ_NO_HINT}
 
 
 def variant(name: str, edits):

@@ -422,8 +422,8 @@ def test_range_forward_refuses_a_scale_that_is_not_positive(branch):
 @pytest.mark.parametrize("later_blocks", [False, True])
 def test_by_block_steps_skip_the_mask_only_where_every_chooser_sees_the_whole_block(rows, chunk, prefetch_dims,
                                                                                    later_blocks):
-    """With the selection block as wide as the kernels' key tile (16), by_block's steps whose choosers all sit at or
-    after their block's last key run without the causal mask (a second loop). Each query chooses its own block and
+    """With the selection block as wide as the kernels' key tile (16), by_block's forward steps whose choosers all sit
+    at or after their block's last key run without the causal mask (a second loop; the backward masks every step). Each query chooses its own block and
     up to two earlier ones, so a block's chooser list starts with its own queries (masked) and goes on with later
     ones. Steps of 5 or 21 choosers in chunks of 7 or 16 start on many positions of a block, among them its last two
     queries (the mask's edge); the sequence's last block is partial. later_blocks: a third of the queries choose a

@@ -36,8 +36,9 @@ backward's prefetched tiles do not fit in registers (1.43 -> 2.27 ms at paper 8k
 Masked steps: a chooser needs the causal mask only while it sits inside the block (t < the block's last key).
 Every chosen block starts at or before its chooser (the selection's output; selected_attention sets other ids to
 -1), and a segment's choosers come sorted by query, so those are at most the segment's first SEL_BLOCK entries.
-Each kernel runs its steps in two loops, the first masked and the second, most of them, without the mask's
-compares and selects (_masked_steps_end; kernels-notes.md v44).
+The forward runs its steps in two loops, the first masked and the second, most of them, without the mask's
+compares and selects (_masked_steps_end; kernels-notes.md v44). The backward masks every step: its unmasked loop
+ran slower on the H100 although it had 15% fewer instructions a step.
 
 Work list: programs are (segment, chunk) pairs, a segment being the choosers of one (b, g, block) and a chunk
 CHUNK consecutive of them; WORK_SEG = -1 marks the spare programs of a static upper bound (no host sync).
@@ -325,7 +326,7 @@ def selected_block_bwd_kernel(Q, K, V, KD, VD, DO, LSE, DELTA, ORDER, STARTS, WO
     counts itself done (DONE [segments] int32, zeroed), and the last one casts the sums."""
     HPG: tl.constexpr = H // G
     ENTRIES: tl.constexpr = ROWS // HPG
-    seg, b, g, j, first, start, end = _work_item(WORK_SEG, WORK_CHUNK, STARTS, num_blocks, G, CHUNK)
+    seg, b, g, j, _, start, end = _work_item(WORK_SEG, WORK_CHUNK, STARTS, num_blocks, G, CHUNK)
     if seg >= 0:
         k, v, pos, s_ok, row_k = _block_kv(K, V, KD, VD, K_ROW, V_ROW, b, g, j, T, G, DK, DV, BLOCK_DK, BLOCK_DV,
                                            SEL_BLOCK, BLOCK_S, TMA, OFFSETS_64)
@@ -335,51 +336,45 @@ def selected_block_bwd_kernel(Q, K, V, KD, VD, DO, LSE, DELTA, ORDER, STARTS, WO
         log2_scale = tl.log2(scale)
         dk = tl.zeros([BLOCK_S, BLOCK_DK], tl.float32)
         dv = tl.zeros([BLOCK_S, BLOCK_DV], tl.float32)
-        split = _masked_steps_end(first, start, end, SEL_BLOCK, BLOCK_S, ENTRIES)
-        for PHASE in tl.static_range(2):  # as in the forward: 0 masked, 1 every row sees every key
-            lo = start if PHASE == 0 else split
-            hi = split if PHASE == 0 else end
-            if PREFETCH:  # as in the forward
-                flat, r_ok = _chooser_flat(ORDER, lo, hi, HPG, ROWS)
+        if PREFETCH:  # as in the forward
+            flat, r_ok = _chooser_flat(ORDER, start, end, HPG, ROWS)
+            t, row_q, row_p, q, do, lse2, delta = _chooser_bwd_tiles(Q, DO, LSE, DELTA, flat, r_ok, b, g, T, H, G,
+                                                                     DK, DV, BLOCK_DK, BLOCK_DV, N_SELECT, ROWS,
+                                                                     OFFSETS_64)
+            flat_n, r_ok_n = _chooser_flat(ORDER, start + ENTRIES, end, HPG, ROWS)
+        for e0 in tl.range(start, end, ENTRIES, num_stages=1 if PREFETCH else None):
+            if PREFETCH:
+                flat_nn, r_ok_nn = _chooser_flat(ORDER, e0 + 2 * ENTRIES, end, HPG, ROWS)
+                t_n, row_q_n, row_p_n, q_n, do_n, lse2_n, delta_n = _chooser_bwd_tiles(
+                    Q, DO, LSE, DELTA, flat_n, r_ok_n, b, g, T, H, G, DK, DV, BLOCK_DK, BLOCK_DV, N_SELECT, ROWS,
+                    OFFSETS_64)
+            else:
+                flat, r_ok = _chooser_flat(ORDER, e0, end, HPG, ROWS)
                 t, row_q, row_p, q, do, lse2, delta = _chooser_bwd_tiles(Q, DO, LSE, DELTA, flat, r_ok, b, g, T, H,
                                                                          G, DK, DV, BLOCK_DK, BLOCK_DV, N_SELECT,
                                                                          ROWS, OFFSETS_64)
-                flat_n, r_ok_n = _chooser_flat(ORDER, lo + ENTRIES, hi, HPG, ROWS)
-            for e0 in tl.range(lo, hi, ENTRIES, num_stages=1 if PREFETCH else None):
-                if PREFETCH:
-                    flat_nn, r_ok_nn = _chooser_flat(ORDER, e0 + 2 * ENTRIES, hi, HPG, ROWS)
-                    t_n, row_q_n, row_p_n, q_n, do_n, lse2_n, delta_n = _chooser_bwd_tiles(
-                        Q, DO, LSE, DELTA, flat_n, r_ok_n, b, g, T, H, G, DK, DV, BLOCK_DK, BLOCK_DV, N_SELECT, ROWS,
-                        OFFSETS_64)
-                else:
-                    flat, r_ok = _chooser_flat(ORDER, e0, hi, HPG, ROWS)
-                    t, row_q, row_p, q, do, lse2, delta = _chooser_bwd_tiles(Q, DO, LSE, DELTA, flat, r_ok, b, g, T,
-                                                                             H, G, DK, DV, BLOCK_DK, BLOCK_DV,
-                                                                             N_SELECT, ROWS, OFFSETS_64)
-                q_ok = r_ok[:, None] & (offs_dk < DK)[None, :]
-                s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
-                # p and ds carry the softmax scale (p * scale = exp2(s - (lse2 - log2 scale))): dK and dQ take
-                # ds * scale with no multiply an element, and dV divides it out once at the end (kernels-notes.md v42)
-                p = tl.exp2(s - (lse2 - log2_scale)[:, None])
-                if PHASE == 0:
-                    p = tl.where(_visible(t, r_ok, pos, s_ok, SEL_BLOCK, BLOCK_S), p, 0.0)
-                # (rows past the chooser list are zeros in q, do, lse and delta: p = scale there, but do = 0 and
-                # ds = 0, so they add nothing to dK, dV, and their dQ is not stored)
-                dv += tl.dot(tl.trans(p).to(do.dtype), do, input_precision=DOT_PRECISION)
-                dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
-                ds = (p * (dp - delta[:, None])).to(q.dtype)  # rounded once for dK and dQ
-                dk += tl.dot(tl.trans(ds), q, input_precision=DOT_PRECISION)
-                if DQ_MODE == 1:
-                    dq = tl.dot(ds, k, input_precision=DOT_PRECISION)
-                    tl.store(DQ_OUT + row_p[:, None] * DK + offs_dk[None, :], dq.to(DQ_OUT.dtype.element_ty),
-                             mask=q_ok, eviction_policy="evict_first")  # as the forward's partials (v43)
-                elif DQ_MODE == 2:
-                    dq = tl.dot(ds, k, input_precision=DOT_PRECISION)
-                    tl.atomic_add(DQ_OUT + row_q[:, None] * DK + offs_dk[None, :], dq, mask=q_ok)
-                if PREFETCH:
-                    r_ok, t, row_q, row_p, q, do, lse2, delta = r_ok_n, t_n, row_q_n, row_p_n, q_n, do_n, lse2_n, \
-                        delta_n
-                    flat_n, r_ok_n = flat_nn, r_ok_nn
+            q_ok = r_ok[:, None] & (offs_dk < DK)[None, :]
+            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+            # Every step masked: the forward's second, unmasked loop made this kernel 5-6% slower on the H100 (v44;
+            # 15% fewer instructions a step, yet slower), and a branch around the mask 6-12% (v24).
+            # p and ds carry the softmax scale (p * scale = exp2(s - (lse2 - log2 scale))): dK and dQ take ds * scale
+            # with no multiply an element, and dV divides it out once at the end (kernels-notes.md v42)
+            p = tl.where(_visible(t, r_ok, pos, s_ok, SEL_BLOCK, BLOCK_S),
+                         tl.exp2(s - (lse2 - log2_scale)[:, None]), 0.0)
+            dv += tl.dot(tl.trans(p).to(do.dtype), do, input_precision=DOT_PRECISION)
+            dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
+            ds = (p * (dp - delta[:, None])).to(q.dtype)  # rounded once for dK and dQ
+            dk += tl.dot(tl.trans(ds), q, input_precision=DOT_PRECISION)
+            if DQ_MODE == 1:
+                dq = tl.dot(ds, k, input_precision=DOT_PRECISION)
+                tl.store(DQ_OUT + row_p[:, None] * DK + offs_dk[None, :], dq.to(DQ_OUT.dtype.element_ty), mask=q_ok,
+                         eviction_policy="evict_first")  # as the forward's partials (v43)
+            elif DQ_MODE == 2:
+                dq = tl.dot(ds, k, input_precision=DOT_PRECISION)
+                tl.atomic_add(DQ_OUT + row_q[:, None] * DK + offs_dk[None, :], dq, mask=q_ok)
+            if PREFETCH:
+                r_ok, t, row_q, row_p, q, do, lse2, delta = r_ok_n, t_n, row_q_n, row_p_n, q_n, do_n, lse2_n, delta_n
+                flat_n, r_ok_n = flat_nn, r_ok_nn
         dv = dv * (1.0 / scale)
         k_rows = row_k[:, None] * DK + offs_dk[None, :]
         v_rows = row_k[:, None] * DV + offs_dv[None, :]
