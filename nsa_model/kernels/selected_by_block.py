@@ -355,8 +355,9 @@ def selected_block_bwd_kernel(Q, K, V, KD, VD, DO, LSE, DELTA, ORDER, STARTS, WO
                                                                          ROWS, OFFSETS_64)
             q_ok = r_ok[:, None] & (offs_dk < DK)[None, :]
             s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
-            # Every step masked: the forward's second, unmasked loop made this kernel 5-6% slower on the H100 (v44;
-            # 15% fewer instructions a step, yet slower), and a branch around the mask 6-12% (v24).
+            # Every step masked: a second, unmasked loop like the forward's made this kernel 5-7% slower on the H100
+            # with 15% fewer instructions a step (it is bound by its waits, v44), and a branch around the mask 6-12%
+            # slower (v24).
             # p and ds carry the softmax scale (p * scale = exp2(s - (lse2 - log2 scale))): dK and dQ take ds * scale
             # with no multiply an element, and dV divides it out once at the end (kernels-notes.md v42)
             p = tl.where(_visible(t, r_ok, pos, s_ok, SEL_BLOCK, BLOCK_S),

@@ -1023,8 +1023,8 @@ def _visible_blocks(blocks: torch.Tensor, sel_block: int) -> torch.Tensor:
     Such a block holds no key its query sees (keys u <= t), so the result is the same function; and by_block's
     forward needs it: it takes a block's choosers to start with its own queries, the only ones that see part of
     it (its masked steps, kernels/selected_by_block.py), and a segment id past the sequence's blocks would land in
-    the next (b, g)'s. The selection never picks such a block, so nsa::core
-    needs no pass; blocks given to selected_attention may hold them."""
+    the next (b, g)'s. The selection never picks such a block, so nsa::core needs no pass; blocks given to
+    selected_attention may hold them."""
     t = torch.arange(blocks.shape[1], device=blocks.device, dtype=blocks.dtype).view(1, -1, 1, 1)
     return torch.where(blocks * sel_block <= t, blocks, -1)
 
