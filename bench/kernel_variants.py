@@ -15,11 +15,12 @@ KERNELS = pathlib.Path(__file__).resolve().parent.parent / "nsa_model" / "kernel
 
 def edited_module(kernel_file: str, name: str, edits: list[tuple[str, str]]):
     """nsa_model/kernels/<kernel_file> with each (old, new) of `edits` replaced, as a fresh module; None where an
-    edit's text is not in the source (an edit of another version of the kernel: the probe skips that variant, and
-    tests/test_bench_probe.py checks that none of the current edits is skipped)."""
+    edit's text is not in the source (an edit of another version of the kernel) or the edit changes nothing (a
+    replacement built from text it does not contain): the probe skips that variant, and tests/test_bench_probe.py
+    checks that none of the current edits is skipped."""
     src = (KERNELS / kernel_file).read_text()
     for old, new in edits:
-        if old not in src:
+        if old not in src or old == new:
             return None
         src = src.replace(old, new)
     path = pathlib.Path(tempfile.mkdtemp()) / f"{pathlib.Path(kernel_file).stem}_{abs(hash(name))}.py"

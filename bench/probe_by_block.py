@@ -74,7 +74,7 @@ O_STORE_TMA = ("o_desc.store([(tl.program_id(0) % 512) * ROWS, 0], "
 HINT = ', eviction_policy="evict_first"'
 LSE2_STORE = 'tl.store(LSE2_PART + row_p, lse2, mask=r_ok, eviction_policy="evict_first")'
 PARTIALS_NO_HINT = [(O_STORE, O_STORE.replace(HINT, "")), (LSE2_STORE, LSE2_STORE.replace(HINT, ""))]
-DQ_NO_HINT = [(DQ_STORE, DQ_STORE.replace(HINT, ""))]
+DQ_NO_HINT = [(DQ_STORE, DQ_STORE.replace(',\n                         eviction_policy="evict_first"', ""))]
 # every step of the forward through its first, masked loop (right results): the visibility mask's compares and
 # selects on every step (before v44 the forward checked each step for choosers inside the block and masked those)
 EVERY_STEP_MASKED = [("        split = _masked_steps_end(first, start, end, SEL_BLOCK, BLOCK_S, ENTRIES)\n",
