@@ -28,7 +28,6 @@ the tl kernel's, then times both).
 """
 
 import argparse
-import datetime
 import json
 import math
 import os
@@ -43,7 +42,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from bench.provenance import file_suffix, git_commit
+from bench.provenance import file_suffix, git_commit, result_file, result_stem
 
 LOG2E = 1.4426950408889634
 
@@ -408,13 +407,9 @@ def main() -> int:
             row["variants"].append(entry)
             print(name, entry, flush=True)
         rows_out.append(row)
-    meta = dict(device=torch.cuda.get_device_name(), date=datetime.datetime.now(datetime.timezone.utc).isoformat(),
-                commit=args.commit or git_commit(), torch=torch.__version__, triton=triton.__version__)
-    stem = os.path.join(args.out, f"gluon-by-block-fwd-h100-{datetime.date.today().isoformat()}{args.suffix}")
-    with open(stem + ".json", "w") as f:
-        json.dump(dict(meta=meta, rows=rows_out), f, indent=1)
-    with open(stem + ".md", "w") as f:
-        f.write(report(meta, rows_out))
+    stem, meta = result_stem(args.out, "gluon-by-block-fwd", args.suffix, args.commit or git_commit())
+    result_file(stem, ".json").write_text(json.dumps(dict(meta=meta, rows=rows_out), indent=1))
+    result_file(stem, ".md").write_text(report(meta, rows_out))
     print(report(meta, rows_out))
     return 0
 

@@ -34,7 +34,6 @@ variant against the tl kernel, then times them; results as JSON and markdown).
 """
 
 import argparse
-import datetime
 import json
 import math
 import os
@@ -48,7 +47,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from bench.provenance import file_suffix, git_commit
+from bench.provenance import file_suffix, git_commit, result_file, result_stem
 
 LOG2E = 1.4426950408889634
 
@@ -514,14 +513,10 @@ def main() -> int:
             row["variants"].append(entry)
             print(name, entry, flush=True)
         rows.append(row)
-    meta = dict(device=torch.cuda.get_device_name(), date=datetime.datetime.now(datetime.timezone.utc).isoformat(),
-                commit=args.commit or git_commit(), torch=torch.__version__, triton=triton.__version__,
-                window=args.window)
-    stem = os.path.join(args.out, f"gluon-window-fwd-h100-{datetime.date.today().isoformat()}{args.suffix}")
-    with open(stem + ".json", "w") as f:
-        json.dump(dict(meta=meta, rows=rows), f, indent=1)
-    with open(stem + ".md", "w") as f:
-        f.write(report(meta, rows))
+    stem, meta = result_stem(args.out, "gluon-window-fwd", args.suffix, args.commit or git_commit())
+    meta["window"] = args.window
+    result_file(stem, ".json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
+    result_file(stem, ".md").write_text(report(meta, rows))
     print(report(meta, rows))
     return 0
 

@@ -58,15 +58,15 @@ def write_times(out_dir, suffix: str, commit: str, results: dict, *, title: str,
     times under `unit`, the markdown a table of rows by columns (headed column(key)) after the title and note."""
     import json
 
-    from bench.provenance import result_stem
+    from bench.provenance import result_file, result_stem
 
     stem, meta = result_stem(out_dir, "probe", suffix, commit)
-    stem.with_suffix(".json").write_text(json.dumps({"meta": meta, unit: results}, indent=1))
+    result_file(stem, ".json").write_text(json.dumps({"meta": meta, unit: results}, indent=1))
     names = list(next(iter(results.values())))
     lines = [f"# Probe: {title}: {meta['device']}, {meta['date']}", "",
              f"commit {commit}, torch {meta['torch']}, triton {meta['triton']}. {note}", "",
              "| | " + " | ".join(column(key) for key in results) + " |", "|---|" + "---|" * len(results)]
     for name in names:
         lines.append(f"| {name} | " + " | ".join(format(row[name], fmt) for row in results.values()) + " |")
-    stem.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    result_file(stem, ".md").write_text("\n".join(lines) + "\n")
     return stem

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
 import json
 import math
 import os
@@ -35,7 +34,7 @@ import triton
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from nsa_model.config import NSAConfig  # noqa: E402
 from bench.launch import launch_overrides  # noqa: E402
-from bench.provenance import code_fingerprint, file_suffix, git_commit  # noqa: E402
+from bench.provenance import file_suffix, git_commit, result_file, result_stem  # noqa: E402
 from nsa_model.ops import triton_impl as ti  # noqa: E402
 
 NAMES = ("q", "k_slc", "v_slc", "k_win", "v_win", "k_cmp", "v_cmp", "gates")
@@ -774,21 +773,14 @@ def main():
     except Exception as e:
         print("fla-core not importable:", repr(e)[:200])
         have_fla = False
-    commit = args.commit or git_commit()
-    device = torch.cuda.get_device_name()
-    meta = {"device": device, "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-            "commit": commit, "torch": torch.__version__, "triton": triton.__version__,
-            "python": platform.python_version(), "nsa_model": code_fingerprint(),
-            "launch_config": ti.launch_config().__dict__}
-    slug = "h200" if "H200" in device else "h100" if "H100" in device else device.split()[-1].lower()
-    stem = os.path.join(args.out, f"kernels-{slug}-{meta['date'][:10]}{args.suffix}")
+    stem, meta = result_stem(args.out, "kernels", args.suffix, args.commit or git_commit())
+    meta.update(python=platform.python_version(), launch_config=ti.launch_config().__dict__)
     checks, rows = [], []
 
     def save():
-        with open(stem + ".json", "w") as f:
-            json.dump({"meta": meta, "checks": checks, "timings": rows, "sweep": sweep_log}, f, indent=1)
-        with open(stem + ".md", "w") as f:
-            f.write(markdown(meta, checks, rows))
+        result_file(stem, ".json").write_text(json.dumps({"meta": meta, "checks": checks, "timings": rows,
+                                                          "sweep": sweep_log}, indent=1))
+        result_file(stem, ".md").write_text(markdown(meta, checks, rows))
 
     sweep_log = []
     if args.sweep:

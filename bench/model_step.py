@@ -20,7 +20,6 @@ training loop (issue 9's numbers). Writes bench/results/model-step-<device>-<dat
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
 import statistics
 import sys
@@ -32,7 +31,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.launch import launch_overrides  # noqa: E402,F401  (also this module's --launch parser)
-from bench.provenance import code_fingerprint, file_suffix, git_commit  # noqa: E402
+from bench.provenance import file_suffix, git_commit, result_file, result_stem  # noqa: E402
 from nsa_model import Transformer, get_preset  # noqa: E402
 from pipeline.train.loop import FlatGradients, cudagraph_skips  # noqa: E402
 
@@ -384,16 +383,10 @@ def main() -> None:
 
         from nsa_model.ops import triton_impl
         triton_impl.set_launch_config(dataclasses.replace(triton_impl.launch_config(), **overrides))
-    device = torch.cuda.get_device_name()
-    now = dt.datetime.now(dt.timezone.utc)
-    meta = {"device": device, "date": now.strftime("%Y-%m-%d %H:%M UTC"), "commit": args.commit or git_commit(),
-            "torch": torch.__version__, "nsa_model": code_fingerprint(), "preset": args.preset,
-            "tokens_per_step": args.tokens_per_step,
-            "micro_tokens": args.micro_tokens, "eager": args.eager, "warmup": args.warmup, "measure": args.measure,
-            "compile_mode": args.compile_mode, "launch_overrides": overrides,
-            "model_overrides": launch_overrides(args.model)}
-    slug = "h200" if "H200" in device else "h100" if "H100" in device else device.split()[-1].lower()
-    stem = Path(args.out) / f"model-step-{slug}-{now.strftime('%Y-%m-%d')}{args.suffix}"
+    stem, meta = result_stem(args.out, "model-step", args.suffix, args.commit or git_commit())
+    meta.update(preset=args.preset, tokens_per_step=args.tokens_per_step, micro_tokens=args.micro_tokens,
+                eager=args.eager, warmup=args.warmup, measure=args.measure, compile_mode=args.compile_mode,
+                launch_overrides=overrides, model_overrides=launch_overrides(args.model))
     stem.parent.mkdir(parents=True, exist_ok=True)
     rows = []
     for t in seq_lens:
@@ -410,8 +403,8 @@ def main() -> None:
                 torch.cuda.empty_cache()
             print(json.dumps({k: v for k, v in row.items() if k != "profile"}), flush=True)
             rows.append(row)
-            stem.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
-            stem.with_suffix(".md").write_text(markdown(meta, [r for r in rows if "error" not in r]))
+            result_file(stem, ".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+            result_file(stem, ".md").write_text(markdown(meta, [r for r in rows if "error" not in r]))
     print(markdown(meta, [r for r in rows if "error" not in r]))
 
 

@@ -35,7 +35,7 @@ import triton
 
 from bench.kernel_variants import KERNELS, edited_module
 from bench.kernels import PAPER_NSA, SHAPES, bench_graph, kernel_breakdown, make_inputs
-from bench.provenance import file_suffix, git_commit, result_stem
+from bench.provenance import file_suffix, git_commit, result_file, result_stem
 from nsa_model.ops import triton_impl as ti
 
 MODULES = {  # kernel module -> the kernels of it that triton_impl launches
@@ -204,7 +204,7 @@ def time_selection(family: str, B: int, T: int) -> dict:
 def write_selection(out_dir: pathlib.Path, suffix: str, commit: str, results: dict) -> pathlib.Path:
     stem, meta = result_stem(out_dir, "probe", suffix, commit)
     device = meta["device"]
-    stem.with_suffix(".json").write_text(json.dumps({"meta": meta, "selection": results}, indent=1))
+    result_file(stem, ".json").write_text(json.dumps({"meta": meta, "selection": results}, indent=1))
     names = list(SELECTION_VARIANTS)
     lines = [f"# Probe: the selection kernel as it is and as it was: {device}, {meta['date']}", "",
              f"commit {commit}, torch {meta['torch']}, triton {meta['triton']}. `bench/probe_exp2.py --selection`: "
@@ -218,14 +218,14 @@ def write_selection(out_dir: pathlib.Path, suffix: str, commit: str, results: di
         cells = [f"{row[k]['ms'] * 1000:.1f} ({row[k]['rows_differing']:.1e})" for k in names]
         ratio = row[names[1]]["ms"] / row[names[0]]["ms"]
         lines.append(f"| {shape} | " + " | ".join(cells) + f" | {ratio:.3f} |")
-    stem.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    result_file(stem, ".md").write_text("\n".join(lines) + "\n")
     return stem
 
 
 def write(out_dir: pathlib.Path, suffix: str, commit: str, results: dict) -> pathlib.Path:
     stem, meta = result_stem(out_dir, "probe", suffix, commit)
     device = meta["device"]
-    stem.with_suffix(".json").write_text(json.dumps({"meta": meta, "shapes": results}, indent=1))
+    result_file(stem, ".json").write_text(json.dumps({"meta": meta, "shapes": results}, indent=1))
     lines = [f"# Probe: the exponential unit in the attention kernels: {device}, {meta['date']}", "",
              f"commit {commit}, torch {meta['torch']}, triton {meta['triton']}. `bench/probe_exp2.py`: NSA core "
              "forward + backward as a CUDA graph (`do_bench_cudagraph` median, ms), bf16, random inputs; "
@@ -241,7 +241,7 @@ def write(out_dir: pathlib.Path, suffix: str, commit: str, results: dict) -> pat
             lines.append(f"| {k} | " + " | ".join(f"{row[n]['kernels_ms'].get(k, float('nan')):.3f}" for n in names)
                          + " |")
         lines.append("")
-    stem.with_suffix(".md").write_text("\n".join(lines))
+    result_file(stem, ".md").write_text("\n".join(lines))
     return stem
 
 

@@ -65,3 +65,9 @@ def result_stem(out_dir, prefix: str, suffix: str, commit: str):
     meta = {"device": device, "date": f"{stamp:%Y-%m-%d %H:%M} UTC", "commit": commit, "torch": torch.__version__,
             "triton": triton.__version__, "nsa_model": code_fingerprint()}
     return pathlib.Path(out_dir) / f"{prefix}-{tag}-{stamp:%Y-%m-%d}{suffix}", meta
+
+
+def result_file(stem, ext: str):
+    """stem (a result_stem path) + ext (".json", ".md"). Not Path.with_suffix: a suffix may hold a dot ("-v45a.2"),
+    which with_suffix takes for the file's extension and replaces, so two runs' files would land on one name."""
+    return stem.with_name(stem.name + ext)

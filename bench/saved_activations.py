@@ -30,7 +30,7 @@ from pathlib import Path
 import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench.provenance import file_suffix, git_commit  # noqa: E402
+from bench.provenance import file_suffix, git_commit, result_file  # noqa: E402
 from nsa_model import Transformer, get_preset  # noqa: E402
 
 
@@ -166,8 +166,8 @@ def main() -> None:
             "recompute": recompute}
     stem = Path(args.out) / f"saved-activations-{now.strftime('%Y-%m-%d')}{args.suffix}"
     stem.parent.mkdir(parents=True, exist_ok=True)
-    stem.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
-    stem.with_suffix(".md").write_text(markdown(meta, rows))
+    result_file(stem, ".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    result_file(stem, ".md").write_text(markdown(meta, rows))
     print(f"wrote {stem}.json and .md")
 
 

@@ -22,11 +22,8 @@ per T the ratio NSA / dense against issue 9's targets.
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
 import math
-import platform
-import subprocess
 import sys
 import tempfile
 import time
@@ -35,7 +32,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script from any directory
 
-from bench.provenance import code_fingerprint, file_suffix  # noqa: E402
+from bench.provenance import file_suffix, git_commit, result_file, result_stem  # noqa: E402
 
 # Issue 9: NSA tokens/s over dense tokens/s, same run, per T; and NSA peak memory at 32768 <= dense.
 SPEED_TARGETS = {2048: 0.7, 8192: 1.0, 32768: 1.6}
@@ -183,58 +180,27 @@ def markdown(meta: dict[str, Any], runs: dict[tuple[str, int], dict[str, Any]], 
 
 # --- main ------------------------------------------------------------------------------------------------------------
 
-def device_name() -> str:
-    import torch
-
-    if torch.cuda.is_available():
-        return torch.cuda.get_device_name(0)
-    return f"CPU {platform.machine()}"
-
-
-def device_slug(name: str) -> str:
-    for key in ("H200", "H100", "A100"):
-        if key in name:
-            return key.lower()
-    return "cpu" if name.startswith("CPU") else "gpu"
-
-
-def git_commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              check=True, cwd=Path(__file__).parent).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
 def write_results(args, base, runs: dict[tuple[str, int], dict[str, Any]]) -> str:
     """Write train-<device>-<date><tag>.{json,md} under args.out; returns the markdown."""
-    import torch
-
-    name = device_name()
-    now = dt.datetime.now(dt.timezone.utc)
     from pipeline.train.loop import uses_cuda_graphs
 
     cuda_graphs = uses_cuda_graphs(base.train)
     preset = (base.raw.get("model") or {}).get("preset", "tiny")
-    meta = {"device": name, "date": now.strftime("%Y-%m-%d %H:%M UTC"), "commit": args.commit or git_commit(),
-            "torch": torch.__version__, "nsa_model": code_fingerprint(), "preset": preset, "config": args.config,
-            "overrides": args.set,
-            "nsa_overrides": args.nsa_set, "dense_overrides": args.dense_set,
-            "tokens_per_step": args.tokens_per_step, "micro_tokens": args.micro_tokens, "warmup": args.warmup,
-            "measure": args.measure,
-            "compile_note": (f"torch.compile (mode {base.train.compile_mode}) of the whole model, one graph: the Triton "
-                             "NSA core as the custom op nsa::core in NSA's, SDPA in dense's" if base.train.compile
-                             else "eager (no torch.compile)"),
-            "memory_measure": "reserved" if cuda_graphs else "allocated"}
+    stem, meta = result_stem(args.out, "train", args.tag, args.commit or git_commit())
+    compile_note = (f"torch.compile (mode {base.train.compile_mode}) of the whole model, one graph: the Triton NSA "
+                    "core as the custom op nsa::core in NSA's, SDPA in dense's" if base.train.compile
+                    else "eager (no torch.compile)")
+    meta.update(preset=preset, config=args.config, overrides=args.set, nsa_overrides=args.nsa_set,
+                dense_overrides=args.dense_set, tokens_per_step=args.tokens_per_step, micro_tokens=args.micro_tokens,
+                warmup=args.warmup, measure=args.measure, compile_note=compile_note,
+                memory_measure="reserved" if cuda_graphs else "allocated")
     rows = compare(runs, "peak_reserved_mb" if cuda_graphs else "peak_mem_mb")
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    stem = f"train-{device_slug(name)}-{now.strftime('%Y-%m-%d')}{args.tag}"
-    (out / f"{stem}.json").write_text(json.dumps(
+    stem.parent.mkdir(parents=True, exist_ok=True)
+    result_file(stem, ".json").write_text(json.dumps(
         {"meta": meta, "runs": [{"attention": k, "seq_len": T, **r} for (k, T), r in runs.items()],
          "comparison": rows}, indent=1))
     table = markdown(meta, runs, rows)
-    (out / f"{stem}.md").write_text(table)
+    result_file(stem, ".md").write_text(table)
     return table
 
 

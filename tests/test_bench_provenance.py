@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from bench.provenance import code_fingerprint, file_suffix
+from bench.provenance import code_fingerprint, file_suffix, result_file, result_stem
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -43,3 +43,18 @@ def test_file_suffix_refuses_names_the_gpu_host_would_not_return():
     assert file_suffix("-v43a_b.1") == "-v43a_b.1"
     with pytest.raises(argparse.ArgumentTypeError, match="letters, digits"):
         file_suffix("-v43,a")
+
+
+def test_result_files_keep_a_suffix_with_a_dot_and_record_the_code(tmp_path):
+    """A suffix may hold a dot: each run's files keep their own names (Path.with_suffix took "-v45a.2" for an
+    extension and wrote "-v45a.json", over the first run's file). The stem names the device and the UTC date; the
+    meta holds what every bench records about the code it ran."""
+    first, meta = result_stem(tmp_path, "probe", "-v45a.1", "abc1234")
+    second, _ = result_stem(tmp_path, "probe", "-v45a.2", "abc1234")
+    for stem, text in ((first, "one"), (second, "two")):
+        result_file(stem, ".json").write_text(text)
+    names = sorted(f.name for f in tmp_path.iterdir())
+    assert names == [f"probe-cpu-{meta['date'][:10]}-v45a.{i}.json" for i in (1, 2)]
+    assert [result_file(s, ".json").read_text() for s in (first, second)] == ["one", "two"]
+    assert meta["device"] == "cpu" and meta["commit"] == "abc1234" and meta["date"].endswith(" UTC")
+    assert meta["nsa_model"] == code_fingerprint() and {"torch", "triton"} <= set(meta)
