@@ -281,6 +281,20 @@ def measure(preset, attention, seq_len, tokens_per_step, micro_tokens, warmup, m
     return row
 
 
+PROFILE_COLUMNS = ("nsa core (triton)", "matmul (cuBLAS)", "compiled glue (inductor)")
+
+
+def _profile_cells(profile: dict | None) -> str:
+    """The step table's profile columns: wall / GPU busy ms, then the core, matmul, glue and the other categories'
+    ms; "-" in each where the row ran without a profile (--no-profile), not zeros that read as measured."""
+    if not profile:
+        return " | ".join(["- / -"] + ["-"] * (len(PROFILE_COLUMNS) + 1))
+    c = profile.get("categories_ms", {})
+    other = sum(v for k, v in c.items() if k not in PROFILE_COLUMNS)
+    return " | ".join([f"{profile.get('wall_ms', 0):.1f} / {profile.get('gpu_busy_ms', 0):.1f}"]
+                      + [f"{c.get(k, 0):.1f}" for k in PROFILE_COLUMNS] + [f"{other:.1f}"])
+
+
 def markdown(meta, rows) -> str:
     compiled = "eager" if meta["eager"] else f"torch.compile (mode {meta.get('compile_mode', 'default')})"
     lines = [f"# Model step, NSA vs dense: {meta['device']}, {meta['date']}", "",
@@ -295,13 +309,9 @@ def markdown(meta, rows) -> str:
              "NSA core kernels ms | matmul ms | compiled glue ms | other ms |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        p = r.get("profile", {})
-        c = p.get("categories_ms", {})
         lines.append(f"| {r['attention']} | {r['seq_len']} | {r['tokens_per_s']:,.0f} | {r['step_s'] * 1e3:.1f} | "
-                     f"{r['mfu']:.3f} | {r['peak_mib']:,.0f} / {r.get('peak_reserved_mib', 0):,.0f} | {p.get('wall_ms', 0):.1f} / {p.get('gpu_busy_ms', 0):.1f} | "
-                     f"{c.get('nsa core (triton)', 0):.1f} | {c.get('matmul (cuBLAS)', 0):.1f} | "
-                     f"{c.get('compiled glue (inductor)', 0):.1f} | "
-                     f"{sum(v for k, v in c.items() if k not in ('nsa core (triton)', 'matmul (cuBLAS)', 'compiled glue (inductor)')):.1f} |")
+                     f"{r['mfu']:.3f} | {r['peak_mib']:,.0f} / {r.get('peak_reserved_mib', 0):,.0f} | "
+                     + _profile_cells(r.get("profile")) + " |")
     by_t = {}
     for r in rows:
         by_t.setdefault(r["seq_len"], {})[r["attention"]] = r

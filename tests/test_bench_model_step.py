@@ -79,6 +79,20 @@ def test_the_report_names_the_graphs_run_without_cuda_graphs():
         {**meta, "launch_overrides": {"slc_kernel": "by_block"}}, rows)
 
 
+def test_the_step_table_shows_a_row_without_a_profile_as_dashes_not_zeros():
+    """--no-profile rows once read "0.0 / 0.0" GPU busy ms, as if measured; a profiled row keeps its figures, the
+    other categories summed."""
+    meta = {"device": "H100", "date": "2026-11-26", "commit": "abc", "torch": "2.11", "preset": "nsa-125m",
+            "tokens_per_step": 65536, "micro_tokens": 32768, "eager": False, "warmup": 3, "measure": 5}
+    row = {"seq_len": 8192, "tokens_per_s": 3.4e5, "step_s": 0.1935, "mfu": 0.3, "peak_mib": 1931, "peak_reserved_mib": 2e4}
+    profile = {"wall_ms": 198.8, "gpu_busy_ms": 197.3, "categories_ms": {
+        "nsa core (triton)": 84.5, "matmul (cuBLAS)": 62.7, "compiled glue (inductor)": 35.6, "other (torch eager)": 13.4,
+        "sort/scan (torch)": 1.0}}
+    lines = model_step.markdown(meta, [{**row, "attention": "nsa"}]).split("\n")
+    assert "| nsa | 8192 | 340,000 | 193.5 | 0.300 | 1,931 / 20,000 | - / - | - | - | - | - |" in lines
+    assert model_step._profile_cells(profile) == "198.8 / 197.3 | 84.5 | 62.7 | 35.6 | 14.4"
+
+
 def test_launch_overrides_parse_literals_and_words_and_refuse_a_bare_name():
     got = model_step.launch_overrides(["slc_auto_tiled_fwd_blocks=8", "slc_kernel=by_block",
                                        "range_fwd=(64, 64, 4, 3)"])
