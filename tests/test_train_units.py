@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import itertools
 import math
 import time
 from pathlib import Path
@@ -193,6 +194,63 @@ def test_nan_step_is_skipped_and_counted():
         assert torch.equal(v, before[k]), k  # no update from a NaN step
     for p in model.parameters():
         assert p.grad is None  # and no NaN gradient left behind for the next step
+
+
+def test_a_nan_step_skipped_on_the_device_leaves_what_the_host_skip_leaves():
+    """The fused AdamW skips a non-finite step itself (found_inf, no host sync before the update); a foreach AdamW
+    (FSDP on CPU) is not called for it. A NaN step then a finite one give the same parameters and the same
+    optimizer state (one step counted) either way, and the guard counts the skip in both."""
+    cfg = TrainConfig(num_workers=1, global_batch=4, micro_batch=2, max_steps=10, warmup_steps=0, lr=1e-2,
+                      weight_decay=0.1, debug={"nan_at_steps": [0]})
+    tokens = [torch.randint(0, 64, (4, 33), generator=torch.Generator().manual_seed(s)) for s in (5, 6)]
+    results = []
+    for fused in (True, False):
+        model = small_model()
+        opt = torch.optim.AdamW(param_groups(model, cfg.weight_decay), lr=cfg.lr, fused=fused)
+        assert loop.skips_on_device(cfg, opt) is fused
+        sched, guard = build_scheduler(opt, cfg), NonFiniteGuard(3)
+        finite = []
+        for step in (0, 1):
+            batches = iter([(tokens[step][i:i + 2], list(range(4 * step + i, 4 * step + i + 2))) for i in (0, 2)])
+            finite.append(_train_step(cfg, step, 0, 1, model, model, contextlib.nullcontext(), opt, sched, guard,
+                                      batches, torch.device("cpu"), NoWatchdog())[1])
+        assert finite == [False, True] and guard.skipped_total == 1
+        assert {float(opt.state[p]["step"]) for p in model.parameters()} == {1.0}
+        results.append([p.detach().clone() for p in model.parameters()])
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+
+
+def test_the_next_steps_first_micro_batch_is_read_after_the_update_is_launched():
+    """prefetch_next: the step reads the next step's first micro-batch after it has launched the optimizer (so the
+    read overlaps the GPU's work instead of the gap between steps), and the next step takes that batch."""
+    cfg = TrainConfig(num_workers=1, global_batch=4, micro_batch=2, max_steps=10, warmup_steps=0)
+    model = small_model()
+    opt = build_optimizer(model, cfg, torch.device("cpu"))
+    sched, events = build_scheduler(opt, cfg), []
+    opt.register_step_post_hook(lambda *args: events.append("update"))
+    gen = torch.Generator().manual_seed(7)
+
+    def stream():
+        for block in itertools.count(0, 2):
+            events.append(f"read {block}")
+            yield torch.randint(0, 64, (2, 33), generator=gen), [block, block + 1]
+
+    batches = loop.Lookahead(stream())
+    for step in (0, 1):
+        _train_step(cfg, step, 0, 1, model, model, contextlib.nullcontext(), opt, sched, NonFiniteGuard(3), batches,
+                    torch.device("cpu"), NoWatchdog(), prefetch_next=step == 0)
+    assert events == ["read 0", "read 2", "update", "read 4", "read 6", "update"]
+
+
+def test_lookahead_keeps_the_order_and_reports_the_end_where_it_is_read():
+    ahead = loop.Lookahead(iter([1, 2]))
+    ahead.prefetch()
+    ahead.prefetch()  # a second prefetch reads nothing more
+    assert next(ahead) == 1 and next(ahead) == 2
+    ahead.prefetch()  # past the end: nothing to read yet no error here
+    with pytest.raises(StopIteration):
+        next(ahead)
 
 
 def test_guard_stops_after_k_in_a_row():
@@ -415,14 +473,16 @@ def test_validation_reads_its_blocks_once_and_closes_the_stream():
     assert first == _validate(model, contextlib.nullcontext(), held, torch.device("cpu")) and math.isfinite(first)
 
 
-def test_adamw_is_fused_on_gpu_with_decoupled_decay_groups():
-    """The GPU run's optimizer is the fused AdamW kernel (built here on CPU tensors: torch checks the flag, not the
-    device, until the first step); CPU runs keep the default implementation."""
+def test_adamw_is_fused_with_decoupled_decay_groups_but_for_fsdp_on_cpu():
+    """Runs use the fused AdamW kernel (built here on CPU tensors for the GPU case: torch checks the flag, not the
+    device, until the first step), on CPU too, since its found_inf lets a non-finite step be skipped on the device;
+    FSDP on CPU keeps the default implementation."""
     cfg = TrainConfig(num_workers=1, global_batch=4, micro_batch=4, max_steps=10, warmup_steps=2, weight_decay=0.1)
     gpu = build_optimizer(small_model(), cfg, torch.device("cuda"))
     cpu = build_optimizer(small_model(), cfg, torch.device("cpu"))
-    assert isinstance(gpu, torch.optim.AdamW) and gpu.defaults["fused"] is True
-    assert not cpu.defaults["fused"]
+    fsdp_cpu = build_optimizer(small_model(), dataclasses.replace(cfg, parallelism="fsdp"), torch.device("cpu"))
+    assert isinstance(gpu, torch.optim.AdamW) and gpu.defaults["fused"] is True and cpu.defaults["fused"] is True
+    assert not fsdp_cpu.defaults["fused"]
     assert [g["weight_decay"] for g in gpu.param_groups] == [0.1, 0.0]
     assert gpu.defaults["betas"] == (cfg.beta1, cfg.beta2) and gpu.defaults["eps"] == cfg.eps
 

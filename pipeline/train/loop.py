@@ -6,10 +6,12 @@ Optimizer step s consumes positions [s*PB, (s+1)*PB) of every rank's stream (PB 
 next epoch, so every rank runs the same train.max_steps steps. A block is named in the trace and the checks by its
 run block id, position * W + rank: step s's blocks are the ids [s*GB, (s+1)*GB) over all ranks. The loop checks
 that every micro-batch holds exactly the blocks it should, so a data-position bug fails loudly.
-Per step there is one small all-reduce ([loss, finite]) and one host sync (the skip decision of the guard);
-everything else (metrics, NSA statistics) is synced only on the steps that report. The gradients are summed by
-DDP's hooks during the last micro-batch's backward (ddp), by FSDP2 (fsdp), or by one all-reduce of the
-FlatGradients buffer after it (allreduce).
+Per step there is one small all-reduce ([loss, finite]) and one host sync, for the guard's count of non-finite
+steps. With a fused optimizer (not under FSDP) that sync comes last: the optimizer skips a non-finite step on the
+device (its found_inf), and the next step's first micro-batch is read before the sync, so the GPU waits less for
+the host between steps. Everything else (metrics, NSA statistics) is synced only on the steps that report. The
+gradients are summed by DDP's hooks during the last micro-batch's backward (ddp), by FSDP2 (fsdp), or by one
+all-reduce of the FlatGradients buffer after it (allreduce).
 """
 
 from __future__ import annotations
@@ -268,13 +270,13 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
             watchdog.beat(start_step, "validation")
             val_set = _validation_set(t, batches("val", 0, wrap=False), device)
             # Every rank consumed start_step * PB blocks of its share; wrapping, its stream never runs out.
-            train_batches = batches("train", start_step * (t.global_batch // world), wrap=True)
+            train_batches = Lookahead(batches("train", start_step * (t.global_batch // world), wrap=True))
             for step in range(start_step, t.max_steps):
                 _inject_faults(t, step, rank, watchdog, local_run_dir)
                 sums = [] if t.debug.trace else None
                 loss_value, finite, blocks, wait_s, compute_s, grad_norm, lr = _train_step(
                     t, step, rank, world, model, forward, autocast, optimizer, scheduler, guard, train_batches,
-                    device, watchdog, block_sums=sums, grads=grads)
+                    device, watchdog, block_sums=sums, grads=grads, prefetch_next=step + 1 < t.max_steps)
                 interval.add(loss_value, finite, wait_s, compute_s)
                 if t.debug.trace and local_run_dir is not None:
                     _trace(local_run_dir, rank, {"step": step, "loss": loss_value, "finite": finite, "blocks": blocks,
@@ -312,11 +314,51 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
         logger.close()
 
 
+class Lookahead:
+    """An iterator that can read its next item ahead (prefetch), while the GPU still runs the step before it: the
+    host's time to take a micro-batch from Ray Data (about 1 ms) then stays out of the gap between two steps."""
+
+    def __init__(self, items: Iterator):
+        self.items, self.ahead, self.has_ahead = items, None, False
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        if self.has_ahead:
+            self.has_ahead = False
+            item, self.ahead = self.ahead, None
+            return item
+        return next(self.items)
+
+    def prefetch(self) -> None:
+        if not self.has_ahead:
+            try:
+                self.ahead, self.has_ahead = next(self.items), True
+            except StopIteration:  # the next __next__ raises it again, where the step reports it
+                pass
+
+
+def skips_on_device(t: TrainConfig, optimizer: torch.optim.Optimizer) -> bool:
+    """Whether a non-finite step is skipped by the optimizer itself on the device (a fused Adam/AdamW reads a
+    found_inf tensor, as under GradScaler) instead of by the host after a sync. Not under FSDP, whose parameters
+    are DTensors beside the plain found_inf."""
+    return bool(optimizer.defaults.get("fused")) and t.parallelism != "fsdp"
+
+
 def _train_step(t, step, rank, world, model, forward, autocast, optimizer, scheduler, guard, train_batches, device,
-                watchdog, block_sums: list[int] | None = None, grads: FlatGradients | None = None):
+                watchdog, block_sums: list[int] | None = None, grads: FlatGradients | None = None,
+                prefetch_next: bool = False):
     """One optimizer step (grad_accum micro-batches). Returns host values for the metrics.
     block_sums (train.debug.trace): receives each block's token sum, taken from the host batch (no device sync).
-    grads: the parameters' FlatGradients, required under CUDA graphs and with parallelism=allreduce."""
+    grads: the parameters' FlatGradients, required under CUDA graphs and with parallelism=allreduce.
+    prefetch_next: read the next step's first micro-batch before this step's host sync (train_batches a Lookahead).
+
+    The update: where skips_on_device, the optimizer, the gradients' zeroing and the schedule are all launched
+    before the one sync, and a non-finite step (the same verdict on every rank) is skipped by the fused optimizer
+    on the device; the guard then counts it and stops the run after too many in a row. Elsewhere the host syncs
+    first and calls the optimizer only for a finite step. Both skip the same steps and leave the optimizer's state
+    (moments, step count) as it was."""
     reduce_after_backward = t.parallelism == "allreduce" and world > 1
     if grads is None and (uses_cuda_graphs(t) or reduce_after_backward):
         raise ValueError("_train_step: CUDA graphs and parallelism=allreduce need the parameters' FlatGradients")
@@ -376,12 +418,35 @@ def _train_step(t, step, rank, world, model, forward, autocast, optimizer, sched
     summary = torch.stack([loss_sum / t.grad_accum, (~torch.isfinite(loss_sum)).float()])
     if dist.is_initialized():
         dist.all_reduce(summary)
-    loss_value, nonfinite_ranks, norm_value = torch.cat([summary, grad_norm.detach().float()[None]]).tolist()
-    loss_value /= world
+    host = torch.cat([summary, grad_norm.detach().float()[None]])  # loss sum, non-finite ranks, gradient norm
+    if skips_on_device(t, optimizer):
+        optimizer.found_inf = ((summary[1] > 0) | ~torch.isfinite(host[2])).float()
+        optimizer.step()  # changes nothing where found_inf is 1
+        _end_step(optimizer, scheduler, grads, applied=True)
+        if prefetch_next:
+            watchdog.beat(step, "data")
+            train_batches.prefetch()
+            watchdog.beat(step, "optimizer")  # the sync below waits for the step's work on the device
+        loss_value, finite, norm_value = _verdict(host, world, guard, step)
+    else:
+        loss_value, finite, norm_value = _verdict(host, world, guard, step)
+        if finite:
+            optimizer.step()
+        _end_step(optimizer, scheduler, grads, applied=finite)
+    compute_s += time.perf_counter() - t2
+    return loss_value, finite, blocks, wait_s, compute_s, norm_value, lr
+
+
+def _verdict(host: torch.Tensor, world: int, guard: NonFiniteGuard, step: int) -> tuple[float, bool, float]:
+    """(mean loss, finite, gradient norm) of the step from [loss sum over ranks, non-finite ranks, norm] (the host
+    sync), recorded by the guard, which raises after too many non-finite steps in a row."""
+    loss_sum, nonfinite_ranks, norm_value = host.tolist()
     finite = nonfinite_ranks == 0 and bool(torch.isfinite(torch.tensor(norm_value)))
-    applied = guard.observe(step, finite)
-    if applied:
-        optimizer.step()
+    guard.observe(step, finite)
+    return loss_sum / world, finite, norm_value
+
+
+def _end_step(optimizer, scheduler, grads: FlatGradients | None, applied: bool) -> None:
     if grads is not None:
         grads.zero_()  # in place: the views stay the parameters' gradients (FlatGradients)
     else:
@@ -390,8 +455,6 @@ def _train_step(t, step, rank, world, model, forward, autocast, optimizer, sched
         if not applied:  # a skipped step still advances the schedule (it is tied to the step index)
             warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step\\(\\)` before")
         scheduler.step()
-    compute_s += time.perf_counter() - t2
-    return loss_value, finite, blocks, wait_s, compute_s, norm_value, lr
 
 
 def _interval_metrics(iv: Interval, t: TrainConfig, done: int, tokens_per_step: int, flops_per_token: float,

@@ -49,8 +49,11 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
 
 
 def build_optimizer(model: nn.Module, cfg: TrainConfig, device: torch.device) -> torch.optim.AdamW:
+    """AdamW, fused (one kernel for every parameter, on CUDA and on CPU): the fused form also skips a non-finite
+    step on the device (pipeline/train/loop.py, skips_on_device). FSDP on CPU keeps the foreach form."""
+    fused = device.type == "cuda" or cfg.parallelism != "fsdp"
     return torch.optim.AdamW(param_groups(model, cfg.weight_decay), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
-                             eps=cfg.eps, fused=device.type == "cuda")
+                             eps=cfg.eps, fused=fused)
 
 
 def build_scheduler(optimizer: torch.optim.Optimizer, cfg: TrainConfig) -> torch.optim.lr_scheduler.LambdaLR:
