@@ -23,8 +23,9 @@ class WatchdogTimeout(RuntimeError):
 
 
 class NonFiniteGuard:
-    """Counts steps whose loss or gradient is NaN/inf. Such a step is skipped by the caller (no update);
-    after `max_consecutive` of them in a row the run stops: continuing would only waste the cluster."""
+    """Counts steps whose loss or gradient is NaN/inf. Such a step is skipped by the caller (no update: the fused
+    optimizer's found_inf on the device, or no optimizer call; pipeline/train/loop.py); after `max_consecutive` of
+    them in a row the run stops: continuing would only waste the cluster."""
 
     def __init__(self, max_consecutive: int):
         self.max_consecutive = max_consecutive
