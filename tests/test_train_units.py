@@ -196,16 +196,19 @@ def test_nan_step_is_skipped_and_counted():
         assert p.grad is None  # and no NaN gradient left behind for the next step
 
 
-def test_a_nan_step_skipped_on_the_device_leaves_what_the_host_skip_leaves():
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA device (passed on an H100, kernels-notes v45)"))])
+def test_a_nan_step_skipped_on_the_device_leaves_what_the_host_skip_leaves(device):
     """The fused AdamW skips a non-finite step itself (found_inf, no host sync before the update); a foreach AdamW
     (FSDP on CPU) is not called for it. A NaN step then a finite one give the same parameters and the same
     optimizer state (one step counted) either way, and the guard counts the skip in both."""
+    device = torch.device(device)
     cfg = TrainConfig(num_workers=1, global_batch=4, micro_batch=2, max_steps=10, warmup_steps=0, lr=1e-2,
                       weight_decay=0.1, debug={"nan_at_steps": [0]})
     tokens = [torch.randint(0, 64, (4, 33), generator=torch.Generator().manual_seed(s)) for s in (5, 6)]
     results = []
     for fused in (True, False):
-        model = small_model()
+        model = small_model().to(device)
         opt = torch.optim.AdamW(param_groups(model, cfg.weight_decay), lr=cfg.lr, fused=fused)
         assert loop.skips_on_device(cfg, opt) is fused
         sched, guard = build_scheduler(opt, cfg), NonFiniteGuard(3)
@@ -213,7 +216,7 @@ def test_a_nan_step_skipped_on_the_device_leaves_what_the_host_skip_leaves():
         for step in (0, 1):
             batches = iter([(tokens[step][i:i + 2], list(range(4 * step + i, 4 * step + i + 2))) for i in (0, 2)])
             finite.append(_train_step(cfg, step, 0, 1, model, model, contextlib.nullcontext(), opt, sched, guard,
-                                      batches, torch.device("cpu"), NoWatchdog())[1])
+                                      batches, device, NoWatchdog())[1])
         assert finite == [False, True] and guard.skipped_total == 1
         assert {float(opt.state[p]["step"]) for p in model.parameters()} == {1.0}
         results.append([p.detach().clone() for p in model.parameters()])
