@@ -352,7 +352,8 @@ def _train_step(t, step, rank, world, model, forward, autocast, optimizer, sched
     """One optimizer step (grad_accum micro-batches). Returns host values for the metrics.
     block_sums (train.debug.trace): receives each block's token sum, taken from the host batch (no device sync).
     grads: the parameters' FlatGradients, required under CUDA graphs and with parallelism=allreduce.
-    prefetch_next: read the next step's first micro-batch before this step's host sync (train_batches a Lookahead).
+    prefetch_next: read the next step's first micro-batch before this step's host sync (after the update is
+    launched where skips_on_device; train_batches a Lookahead).
 
     The update: where skips_on_device, the optimizer, the gradients' zeroing and the schedule are all launched
     before the one sync, and a non-finite step (the same verdict on every rank) is skipped by the fused optimizer
@@ -418,41 +419,43 @@ def _train_step(t, step, rank, world, model, forward, autocast, optimizer, sched
     summary = torch.stack([loss_sum / t.grad_accum, (~torch.isfinite(loss_sum)).float()])
     if dist.is_initialized():
         dist.all_reduce(summary)
-    host = torch.cat([summary, grad_norm.detach().float()[None]])  # loss sum, non-finite ranks, gradient norm
-    if skips_on_device(t, optimizer):
-        optimizer.found_inf = ((summary[1] > 0) | ~torch.isfinite(host[2])).float()
+    values = torch.cat([summary, grad_norm.detach().float()[None]])  # loss sum, non-finite ranks, gradient norm
+    on_device = skips_on_device(t, optimizer)
+    if on_device:
+        optimizer.found_inf = ((summary[1] > 0) | ~torch.isfinite(values[2])).float()
         optimizer.step()  # changes nothing where found_inf is 1
-        _end_step(optimizer, scheduler, grads, applied=True)
-        if prefetch_next:
-            watchdog.beat(step, "data")
-            train_batches.prefetch()
-            watchdog.beat(step, "optimizer")  # the sync below waits for the step's work on the device
-        loss_value, finite, norm_value = _verdict(host, world, guard, step)
-    else:
-        loss_value, finite, norm_value = _verdict(host, world, guard, step)
+        _end_step(optimizer, scheduler, grads, stepped=True)
+    if prefetch_next:
+        watchdog.beat(step, "data")
+        train_batches.prefetch()
+        watchdog.beat(step, "optimizer")  # the sync below waits for the step's work on the device
+    loss_value, finite, norm_value = _verdict(values, world, guard, step)
+    if not on_device:
         if finite:
             optimizer.step()
-        _end_step(optimizer, scheduler, grads, applied=finite)
+        _end_step(optimizer, scheduler, grads, stepped=finite)
     compute_s += time.perf_counter() - t2
     return loss_value, finite, blocks, wait_s, compute_s, norm_value, lr
 
 
-def _verdict(host: torch.Tensor, world: int, guard: NonFiniteGuard, step: int) -> tuple[float, bool, float]:
+def _verdict(values: torch.Tensor, world: int, guard: NonFiniteGuard, step: int) -> tuple[float, bool, float]:
     """(mean loss, finite, gradient norm) of the step from [loss sum over ranks, non-finite ranks, norm] (the host
     sync), recorded by the guard, which raises after too many non-finite steps in a row."""
-    loss_sum, nonfinite_ranks, norm_value = host.tolist()
+    loss_sum, nonfinite_ranks, norm_value = values.tolist()
     finite = nonfinite_ranks == 0 and bool(torch.isfinite(torch.tensor(norm_value)))
     guard.observe(step, finite)
     return loss_sum / world, finite, norm_value
 
 
-def _end_step(optimizer, scheduler, grads: FlatGradients | None, applied: bool) -> None:
+def _end_step(optimizer, scheduler, grads: FlatGradients | None, stepped: bool) -> None:
+    """The gradients zeroed and the schedule advanced; stepped: optimizer.step() was called this step (torch warns
+    of a schedule step without one)."""
     if grads is not None:
         grads.zero_()  # in place: the views stay the parameters' gradients (FlatGradients)
     else:
         optimizer.zero_grad(set_to_none=True)
     with warnings.catch_warnings():
-        if not applied:  # a skipped step still advances the schedule (it is tied to the step index)
+        if not stepped:  # a skipped step still advances the schedule (it is tied to the step index)
             warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step\\(\\)` before")
         scheduler.step()
 
