@@ -339,17 +339,6 @@ class Lookahead:
                 pass
 
 
-def host_to_device(batch: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """batch (a host tensor) on `device`, the copy queued behind the device's work without the host waiting for it.
-    To a CUDA device the batch is first copied into page-locked memory (torch's caching host allocator, reused once
-    its copy is done): from pageable memory CUDA stages the copy through its own buffers and the host can be held
-    until the stream reaches it, that is until the GPU has run everything queued before (the previous micro-batch's
-    backward), so the next forward was launched only then and the GPU idled for the host's launch time."""
-    if device.type == "cuda" and not batch.is_pinned():
-        batch = batch.pin_memory()
-    return batch.to(device, non_blocking=True)
-
-
 def skips_on_device(t: TrainConfig, optimizer: torch.optim.Optimizer) -> bool:
     """Whether a non-finite step is skipped by the optimizer itself on the device (a fused Adam/AdamW reads a
     found_inf tensor, as under GradScaler) instead of by the host after a sync. Not under FSDP, whose parameters
@@ -399,7 +388,7 @@ def _train_step(t, step, rank, world, model, forward, autocast, optimizer, sched
             block_sums += tokens.sum(dim=1).tolist()
         t1 = time.perf_counter()
         watchdog.beat(step, "forward_backward")
-        tokens = host_to_device(tokens, device)
+        tokens = tokens.to(device, non_blocking=True)
         x, y = tokens[:, :-1], tokens[:, 1:]  # labels are the inputs shifted by one
         # DDP all-reduces gradients only on the last micro-batch of the step.
         sync = model.no_sync() if (micro < t.grad_accum - 1 and hasattr(model, "no_sync")) else contextlib.nullcontext()
