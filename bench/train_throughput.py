@@ -15,7 +15,7 @@ to a JSONL file, and the first interval (start-up, torch.compile) is left out of
     python bench/train_throughput.py --config configs/bench-train-cpu.yaml --seq-lens 64,128 \
         --tokens-per-step 1024 --micro-tokens 512 --warmup 2 --measure 4
 
-Writes bench/results/train-<device>-<date>.{json,md}: per run tokens/s, MFU, peak memory, data-wait share;
+Writes bench/results/train-<device>-<date it started>.{json,md}: per run tokens/s, MFU, peak memory, data-wait share;
 per T the ratio NSA / dense against issue 9's targets.
 """
 
@@ -180,13 +180,14 @@ def markdown(meta: dict[str, Any], runs: dict[tuple[str, int], dict[str, Any]], 
 
 # --- main ------------------------------------------------------------------------------------------------------------
 
-def write_results(args, base, runs: dict[tuple[str, int], dict[str, Any]]) -> str:
-    """Write train-<device>-<date><tag>.{json,md} under args.out; returns the markdown."""
+def write_results(args, base, runs: dict[tuple[str, int], dict[str, Any]], stem, meta: dict[str, Any]) -> str:
+    """Write stem.json and stem.md (result_stem's, taken once when the benchmark starts: a call that runs past
+    midnight UTC rewrites one pair of files, not a partial pair under each date); returns the markdown."""
     from pipeline.train.loop import uses_cuda_graphs
 
     cuda_graphs = uses_cuda_graphs(base.train)
     preset = (base.raw.get("model") or {}).get("preset", "tiny")
-    stem, meta = result_stem(args.out, "train", args.tag, args.commit or git_commit())
+    meta = dict(meta)
     compile_note = (f"torch.compile (mode {base.train.compile_mode}) of the whole model, one graph: the Triton NSA "
                     "core as the custom op nsa::core in NSA's, SDPA in dense's" if base.train.compile
                     else "eager (no torch.compile)")
@@ -250,6 +251,7 @@ def main(argv=None) -> int:
     for T in seq_lens:
         for kind in kinds:
             jobs[(kind, T)] = load_job_config(args.config, job_overrides(args, preset, kind, T, storage))
+    stem, meta = result_stem(args.out, "train", args.tag, args.commit or git_commit())
     ray.init(address="local", include_dashboard=False)
     runs: dict[tuple[str, int], dict[str, Any]] = {}
     for (kind, T), job in jobs.items():
@@ -264,9 +266,9 @@ def main(argv=None) -> int:
         runs[(kind, T)]["wall_s"] = time.time() - t0
         print(f"=== {kind} T={T}: {json.dumps({k: v for k, v in runs[(kind, T)].items() if k != 'reports'})}",
               flush=True)
-        write_results(args, base, runs)  # after every run: a call cut short still leaves what it measured
+        write_results(args, base, runs, stem, meta)  # after every run: a call cut short still leaves what it measured
     ray.shutdown()
-    print("\n" + write_results(args, base, runs))
+    print("\n" + write_results(args, base, runs, stem, meta))
     return 0 if all("error" not in r for r in runs.values()) else 1
 
 

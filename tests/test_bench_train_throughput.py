@@ -1,6 +1,7 @@
 """bench/train_throughput.py's arithmetic: steady-state numbers from interval reports, ratios against targets."""
 
 import importlib.util
+import json
 from pathlib import Path
 
 import pytest
@@ -109,3 +110,28 @@ def test_a_tag_the_gpu_host_cannot_return_is_refused_before_anything_runs(capsys
         tt.parse_args(["--config", "c.yaml", "--tag=-v35-nsa,dense"])
     assert "may hold only letters, digits" in capsys.readouterr().err
     assert tt.parse_args(["--config", "c.yaml", "--tag=-v35_nsa-dense.2"]).tag == "-v35_nsa-dense.2"
+
+
+def test_a_benchmark_that_runs_past_midnight_writes_one_pair_of_files(tmp_path, monkeypatch):
+    """The results are written after every run; their name (with its date) is taken once, when the benchmark
+    starts, so a call that runs into the next UTC day rewrites one pair of files instead of leaving a partial pair
+    under the first date (it did, kernels-notes v46)."""
+    import ray
+
+    real_stem, days = tt.result_stem, iter(range(26, 40))
+
+    def next_day_each_call(out_dir, prefix, suffix, commit):  # the clock moves a day between two calls
+        stem, meta = real_stem(out_dir, prefix, suffix, commit)
+        return stem.with_name(f"{prefix}-cpu-2026-11-{next(days)}{suffix}"), meta
+
+    monkeypatch.setattr(tt, "result_stem", next_day_each_call)
+    monkeypatch.setattr(ray, "init", lambda *a, **k: None)
+    monkeypatch.setattr(ray, "shutdown", lambda *a, **k: None)
+    monkeypatch.setattr(tt, "train_once", lambda job, path: [report(2, 5.0), report(4, 1.0)])
+    assert tt.main(["--config", "configs/tiny.yaml", "--seq-lens", "64", "--tokens-per-step", "256",
+                    "--micro-tokens", "128", "--warmup", "2", "--measure", "2", "--commit", "abc1234",
+                    "--out", str(tmp_path), "--tag=-v46"]) == 0
+    assert sorted(f.name for f in tmp_path.iterdir()) == ["train-cpu-2026-11-26-v46.json",
+                                                          "train-cpu-2026-11-26-v46.md"]
+    written = json.loads((tmp_path / "train-cpu-2026-11-26-v46.json").read_text())
+    assert sorted(r["attention"] for r in written["runs"]) == ["dense", "nsa"]
