@@ -870,14 +870,20 @@ def test_range_kernels_read_tiles_through_descriptors_where_the_layout_allows(ra
     assert len(seen) == 6 and set(seen) == {expect_tma}  # forward, dQ and dK/dV of each branch
 
 
-# the second: more segments (1200) than block_work_kernel takes per step (1024)
-@pytest.mark.parametrize("B, T, G, n, num_blocks, chunk", [(2, 23, 3, 4, 6, 5), (2, 150, 2, 3, 300, 4)])
-def test_block_work_covers_every_choice_once(B, T, G, n, num_blocks, chunk):
+# the second: more segments (1200) than block_work_kernel takes per step (1024); the count build's tiles there
+# (256 queries of 4 slots) leave T = 150 one partial tile. The third: 3 tiles of 64 queries, 300 blocks over
+# steps of 64 rows (_OFFSET_CELLS = 256 cells of 4 tiles), 1200 segments past the offsets kernel's 1024 per step.
+@pytest.mark.parametrize("build", triton_impl.INDEX_BUILDS)
+@pytest.mark.parametrize("B, T, G, n, num_blocks, chunk", [(2, 23, 3, 4, 6, 5), (2, 150, 2, 3, 300, 4),
+                                                           (2, 150, 2, 16, 300, 4)])
+def test_block_work_covers_every_choice_once(B, T, G, n, num_blocks, chunk, build, monkeypatch):
     """The by_block index: every valid slot appears once, in its (b, g, block) segment, in query order; the work
-    list hands each segment's entries to programs in chunks, each entry to exactly one program, spares marked -1."""
+    list hands each segment's entries to programs in chunks, each entry to exactly one program, spares marked -1.
+    Random choices, repeats within a query included (the count build sorts each tile by (block, slot))."""
+    monkeypatch.setattr(triton_impl, "_OFFSET_CELLS", 256)
     gen = torch.Generator().manual_seed(17)
     blocks = torch.randint(-1, num_blocks, (B, T, G, n), generator=gen, dtype=torch.int32)
-    index = triton_impl.block_work(blocks.to(DEVICE), num_blocks, chunk)
+    index = triton_impl.block_work(blocks.to(DEVICE), num_blocks, chunk, build=build)
     order, starts, work_seg, work_chunk = (x.cpu() for x in index)
     valid = int((blocks >= 0).sum())
     assert int(starts[-1]) == valid
@@ -897,6 +903,30 @@ def test_block_work_covers_every_choice_once(B, T, G, n, num_blocks, chunk):
     assert torch.equal(seen, (flat >= 0).long())
     assert (work_seg >= -1).all() and int((work_seg >= 0).sum()) == sum(
         max(1, -(-int(starts[s + 1] - starts[s]) // chunk)) for s in range(B * G * num_blocks))
+    fake = triton_impl.block_work(blocks.to(DEVICE), num_blocks, chunk, shapes_only=True, build=build)
+    assert [x.shape for x in fake] == [x.shape for x in index]  # nsa::core's fake gives the real shapes
+
+
+def test_block_work_builds_agree():
+    """Both builds give the same order of the valid slots and the same segment starts, with the selections a
+    real selection gives (distinct blocks a query, at most the blocks a query can see, the rest -1)."""
+    gen = torch.Generator().manual_seed(3)
+    B, T, G, n, sel_block = 2, 200, 2, 5, 8
+    num_blocks = -(-T // sel_block)
+    keys = torch.rand(B, T, G, num_blocks, generator=gen)
+    visible = torch.arange(num_blocks)[None, None, None, :] <= (torch.arange(T) // sel_block)[None, :, None, None]
+    top = torch.where(visible, keys, -1.0).topk(n, dim=-1)
+    blocks = torch.where(top.values >= 0, top.indices, -1).to(torch.int32)
+    count = triton_impl.block_work(blocks.to(DEVICE), num_blocks, 16, build="count")
+    sort = triton_impl.block_work(blocks.to(DEVICE), num_blocks, 16, build="sort")
+    valid = int((blocks >= 0).sum())
+    assert torch.equal(count[1].cpu(), sort[1].cpu()) and int(count[1][-1]) == valid
+    assert torch.equal(count[0][:valid].cpu(), sort[0][:valid].cpu())
+
+
+def test_block_work_refuses_an_unknown_build():
+    with pytest.raises(ValueError, match="build must be one of"):
+        triton_impl.block_work(torch.zeros(1, 4, 1, 2, dtype=torch.int32, device=DEVICE), 2, 4, build="radix")
 
 
 @pytest.mark.parametrize("num_blocks, key_dtype", [(4, torch.int16), (5461, torch.int16), (5462, torch.int32)])

@@ -11,6 +11,19 @@ training step of nsa-125m at T = 2048 besides the sort (kernels-notes.md, v19). 
   tile_union_kernel   for each tile of TILE_Q consecutive queries, the distinct blocks they chose, ascending,
                       and their count (the tiled kernels walk it)
 
+The inverted index without a sort of all slots (LaunchConfig.index_build = "count"), three kernels in place of the
+first three above and PyTorch's radix sort (whose own launches, memsets and int64 order cost about 1.5 ms of the
+T = 8192 training step, kernels-notes.md v47). A tile is the slots of TILE_Q consecutive queries of one (b, g),
+at most ENTRIES of them:
+
+  tile_histogram_kernel  each tile's count of every block (COUNTS [b*G + g, block, tile]) and its total
+  segment_offsets_kernel one program per (b, g): prefix sums of the counts over tiles, over blocks and over the
+                         (b, g) before it give each segment's start and where each tile's choosers of a block
+                         go in it; and that (b, g)'s part of the work list
+  tile_scatter_kernel    each tile sorts its slots by (block, slot) in registers and writes each one's flat slot
+                         to its place: a block's choosers from earlier tiles come first, so each segment is in
+                         query order, as a stable sort leaves it
+
 Offsets are int64 wherever B * T * G * n slots could pass 2^31.
 """
 
@@ -98,3 +111,99 @@ def tile_union_kernel(BLOCKS, UNION, COUNT, T, num_tiles, G: tl.constexpr, N: tl
     for p0 in range(0, WIDTH, BLOCK_W):
         p = p0 + tl.arange(0, BLOCK_W)
         tl.store(UNION + row * WIDTH + p, tl.full([BLOCK_W], ABSENT, tl.int32), mask=(p >= count) & (p < WIDTH))
+
+
+@triton.jit
+def _tile_slots(BLOCKS, b, g, tile, T, num_blocks, G: tl.constexpr, N: tl.constexpr, N_PAD: tl.constexpr,
+                ENTRIES: tl.constexpr):
+    """(block, flat slot, valid) [ENTRIES] of the tile's slots: entry e is query tile * (ENTRIES / N_PAD) +
+    e // N_PAD, slot e % N_PAD (power-of-two divisors: shifts); an empty or padded slot is not valid."""
+    e = tl.arange(0, ENTRIES)
+    t = tile * (ENTRIES // N_PAD) + e // N_PAD
+    i = e % N_PAD
+    ok = (t < T) & (i < N)
+    flat = ((b * T + t) * G + g) * N + i  # int32: the caller checks that every flat slot fits
+    block = tl.load(BLOCKS + flat, mask=ok, other=-1)
+    return block, flat, ok & (block >= 0) & (block < num_blocks)
+
+
+@triton.jit
+def tile_histogram_kernel(BLOCKS, COUNTS, TILE_TOTAL, T, num_blocks, num_tiles, G: tl.constexpr, N: tl.constexpr,
+                          N_PAD: tl.constexpr, ENTRIES: tl.constexpr, NB_PAD: tl.constexpr):
+    """Program (tile, b * G + g): COUNTS[(b*G + g) * num_blocks + j, tile] = the tile's slots that chose block j;
+    TILE_TOTAL[b*G + g, tile] = its valid slots."""
+    tile = tl.program_id(0)
+    bg = tl.program_id(1)
+    block, _, valid = _tile_slots(BLOCKS, bg // G, bg % G, tile, T, num_blocks, G, N, N_PAD, ENTRIES)
+    count = tl.histogram(tl.where(valid, block, 0), NB_PAD, mask=valid)
+    j = tl.arange(0, NB_PAD)
+    tl.store(COUNTS + (bg * num_blocks + j) * num_tiles + tile, count, mask=j < num_blocks)
+    tl.store(TILE_TOTAL + bg * num_tiles + tile, tl.sum(count, 0))
+
+
+@triton.jit
+def segment_offsets_kernel(COUNTS, TILE_TOTAL, OFFSETS, STARTS, WORK_SEG, WORK_CHUNK, num_blocks, num_tiles,
+                           num_groups, work_per_group, CHUNK: tl.constexpr, ROWS: tl.constexpr,
+                           NT_PAD: tl.constexpr, BLOCK_S: tl.constexpr):
+    """Program (b*G + g) = s0 / num_blocks, segments s0 .. s0 + num_blocks - 1, ROWS blocks at a time:
+    STARTS[s] = where segment s starts in the sorted order (the valid slots of every (b, g) before, then of the
+    blocks before); OFFSETS[s, tile] = STARTS[s] + (the tile's choosers of block s that earlier tiles have) - (the
+    tile's slots on smaller blocks), so that tile_scatter_kernel's k-th slot in (block, slot) order goes to
+    OFFSETS + k. STARTS[num_groups * num_blocks] = every valid slot. The work list as block_work_kernel makes it,
+    in this (b, g)'s own part of it, work_per_group items, its spare items -1."""
+    bg = tl.program_id(0)
+    base = 0
+    for p0 in range(0, bg * num_tiles, BLOCK_S):
+        p = p0 + tl.arange(0, BLOCK_S)
+        base += tl.sum(tl.load(TILE_TOTAL + p, mask=p < bg * num_tiles, other=0), 0)
+    tiles = tl.arange(0, NT_PAD)
+    below = tl.zeros([NT_PAD], dtype=tl.int32)  # each tile's slots on the blocks before the row chunk
+    item = bg * work_per_group  # this (b, g)'s next work item
+    for j0 in range(0, num_blocks, ROWS):
+        j = j0 + tl.arange(0, ROWS)
+        rows_ok = j < num_blocks
+        at = (bg * num_blocks + j)[:, None] * num_tiles + tiles[None, :]
+        ok = rows_ok[:, None] & (tiles < num_tiles)[None, :]
+        counts = tl.load(COUNTS + at, mask=ok, other=0)
+        earlier_tiles = tl.cumsum(counts, 1) - counts
+        smaller_blocks = below[None, :] + tl.cumsum(counts, 0) - counts
+        per_block = tl.sum(counts, 1)
+        start = base + tl.cumsum(per_block, 0) - per_block
+        tl.store(OFFSETS + at, start[:, None] + earlier_tiles - smaller_blocks, mask=ok)
+        tl.store(STARTS + bg * num_blocks + j, start, mask=rows_ok)
+        chunks = tl.where(rows_ok, tl.maximum((per_block + CHUNK - 1) // CHUNK, 1), 0)
+        first = item + tl.cumsum(chunks, 0) - chunks
+        for c in range(0, tl.max(chunks, 0)):
+            has = c < chunks
+            tl.store(WORK_SEG + first + c, bg * num_blocks + j, mask=has)
+            tl.store(WORK_CHUNK + first + c, tl.zeros_like(j) + c, mask=has)
+        item += tl.sum(chunks, 0)
+        base += tl.sum(per_block, 0)
+        below += tl.sum(counts, 0)
+    if bg == num_groups - 1:
+        tl.store(STARTS + num_groups * num_blocks, base)
+    end = (bg + 1) * work_per_group
+    for w0 in range(item, end, BLOCK_S):
+        w = w0 + tl.arange(0, BLOCK_S)
+        tl.store(WORK_SEG + w, tl.full([BLOCK_S], -1, tl.int32), mask=w < end)
+        tl.store(WORK_CHUNK + w, tl.zeros([BLOCK_S], tl.int32), mask=w < end)
+
+
+@triton.jit
+def tile_scatter_kernel(BLOCKS, OFFSETS, ORDER, T, num_blocks, num_tiles, G: tl.constexpr, N: tl.constexpr,
+                        N_PAD: tl.constexpr, ENTRIES: tl.constexpr, ENTRY_BITS: tl.constexpr):
+    """Program (tile, b * G + g): the tile's valid slots sorted by (block, entry) in registers (one key each,
+    block << ENTRY_BITS | entry; the invalid ones last), the k-th written to ORDER[OFFSETS[segment, tile] + k]."""
+    tile = tl.program_id(0)
+    bg = tl.program_id(1)
+    block, _, valid = _tile_slots(BLOCKS, bg // G, bg % G, tile, T, num_blocks, G, N, N_PAD, ENTRIES)
+    e = tl.arange(0, ENTRIES)
+    key = tl.sort(tl.where(valid, block, num_blocks) * ENTRIES + e)
+    block = key >> ENTRY_BITS
+    entry = key & (ENTRIES - 1)
+    t = tile * (ENTRIES // N_PAD) + entry // N_PAD
+    b = bg // G
+    flat = ((b * T + t) * G + bg % G) * N + entry % N_PAD
+    ok = block < num_blocks
+    place = tl.load(OFFSETS + (bg * num_blocks + block) * num_tiles + tile, mask=ok, other=0) + e
+    tl.store(ORDER + place, flat, mask=ok)

@@ -21,7 +21,8 @@ import triton
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from nsa_model.config import NSAConfig
-from nsa_model.kernels.block_index import (block_work_kernel, segment_ids_kernel, segment_starts_kernel,
+from nsa_model.kernels.block_index import (block_work_kernel, segment_ids_kernel, segment_offsets_kernel,
+                                           segment_starts_kernel, tile_histogram_kernel, tile_scatter_kernel,
                                            tile_union_kernel)
 from nsa_model.kernels.compress import phi_bwd_rows_kernel, phi_bwd_w1_kernel, phi_bwd_x_kernel, phi_fwd_kernel
 from nsa_model.kernels.delta import row_dot_kernel
@@ -70,6 +71,9 @@ SLOT_SUMS = ("pass", "range_dq")
 # nsa::core's forward with by_block's partials: the combine pass, then the gate pass; or the combine pass also
 # summing the gated output in its epilogue (one pass less; kernels-notes.md v40)
 SLC_COMBINES = ("plain", "gated")
+# by_block's inverted index: per-tile histograms, prefix sums and in-register sorts of each tile's slots (three
+# launches), or PyTorch's stable radix sort of every slot's segment key (kernels/block_index.py; v47)
+INDEX_BUILDS = ("count", "sort")
 
 
 RANGE_TILE_FIELDS = ("range_fwd", "range_dq", "range_dkdv", "range_fwd_d64", "range_dq_d64", "range_dkdv_d64")
@@ -135,13 +139,14 @@ class LaunchConfig:
     slc_slot_sum: str = "range_dq"  # one of SLOT_SUMS
     slc_combine: str = "gated"  # one of SLC_COMBINES
     phi_rows: int = 32  # compressed tokens per program of phi's forward and its row backward (v29: 64 lost)
+    index_build: str = "count"  # one of INDEX_BUILDS
 
     def __post_init__(self) -> None:
         choices = {"slc_kernel": SELECTED_KERNELS, "gate_kernel": GATE_KERNELS, "range_kernel": RANGE_KERNELS,
                    "delta_kernel": DELTA_KERNELS, "window_dkdv": WINDOW_DKDV, "slc_partial": PARTIAL_DTYPES,
                    "slc_dq": SELECTED_DQ, "slc_dkdv": SELECTED_DKDV, "range_pair": RANGE_PAIR,
                    "range_loads": RANGE_LOADS, "phi_kernel": PHI_KERNELS,
-                   "slc_slot_sum": SLOT_SUMS, "slc_combine": SLC_COMBINES}
+                   "slc_slot_sum": SLOT_SUMS, "slc_combine": SLC_COMBINES, "index_build": INDEX_BUILDS}
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise ValueError(f"LaunchConfig.{name}: must be one of {allowed}, got {getattr(self, name)!r}")
@@ -642,33 +647,76 @@ def selected_kernel(hpg: int, num_blocks: int, n: int, config: LaunchConfig | No
 _WORK_SEGMENTS = 1024  # segments per step of block_work_kernel
 
 
-def block_work(blocks: torch.Tensor, num_blocks: int, chunk: int, shapes_only: bool = False):
-    """The inverted index of the by_block kernels and their work list, from one sort, sizes fixed by shapes.
+def block_work(blocks: torch.Tensor, num_blocks: int, chunk: int, shapes_only: bool = False,
+               build: str | None = None):
+    """The inverted index of the by_block kernels and their work list, sizes fixed by shapes.
 
-    order [B*T*G*n] int32: flat slot ((b*T + t)*G + g)*n + i of each entry, sorted by segment s = (b*G + g) *
-    num_blocks + block (query order inside a segment; -1 slots last); starts [S + 1] int32: segment s is
-    order[starts[s]:starts[s+1]]; work_seg, work_chunk [W] int32: program p handles chunk work_chunk[p] (chunk
-    entries) of segment work_seg[p], or nothing where work_seg[p] = -1 (W is an upper bound: no host sync). An
-    empty segment has one item too, with no entries: the backward writes its block's zero dK, dV there.
-    The keys, the sort, one pass over the sorted keys for the starts and one program for the work list
-    (kernels/block_index.py; about 20 PyTorch launches before, v19). shapes_only: empty tensors of those shapes."""
+    order [B*T*G*n] int32: flat slot ((b*T + t)*G + g)*n + i of each valid entry, sorted by segment s = (b*G + g) *
+    num_blocks + block, query order inside a segment (its first starts[S] entries; the rest unused); starts [S + 1]
+    int32: segment s is order[starts[s]:starts[s+1]]; work_seg, work_chunk [W] int32: program p handles chunk
+    work_chunk[p] (chunk entries) of segment work_seg[p], or nothing where work_seg[p] = -1 (W is an upper bound:
+    no host sync). An empty segment has one item too, with no entries: the backward writes its block's zero dK, dV
+    there. build (LaunchConfig.index_build unless given): "count", three kernels that count, sum and sort each
+    tile of slots in registers (each (b, g) owns a part of the work list: its items, then its spares); "sort",
+    the slots' segment keys sorted by PyTorch, one pass over them for the starts and one program for the work list
+    (spares at the end). shapes_only: empty tensors of those shapes."""
     B, T, G, n = blocks.shape
     dev = blocks.device
     num_segments, entries = B * G * num_blocks, blocks.numel()
     if entries >= 2 ** 31:  # the kernels' int32 index arithmetic (kernels/selected_by_block.py)
         raise ValueError(f"blocks: B*T*G*n = {entries} slots exceed the by_block kernels' int32 index; use "
                          "LaunchConfig(slc_kernel='tiled') or a smaller batch")
-    num_work = triton.cdiv(entries, chunk) + num_segments
+    build = build or _config.index_build
+    if build not in INDEX_BUILDS:
+        raise ValueError(f"block_work: build must be one of {INDEX_BUILDS}, got {build!r}")
+    work_per_group = triton.cdiv(T * n, chunk) + num_blocks
+    num_work = B * G * work_per_group if build == "count" else triton.cdiv(entries, chunk) + num_segments
     starts = torch.empty(num_segments + 1, dtype=torch.int32, device=dev)
     work_seg, work_chunk = (torch.empty(num_work, dtype=torch.int32, device=dev) for _ in range(2))
     if shapes_only:
         return torch.empty(entries, dtype=torch.int32, device=dev), starts, work_seg, work_chunk
+    if build == "count":
+        order = torch.empty(entries, dtype=torch.int32, device=dev)
+        _count_index(blocks.contiguous(), num_blocks, chunk, work_per_group, order, starts, work_seg, work_chunk)
+        return order, starts, work_seg, work_chunk
     sorted_segment, order = _sorted_segments(blocks, num_blocks)
     segment_starts_kernel[(triton.cdiv(entries + 1, _SEGMENT_SLOTS),)](sorted_segment, starts, entries,
                                                                       num_segments, BLOCK=_SEGMENT_SLOTS)
     block_work_kernel[(1,)](starts, work_seg, work_chunk, num_segments, num_work, CHUNK=chunk,
                             BLOCK_S=_WORK_SEGMENTS)
     return order.to(torch.int32), starts, work_seg, work_chunk
+
+
+_TILE_SLOTS = 1024  # slots per tile of the counting index build: one in-register sort of this many int32 keys
+_OFFSET_CELLS = 4096  # (block, tile) counts per step of segment_offsets_kernel (16384 spilled 3 KB at 4 warps)
+
+
+def _count_index(blocks, num_blocks: int, chunk: int, work_per_group: int, order, starts, work_seg, work_chunk):
+    """block_work's "count" build into its outputs (kernels/block_index.py): a tile is the slots of
+    _TILE_SLOTS / n_pad consecutive queries of one (b, g)."""
+    B, T, G, n = blocks.shape
+    n_pad = _pow2(n, floor=1)
+    if n_pad > _TILE_SLOTS or (num_blocks + 1) * _TILE_SLOTS >= 2 ** 31:
+        raise ValueError(f"block_work: n = {n} slots a query and {num_blocks} blocks exceed the counting index's "
+                         f"tile of {_TILE_SLOTS} slots or its int32 sort keys; use LaunchConfig(index_build='sort')")
+    num_tiles, groups = triton.cdiv(T, _TILE_SLOTS // n_pad), B * G
+    if not groups or not T:
+        starts.zero_()
+        work_seg.fill_(-1)
+        return
+    counts = torch.empty(groups * num_blocks * num_tiles, dtype=torch.int32, device=blocks.device)
+    offsets = torch.empty_like(counts)
+    tile_total = torch.empty(groups * num_tiles, dtype=torch.int32, device=blocks.device)
+    slots = dict(G=G, N=n, N_PAD=n_pad, ENTRIES=_TILE_SLOTS)
+    tile_histogram_kernel[(num_tiles, groups)](blocks, counts, tile_total, T, num_blocks, num_tiles, **slots,
+                                               NB_PAD=_pow2(num_blocks))
+    nt_pad = _pow2(num_tiles, floor=1)
+    segment_offsets_kernel[(groups,)](counts, tile_total, offsets, starts, work_seg, work_chunk, num_blocks,
+                                      num_tiles, groups, work_per_group, CHUNK=chunk,
+                                      ROWS=max(1, min(_OFFSET_CELLS // nt_pad, _pow2(num_blocks, floor=1))),
+                                      NT_PAD=nt_pad, BLOCK_S=_WORK_SEGMENTS)
+    tile_scatter_kernel[(num_tiles, groups)](blocks, offsets, order, T, num_blocks, num_tiles, **slots,
+                                             ENTRY_BITS=_TILE_SLOTS.bit_length() - 1)
 
 
 def _block_rows(hpg: int, config: LaunchConfig) -> int:
