@@ -873,7 +873,7 @@ def test_range_kernels_read_tiles_through_descriptors_where_the_layout_allows(ra
 # the second: more segments (1200) than block_work_kernel takes per step (1024); the count build's tiles there
 # (256 queries of 4 slots) leave T = 150 one partial tile. The third: 3 tiles of 64 queries, 300 blocks over
 # steps of 64 rows (_OFFSET_CELLS = 256 cells of 4 tiles), 1200 segments past the offsets kernel's 1024 per step.
-@pytest.mark.parametrize("build", triton_impl.INDEX_BUILDS)
+@pytest.mark.parametrize("build", ("count", "sort"))
 @pytest.mark.parametrize("B, T, G, n, num_blocks, chunk", [(2, 23, 3, 4, 6, 5), (2, 150, 2, 3, 300, 4),
                                                            (2, 150, 2, 16, 300, 4)])
 def test_block_work_covers_every_choice_once(B, T, G, n, num_blocks, chunk, build, monkeypatch):
@@ -922,6 +922,15 @@ def test_block_work_builds_agree():
     valid = int((blocks >= 0).sum())
     assert torch.equal(count[1].cpu(), sort[1].cpu()) and int(count[1][-1]) == valid
     assert torch.equal(count[0][:valid].cpu(), sort[0][:valid].cpu())
+
+
+# 125M: 16 x 2k and 4 x 8k count, 32k sorts; paper 8k counts, 64k sorts; a short T with n = 3 (tiles of 256)
+@pytest.mark.parametrize("T, n, num_blocks, expect", [(2048, 16, 32, "count"), (8192, 16, 128, "count"),
+                                                      (32768, 16, 512, "sort"), (65536, 16, 1024, "sort"),
+                                                      (150, 3, 300, "count"), (8192, 16, 129, "sort")])
+def test_auto_index_build_counts_up_to_its_cells(T, n, num_blocks, expect):
+    assert triton_impl.index_build(T, n, num_blocks, "auto") == expect
+    assert triton_impl.index_build(T, n, num_blocks, "sort") == "sort"
 
 
 def test_block_work_refuses_an_unknown_build():

@@ -72,8 +72,9 @@ SLOT_SUMS = ("pass", "range_dq")
 # summing the gated output in its epilogue (one pass less; kernels-notes.md v40)
 SLC_COMBINES = ("plain", "gated")
 # by_block's inverted index: per-tile histograms, prefix sums and in-register sorts of each tile's slots (three
-# launches), or PyTorch's stable radix sort of every slot's segment key (kernels/block_index.py; v47)
-INDEX_BUILDS = ("count", "sort")
+# launches), or PyTorch's stable radix sort of every slot's segment key (kernels/block_index.py); auto: count where
+# its prefix-sum program has at most _COUNT_AUTO_CELLS (block, tile) counts, sort beyond (kernels-notes.md v47)
+INDEX_BUILDS = ("auto", "count", "sort")
 
 
 RANGE_TILE_FIELDS = ("range_fwd", "range_dq", "range_dkdv", "range_fwd_d64", "range_dq_d64", "range_dkdv_d64")
@@ -139,7 +140,7 @@ class LaunchConfig:
     slc_slot_sum: str = "range_dq"  # one of SLOT_SUMS
     slc_combine: str = "gated"  # one of SLC_COMBINES
     phi_rows: int = 32  # compressed tokens per program of phi's forward and its row backward (v29: 64 lost)
-    index_build: str = "count"  # one of INDEX_BUILDS
+    index_build: str = "auto"  # one of INDEX_BUILDS
 
     def __post_init__(self) -> None:
         choices = {"slc_kernel": SELECTED_KERNELS, "gate_kernel": GATE_KERNELS, "range_kernel": RANGE_KERNELS,
@@ -656,19 +657,17 @@ def block_work(blocks: torch.Tensor, num_blocks: int, chunk: int, shapes_only: b
     int32: segment s is order[starts[s]:starts[s+1]]; work_seg, work_chunk [W] int32: program p handles chunk
     work_chunk[p] (chunk entries) of segment work_seg[p], or nothing where work_seg[p] = -1 (W is an upper bound:
     no host sync). An empty segment has one item too, with no entries: the backward writes its block's zero dK, dV
-    there. build (LaunchConfig.index_build unless given): "count", three kernels that count, sum and sort each
-    tile of slots in registers (each (b, g) owns a part of the work list: its items, then its spares); "sort",
-    the slots' segment keys sorted by PyTorch, one pass over them for the starts and one program for the work list
-    (spares at the end). shapes_only: empty tensors of those shapes."""
+    there. build (LaunchConfig.index_build unless given; index_build() resolves auto): "count", three kernels that
+    count, sum and sort each tile of slots in registers (each (b, g) owns a part of the work list: its items, then
+    its spares); "sort", the slots' segment keys sorted by PyTorch, one pass over them for the starts and one
+    program for the work list (spares at the end). shapes_only: empty tensors of those shapes."""
     B, T, G, n = blocks.shape
     dev = blocks.device
     num_segments, entries = B * G * num_blocks, blocks.numel()
     if entries >= 2 ** 31:  # the kernels' int32 index arithmetic (kernels/selected_by_block.py)
         raise ValueError(f"blocks: B*T*G*n = {entries} slots exceed the by_block kernels' int32 index; use "
                          "LaunchConfig(slc_kernel='tiled') or a smaller batch")
-    build = build or _config.index_build
-    if build not in INDEX_BUILDS:
-        raise ValueError(f"block_work: build must be one of {INDEX_BUILDS}, got {build!r}")
+    build = index_build(T, n, num_blocks, build or _config.index_build)
     work_per_group = triton.cdiv(T * n, chunk) + num_blocks
     num_work = B * G * work_per_group if build == "count" else triton.cdiv(entries, chunk) + num_segments
     starts = torch.empty(num_segments + 1, dtype=torch.int32, device=dev)
@@ -688,6 +687,22 @@ def block_work(blocks: torch.Tensor, num_blocks: int, chunk: int, shapes_only: b
 
 
 _TILE_SLOTS = 1024  # slots per tile of the counting index build: one in-register sort of this many int32 keys
+# auto's limit: (block, tile) counts of one (b, g) that segment_offsets_kernel sums, in _OFFSET_CELLS steps. The
+# probe (v47, H100, CUDA graphs): count 41 / 51 / 34 us against sort's 68 / 73 / 54 at 125M 16 x 2k and 4 x 8k and
+# paper 8k (32 x 32, 128 x 128, 128 x 128 counts); 141 against 93 at 125M 32k and 628 against 371 at paper 64k
+# (512 x 512 and 1024 x 1024), where its one program a (b, g) walks 64 and 256 steps.
+_COUNT_AUTO_CELLS = 16384
+
+
+def index_build(T: int, n: int, num_blocks: int, build: str) -> str:
+    """The build block_work runs for `build` (one of INDEX_BUILDS) at these sizes: auto resolved by the number of
+    (block, tile) counts a (b, g) has."""
+    if build not in INDEX_BUILDS:
+        raise ValueError(f"block_work: build must be one of {INDEX_BUILDS}, got {build!r}")
+    if build != "auto":
+        return build
+    tiles = triton.cdiv(T, _TILE_SLOTS // _pow2(n, floor=1))
+    return "count" if _pow2(num_blocks, floor=1) * _pow2(tiles, floor=1) <= _COUNT_AUTO_CELLS else "sort"
 _OFFSET_CELLS = 4096  # (block, tile) counts per step of segment_offsets_kernel (16384 spilled 3 KB at 4 warps)
 
 
