@@ -11,10 +11,10 @@ training step of nsa-125m at T = 2048 besides the sort (kernels-notes.md, v19). 
   tile_union_kernel   for each tile of TILE_Q consecutive queries, the distinct blocks they chose, ascending,
                       and their count (the tiled kernels walk it)
 
-The inverted index without a sort of all slots (LaunchConfig.index_build = "count"), three kernels in place of the
-first three above and PyTorch's radix sort (whose own launches, memsets and int64 order cost about 1.5 ms of the
-T = 8192 training step, kernels-notes.md v47). A tile is the slots of TILE_Q consecutive queries of one (b, g),
-at most ENTRIES of them:
+The inverted index without a sort of all slots (LaunchConfig.index_build "count", which "auto" picks at short T),
+three kernels in place of the first three above and PyTorch's radix sort (whose own launches, memsets and int64
+order cost about 1.5 ms of the T = 8192 training step, kernels-notes.md v47). A tile is the slots of TILE_Q
+consecutive queries of one (b, g), at most ENTRIES of them:
 
   tile_histogram_kernel  each tile's count of every block (COUNTS [b*G + g, block, tile]) and its total
   segment_offsets_kernel one program per (b, g): prefix sums of the counts over tiles, over blocks and over the

@@ -703,6 +703,8 @@ def index_build(T: int, n: int, num_blocks: int, build: str) -> str:
         return build
     tiles = triton.cdiv(T, _TILE_SLOTS // _pow2(n, floor=1))
     return "count" if _pow2(num_blocks, floor=1) * _pow2(tiles, floor=1) <= _COUNT_AUTO_CELLS else "sort"
+
+
 _OFFSET_CELLS = 4096  # (block, tile) counts per step of segment_offsets_kernel (16384 spilled 3 KB at 4 warps)
 
 
