@@ -870,9 +870,9 @@ def test_range_kernels_read_tiles_through_descriptors_where_the_layout_allows(ra
     assert len(seen) == 6 and set(seen) == {expect_tma}  # forward, dQ and dK/dV of each branch
 
 
-# the second: more segments (1200) than block_work_kernel takes per step (1024); the count build's tiles there
-# (256 queries of 4 slots) leave T = 150 one partial tile. The third: 3 tiles of 64 queries, 300 blocks over
-# steps of 64 rows (_OFFSET_CELLS = 256 cells of 4 tiles), 1200 segments past the offsets kernel's 1024 per step.
+# the second: more segments (1200) than block_work_kernel (the sort build's) takes per step (1024); the count
+# build's tiles there (256 queries of 4 slots) leave T = 150 one partial tile. The third: the count build's 3 tiles
+# of 64 queries and 300 blocks, summed 64 blocks a step (_OFFSET_CELLS = 256 cells of 4 tiles), in 5 steps.
 @pytest.mark.parametrize("build", ("count", "sort"))
 @pytest.mark.parametrize("B, T, G, n, num_blocks, chunk", [(2, 23, 3, 4, 6, 5), (2, 150, 2, 3, 300, 4),
                                                            (2, 150, 2, 16, 300, 4)])
