@@ -653,7 +653,8 @@ def block_work(blocks: torch.Tensor, num_blocks: int, chunk: int, shapes_only: b
     """The inverted index of the by_block kernels and their work list, sizes fixed by shapes.
 
     order [B*T*G*n] int32: flat slot ((b*T + t)*G + g)*n + i of each valid entry, sorted by segment s = (b*G + g) *
-    num_blocks + block, query order inside a segment (its first starts[S] entries; the rest unused); starts [S + 1]
+    num_blocks + block, query order inside a segment (its first starts[S] entries; the rest unused: -1 from the
+    count build, the empty slots' flat slots from the sort); starts [S + 1]
     int32: segment s is order[starts[s]:starts[s+1]]; work_seg, work_chunk [W] int32: program p handles chunk
     work_chunk[p] (chunk entries) of segment work_seg[p], or nothing where work_seg[p] = -1 (W is an upper bound:
     no host sync). An empty segment has one item too, with no entries: the backward writes its block's zero dK, dV
@@ -675,7 +676,9 @@ def block_work(blocks: torch.Tensor, num_blocks: int, chunk: int, shapes_only: b
     if shapes_only:
         return torch.empty(entries, dtype=torch.int32, device=dev), starts, work_seg, work_chunk
     if build == "count":
-        order = torch.empty(entries, dtype=torch.int32, device=dev)
+        # the entries past the valid ones are unused, -1 rather than whatever memory held: every output of nsa::core
+        # is then the same on every run, as torch.library.opcheck requires of an op
+        order = torch.full((entries,), -1, dtype=torch.int32, device=dev)
         _count_index(blocks.contiguous(), num_blocks, chunk, work_per_group, order, starts, work_seg, work_chunk)
         return order, starts, work_seg, work_chunk
     sorted_segment, order = _sorted_segments(blocks, num_blocks)
