@@ -163,8 +163,6 @@ def main():
             ms = triton.testing.do_bench_cudagraph(fn, return_mode="median", grad_to_none=leaves)
             results[label][key] = ms
             print(f"{key}: {label} {ms:.3f} ms", flush=True)
-        del q, k, v, do, q_f, k_f, v_f, do_f, qd, kd, vd, dod, grads
-        torch.cuda.empty_cache()
     stem = write_times(args.out, args.suffix, args.commit or git_commit(), results,
                        title="the compressed branch over folded queries by cuDNN, against the range kernels",
                        unit="ms (errors: max |ours - cuDNN| / max |cuDNN|)", fmt=".4g",
