@@ -160,7 +160,14 @@ def main():
                 "cuDNN folded, alone": (step(alone, q_f, k_f, v_f, grad=do_f), [q_f, k_f, v_f]),
                 "dense cuDNN": (step(alone, qd, kd, vd, grad=dod), [qd, kd, vd])}
         for label, (fn, leaves) in runs.items():
-            ms = triton.testing.do_bench_cudagraph(fn, return_mode="median", grad_to_none=leaves)
+            print(f"{key}: {label} ...", flush=True)
+            try:
+                fn()  # once outside the capture first (cuDNN builds its plans)
+                torch.cuda.synchronize()
+                ms = triton.testing.do_bench_cudagraph(fn, return_mode="median", grad_to_none=leaves)
+            except Exception as err:  # reported in the table as nan, and why printed
+                print(f"{key}: {label} failed: {type(err).__name__}: {str(err)[:300]}", flush=True)
+                ms = float("nan")
             results[label][key] = ms
             print(f"{key}: {label} {ms:.3f} ms", flush=True)
     stem = write_times(args.out, args.suffix, args.commit or git_commit(), results,
