@@ -23,6 +23,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.launch import launch_overrides  # noqa: E402
+from bench.shapes import family_shapes  # noqa: E402
 
 # (column, ncu metric, scale to the shown unit or None for a count/percent)
 COLUMNS = [
@@ -87,14 +88,14 @@ def profiled_call(shape: str, launch: list[str], warmup: int) -> None:
 
     if not torch.cuda.is_available():
         raise SystemExit("bench/kernel_counters.py needs a CUDA GPU to profile (--table does not)")
-    family, B, T = shape.split(":")
-    if family not in SHAPES:
-        raise SystemExit(f"--shape: family must be one of {list(SHAPES)}, got {family!r}")
+    shapes = family_shapes(shape, SHAPES)
+    if len(shapes) != 1:
+        raise SystemExit(f"--shape: one family:B:T, got {shape!r}")
+    (family, B, T), = shapes
     overrides = launch_overrides(launch)
     if overrides:
         ti.set_launch_config(dataclasses.replace(ti.launch_config(), **overrides))
     s = SHAPES[family]
-    B, T = int(B), int(T)
     x = make_inputs(B, T, s["H"], s["G"], s["Dk"], s["Dv"], PAPER_NSA, torch.bfloat16, seed=1)
     leaves = [t.requires_grad_() for t in x.values()]
     do = torch.randn(B, T, s["H"], s["Dv"], device="cuda", dtype=torch.bfloat16)

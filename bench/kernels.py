@@ -35,6 +35,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from nsa_model.config import NSAConfig  # noqa: E402
 from bench.launch import launch_overrides  # noqa: E402
 from bench.provenance import file_suffix, git_commit, result_file, result_stem  # noqa: E402
+from bench.shapes import family_shapes  # noqa: E402
 from nsa_model.ops import triton_impl as ti  # noqa: E402
 
 NAMES = ("q", "k_slc", "v_slc", "k_win", "v_win", "k_cmp", "v_cmp", "gates")
@@ -752,7 +753,7 @@ def main():
     ap.add_argument("--sweep", default="", help="comma-separated sweep groups (SWEEP_GROUPS) to run first: pick "
                     "launch parameters by timing candidates, then check and time with them")
     ap.add_argument("--checks", default="", help="comma-separated check names to run (default: all)")
-    ap.add_argument("--timings", default="", help="comma-separated family:B:T to time, e.g. 125m:16:2048 "
+    ap.add_argument("--timings", type=lambda text: family_shapes(text, SHAPES), default=[], help="comma-separated family:B:T to time, e.g. 125m:16:2048 "
                     "(default: all of TIMINGS, in that order)")
     ap.add_argument("--sections", default=",".join(SECTIONS),
                     help=f"comma-separated optional parts of each timing row, of {SECTIONS}")
@@ -808,11 +809,10 @@ def main():
         save()
     timings = TIMINGS[:1] + TIMINGS[4:5] if args.quick else TIMINGS
     if args.timings:
-        known = {(f, str(B), str(T)): (f, B, T) for f, B, T in TIMINGS}
-        wanted_t = [tuple(x.split(":")) for x in args.timings.split(",")]  # in the order given
-        if any(w not in known for w in wanted_t):
-            raise SystemExit(f"--timings: not all of {wanted_t} are in TIMINGS {TIMINGS}")
-        timings = [known[w] for w in wanted_t]
+        unknown = [w for w in args.timings if w not in TIMINGS]
+        if unknown:
+            raise SystemExit(f"--timings: {unknown} not in TIMINGS {TIMINGS}")
+        timings = args.timings  # in the order given
     for family, B, T in timings:
         start = time.time()
         try:

@@ -26,25 +26,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from bench.provenance import file_suffix, git_commit  # noqa: E402
-
-FAMILIES = {"125m": (12, 2, 64), "paper": (64, 4, 128)}  # H, G, D
-
-
-def parse_shapes(text: str) -> list[tuple[str, int, int]]:
-    """--shapes: comma-separated family:B:T."""
-    shapes = []
-    for item in text.split(","):
-        parts = item.split(":")
-        if len(parts) != 3 or parts[0] not in FAMILIES:
-            raise argparse.ArgumentTypeError(f"{item!r}: expected family:B:T with family in {sorted(FAMILIES)}")
-        try:
-            B, T = int(parts[1]), int(parts[2])
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{item!r}: B and T must be integers") from None
-        if B < 1 or T < 64:
-            raise argparse.ArgumentTypeError(f"{item!r}: B >= 1 and T >= 64 needed")
-        shapes.append((parts[0], B, T))
-    return shapes
+from bench.shapes import FAMILIES, family_shapes  # noqa: E402
 
 
 def fold_queries(x, l: int, d: int, Tc: int):
@@ -82,8 +64,8 @@ def folded_cmp(q, k, v, l: int, d: int, scale: float):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--shapes", type=parse_shapes,
-                    default=parse_shapes("125m:16:2048,125m:4:8192,125m:1:32768,paper:1:8192,paper:1:65536"))
+    ap.add_argument("--shapes", type=family_shapes,
+                    default="125m:16:2048,125m:4:8192,125m:1:32768,paper:1:8192,paper:1:65536")
     ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results"))
     ap.add_argument("--suffix", type=file_suffix, default="")
     ap.add_argument("--commit", default="")
@@ -103,11 +85,14 @@ def main():
         raise SystemExit("bench/probe_cmp_fold.py needs a CUDA GPU")
     cfg = NSAConfig()
     l, d = cfg.cmp_block, cfg.cmp_stride
+    short = [s for s in args.shapes if s[2] < l]
+    if short:
+        raise SystemExit(f"--shapes: {short} have T < l = {l}: no compressed token to attend to")
     gen = torch.Generator("cuda").manual_seed(0)
     results = {k: {} for k in ("ours (range kernels)", "cuDNN folded, with folds", "cuDNN folded, alone",
                                "dense cuDNN", "max rel err o", "max rel err dq", "max rel err dk", "max rel err dv")}
     for family, B, T in args.shapes:
-        H, G, D = FAMILIES[family]
+        H, G, D = (FAMILIES[family][x] for x in "HGD")
         Tc = (T - l) // d + 1
         scale = D ** -0.5
         key = f"{family} {B} x {T}"

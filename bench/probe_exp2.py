@@ -36,6 +36,7 @@ import triton
 from bench.kernel_variants import KERNELS, edited_module
 from bench.kernels import PAPER_NSA, SHAPES, bench_graph, kernel_breakdown, make_inputs
 from bench.provenance import file_suffix, git_commit, result_file, result_stem
+from bench.shapes import family_shapes
 from nsa_model.ops import triton_impl as ti
 
 MODULES = {  # kernel module -> the kernels of it that triton_impl launches
@@ -250,7 +251,8 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--commit", default=None)
     parser.add_argument("--suffix", type=file_suffix, default="-exp2")
-    parser.add_argument("--shapes", default="125m:4:8192,125m:16:2048,125m:1:32768,paper:1:8192")
+    parser.add_argument("--shapes", type=lambda text: family_shapes(text, SHAPES),
+                        default="125m:4:8192,125m:16:2048,125m:1:32768,paper:1:8192")
     parser.add_argument("--variants", default=",".join(VARIANTS))
     parser.add_argument("--selection", action="store_true", help="only the selection kernel: as it is, as it was "
                         "before v35 and v34, and with its exponentials partly on the FMA pipe")
@@ -259,17 +261,15 @@ def main() -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     if args.selection:
         results = {}
-        for item in args.shapes.split(","):
-            family, B, T = item.split(":")
-            results[f"{family} {B} x {T}"] = time_selection(family, int(B), int(T))
+        for family, B, T in args.shapes:
+            results[f"{family} {B} x {T}"] = time_selection(family, B, T)
         print(write_selection(out_dir, args.suffix, args.commit or git_commit(), results))
         return
     names = args.variants.split(",")
     variants = {name: kernels_of(name) for name in ["prod"] + [n for n in names if n != "prod"]}
     results = {}
-    for item in args.shapes.split(","):
-        family, B, T = item.split(":")
-        results[f"{family} {B} x {T}"] = run_shape(family, int(B), int(T), variants)
+    for family, B, T in args.shapes:
+        results[f"{family} {B} x {T}"] = run_shape(family, B, T, variants)
         write(out_dir, args.suffix, args.commit or git_commit(), results)
     print(write(out_dir, args.suffix, args.commit or git_commit(), results))
 

@@ -22,29 +22,12 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from bench.provenance import file_suffix, git_commit  # noqa: E402
-
-FAMILIES = {"125m": dict(H=12, G=2, D=64), "paper": dict(H=64, G=4, D=128)}
-
-
-def parse_shapes(text: str) -> list[tuple[str, int, int]]:
-    """--shapes: comma-separated family:B:T, family one of FAMILIES, B and T positive."""
-    shapes = []
-    for item in text.split(","):
-        parts = item.split(":")
-        try:
-            family, B, T = parts[0], int(parts[1]), int(parts[2])
-        except (IndexError, ValueError):
-            raise argparse.ArgumentTypeError(f"{item!r}: expected family:B:T, e.g. 125m:4:8192") from None
-        if len(parts) != 3 or family not in FAMILIES or B < 1 or T < 1:
-            raise argparse.ArgumentTypeError(f"{item!r}: family one of {sorted(FAMILIES)}, B and T >= 1")
-        shapes.append((family, B, T))
-    return shapes
-
+from bench.shapes import FAMILIES, family_shapes  # noqa: E402
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--shapes", type=parse_shapes,
-                    default=parse_shapes("125m:16:2048,125m:4:8192,125m:1:32768,paper:1:8192,paper:1:65536"))
+    ap.add_argument("--shapes", type=family_shapes,
+                    default="125m:16:2048,125m:4:8192,125m:1:32768,paper:1:8192,paper:1:65536")
     ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results"))
     ap.add_argument("--suffix", type=file_suffix, default="")
     ap.add_argument("--commit", default="")

@@ -20,6 +20,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from bench.provenance import file_suffix, git_commit  # noqa: E402
+from bench.shapes import batch_shapes  # noqa: E402
 
 # (label, phi_rows, _PHI_W1_ROWS, _PHI_DX_ROWS); the first is the default
 VARIANTS = [("default (32, 64, 64)", 32, 64, 64), ("rows 16", 16, 64, 64), ("rows 64", 64, 64, 64),
@@ -27,23 +28,9 @@ VARIANTS = [("default (32, 64, 64)", 32, 64, 64), ("rows 16", 16, 64, 64), ("row
             ("dx rows 128", 32, 64, 128)]
 
 
-def parse_shapes(text: str) -> list[tuple[int, int]]:
-    """--shapes: comma-separated B:T, both positive."""
-    shapes = []
-    for item in text.split(","):
-        try:
-            B, T = (int(x) for x in item.split(":"))
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{item!r}: expected B:T, e.g. 4:8192") from None
-        if B < 1 or T < 1:
-            raise argparse.ArgumentTypeError(f"{item!r}: B and T must be >= 1")
-        shapes.append((B, T))
-    return shapes
-
-
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--shapes", type=parse_shapes, default=parse_shapes("16:2048,4:8192,1:32768"))
+    ap.add_argument("--shapes", type=batch_shapes, default="16:2048,4:8192,1:32768")
     ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results"))
     ap.add_argument("--suffix", type=file_suffix, default="")
     ap.add_argument("--commit", default="")

@@ -1,21 +1,7 @@
-"""bench/probe_phi.py refuses a shape it cannot run before it starts on the GPU, and its first variant is the
-launch configuration the model runs (so its column is the baseline)."""
+"""bench/probe_phi.py's first variant is the launch configuration the model runs (so its column is the baseline).
+Its --shapes are bench/shapes.py's batch_shapes (tests/test_bench_shapes.py)."""
 
-import argparse
-
-import pytest
-
-from bench.probe_phi import VARIANTS, parse_shapes
-
-
-def test_shapes_parse_as_batch_and_length():
-    assert parse_shapes("16:2048,4:8192") == [(16, 2048), (4, 8192)]
-
-
-@pytest.mark.parametrize("bad", ["4", "4:0", "0:8192", "a:b", "4:8192:1", ""])
-def test_other_shapes_are_refused(bad):
-    with pytest.raises(argparse.ArgumentTypeError):
-        parse_shapes(bad)
+from bench.probe_phi import VARIANTS
 
 
 def test_the_first_variant_is_the_default_launch():
