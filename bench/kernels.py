@@ -753,8 +753,9 @@ def main():
     ap.add_argument("--sweep", default="", help="comma-separated sweep groups (SWEEP_GROUPS) to run first: pick "
                     "launch parameters by timing candidates, then check and time with them")
     ap.add_argument("--checks", default="", help="comma-separated check names to run (default: all)")
-    ap.add_argument("--timings", type=lambda text: family_shapes(text, SHAPES), default=[], help="comma-separated family:B:T to time, e.g. 125m:16:2048 "
-                    "(default: all of TIMINGS, in that order)")
+    ap.add_argument("--timings", type=lambda text: family_shapes(text, SHAPES), default=[],
+                    help="comma-separated family:B:T to time, e.g. 125m:16:2048 (default: all of TIMINGS, in that "
+                    "order)")
     ap.add_argument("--sections", default=",".join(SECTIONS),
                     help=f"comma-separated optional parts of each timing row, of {SECTIONS}")
     ap.add_argument("--suffix", type=file_suffix, default="", help="appended to the result files' names, e.g. -v4")

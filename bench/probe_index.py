@@ -24,6 +24,7 @@ sys.path.insert(0, ROOT)
 from bench.provenance import file_suffix, git_commit  # noqa: E402
 from bench.shapes import FAMILIES, family_shapes  # noqa: E402
 
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shapes", type=family_shapes,
