@@ -7,6 +7,8 @@ import argparse
 
 # heads, kv groups and head dim of the two configurations ANCHORS.md times
 FAMILIES = {"125m": dict(H=12, G=2, D=64), "paper": dict(H=64, G=4, D=128)}
+# the five rows issue 4 sets targets for (bench/kernels.py TARGETS): the probes' default shapes
+ISSUE4_SHAPES = "125m:16:2048,125m:4:8192,125m:1:32768,paper:1:8192,paper:1:65536"
 
 
 def _positive_ints(item: str, parts: list[str], form: str) -> list[int]:

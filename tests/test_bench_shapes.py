@@ -4,7 +4,7 @@ import argparse
 
 import pytest
 
-from bench.shapes import FAMILIES, batch_shapes, family_shapes
+from bench.shapes import FAMILIES, ISSUE4_SHAPES, batch_shapes, family_shapes
 
 
 def test_family_shapes_parse_in_the_order_given():
@@ -26,6 +26,11 @@ def test_family_shapes_take_the_callers_families():
 
 def test_the_families_are_the_anchors_configurations():
     assert FAMILIES == {"125m": dict(H=12, G=2, D=64), "paper": dict(H=64, G=4, D=128)}
+
+
+def test_the_probes_default_shapes_are_the_rows_issue_4_targets():
+    from bench.kernels import TARGETS
+    assert sorted(family_shapes(ISSUE4_SHAPES)) == sorted(TARGETS)
 
 
 def test_batch_shapes_parse_in_the_order_given():
