@@ -114,7 +114,7 @@ def probe(B: int, T: int, chunks: list[int]) -> dict:
     prod_fwd, prod_bwd = ti.selected_block_fwd_kernel, ti.selected_block_bwd_kernel
     try:
         for name, edits in FORWARD_EDITS.items():
-            ti.selected_block_fwd_kernel = ti._Ordered(variant(name, edits).selected_block_fwd_kernel)
+            ti.selected_block_fwd_kernel = variant(name, edits).selected_block_fwd_kernel
             row[f"forward: {name}"] = bench(lambda: ti._selected_by_block_fwd(q, k, v, blocks, o, lse, index, common,
                                                                               scale))
         ti.selected_block_fwd_kernel = prod_fwd
@@ -126,7 +126,7 @@ def probe(B: int, T: int, chunks: list[int]) -> dict:
             o_part, lse_part, blocks, o, lse, rows, H=H, G=G, DV=v.shape[-1], BLOCK_DV=common["BLOCK_DV"],
             N_SELECT=n, BLOCK_R=ti._COMBINE_ROWS))
         for name, edits in BACKWARD_EDITS.items():
-            ti.selected_block_bwd_kernel = ti._Ordered(variant(name, edits).selected_block_bwd_kernel)
+            ti.selected_block_bwd_kernel = variant(name, edits).selected_block_bwd_kernel
             row[f"backward, dQ slots: {name}"] = bench(lambda: ti._selected_by_block_bwd(
                 q, k, v, blocks, do, lse, delta, index, common, scale, final_kv=True, dq_slots=True))
         dq = torch.empty_like(q)

@@ -113,7 +113,7 @@ def kernels_of(name: str) -> dict:
         mod = edited_module(module, f"{name}-{module}", edits(VARIANTS[name], module))
         if mod is None:
             raise SystemExit(f"probe_exp2: an edit of {module} no longer finds its text")
-        out.update({k: ti._Ordered(getattr(mod, k)) for k in names})  # launched as the production kernels are
+        out.update({k: getattr(mod, k) for k in names})
     return out
 
 
@@ -175,7 +175,7 @@ def selection_variant(name: str):
     mod = edited_module("selection.py", f"sel-{name}", edits_) if edits_ else None
     if edits_ and mod is None:
         raise SystemExit(f"probe_exp2: an edit of selection.py for {name!r} no longer finds its text")
-    return ti._Ordered(mod.select_blocks_kernel) if mod else ti.select_blocks_kernel
+    return mod.select_blocks_kernel if mod else ti.select_blocks_kernel
 
 
 def time_selection(family: str, B: int, T: int) -> dict:

@@ -8,16 +8,12 @@ the small shapes. On a CUDA host the same tests run compiled, on CUDA tensors.
 
 from __future__ import annotations
 
-import ast
 import dataclasses
 import importlib
-import inspect
 import os
-import textwrap
 
 import pytest
 import torch
-import triton
 
 from nsa_model.config import ModelConfig, NSAConfig
 from nsa_model.ops import reference
@@ -223,44 +219,6 @@ def test_fp16_branches_match_reference():
                                                          scale)[0]) <= 2e-3
 
 
-def _launched_kernels() -> dict:
-    return {name: value for name, value in vars(triton_impl).items()
-            if isinstance(value, (triton_impl._Ordered, triton.runtime.KernelInterface))}
-
-
-def test_every_kernel_waits_for_the_previous_grid_first():
-    """Programmatic dependent launch (kernels/launch_order.py) is safe only if a kernel launched with it reads and
-    writes nothing before its wait: every kernel the backend launches goes through _Ordered (which passes PDL and
-    launch_pdl together) and starts with wait_for_previous_grid(PDL), after its docstring."""
-    kernels = _launched_kernels()
-    assert len(kernels) >= 29
-    for name, kernel in kernels.items():
-        assert isinstance(kernel, triton_impl._Ordered), f"{name} launches without the PDL options"
-        body = ast.parse(textwrap.dedent(inspect.getsource(kernel.kernel.fn))).body[0].body
-        if isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
-            body = body[1:]  # the docstring
-        first = ast.unparse(body[0])
-        assert first == "wait_for_previous_grid(PDL)", f"{name} starts with {first!r}"
-
-
-@pytest.mark.parametrize("mode", triton_impl.PDL)
-@pytest.mark.parametrize("supported", (True, False))
-def test_launches_carry_the_pdl_options_together(monkeypatch, mode, supported):
-    launches = []
-
-    class Kernel:
-        def __getitem__(self, grid):
-            return lambda *args, **kwargs: launches.append((grid, args, kwargs))
-
-    if triton_impl.INTERPRETED:
-        assert not triton_impl._pdl_supported()
-    monkeypatch.setattr(triton_impl, "_pdl_supported", lambda: supported)
-    with triton_impl.use_launch_config(triton_impl.LaunchConfig(pdl=mode)):
-        triton_impl._Ordered(Kernel())[(3, 2)](1, X=2)
-    expected = triton_impl.PDL.index(mode) if supported else 0
-    assert launches == [((3, 2), (1,), dict(X=2, PDL=expected, launch_pdl=expected > 0))]
-
-
 def test_bad_inputs_are_refused():
     cfg = NSAConfig(cmp_block=8, cmp_stride=4, sel_block=8, n_selected=3, window=8)
     x = make_inputs(1, 16, 2, 1, 16, 16, cfg, seed=8)  # float64: not a dtype of this backend
@@ -276,8 +234,6 @@ def test_bad_inputs_are_refused():
         triton_impl.LaunchConfig(gate_kernel="fast")
     with pytest.raises(ValueError, match="LaunchConfig.range_kernel"):
         triton_impl.LaunchConfig(range_kernel="edge")
-    with pytest.raises(ValueError, match="LaunchConfig.pdl"):
-        triton_impl.LaunchConfig(pdl="on")
     with pytest.raises(ValueError, match="LaunchConfig.slc_dense_prefix: must be a bool"):
         triton_impl.LaunchConfig(slc_dense_prefix=1)
     with pytest.raises(ValueError, match="LaunchConfig.slc_block_prefetch_dims: must be an int >= 0"):

@@ -30,15 +30,12 @@ Offsets are int64 wherever B * T * G * n slots could pass 2^31.
 import triton
 import triton.language as tl
 
-from nsa_model.kernels.launch_order import wait_for_previous_grid
-
 ABSENT = tl.constexpr(2 ** 31 - 1)  # a union's padding: after every block id
 
 
 @triton.jit
 def segment_ids_kernel(BLOCKS, SEG, num_entries, T, num_blocks, num_segments, G: tl.constexpr, N: tl.constexpr,
-                       BLOCK: tl.constexpr, PDL: tl.constexpr = 0):
-    wait_for_previous_grid(PDL)
+                       BLOCK: tl.constexpr):
     e = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     ok = e < num_entries
     block = tl.load(BLOCKS + e, mask=ok, other=-1)
@@ -49,12 +46,11 @@ def segment_ids_kernel(BLOCKS, SEG, num_entries, T, num_blocks, num_segments, G:
 
 
 @triton.jit
-def segment_starts_kernel(SORTED, STARTS, num_entries, num_segments, BLOCK: tl.constexpr, PDL: tl.constexpr = 0):
+def segment_starts_kernel(SORTED, STARTS, num_entries, num_segments, BLOCK: tl.constexpr):
     """starts[s] = the first position of SORTED (ascending, length num_entries) whose key is >= s, for s = 0 ..
     num_segments: one pass over the keys, each position e writing the segments from its predecessor's key + 1 up
     to its own (position num_entries stands past the end). A binary search per segment, in one program, took
     34 us per layer call at 125M 16 x 2k (its 21 dependent loads), this about 3 us."""
-    wait_for_previous_grid(PDL)
     e = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     cur = tl.load(SORTED + e, mask=e < num_entries, other=num_segments).to(tl.int32)
     prev = tl.load(SORTED + e - 1, mask=(e > 0) & (e <= num_entries), other=-1).to(tl.int32)
@@ -65,11 +61,10 @@ def segment_starts_kernel(SORTED, STARTS, num_entries, num_segments, BLOCK: tl.c
 
 @triton.jit
 def block_work_kernel(STARTS, WORK_SEG, WORK_CHUNK, num_segments, num_work, CHUNK: tl.constexpr,
-                      BLOCK_S: tl.constexpr, PDL: tl.constexpr = 0):
+                      BLOCK_S: tl.constexpr):
     """One program: segment s's cdiv(count, CHUNK) chunks, at least one (an empty segment's item writes its
     block's zero gradient), are consecutive work items, segment after segment (count = starts[s + 1] -
     starts[s]); the work list's spare items (it is sized from shapes alone) get segment -1."""
-    wait_for_previous_grid(PDL)
     total = 0
     for s0 in range(0, num_segments, BLOCK_S):
         s = s0 + tl.arange(0, BLOCK_S)
@@ -91,11 +86,10 @@ def block_work_kernel(STARTS, WORK_SEG, WORK_CHUNK, num_segments, num_work, CHUN
 @triton.jit
 def tile_union_kernel(BLOCKS, UNION, COUNT, T, num_tiles, G: tl.constexpr, N: tl.constexpr, N_PAD: tl.constexpr,
                       TILE_Q: tl.constexpr, QUERIES: tl.constexpr, NB_PAD: tl.constexpr, WIDTH: tl.constexpr,
-                      BLOCK_W: tl.constexpr, PDL: tl.constexpr = 0):
+                      BLOCK_W: tl.constexpr):
     """Program (tile, b * G + g): marks the blocks its queries chose, QUERIES queries at a time (a [QUERIES *
     N_PAD, NB_PAD] comparison), then stores each marked block at its rank (a prefix sum over the blocks: no
     sort) and ABSENT after the count. Every block id must be < NB_PAD."""
-    wait_for_previous_grid(PDL)
     tile = tl.program_id(0)
     b = tl.program_id(1) // G
     g = tl.program_id(1) % G
@@ -135,10 +129,9 @@ def _tile_slots(BLOCKS, b, g, tile, T, num_blocks, G: tl.constexpr, N: tl.conste
 
 @triton.jit
 def tile_histogram_kernel(BLOCKS, COUNTS, TILE_TOTAL, T, num_blocks, num_tiles, G: tl.constexpr, N: tl.constexpr,
-                          N_PAD: tl.constexpr, ENTRIES: tl.constexpr, NB_PAD: tl.constexpr, PDL: tl.constexpr = 0):
+                          N_PAD: tl.constexpr, ENTRIES: tl.constexpr, NB_PAD: tl.constexpr):
     """Program (tile, b * G + g): COUNTS[(b*G + g) * num_blocks + j, tile] = the tile's slots that chose block j;
     TILE_TOTAL[b*G + g, tile] = its valid slots."""
-    wait_for_previous_grid(PDL)
     tile = tl.program_id(0)
     bg = tl.program_id(1)
     block, _, valid = _tile_slots(BLOCKS, bg // G, bg % G, tile, T, num_blocks, G, N, N_PAD, ENTRIES)
@@ -151,14 +144,13 @@ def tile_histogram_kernel(BLOCKS, COUNTS, TILE_TOTAL, T, num_blocks, num_tiles, 
 @triton.jit
 def segment_offsets_kernel(COUNTS, TILE_TOTAL, OFFSETS, STARTS, WORK_SEG, WORK_CHUNK, num_blocks, num_tiles,
                            num_groups, work_per_group, CHUNK: tl.constexpr, ROWS: tl.constexpr,
-                           NT_PAD: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr = 0):
+                           NT_PAD: tl.constexpr, BLOCK_S: tl.constexpr):
     """Program (b*G + g) = s0 / num_blocks, segments s0 .. s0 + num_blocks - 1, ROWS blocks at a time:
     STARTS[s] = where segment s starts in the sorted order (the valid slots of every (b, g) before, then of the
     blocks before); OFFSETS[s, tile] = STARTS[s] + (the tile's choosers of block s that earlier tiles have) - (the
     tile's slots on smaller blocks), so that tile_scatter_kernel's k-th slot in (block, slot) order goes to
     OFFSETS + k. STARTS[num_groups * num_blocks] = every valid slot. The work list as block_work_kernel makes it,
     in this (b, g)'s own part of it, work_per_group items, its spare items -1."""
-    wait_for_previous_grid(PDL)
     bg = tl.program_id(0)
     base = 0
     for p0 in range(0, bg * num_tiles, BLOCK_S):
@@ -199,10 +191,9 @@ def segment_offsets_kernel(COUNTS, TILE_TOTAL, OFFSETS, STARTS, WORK_SEG, WORK_C
 
 @triton.jit
 def tile_scatter_kernel(BLOCKS, OFFSETS, ORDER, T, num_blocks, num_tiles, G: tl.constexpr, N: tl.constexpr,
-                        N_PAD: tl.constexpr, ENTRIES: tl.constexpr, ENTRY_BITS: tl.constexpr, PDL: tl.constexpr = 0):
+                        N_PAD: tl.constexpr, ENTRIES: tl.constexpr, ENTRY_BITS: tl.constexpr):
     """Program (tile, b * G + g): the tile's valid slots sorted by (block, entry) in registers (one key each,
     block << ENTRY_BITS | entry; the invalid ones last), the k-th written to ORDER[OFFSETS[segment, tile] + k]."""
-    wait_for_previous_grid(PDL)
     tile = tl.program_id(0)
     bg = tl.program_id(1)
     block, _, valid = _tile_slots(BLOCKS, bg // G, bg % G, tile, T, num_blocks, G, N, N_PAD, ENTRIES)

@@ -34,8 +34,6 @@ weight gradients float32.
 import triton
 import triton.language as tl
 
-from nsa_model.kernels.launch_order import wait_for_previous_grid
-
 RSQRT2 = tl.constexpr(0.7071067811865476)
 RSQRT_2PI = tl.constexpr(0.3989422804014327)
 
@@ -63,8 +61,7 @@ def _block_rows(pid, R, TC, x_sb, x_st, x_sg, g, STRIDE: tl.constexpr, BLOCK_R: 
 def phi_fwd_kernel(X0, X1, W1, BIAS1, W2, B2, Y, HS, R, TC, x_sb, x_st, x_sg,
                    G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, HID: tl.constexpr,
                    BLOCK_H: tl.constexpr, L: tl.constexpr, STRIDE: tl.constexpr, BLOCK_R: tl.constexpr,
-                   DOT_PRECISION: tl.constexpr, PDL: tl.constexpr = 0):
-    wait_for_previous_grid(PDL)
+                   DOT_PRECISION: tl.constexpr):
     g = tl.program_id(1)
     s = tl.program_id(2)
     X = _set_input(X0, X1, s)
@@ -99,11 +96,9 @@ def phi_fwd_kernel(X0, X1, W1, BIAS1, W2, B2, Y, HS, R, TC, x_sb, x_st, x_sg,
 @triton.jit
 def phi_bwd_rows_kernel(DY, HS, W2, DH, SUMS, R,
                         G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, HID: tl.constexpr,
-                        BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                        PDL: tl.constexpr = 0):
+                        BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """SUMS [S, programs, D * HID + D + HID] float32: each program's share of dW2, d b2 and d bias, stored whole
     (the caller sums over programs; float32 atomics from every program cost more than the rest of the kernel)."""
-    wait_for_previous_grid(PDL)
     g = tl.program_id(1)
     s = tl.program_id(2)
     DY += s.to(tl.int64) * R * G * D
@@ -140,9 +135,8 @@ def phi_bwd_rows_kernel(DY, HS, W2, DH, SUMS, R,
 def phi_bwd_w1_kernel(X0, X1, DH, DW1, R, TC, tiles_per_split, x_sb, x_st, x_sg,
                       G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, HID: tl.constexpr,
                       BLOCK_H: tl.constexpr, L: tl.constexpr, STRIDE: tl.constexpr, BLOCK_R: tl.constexpr,
-                      DOT_PRECISION: tl.constexpr, PDL: tl.constexpr = 0):
+                      DOT_PRECISION: tl.constexpr):
     """DW1 [S, splits, HID, L * D] float32: each split's sum over its row tiles (rows q = r * G + g of dh)."""
-    wait_for_previous_grid(PDL)
     j = tl.program_id(0)
     split = tl.program_id(1)
     s = tl.program_id(2)
@@ -175,10 +169,9 @@ def phi_bwd_w1_kernel(X0, X1, DH, DW1, R, TC, tiles_per_split, x_sb, x_st, x_sg,
 def phi_bwd_x_kernel(DH, W1, DX, T, TC, NCH, NUM_ROWS,
                      G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, HID: tl.constexpr,
                      BLOCK_H: tl.constexpr, STRIDE: tl.constexpr, PIECES: tl.constexpr, BLOCK_R: tl.constexpr,
-                     DOT_PRECISION: tl.constexpr, PDL: tl.constexpr = 0):
+                     DOT_PRECISION: tl.constexpr):
     """dx rows (b, t = c * STRIDE + u) for a tile of (b, c) pairs (NUM_ROWS = B * NCH, NCH = cdiv(T, STRIDE)),
     group g of set s (program_id(1) = s * G + g) and offset u."""
-    wait_for_previous_grid(PDL)
     g = tl.program_id(1) % G
     s = tl.program_id(1) // G
     DH += s.to(tl.int64) * TC * (NUM_ROWS // NCH) * G * HID

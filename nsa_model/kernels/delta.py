@@ -10,13 +10,9 @@ Layouts (contiguous): do, o [ROWS, D], delta [ROWS] fp32, ROWS = B * T * H.
 import triton
 import triton.language as tl
 
-from nsa_model.kernels.launch_order import wait_for_previous_grid
-
 
 @triton.jit
-def row_dot_kernel(DO, O, DELTA, num_rows, D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
-                   PDL: tl.constexpr = 0):
-    wait_for_previous_grid(PDL)
+def row_dot_kernel(DO, O, DELTA, num_rows, D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     offs_d = tl.arange(0, BLOCK_D)
     r_ok = rows < num_rows

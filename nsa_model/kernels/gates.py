@@ -24,8 +24,6 @@ Layouts (contiguous): gates [ROWS, 3], o_* and do [ROWS, DV], ROWS = B * T * H.
 import triton
 import triton.language as tl
 
-from nsa_model.kernels.launch_order import wait_for_previous_grid
-
 
 @triton.jit
 def gate_rows(GATES, rows64, r_ok, o_cmp, o_slc, o_win):
@@ -43,8 +41,7 @@ def gate_rows(GATES, rows64, r_ok, o_cmp, o_slc, o_win):
 
 @triton.jit
 def gated_sum_fwd_kernel(GATES, O_CMP, O_SLC, O_WIN, O, num_rows, DV: tl.constexpr, BLOCK_R: tl.constexpr,
-                         BLOCK_D: tl.constexpr, PDL: tl.constexpr = 0):
-    wait_for_previous_grid(PDL)
+                         BLOCK_D: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     offs_d = tl.arange(0, BLOCK_D)
     r_ok = rows < num_rows
@@ -77,11 +74,10 @@ def _branch_grads(GATE, O_X, DO_X, DGATE, DELTA_X, LSE_X, LSE_G_X, do, at, ok, r
 @triton.jit
 def gated_sum_bwd_kernel(GATES, O_CMP, O_SLC, O_WIN, DO, DGATES, DO_CMP, DO_SLC, DO_WIN, DELTA, LSE_CMP, LSE_SLC,
                          LSE_WIN, LSE_G, num_rows, DV: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
-                         FOLD: tl.constexpr, PDL: tl.constexpr = 0):
+                         FOLD: tl.constexpr):
     """With FOLD: DELTA [3, ROWS] fp32, each branch's row term, in the order cmp, slc, win, and LSE_G [3, ROWS]
     fp32, each branch's lse [ROWS] (LSE_X) less ln of its gate; DO_X then only give the dtype. Without: DO_X
     stored, DELTA, LSE_X and LSE_G unread."""
-    wait_for_previous_grid(PDL)
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     offs_d = tl.arange(0, BLOCK_D)
     r_ok = rows < num_rows

@@ -41,8 +41,6 @@ tile (the v4 kernels, kept selectable for the benchmark).
 import triton
 import triton.language as tl
 
-from nsa_model.kernels.launch_order import wait_for_previous_grid
-
 
 LOG2E = tl.constexpr(1.4426950408889634)
 
@@ -163,8 +161,7 @@ def range_attn_fwd_kernel(Q, K, V, QD, KD, VD, O, LSE, T, num_queries, num_keys,
                           H: tl.constexpr, G: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
                           BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr,
                           BLOCK_N: tl.constexpr, EDGE_SPLIT: tl.constexpr, TMA: tl.constexpr,
-                          DOT_PRECISION: tl.constexpr, PDL: tl.constexpr = 0):
-    wait_for_previous_grid(PDL)
+                          DOT_PRECISION: tl.constexpr):
     pid_m = _query_tile_index()
     pid_bh = tl.program_id(1)
     b = pid_bh // H
@@ -255,7 +252,7 @@ def range_attn_bwd_dq_kernel(Q, K, V, DO, QD, KD, VD, DOD, K2D, V2D, LSE, DELTA,
                              BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr,
                              BLOCK_N: tl.constexpr, EDGE_SPLIT: tl.constexpr, ACCUMULATE: tl.constexpr,
                              TWO_RANGES: tl.constexpr, TMA: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                             DQ_SLOTS=None, SLOT_BLOCKS=None, N_SLOTS: tl.constexpr = 0, PDL: tl.constexpr = 0):
+                             DQ_SLOTS=None, SLOT_BLOCKS=None, N_SLOTS: tl.constexpr = 0):
     """ACCUMULATE: add this dQ to what DQ holds (the selected branch's dense prefix adds into the core's dQ).
     TWO_RANGES: dQ is the sum over two ranges (the second with its own keys, lse and delta; the same do): the
     compressed and window branches' dQ from one load of each query tile and one store.
@@ -263,7 +260,6 @@ def range_attn_bwd_dq_kernel(Q, K, V, DO, QD, KD, VD, DOD, K2D, V2D, LSE, DELTA,
     (selected_by_block.py's DQ_MODE 1 rows; slots whose block in SLOT_BLOCKS [B, T, G, N_SLOTS] is -1 hold
     nothing): its slot sum, done here where the loads overlap other programs' matrix work instead of in a pass
     of its own (kernels-notes.md v29)."""
-    wait_for_previous_grid(PDL)
     pid_m = _query_tile_index()
     pid_bh = tl.program_id(1)
     b = pid_bh // H
@@ -338,7 +334,7 @@ def range_attn_bwd_dkdv_kernel(Q, K, V, DO, QD, KD, VD, DOD, LSE, DELTA, DK_ACC,
                                G: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BLOCK_DK: tl.constexpr,
                                BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                                HEAD_SPLIT: tl.constexpr, EDGE_SPLIT: tl.constexpr, ATOMIC: tl.constexpr,
-                               TMA: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr = 0):
+                               TMA: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """One program per (slice of HPG / HEAD_SPLIT heads of a group, key tile, chunk of q_chunk of the queries
     that see the tile). HEAD_SPLIT = 1 and one chunk: the program loops over the whole group and stores (exact,
     deterministic; right for the window branch, whose tiles see few queries). Otherwise (ATOMIC) the programs of
@@ -350,7 +346,6 @@ def range_attn_bwd_dkdv_kernel(Q, K, V, DO, QD, KD, VD, DOD, LSE, DELTA, DK_ACC,
     early tiles see the most queries, so the longest programs start first and the last wave holds the shortest
     ones (longest-first scheduling). Tiles first, the long programs of the last head slices ran on alone at the
     end: 32.8 ms at paper 1 x 64k against 26.3 now (v25)."""
-    wait_for_previous_grid(PDL)
     HPG: tl.constexpr = H // G
     HEADS: tl.constexpr = HPG // HEAD_SPLIT
     pid_bgs = tl.program_id(0)

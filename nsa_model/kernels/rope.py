@@ -16,8 +16,6 @@ COLS[i] .. of Y; COS, SIN [T, D/2] float32, contiguous (D: the rotated parts' he
 import triton
 import triton.language as tl
 
-from nsa_model.kernels.launch_order import wait_for_previous_grid
-
 
 @triton.jit
 def _rope_part(Y, PART, COS, SIN, tok0, num_tokens, T, y_sb, y_st, p_sb, p_st, p_sh, COL: tl.constexpr,
@@ -59,8 +57,7 @@ def _rope_part(Y, PART, COS, SIN, tok0, num_tokens, T, y_sb, y_st, p_sb, p_st, p
 def rope_split_kernel(Y, PARTS, COS, SIN, num_tokens, T, y_sb, y_st, part_sb, part_st, part_sh,
                       COLS: tl.constexpr, HEADS: tl.constexpr, HEADS_PAD: tl.constexpr, DIMS: tl.constexpr,
                       BLOCK_DIMS: tl.constexpr, ROTATE: tl.constexpr, INVERSE: tl.constexpr,
-                      BLOCK_T: tl.constexpr, PDL: tl.constexpr = 0):
-    wait_for_previous_grid(PDL)
+                      BLOCK_T: tl.constexpr):
     tok0 = tl.program_id(0) * BLOCK_T
     for i in tl.static_range(len(HEADS)):
         _rope_part(Y, PARTS[i], COS, SIN, tok0, num_tokens, T, y_sb, y_st, part_sb[i], part_st[i], part_sh[i],

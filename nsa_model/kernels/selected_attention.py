@@ -17,8 +17,6 @@ contiguous; k [B, T, G, DK] and v [B, T, G, DV] with tokens K_ROW / V_ROW elemen
 import triton
 import triton.language as tl
 
-from nsa_model.kernels.launch_order import wait_for_previous_grid
-
 from nsa_model.kernels.selected_by_block import _block_kv
 from nsa_model.kernels.selected_tiled import _block_tile
 
@@ -30,8 +28,7 @@ def selected_attn_fwd_kernel(Q, K, V, KD, VD, BLOCKS, O, LSE, T, scale, K_ROW, V
                              H: tl.constexpr, G: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
                              BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, SEL_BLOCK: tl.constexpr,
                              BLOCK_S: tl.constexpr, N_SELECT: tl.constexpr, HEADS_PAD: tl.constexpr,
-                             TMA: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr = 0):
-    wait_for_previous_grid(PDL)
+                             TMA: tl.constexpr, DOT_PRECISION: tl.constexpr):
     t = tl.program_id(0)
     pid_bg = tl.program_id(1)
     b = pid_bg // G
@@ -82,10 +79,8 @@ def selected_attn_bwd_dq_kernel(Q, K, V, KD, VD, BLOCKS, DO, LSE, DELTA, DQ, T, 
                                 H: tl.constexpr, G: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
                                 BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, SEL_BLOCK: tl.constexpr,
                                 BLOCK_S: tl.constexpr, N_SELECT: tl.constexpr, HEADS_PAD: tl.constexpr,
-                                TMA: tl.constexpr, DOT_PRECISION: tl.constexpr, ACCUMULATE: tl.constexpr = False,
-                                PDL: tl.constexpr = 0):
+                                TMA: tl.constexpr, DOT_PRECISION: tl.constexpr, ACCUMULATE: tl.constexpr = False):
     """ACCUMULATE: add this dQ to what DQ holds (the other branches' dQ), in float32 before the store."""
-    wait_for_previous_grid(PDL)
     t = tl.program_id(0)
     pid_bg = tl.program_id(1)
     b = pid_bg // G
@@ -134,8 +129,7 @@ def selected_attn_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, QUERY_OF_ENTRY, START
                                   H: tl.constexpr, G: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
                                   BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, SEL_BLOCK: tl.constexpr,
                                   BLOCK_S: tl.constexpr, HEADS_PAD: tl.constexpr, ENTRIES: tl.constexpr,
-                                  CHUNK: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr = 0):
-    wait_for_previous_grid(PDL)
+                                  CHUNK: tl.constexpr, DOT_PRECISION: tl.constexpr):
     pid_j = tl.program_id(0)
     pid_bg = tl.program_id(1)
     pid_c = tl.program_id(2)

@@ -52,8 +52,6 @@ flat slot * HPG + head), lse/delta [B, T, H] fp32.
 import triton
 import triton.language as tl
 
-from nsa_model.kernels.launch_order import wait_for_previous_grid
-
 from nsa_model.kernels.gates import gate_rows
 from nsa_model.kernels.selected_tiled import _backward_rows
 
@@ -189,8 +187,7 @@ def selected_block_fwd_kernel(Q, K, V, KD, VD, ORDER, STARTS, WORK_SEG, WORK_CHU
                               BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, SEL_BLOCK: tl.constexpr,
                               BLOCK_S: tl.constexpr, N_SELECT: tl.constexpr, ROWS: tl.constexpr,
                               CHUNK: tl.constexpr, TMA: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                              OFFSETS_64: tl.constexpr, PREFETCH: tl.constexpr = False, PDL: tl.constexpr = 0):
-    wait_for_previous_grid(PDL)
+                              OFFSETS_64: tl.constexpr, PREFETCH: tl.constexpr = False):
     HPG: tl.constexpr = H // G
     ENTRIES: tl.constexpr = ROWS // HPG
     seg, b, g, j, first, start, end = _work_item(WORK_SEG, WORK_CHUNK, STARTS, num_blocks, G, CHUNK)
@@ -287,12 +284,10 @@ def combine_slots(O_PART, LSE2_PART, BLOCKS, rows, r_ok, H: tl.constexpr, G: tl.
 @triton.jit
 def selected_combine_kernel(O_PART, LSE2_PART, BLOCKS, O, LSE, num_rows, H: tl.constexpr, G: tl.constexpr,
                             DV: tl.constexpr, BLOCK_DV: tl.constexpr, N_SELECT: tl.constexpr, BLOCK_R: tl.constexpr,
-                            GATES=None, O_CMP=None, O_WIN=None, O_GATED=None, GATED: tl.constexpr = False,
-                            PDL: tl.constexpr = 0):
+                            GATES=None, O_CMP=None, O_WIN=None, O_GATED=None, GATED: tl.constexpr = False):
     """o[b, t, h] and lse from the n partials of (b, t, h) (combine_slots). GATED (nsa::core): also the gated output
     O_GATED = g_cmp O_CMP + g_slc O + g_win O_WIN from the stored values of the three ([ROWS, 3] GATES; gates.py),
     the gate pass's work in this one's epilogue, where o is still in registers (kernels-notes.md v40)."""
-    wait_for_previous_grid(PDL)
     rows = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)  # (b * T + t) * H + hh
     offs_dv = tl.arange(0, BLOCK_DV)
     r_ok = rows < num_rows
@@ -320,7 +315,7 @@ def selected_block_bwd_kernel(Q, K, V, KD, VD, DO, LSE, DELTA, ORDER, STARTS, WO
                               BLOCK_S: tl.constexpr, N_SELECT: tl.constexpr, ROWS: tl.constexpr,
                               CHUNK: tl.constexpr, DQ_MODE: tl.constexpr, FINAL_KV: tl.constexpr,
                               TMA: tl.constexpr, DOT_PRECISION: tl.constexpr, OFFSETS_64: tl.constexpr,
-                              PREFETCH: tl.constexpr = False, PDL: tl.constexpr = 0):
+                              PREFETCH: tl.constexpr = False):
     """DQ_MODE: 0 no dQ (the query-driven variants compute it), 1 store each chooser's contribution at its slot
     (DQ_OUT rows as the partials), 2 add it atomically into a float32 DQ_OUT [B, T, H, DK].
 
@@ -329,7 +324,6 @@ def selected_block_bwd_kernel(Q, K, V, KD, VD, DO, LSE, DELTA, ORDER, STARTS, WO
     list then has an item for every segment, so every key row is written (an unchosen block's with zeros). A
     segment of one chunk stores its block directly; in a longer one each program adds into the accumulators and
     counts itself done (DONE [segments] int32, zeroed), and the last one casts the sums."""
-    wait_for_previous_grid(PDL)
     HPG: tl.constexpr = H // G
     ENTRIES: tl.constexpr = ROWS // HPG
     seg, b, g, j, _, start, end = _work_item(WORK_SEG, WORK_CHUNK, STARTS, num_blocks, G, CHUNK)
@@ -410,11 +404,10 @@ def selected_block_bwd_kernel(Q, K, V, KD, VD, DO, LSE, DELTA, ORDER, STARTS, WO
 @triton.jit
 def selected_dq_sum_kernel(DQ_PART, BLOCKS, DQ, ADD_A, ADD_B, num_rows, H: tl.constexpr, G: tl.constexpr,
                            DK: tl.constexpr, BLOCK_DK: tl.constexpr, N_SELECT: tl.constexpr, BLOCK_R: tl.constexpr,
-                           NUM_ADD: tl.constexpr, PDL: tl.constexpr = 0):
+                           NUM_ADD: tl.constexpr):
     """dq[b, t, h] = the sum of its n slots' contributions (slots with block -1 hold nothing), plus the first NUM_ADD
     (0, 1 or 2) of add_a, add_b ([B, T, H, DK] like dq: the other branches' dQ, apart or already summed by the
     range kernels' two-range dQ; added here in fp32 instead of in passes of their own)."""
-    wait_for_previous_grid(PDL)
     HPG: tl.constexpr = H // G
     rows = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
     offs_dk = tl.arange(0, BLOCK_DK)

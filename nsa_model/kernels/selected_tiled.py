@@ -26,8 +26,6 @@ o [B, T, H, DV], lse/delta [B, T, H] fp32.
 import triton
 import triton.language as tl
 
-from nsa_model.kernels.launch_order import wait_for_previous_grid
-
 
 LOG2E = tl.constexpr(1.4426950408889634)
 
@@ -96,8 +94,7 @@ def selected_tiled_fwd_kernel(Q, K, V, KD, VD, BLOCKS, UNION, COUNT, O, LSE, T, 
                               BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, SEL_BLOCK: tl.constexpr,
                               BLOCK_S: tl.constexpr, N_SELECT: tl.constexpr, N_PAD: tl.constexpr,
                               ROWS: tl.constexpr, TILE_Q: tl.constexpr, TMA: tl.constexpr,
-                              DOT_PRECISION: tl.constexpr, PDL: tl.constexpr = 0):
-    wait_for_previous_grid(PDL)
+                              DOT_PRECISION: tl.constexpr):
     HPG: tl.constexpr = H // G
     b, g, t, r_ok, row_q = _tile_rows(T, H, G, HPG, ROWS, TILE_Q)
     offs_s = tl.arange(0, BLOCK_S)
@@ -146,10 +143,9 @@ def selected_tiled_bwd_dq_kernel(Q, K, V, KD, VD, BLOCKS, UNION, COUNT, DO, LSE,
                                  BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, SEL_BLOCK: tl.constexpr,
                                  BLOCK_S: tl.constexpr, N_SELECT: tl.constexpr, N_PAD: tl.constexpr,
                                  ROWS: tl.constexpr, TILE_Q: tl.constexpr, TMA: tl.constexpr,
-                                 DOT_PRECISION: tl.constexpr, ACCUMULATE: tl.constexpr = False, PDL: tl.constexpr = 0):
+                                 DOT_PRECISION: tl.constexpr, ACCUMULATE: tl.constexpr = False):
     """ACCUMULATE: DQ holds the other branches' dQ, and this branch's is added to it in float32 before the one
     store (no add pass after, which read and wrote a q-sized tensor more)."""
-    wait_for_previous_grid(PDL)
     HPG: tl.constexpr = H // G
     b, g, t, r_ok, row_q = _tile_rows(T, H, G, HPG, ROWS, TILE_Q)
     offs_s = tl.arange(0, BLOCK_S)

@@ -34,8 +34,6 @@ is carried from the previous chunk (`carry`).
 import triton
 import triton.language as tl
 
-from nsa_model.kernels.launch_order import wait_for_previous_grid
-
 from nsa_model.kernels.range_attention import _query_tile_index
 
 INF_BITS = tl.constexpr(0x7F800000)  # float32 +inf as int32
@@ -91,8 +89,7 @@ def select_blocks_kernel(Q, KC, QD, KCD, LSE, BLOCKS, T, num_cmp, scale,
                          CMP_BLOCK: tl.constexpr, CMP_STRIDE: tl.constexpr, SEL_BLOCK: tl.constexpr,
                          N_SELECT: tl.constexpr, N_INIT: tl.constexpr, N_LOCAL: tl.constexpr,
                          BLOCK_M: tl.constexpr, N_PAD: tl.constexpr, CHUNK_SPLITS: tl.constexpr,
-                         TOK_PAD: tl.constexpr, TMA: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr = 0):
-    wait_for_previous_grid(PDL)
+                         TOK_PAD: tl.constexpr, TMA: tl.constexpr, DOT_PRECISION: tl.constexpr):
     pid_m = _query_tile_index()  # reversed: a later tile walks more blocks, so the longest programs start first
     pid_bg = tl.program_id(1)
     b = pid_bg // G

@@ -16,14 +16,11 @@ H * 3, column h * 3 + branch), PARTS [programs, 5] float32.
 import triton
 import triton.language as tl
 
-from nsa_model.kernels.launch_order import wait_for_previous_grid
-
 
 @triton.jit
 def attention_stats_kernel(BLOCKS, GATES, PARTS, num_tokens, T, tokens_per_program, SLOTS: tl.constexpr,
                            SLOTS_PAD: tl.constexpr, GATE_COLS: tl.constexpr, GATE_PAD: tl.constexpr,
-                           SEL_BLOCK: tl.constexpr, TOKENS: tl.constexpr, PDL: tl.constexpr = 0):
-    wait_for_previous_grid(PDL)
+                           SEL_BLOCK: tl.constexpr, TOKENS: tl.constexpr):
     pid = tl.program_id(0)
     offs_t = tl.arange(0, TOKENS)
     slot = tl.arange(0, SLOTS_PAD)

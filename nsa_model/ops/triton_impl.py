@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 from dataclasses import dataclass
 
 import torch
@@ -28,7 +27,6 @@ from nsa_model.kernels.block_index import (block_work_kernel, segment_ids_kernel
 from nsa_model.kernels.compress import phi_bwd_rows_kernel, phi_bwd_w1_kernel, phi_bwd_x_kernel, phi_fwd_kernel
 from nsa_model.kernels.delta import row_dot_kernel
 from nsa_model.kernels.gates import gated_sum_bwd_kernel, gated_sum_fwd_kernel
-from nsa_model.kernels.launch_order import PDL_MODES
 from nsa_model.kernels.rope import rope_split_kernel
 from nsa_model.kernels.range_attention import (range_attn_bwd_dkdv_kernel, range_attn_bwd_dq_kernel,
                                                range_attn_fwd_kernel)
@@ -42,35 +40,6 @@ from nsa_model.kernels.stats import attention_stats_kernel
 
 # triton.jit decided at import: an interpreted kernel runs on CPU tensors, a compiled one on CUDA tensors.
 INTERPRETED = not isinstance(range_attn_fwd_kernel, triton.runtime.JITFunction)
-
-
-class _Ordered:
-    """A kernel whose launches, kernel[grid](...), carry LaunchConfig.pdl's options (kernels/launch_order.py):
-    the PDL constexpr every kernel's first statement reads, and Triton's launch_pdl, always together, so that no
-    kernel launched with PDL skips its wait."""
-
-    def __init__(self, kernel) -> None:
-        self.kernel = kernel
-
-    def __getitem__(self, grid):
-        mode = PDL_MODES.index(_config.pdl) if _pdl_supported() else 0
-        return functools.partial(self.kernel[grid], PDL=mode, launch_pdl=mode > 0)
-
-
-def _pdl_supported() -> bool:
-    """PDL needs compiled kernels on a GPU of compute capability 9.0 (Hopper) or later; elsewhere the kernels
-    launch without it, as LaunchConfig.pdl says."""
-    return not INTERPRETED and _capability(torch.cuda.current_device()) >= (9, 0)
-
-
-@functools.cache
-def _capability(device: int) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(device)
-
-
-# Every kernel imported above launches through _Ordered.
-globals().update({name: _Ordered(value) for name, value in list(globals().items())
-                  if isinstance(value, triton.runtime.KernelInterface)})
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # selected branch: query-driven (one program per query, or per tile of queries walking the union of their blocks;
 # dK/dV by inverted index), key-block-driven (by_block: fwd partials + combine, one fused backward), or auto
@@ -106,10 +75,6 @@ SLC_COMBINES = ("plain", "gated")
 # launches), or PyTorch's stable radix sort of every slot's segment key (kernels/block_index.py); auto: count where
 # its prefix-sum program has at most _COUNT_AUTO_CELLS (block, tile) counts, sort beyond (kernels-notes.md v47)
 INDEX_BUILDS = ("auto", "count", "sort")
-# programmatic dependent launch of every kernel here (kernels/launch_order.py): off, wait (the next kernel launches
-# when this one's programs exit), early (it launches when they start); on CUDA devices of compute capability 9.0
-# and later only (_pdl_options)
-PDL = PDL_MODES
 
 
 RANGE_TILE_FIELDS = ("range_fwd", "range_dq", "range_dkdv", "range_fwd_d64", "range_dq_d64", "range_dkdv_d64")
@@ -176,15 +141,13 @@ class LaunchConfig:
     slc_combine: str = "gated"  # one of SLC_COMBINES
     phi_rows: int = 32  # compressed tokens per program of phi's forward and its row backward (v29: 64 lost)
     index_build: str = "auto"  # one of INDEX_BUILDS
-    pdl: str = "early"  # one of PDL
 
     def __post_init__(self) -> None:
         choices = {"slc_kernel": SELECTED_KERNELS, "gate_kernel": GATE_KERNELS, "range_kernel": RANGE_KERNELS,
                    "delta_kernel": DELTA_KERNELS, "window_dkdv": WINDOW_DKDV, "slc_partial": PARTIAL_DTYPES,
                    "slc_dq": SELECTED_DQ, "slc_dkdv": SELECTED_DKDV, "range_pair": RANGE_PAIR,
                    "range_loads": RANGE_LOADS, "phi_kernel": PHI_KERNELS,
-                   "slc_slot_sum": SLOT_SUMS, "slc_combine": SLC_COMBINES, "index_build": INDEX_BUILDS,
-                   "pdl": PDL}
+                   "slc_slot_sum": SLOT_SUMS, "slc_combine": SLC_COMBINES, "index_build": INDEX_BUILDS}
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise ValueError(f"LaunchConfig.{name}: must be one of {allowed}, got {getattr(self, name)!r}")
