@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 from dataclasses import dataclass
 
 import torch
@@ -24,7 +25,8 @@ from nsa_model.config import NSAConfig
 from nsa_model.kernels.block_index import (block_work_kernel, segment_ids_kernel, segment_offsets_kernel,
                                            segment_starts_kernel, tile_histogram_kernel, tile_scatter_kernel,
                                            tile_union_kernel)
-from nsa_model.kernels.compress import phi_bwd_rows_kernel, phi_bwd_w1_kernel, phi_bwd_x_kernel, phi_fwd_kernel
+from nsa_model.kernels.compress import (phi_bwd_rows_kernel, phi_bwd_w1_kernel, phi_bwd_x_kernel,
+                                       phi_fc1_part_kernel, phi_fwd_kernel)
 from nsa_model.kernels.delta import row_dot_kernel
 from nsa_model.kernels.gates import gated_sum_bwd_kernel, gated_sum_fwd_kernel
 from nsa_model.kernels.rope import rope_split_kernel
@@ -140,6 +142,7 @@ class LaunchConfig:
     slc_slot_sum: str = "range_dq"  # one of SLOT_SUMS
     slc_combine: str = "gated"  # one of SLC_COMBINES
     phi_rows: int = 32  # compressed tokens per program of phi's forward and its row backward (v29: 64 lost)
+    phi_fwd_splits: int = 4  # phi's forward: the block positions split over this many programs (v49), gcd with l
     index_build: str = "auto"  # one of INDEX_BUILDS
 
     def __post_init__(self) -> None:
@@ -1576,6 +1579,7 @@ def attention_stat_sums(blocks: torch.Tensor, gates: torch.Tensor, sel_block: in
 # --- phi = mlp: the attention module's compression of a K or V set (outside the NSA core; kernels/compress.py) ----
 _PHI_W1_ROWS = 64  # rows (compressed token, group) per step of the W1-gradient kernel
 _PHI_DX_ROWS = 64  # (batch, chunk) rows per program of the x-gradient kernel
+_PHI_DX_OFFSETS = 4  # offsets u (token t = c * d + u) per program of the x-gradient kernel, where d allows
 
 
 def _check_phi(x, w1, b1, w2, b2, block: int, stride: int) -> None:
@@ -1614,11 +1618,18 @@ def _phi_mlp(x0: torch.Tensor, x1: torch.Tensor, w1: torch.Tensor, b1: torch.Ten
                          f"(got {tuple(x1.shape)} {x1.stride()} against {tuple(x0.shape)} {x0.stride()})")
     y = x0.new_empty(sets, B, tc, G, D)
     hs = torch.empty(sets, B * tc, G, hidden, dtype=torch.float32, device=x0.device)
-    rows = _config.phi_rows
+    rows, splits = _config.phi_rows, math.gcd(block, _config.phi_fwd_splits)
     if B * tc:
-        phi_fwd_kernel[(triton.cdiv(B * tc, rows), G, sets)](
-            x0, x1, w1.to(x0.dtype).contiguous(), b1.float().contiguous(), w2.contiguous(), b2.float().contiguous(),
-            y, hs, B * tc, tc, *x0.stride()[:3], L=block, STRIDE=stride, BLOCK_R=rows, **consts)
+        w1_cast, tiles = w1.to(x0.dtype).contiguous(), triton.cdiv(B * tc, rows)
+        part = hs  # unread with one split
+        if splits > 1:
+            part = torch.empty(sets, splits, B * tc, G, hidden, dtype=torch.float32, device=x0.device)
+            phi_fc1_part_kernel[(tiles, G, sets * splits)](x0, x1, w1_cast, part, B * tc, tc, *x0.stride()[:3],
+                                                            L=block, STRIDE=stride, BLOCK_R=rows, SPLITS=splits,
+                                                            **consts)
+        phi_fwd_kernel[(tiles, G, sets)](
+            x0, x1, w1_cast, part, b1.float().contiguous(), w2.contiguous(), b2.float().contiguous(), y, hs, B * tc,
+            tc, *x0.stride()[:3], L=block, STRIDE=stride, BLOCK_R=rows, SPLITS=splits, **consts)
     return [y, hs]
 
 
@@ -1662,10 +1673,12 @@ def _phi_mlp_bwd(dy: torch.Tensor, x0: torch.Tensor, x1: torch.Tensor, hs: torch
     dw1 = dw1[:, 0] if splits == 1 else dw1.sum(1)
     chunks = triton.cdiv(T, stride)
     dx = x0.new_empty(sets, B, T, G, D)
+    offsets = math.gcd(stride, _PHI_DX_OFFSETS)
     if B * T:
-        phi_bwd_x_kernel[(triton.cdiv(B * chunks, _PHI_DX_ROWS), sets * G, stride)](
-            dh, w1.contiguous(), dx, T, tc, chunks, B * chunks, STRIDE=stride, PIECES=block // stride,
-            BLOCK_R=_PHI_DX_ROWS, **consts)
+        # W1 cast once here, as the forward's is: every program loads its slices, in half the bytes
+        phi_bwd_x_kernel[(triton.cdiv(B * chunks, _PHI_DX_ROWS), sets * G, stride // offsets)](
+            dh, w1.to(dh.dtype).contiguous(), dx, T, tc, chunks, B * chunks, STRIDE=stride, PIECES=block // stride,
+            BLOCK_R=_PHI_DX_ROWS, OFFSETS=offsets, **consts)
     return [dx, dw1, sums]
 
 
