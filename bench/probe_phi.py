@@ -3,12 +3,11 @@ shapes, by its tile sizes, as CUDA graph replays.
 
     python bench/probe_phi.py [--shapes 16:2048,4:8192,1:32768] --out DIR --commit SHA [--suffix=-v47f]
 
-Rows per program of the forward and the row backward (LaunchConfig.phi_rows; v29 kept 32 over 64), the
-forward's split of the block positions (LaunchConfig.phi_fwd_splits; 1 is one program over all of them, as
-before v49), rows per program of the W1-gradient and x-gradient kernels (triton_impl._PHI_W1_ROWS, _PHI_DX_ROWS,
-64 each), and the x-gradient kernel's offsets u per program (_PHI_DX_OFFSETS; 1 is one a program, as before
-v49). nsa-125m's phi: l = 32, d = 16, head dim 64, hidden 128, two kv groups. Writes
-DIR/probe-<device>-<date><suffix>.json and .md (microseconds a layer call, k and v together).
+Rows per program of the forward and the row backward (LaunchConfig.phi_rows; v29 kept 32 over 64), of the
+W1-gradient and x-gradient kernels (triton_impl._PHI_W1_ROWS, _PHI_DX_ROWS, 64 each), and the x-gradient kernel's
+offsets u per program (_PHI_DX_OFFSETS; 1 is one a program, as before v49). nsa-125m's phi: l = 32, d = 16, head
+dim 64, hidden 128, two kv groups. Writes DIR/probe-<device>-<date><suffix>.json and .md (microseconds a layer
+call, k and v together).
 """
 
 from __future__ import annotations
@@ -24,12 +23,10 @@ sys.path.insert(0, ROOT)
 from bench.provenance import file_suffix, git_commit  # noqa: E402
 from bench.shapes import batch_shapes  # noqa: E402
 
-# (label, phi_rows, phi_fwd_splits, _PHI_W1_ROWS, _PHI_DX_ROWS, _PHI_DX_OFFSETS); the first is the default, the
-# second phi's kernels before v49
-VARIANTS = [("default (32, 4, 64, 64, 4)", 32, 4, 64, 64, 4), ("before v49", 32, 1, 64, 64, 1),
-            ("fwd splits 1", 32, 1, 64, 64, 4), ("fwd splits 2", 32, 2, 64, 64, 4), ("fwd splits 8", 32, 8, 64, 64, 4),
-            ("fwd rows 64", 64, 4, 64, 64, 4), ("dx offsets 1", 32, 4, 64, 64, 1), ("dx offsets 2", 32, 4, 64, 64, 2),
-            ("dx offsets 8", 32, 4, 64, 64, 8), ("dx offsets 16", 32, 4, 64, 64, 16), ("dx rows 32", 32, 4, 64, 32, 4)]
+# (label, phi_rows, _PHI_W1_ROWS, _PHI_DX_ROWS, _PHI_DX_OFFSETS); the first is the default
+VARIANTS = [("default (32, 64, 64, 16)", 32, 64, 64, 16), ("dx offsets 1", 32, 64, 64, 1),
+            ("dx offsets 4", 32, 64, 64, 4), ("dx offsets 8", 32, 64, 64, 8), ("dx rows 32", 32, 64, 32, 16),
+            ("rows 64", 64, 64, 64, 16)]
 
 
 def main():
@@ -69,14 +66,14 @@ def main():
             yk, yv = ti.phi_mlp_pair(xk, xv, wk, wv, block, stride)
             torch.autograd.backward([yk, yv], [dy, dy])
 
-        for label, rows, splits, w1_rows, dx_rows, dx_offsets in VARIANTS:
+        for label, rows, w1_rows, dx_rows, dx_offsets in VARIANTS:
             ti._PHI_W1_ROWS, ti._PHI_DX_ROWS, ti._PHI_DX_OFFSETS = w1_rows, dx_rows, dx_offsets
-            with ti.use_launch_config(dataclasses.replace(base, phi_rows=rows, phi_fwd_splits=splits)):
+            with ti.use_launch_config(dataclasses.replace(base, phi_rows=rows)):
                 ms = triton.testing.do_bench_cudagraph(step, return_mode="median",
                                                        grad_to_none=[xk, xv, *wk, *wv])
             results[label][f"{B} x {T}"] = 1000 * ms
             print(f"{B} x {T}: {label} {1000 * ms:.1f} us", flush=True)
-        ti._PHI_W1_ROWS, ti._PHI_DX_ROWS, ti._PHI_DX_OFFSETS = VARIANTS[0][3:]
+        ti._PHI_W1_ROWS, ti._PHI_DX_ROWS, ti._PHI_DX_OFFSETS = VARIANTS[0][2:]
     stem = write_times(args.out, args.suffix, args.commit or git_commit(), results,
                        title="phi's k and v sets, forward + backward, by tile sizes", unit="us", fmt=".1f",
                        note="CUDA graph replays (do_bench_cudagraph, median), microseconds a layer call; nsa-125m's "

@@ -10,8 +10,7 @@ def test_the_first_variant_is_the_default_launch():
     import sys
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     code = ("from nsa_model.ops import triton_impl as ti\n"
-            "print(ti.LaunchConfig().phi_rows, ti.LaunchConfig().phi_fwd_splits, ti._PHI_W1_ROWS, ti._PHI_DX_ROWS, "
-            "ti._PHI_DX_OFFSETS)\n")
+            "print(ti.LaunchConfig().phi_rows, ti._PHI_W1_ROWS, ti._PHI_DX_ROWS, ti._PHI_DX_OFFSETS)\n")
     out = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True,
                          env={**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": root})
     assert out.returncode == 0, out.stderr[-2000:]

@@ -143,19 +143,15 @@ CASES = [
           dict(num_tokens="i32", T="i32", tokens_per_program="i32"),
           dict(SLOTS=32, SLOTS_PAD=32, GATE_COLS=36, GATE_PAD=64, SEL_BLOCK=64, TOKENS=32)),
     # phi = mlp (nsa::phi_mlp) at nsa-125m's l = 32, d = 16, hidden 128
-    *[_case("phi_fwd_kernel", "compress", dict(PART="fp32", BIAS1="fp32", W2="fp32", B2="fp32", HS="fp32"),
-            dict(R="i32", TC="i32", x_sb="i32", x_st="i32", x_sg="i32"),
-            dict(PHI, L=32, STRIDE=16, BLOCK_R=32, SPLITS=splits), PHI_RUN, f"SPLITS={splits}") for splits in (1, 4)],
-    _case("phi_fc1_part_kernel", "compress", dict(PART="fp32"), dict(R="i32", TC="i32", x_sb="i32", x_st="i32",
-                                                                     x_sg="i32"),
-          dict(PHI, L=32, STRIDE=16, BLOCK_R=32, SPLITS=4), PHI_RUN),
+    _case("phi_fwd_kernel", "compress", dict(BIAS1="fp32", W2="fp32", B2="fp32", HS="fp32"),
+          dict(R="i32", TC="i32", x_sb="i32", x_st="i32", x_sg="i32"), dict(PHI, L=32, STRIDE=16, BLOCK_R=32), PHI_RUN),
     _case("phi_bwd_rows_kernel", "compress", dict(HS="fp32", W2="fp32", SUMS="fp32"), dict(R="i32"),
           dict(PHI, BLOCK_R=32), PHI_RUN),
     _case("phi_bwd_w1_kernel", "compress", dict(DW1="fp32"),
           dict(R="i32", TC="i32", tiles_per_split="i32", x_sb="i32", x_st="i32", x_sg="i32"),
           dict(PHI, L=32, STRIDE=16, BLOCK_R=64), PHI_RUN),
     _case("phi_bwd_x_kernel", "compress", dict(W1="fp32"), dict(T="i32", TC="i32", NCH="i32", NUM_ROWS="i32"),
-          dict(PHI, STRIDE=16, PIECES=2, BLOCK_R=64, OFFSETS=4), PHI_RUN),
+          dict(PHI, STRIDE=16, PIECES=2, BLOCK_R=64, OFFSETS=16), PHI_RUN),
 ]
 
 

@@ -1286,23 +1286,23 @@ def _phi_leaves(B, T, G, D, hidden, block, seed):
     return [t.to(DEVICE) for t in (stacked, w1, torch.randn(hidden, generator=gen), w2, torch.randn(D, generator=gen))]
 
 
-@pytest.mark.parametrize("block, stride, T, fwd_splits", [(8, 4, 37, 4), (8, 4, 8, 4), (8, 2, 19, 4), (4, 4, 13, 4),
-                                                        (16, 8, 40, 4), (8, 4, 37, 1), (16, 8, 40, 2)])
-def test_phi_mlp_matches_the_torch_formula_and_its_gradients(block, stride, T, fwd_splits):
-    """nsa::phi_mlp (forward in one launch or, fwd_splits > 1, two; backward in three) against unfold, Linear, GELU,
-    Linear: y and the gradients of x, both weights and both biases, for T a multiple of d or not and T = l, a
-    hidden width and head dim that are not powers of two, and x a strided view (a K/V set inside a stacked
-    tensor): the other set's gradient stays zero."""
+@pytest.mark.parametrize("block, stride, T, dx_offsets", [(8, 4, 37, 16), (8, 4, 8, 16), (8, 2, 19, 16), (4, 4, 13, 16),
+                                                        (16, 8, 40, 16), (8, 8, 21, 16), (16, 8, 40, 2),
+                                                        (8, 4, 37, 1)])
+def test_phi_mlp_matches_the_torch_formula_and_its_gradients(monkeypatch, block, stride, T, dx_offsets):
+    """nsa::phi_mlp (one launch forward, three backward) against unfold, Linear, GELU, Linear: y and the gradients
+    of x, both weights and both biases, for T a multiple of d or not and T = l, a hidden width and head dim that
+    are not powers of two, and x a strided view (a K/V set inside a stacked tensor): the other set's gradient
+    stays zero. The x backward's offsets a program (_PHI_DX_OFFSETS, with d: gcd) all of d, d / 4 and 1."""
+    monkeypatch.setattr(triton_impl, "_PHI_DX_OFFSETS", dx_offsets)
     B, G, D, hidden = 2, 3, 24, 10
     leaves = _phi_leaves(B, T, G, D, hidden, block, seed=block * 100 + T)
     weights = torch.randn(B, (T - block) // stride + 1, G, D, generator=torch.Generator().manual_seed(T)).to(DEVICE)
     results = []
     for phi in (_phi_by_torch, triton_impl.phi_mlp):
         inputs = [t.clone().requires_grad_() for t in leaves]
-        with triton_impl.use_launch_config(dataclasses.replace(triton_impl.launch_config(),
-                                                               phi_fwd_splits=fwd_splits)):
-            y = phi(inputs[0][:, :, 1], *inputs[1:], block, stride)
-            (y * weights).sum().backward()
+        y = phi(inputs[0][:, :, 1], *inputs[1:], block, stride)
+        (y * weights).sum().backward()
         results.append([y.detach()] + [t.grad for t in inputs])
     for name, want, got in zip(("y", "x", "fc1.weight", "bias", "fc2.weight", "fc2.bias"), *results):
         assert got.shape == want.shape and rel_err(got, want) <= FP32_TOL, name

@@ -9,15 +9,13 @@ about 5 ms per nsa-125m training step at T = 8192, where the FLOPs are a few mic
 
 - forward, one program per BLOCK_R compressed tokens of one kv group: h = sum over the block's l positions j of
   x[token i*d + j] @ W1[:, j-th D columns]^T (the unfold is only addressing), then GELU and fc2 on chip. h is
-  stored (float32) for the backward. With SPLITS > 1 the sum over positions is split: phi_fc1_part_kernel runs
-  SPLITS programs a tile, each over l / SPLITS positions, and stores its share; phi_fwd_kernel adds the shares.
-  One program walking all l positions waits on each one's loads with few warps beside it (kernels-notes.md v49).
+  stored (float32) for the backward.
 - backward rows: dh = (dy @ W2) * gelu'(h) per row tile, and its share of the row sums that give W2's, b2's and
   bias's gradients (stored per program, summed by the caller).
 - backward W1: W1's j-th D columns get sum over rows of dh^T x[token i*d + j], one program per (j, row split)
   (splits are summed by the caller: no atomics on the large tensor).
 - backward x: token t = c*d + u is position u + m*d of block c - m for m < l/d, so dx[t] = sum over m of
-  dh[c - m] @ W1[:, (u + m*d)-th D columns]: one program per (chunk tile, group, a few consecutive u), every
+  dh[c - m] @ W1[:, (u + m*d)-th D columns]: one program per (chunk tile, group, a run of consecutive u), every
   token written once (zeros where no block covers it), no overlap-add.
 
 Sets: one launch runs phi for one or two inputs of the same shape, each with its own weights: NSA's compressed keys
@@ -60,53 +58,14 @@ def _block_rows(pid, R, TC, x_sb, x_st, x_sg, g, STRIDE: tl.constexpr, BLOCK_R: 
 
 
 @triton.jit
-def _fc1_rows(X, W1, x_row, r_ok, j_first, j_last, D: tl.constexpr, BLOCK_D: tl.constexpr, HID: tl.constexpr,
-              BLOCK_H: tl.constexpr, L: tl.constexpr, BLOCK_R: tl.constexpr, x_st, DOT_PRECISION: tl.constexpr):
-    """sum over the block positions j_first <= j < j_last of x[row's token + j] @ W1[:, j-th D columns]^T, float32
-    [BLOCK_R, BLOCK_H]."""
-    offs_d = tl.arange(0, BLOCK_D)
-    offs_h = tl.arange(0, BLOCK_H)
-    d_ok = offs_d < D
-    h_ok = offs_h < HID
-    acc = tl.zeros([BLOCK_R, BLOCK_H], tl.float32)
-    for j in range(j_first, j_last):
-        x = tl.load(X + x_row[:, None] + j * x_st + offs_d[None, :], mask=r_ok[:, None] & d_ok[None, :], other=0.0)
-        w1 = tl.load(W1 + offs_h[None, :] * (L * D) + j * D + offs_d[:, None], mask=d_ok[:, None] & h_ok[None, :],
-                     other=0.0)
-        acc += tl.dot(x, w1.to(x.dtype), input_precision=DOT_PRECISION)
-    return acc
-
-
-@triton.jit
-def phi_fc1_part_kernel(X0, X1, W1, PART, R, TC, x_sb, x_st, x_sg,
-                        G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, HID: tl.constexpr,
-                        BLOCK_H: tl.constexpr, L: tl.constexpr, STRIDE: tl.constexpr, BLOCK_R: tl.constexpr,
-                        SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """PART [S, SPLITS, R * G, HID] float32: split k's share of fc1 (block positions k L / SPLITS .. (k + 1) L /
-    SPLITS - 1) for program (row tile, g, s * SPLITS + k); phi_fwd_kernel sums the shares."""
-    g = tl.program_id(1)
-    s = tl.program_id(2) // SPLITS
-    k = tl.program_id(2) % SPLITS
-    X = _set_input(X0, X1, s)
-    W1 += s.to(tl.int64) * HID * (L * D)
-    PART += (s * SPLITS + k).to(tl.int64) * R * G * HID
-    r, r_ok, x_row = _block_rows(tl.program_id(0), R, TC, x_sb, x_st, x_sg, g, STRIDE, BLOCK_R)
-    acc = _fc1_rows(X, W1, x_row, r_ok, k * (L // SPLITS), (k + 1) * (L // SPLITS), D, BLOCK_D, HID, BLOCK_H, L,
-                    BLOCK_R, x_st, DOT_PRECISION)
-    offs_h = tl.arange(0, BLOCK_H)
-    row_h = (r.to(tl.int64) * G + g) * HID
-    tl.store(PART + row_h[:, None] + offs_h[None, :], acc, mask=r_ok[:, None] & (offs_h < HID)[None, :])
-
-
-@triton.jit
-def phi_fwd_kernel(X0, X1, W1, PART, BIAS1, W2, B2, Y, HS, R, TC, x_sb, x_st, x_sg,
+def phi_fwd_kernel(X0, X1, W1, BIAS1, W2, B2, Y, HS, R, TC, x_sb, x_st, x_sg,
                    G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, HID: tl.constexpr,
                    BLOCK_H: tl.constexpr, L: tl.constexpr, STRIDE: tl.constexpr, BLOCK_R: tl.constexpr,
-                   SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """fc1 (over every block position where SPLITS = 1, else the sum of phi_fc1_part_kernel's SPLITS shares in
-    PART), its bias, GELU and fc2 for a tile of rows: h stored for the backward, y."""
+                   DOT_PRECISION: tl.constexpr):
     g = tl.program_id(1)
     s = tl.program_id(2)
+    X = _set_input(X0, X1, s)
+    W1 += s.to(tl.int64) * HID * (L * D)
     BIAS1 += s * HID
     W2 += s * D * HID
     B2 += s * D
@@ -117,16 +76,14 @@ def phi_fwd_kernel(X0, X1, W1, PART, BIAS1, W2, B2, Y, HS, R, TC, x_sb, x_st, x_
     offs_h = tl.arange(0, BLOCK_H)
     d_ok = offs_d < D
     h_ok = offs_h < HID
-    row_h = (r.to(tl.int64) * G + g) * HID
-    if SPLITS == 1:
-        acc = _fc1_rows(_set_input(X0, X1, s), W1 + s.to(tl.int64) * HID * (L * D), x_row, r_ok, 0, L, D, BLOCK_D,
-                        HID, BLOCK_H, L, BLOCK_R, x_st, DOT_PRECISION)
-    else:
-        acc = tl.zeros([BLOCK_R, BLOCK_H], tl.float32)
-        for k in tl.static_range(SPLITS):
-            acc += tl.load(PART + (s * SPLITS + k).to(tl.int64) * R * G * HID + row_h[:, None] + offs_h[None, :],
-                           mask=r_ok[:, None] & h_ok[None, :], other=0.0)
+    acc = tl.zeros([BLOCK_R, BLOCK_H], tl.float32)
+    for j in range(L):
+        x = tl.load(X + x_row[:, None] + j * x_st + offs_d[None, :], mask=r_ok[:, None] & d_ok[None, :], other=0.0)
+        w1 = tl.load(W1 + offs_h[None, :] * (L * D) + j * D + offs_d[:, None], mask=d_ok[:, None] & h_ok[None, :],
+                     other=0.0)
+        acc += tl.dot(x, w1.to(x.dtype), input_precision=DOT_PRECISION)
     h = acc + tl.load(BIAS1 + offs_h, mask=h_ok, other=0.0)[None, :]
+    row_h = (r.to(tl.int64) * G + g) * HID
     tl.store(HS + row_h[:, None] + offs_h[None, :], h, mask=r_ok[:, None] & h_ok[None, :])
     a = h * 0.5 * (1.0 + tl.erf(h * RSQRT2))
     w2t = tl.load(W2 + offs_d[None, :] * HID + offs_h[:, None], mask=h_ok[:, None] & d_ok[None, :], other=0.0)

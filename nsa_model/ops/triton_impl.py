@@ -25,8 +25,7 @@ from nsa_model.config import NSAConfig
 from nsa_model.kernels.block_index import (block_work_kernel, segment_ids_kernel, segment_offsets_kernel,
                                            segment_starts_kernel, tile_histogram_kernel, tile_scatter_kernel,
                                            tile_union_kernel)
-from nsa_model.kernels.compress import (phi_bwd_rows_kernel, phi_bwd_w1_kernel, phi_bwd_x_kernel,
-                                       phi_fc1_part_kernel, phi_fwd_kernel)
+from nsa_model.kernels.compress import phi_bwd_rows_kernel, phi_bwd_w1_kernel, phi_bwd_x_kernel, phi_fwd_kernel
 from nsa_model.kernels.delta import row_dot_kernel
 from nsa_model.kernels.gates import gated_sum_bwd_kernel, gated_sum_fwd_kernel
 from nsa_model.kernels.rope import rope_split_kernel
@@ -142,7 +141,6 @@ class LaunchConfig:
     slc_slot_sum: str = "range_dq"  # one of SLOT_SUMS
     slc_combine: str = "gated"  # one of SLC_COMBINES
     phi_rows: int = 32  # compressed tokens per program of phi's forward and its row backward (v29: 64 lost)
-    phi_fwd_splits: int = 4  # phi's forward: the block positions split over this many programs (v49), gcd with l
     index_build: str = "auto"  # one of INDEX_BUILDS
 
     def __post_init__(self) -> None:
@@ -1579,7 +1577,9 @@ def attention_stat_sums(blocks: torch.Tensor, gates: torch.Tensor, sel_block: in
 # --- phi = mlp: the attention module's compression of a K or V set (outside the NSA core; kernels/compress.py) ----
 _PHI_W1_ROWS = 64  # rows (compressed token, group) per step of the W1-gradient kernel
 _PHI_DX_ROWS = 64  # (batch, chunk) rows per program of the x-gradient kernel
-_PHI_DX_OFFSETS = 4  # offsets u (token t = c * d + u) per program of the x-gradient kernel, where d allows
+# offsets u (token t = c * d + u) per program of the x-gradient kernel, where d allows: its dh rows loaded once
+# for all of them (v49 probe, H200: phi's k and v sets 118 -> 101 us a layer call with 4, the forward as it was)
+_PHI_DX_OFFSETS = 16
 
 
 def _check_phi(x, w1, b1, w2, b2, block: int, stride: int) -> None:
@@ -1618,18 +1618,11 @@ def _phi_mlp(x0: torch.Tensor, x1: torch.Tensor, w1: torch.Tensor, b1: torch.Ten
                          f"(got {tuple(x1.shape)} {x1.stride()} against {tuple(x0.shape)} {x0.stride()})")
     y = x0.new_empty(sets, B, tc, G, D)
     hs = torch.empty(sets, B * tc, G, hidden, dtype=torch.float32, device=x0.device)
-    rows, splits = _config.phi_rows, math.gcd(block, _config.phi_fwd_splits)
+    rows = _config.phi_rows
     if B * tc:
-        w1_cast, tiles = w1.to(x0.dtype).contiguous(), triton.cdiv(B * tc, rows)
-        part = hs  # unread with one split
-        if splits > 1:
-            part = torch.empty(sets, splits, B * tc, G, hidden, dtype=torch.float32, device=x0.device)
-            phi_fc1_part_kernel[(tiles, G, sets * splits)](x0, x1, w1_cast, part, B * tc, tc, *x0.stride()[:3],
-                                                            L=block, STRIDE=stride, BLOCK_R=rows, SPLITS=splits,
-                                                            **consts)
-        phi_fwd_kernel[(tiles, G, sets)](
-            x0, x1, w1_cast, part, b1.float().contiguous(), w2.contiguous(), b2.float().contiguous(), y, hs, B * tc,
-            tc, *x0.stride()[:3], L=block, STRIDE=stride, BLOCK_R=rows, SPLITS=splits, **consts)
+        phi_fwd_kernel[(triton.cdiv(B * tc, rows), G, sets)](
+            x0, x1, w1.to(x0.dtype).contiguous(), b1.float().contiguous(), w2.contiguous(), b2.float().contiguous(),
+            y, hs, B * tc, tc, *x0.stride()[:3], L=block, STRIDE=stride, BLOCK_R=rows, **consts)
     return [y, hs]
 
 
