@@ -1293,7 +1293,7 @@ def test_phi_mlp_matches_the_torch_formula_and_its_gradients(monkeypatch, block,
     """nsa::phi_mlp (one launch forward, three backward) against unfold, Linear, GELU, Linear: y and the gradients
     of x, both weights and both biases, for T a multiple of d or not and T = l, a hidden width and head dim that
     are not powers of two, and x a strided view (a K/V set inside a stacked tensor): the other set's gradient
-    stays zero. The x backward's offsets a program (_PHI_DX_OFFSETS, with d: gcd) all of d, d / 4 and 1."""
+    stays zero. The x backward with every offset u in one program (_PHI_DX_OFFSETS, its gcd with d), d / 4, and 1."""
     monkeypatch.setattr(triton_impl, "_PHI_DX_OFFSETS", dx_offsets)
     B, G, D, hidden = 2, 3, 24, 10
     leaves = _phi_leaves(B, T, G, D, hidden, block, seed=block * 100 + T)

@@ -1577,8 +1577,8 @@ def attention_stat_sums(blocks: torch.Tensor, gates: torch.Tensor, sel_block: in
 # --- phi = mlp: the attention module's compression of a K or V set (outside the NSA core; kernels/compress.py) ----
 _PHI_W1_ROWS = 64  # rows (compressed token, group) per step of the W1-gradient kernel
 _PHI_DX_ROWS = 64  # (batch, chunk) rows per program of the x-gradient kernel
-# offsets u (token t = c * d + u) per program of the x-gradient kernel, where d allows: its dh rows loaded once
-# for all of them (v49 probe, H200: phi's k and v sets 118 -> 101 us a layer call with 4, the forward as it was)
+# offsets u (token t = c * d + u) per program of the x-gradient kernel, where d allows (their gcd): all 16 of
+# nsa-125m's d took phi's k and v sets from 104-105 to 99-100 us a layer call on an H100 (kernels-notes.md v49)
 _PHI_DX_OFFSETS = 16
 
 
