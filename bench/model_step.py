@@ -54,7 +54,8 @@ def category(name: str) -> str:
     return "other (torch eager)"
 
 
-COMPILE_MODES = ("default", "reduce-overhead", "max-autotune-no-cudagraphs")
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune-no-cudagraphs", "max-autotune")
+CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")  # the modes whose compiled graphs replay as CUDA graphs
 
 
 def build(preset: str, attention: str, seq_len: int, compile_model: bool, compile_mode: str = "default",
@@ -246,7 +247,8 @@ def measure(preset, attention, seq_len, tokens_per_step, micro_tokens, warmup, m
     for _ in range(accum):
         tok = torch.randint(0, cfg.vocab_size, (micro_b, seq_len + 1), device="cuda", generator=gen)
         batches.append((tok[:, :-1], tok[:, 1:]))
-    step = make_step(fwd, opt, batches, cudagraphs=compile_model and compile_mode == "reduce-overhead")
+    cudagraphs = compile_model and compile_mode in CUDA_GRAPH_MODES
+    step = make_step(fwd, opt, batches, cudagraphs=cudagraphs)
     t0 = time.perf_counter()
     for _ in range(warmup):
         step()
@@ -269,7 +271,7 @@ def measure(preset, attention, seq_len, tokens_per_step, micro_tokens, warmup, m
            "peak_reserved_mib": torch.cuda.max_memory_reserved() / 2**20,
            "warmup_s": warmup_s, "loss": float(loss), "params": model.num_params(),
            "flops_per_token": model.flops_per_token(seq_len)}
-    if compile_model and compile_mode == "reduce-overhead":  # graphs inductor runs with plain launches instead
+    if cudagraphs:  # graphs inductor runs with plain launches instead
         row["cudagraph_skips"] = cudagraph_skips() - skips_before
     row["mfu"] = row["tokens_per_s"] * row["flops_per_token"] / 989e12
     if profile:
@@ -368,7 +370,8 @@ def main() -> None:
     ap.add_argument("--measure", type=int, default=5)
     ap.add_argument("--eager", action="store_true", help="no torch.compile")
     ap.add_argument("--compile-mode", default="default", choices=COMPILE_MODES,
-                    help="torch.compile mode; reduce-overhead replays each compiled graph as a CUDA graph")
+                    help="torch.compile mode; reduce-overhead and max-autotune replay each compiled graph as a CUDA "
+                         "graph, max-autotune also times Triton GEMMs against cuBLAS and tunes the glue's tiles")
     ap.add_argument("--no-profile", action="store_true")
     ap.add_argument("--memory", action="store_true", help="also one step with the allocator's history: what is "
                     "alive at the peak, by allocating source line")
