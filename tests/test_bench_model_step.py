@@ -127,3 +127,13 @@ def test_trace_activity_keeps_the_gpus_kernels_memsets_and_copies_only():
         {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": 1, "dur": 1, "tid": 1},
         {"ph": "f", "cat": "ac2g", "name": "flow", "ts": 5, "tid": 7}]}
     assert model_step.trace_activity(trace) == [("k", 5.0, 2.0, "7"), ("Memset", 8.0, 1.0, "7")]
+
+
+def test_the_modes_that_replay_cuda_graphs_are_the_ones_torch_compile_gives_them():
+    """The step keeps its gradients outside the graphs (FlatGradients) exactly where inductor replays CUDA graphs:
+    torch.compile's own option table says which modes turn on triton.cudagraphs."""
+    from torch._inductor import list_mode_options
+    assert set(model_step.CUDA_GRAPH_MODES) <= set(model_step.COMPILE_MODES)
+    for mode in model_step.COMPILE_MODES:
+        graphs = bool(list_mode_options(mode).get("triton.cudagraphs", False))
+        assert (mode in model_step.CUDA_GRAPH_MODES) == graphs, mode
