@@ -1,6 +1,6 @@
 """Hardware counters of the NSA core's kernels: one NSA forward + backward run under Nsight Compute, and a table.
 
-    ncu --clock-control none --profile-from-start off --kernel-name regex:'selected|range_attn|gated_sum' \\
+    ncu --clock-control none --profile-from-start off --kernel-name regex:'select|range_attn|gated_sum' \\
         --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats --section Occupancy \\
         --section LaunchStats --section ComputeWorkloadAnalysis --section SchedulerStats \\
         -o report python3 bench/kernel_counters.py --shape 125m:4:8192
@@ -33,6 +33,10 @@ COLUMNS = [
                             "avg.pct_of_peak_sustained_elapsed", None),
     ("issue slots busy %", "sm__issue_active.avg.pct_of_peak_sustained_elapsed", None),
     ("DRAM % of peak", "gpu__dram_throughput.avg.pct_of_peak_sustained_elapsed", None),
+    # what bounds a kernel that rereads tiles other programs also read (the per-query selected kernels): the L2's
+    # own throughput, and the L1/shared-memory unit's, each against its peak
+    ("L2 % of peak", "lts__throughput.avg.pct_of_peak_sustained_elapsed", None),
+    ("L1 % of peak", "l1tex__throughput.avg.pct_of_peak_sustained_active", None),
     ("L2 hit %", "lts__t_sector_hit_rate.pct", None),
     ("registers / thread", "launch__registers_per_thread", None),
     ("warps / SM", "sm__warps_active.avg.per_cycle_active", None),

@@ -34,13 +34,14 @@ def test_table_converts_the_time_and_ranks_the_stalls(tmp_path):
     duration, busy = kernel_counters.COLUMNS[0][1], kernel_counters.COLUMNS[1][1]
     write_export(path, [("selected_block_bwd_kernel(int*, float*)", {
         duration: "1.25", busy: "24.5", "launch__registers_per_thread": "239",
+        "lts__throughput.avg.pct_of_peak_sustained_elapsed": "81.25",
         STALL.format("wait"): "1.37", STALL.format("barrier"): "1,280.5", STALL.format("gmma"): "0.10"})])
     lines = kernel_counters.table(str(path))
     assert len(lines) == 3 and lines[0].startswith("| kernel | us |")
     cells = [c.strip() for c in lines[2].strip("|").split("|")]
     assert cells[0] == "`selected_block_bwd_kernel`"
     assert cells[1] == "1250"  # ms -> us
-    assert cells[2] == "24.5" and cells[6] == "239"
+    assert cells[2] == "24.5" and cells[5] == "81.25" and cells[8] == "239"
     assert cells[4] == "-"  # a metric the export lacks (here "n/a") is shown as missing, not as 0
     assert cells[-1] == "barrier 1280.50, wait 1.37, gmma 0.10"  # largest first, thousands separators read
 
