@@ -302,10 +302,7 @@ def _dkdv_tiles(dk, dv, k, v, Q, DO, QD, DOD, LSE, DELTA, b, h, offs_n, n_ok, st
                 key_stride, key_offset, window, H: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
                 BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, MASKED: tl.constexpr,
                 TMA: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    # last tile first (v51): see range_attn_bwd_dkdv_kernel
-    num_tiles = tl.cdiv(tl.maximum(stop - start, 0), BLOCK_M)
-    for i in range(0, num_tiles):
-        start_m = start + (num_tiles - 1 - i) * BLOCK_M
+    for start_m in range(start, stop, BLOCK_M):
         offs_m = start_m + tl.arange(0, BLOCK_M)
         m_ok = offs_m < num_queries
         row_q = (b * T + offs_m).to(tl.int64) * H + h
@@ -348,13 +345,7 @@ def range_attn_bwd_dkdv_kernel(Q, K, V, DO, QD, KD, VD, DOD, LSE, DELTA, DK_ACC,
     program of tile 0 starts before any of tile 1. In the compressed branch (and the causal dense prefix) the
     early tiles see the most queries, so the longest programs start first and the last wave holds the shortest
     ones (longest-first scheduling). Tiles first, the long programs of the last head slices ran on alone at the
-    end: 32.8 ms at paper 1 x 64k against 26.3 now (v25).
-
-    Each program walks its queries from the last tile down. Programs that start together (one key tile of every
-    head slice, then the next tiles as the first ones end) then read the same query tiles at about the same time,
-    and all but the first read of a tile hit the L2; walking up, key tile j starts at its own first query, 1024 j
-    positions after tile 0's in the compressed branch, and the two never meet. At paper 1 x 64k the compressed
-    dK/dV read its q and do rows with 32% L2 hits and DRAM at 70% of its peak (kernels-notes.md, v51)."""
+    end: 32.8 ms at paper 1 x 64k against 26.3 now (v25)."""
     HPG: tl.constexpr = H // G
     HEADS: tl.constexpr = HPG // HEAD_SPLIT
     pid_bgs = tl.program_id(0)
@@ -395,14 +386,13 @@ def range_attn_bwd_dkdv_kernel(Q, K, V, DO, QD, KD, VD, DOD, LSE, DELTA, DK_ACC,
     dv = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
     for head in range(HEADS):
         h = first_head + head
-        # from the last query down, each run's tiles too
-        dk, dv = _dkdv_tiles(dk, dv, k, v, Q, DO, QD, DOD, LSE, DELTA, b, h, offs_n, n_ok, full_hi, t_hi, T,
+        dk, dv = _dkdv_tiles(dk, dv, k, v, Q, DO, QD, DOD, LSE, DELTA, b, h, offs_n, n_ok, t_lo, full_lo, T,
                              num_queries, qk_scale, key_stride, key_offset, window, H, DK, DV, BLOCK_DK, BLOCK_DV,
                              BLOCK_M, True, TMA, DOT_PRECISION)
         dk, dv = _dkdv_tiles(dk, dv, k, v, Q, DO, QD, DOD, LSE, DELTA, b, h, offs_n, n_ok, full_lo, full_hi, T,
                              num_queries, qk_scale, key_stride, key_offset, window, H, DK, DV, BLOCK_DK, BLOCK_DV,
                              BLOCK_M, False, TMA, DOT_PRECISION)
-        dk, dv = _dkdv_tiles(dk, dv, k, v, Q, DO, QD, DOD, LSE, DELTA, b, h, offs_n, n_ok, t_lo, full_lo, T,
+        dk, dv = _dkdv_tiles(dk, dv, k, v, Q, DO, QD, DOD, LSE, DELTA, b, h, offs_n, n_ok, full_hi, t_hi, T,
                              num_queries, qk_scale, key_stride, key_offset, window, H, DK, DV, BLOCK_DK, BLOCK_DV,
                              BLOCK_M, True, TMA, DOT_PRECISION)
     dk = dk * scale
