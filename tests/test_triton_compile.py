@@ -10,6 +10,7 @@ imports the kernels interpreted (TRITON_INTERPRET=1), the subprocess compiled.
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -156,13 +157,37 @@ CASES = [
 
 
 
+# An atomic instruction of the PTX: its memory-order semantics and what it adds.
+ATOMIC = re.compile(r"^\s*(?:@!?%p\d+\s+)?(?:atom|red)\.global\.(?:gpu\.)?(\w+)\.add(?:\.v\d)?\.(\w+)", re.M)
+
+
+def float_add_semantics(ptx: str) -> list[str]:
+    """The semantics of every floating-point atomic add in a kernel's PTX."""
+    return [sem for sem, kind in ATOMIC.findall(ptx) if kind.startswith("f")]
+
+
+def test_float_add_semantics_reads_ptx():
+    ptx = ("\t@%p239 atom.global.gpu.acq_rel.add.v4.f32 { %r1, %r2, %r3, %r4 }, [ %rd1 + 0 ], { %r5, %r6, %r7, %r8 };\n"
+           "\t@%p3 atom.global.gpu.relaxed.add.f32 %r9, [ %rd2 + 0 ], %r10;\n"
+           "\t@%p4 atom.global.gpu.acq_rel.add.u32 %r11, [ %rd3 + 0 ], 1;\n"
+           "\t@%p11 cp.async.ca.shared.global [ %r1043 + 0 ], [ %rd18 + 0 ], 0x4, %r77;\n")
+    assert float_add_semantics(ptx) == ["acq_rel", "relaxed"]
+
+
 @pytest.mark.parametrize("module, name, pointers, scalars, constexprs, options", CASES)
 def test_kernel_compiles_for_hopper(module, name, pointers, scalars, constexprs, options, tmp_path):
+    """Compiles, and every floating-point atomic add is relaxed. The adds accumulate sums that later kernels read,
+    or that a program reads after a barrier and an acquire-release count (selected_block_bwd_kernel); at
+    tl.atomic_add's default, acq_rel, each one is fenced (MEMBAR.ALL.GPU around every ATOMG in the SASS), which
+    the compressed dK/dV's counters showed as memory-barrier stalls (kernels-notes.md, v51)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_CACHE_DIR"] = str(tmp_path)  # compile for real, not from an earlier run's cache
     env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
     spec = json.dumps([module, name, pointers, scalars, constexprs, options, [], False])
-    run = subprocess.run([sys.executable, "-c", COMPILE, spec, ""], capture_output=True, text=True, env=env,
+    ptx = tmp_path / "kernel.ptx"
+    run = subprocess.run([sys.executable, "-c", COMPILE, spec, str(ptx)], capture_output=True, text=True, env=env,
                          timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
     assert int(run.stdout.split()[-1]) > 0  # a cubin of some bytes
+    semantics = float_add_semantics(ptx.read_text())
+    assert all(sem == "relaxed" for sem in semantics), semantics

@@ -402,5 +402,6 @@ def range_attn_bwd_dkdv_kernel(Q, K, V, DO, QD, KD, VD, DOD, LSE, DELTA, DK_ACC,
         tl.store(dk_ptrs, dk, mask=n_ok[:, None] & (offs_dk < DK)[None, :])
         tl.store(dv_ptrs, dv, mask=n_ok[:, None] & (offs_dv < DV)[None, :])
     elif t_lo < t_hi:  # empty chunks add nothing
-        tl.atomic_add(dk_ptrs, dk, mask=n_ok[:, None] & (offs_dk < DK)[None, :])
-        tl.atomic_add(dv_ptrs, dv, mask=n_ok[:, None] & (offs_dv < DV)[None, :])
+        # relaxed: only later kernels read the sums; tl.atomic_add's default (acq_rel) fences every add (v51)
+        tl.atomic_add(dk_ptrs, dk, mask=n_ok[:, None] & (offs_dk < DK)[None, :], sem="relaxed")
+        tl.atomic_add(dv_ptrs, dv, mask=n_ok[:, None] & (offs_dv < DV)[None, :], sem="relaxed")

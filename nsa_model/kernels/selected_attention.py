@@ -173,6 +173,6 @@ def selected_attn_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, QUERY_OF_ENTRY, START
             dk += tl.dot(tl.trans(ds).to(q.dtype), q, input_precision=DOT_PRECISION)
         dk = dk * scale
         tl.atomic_add(DK_ACC + row_k[:, None] * DK + offs_dk[None, :], dk,
-                      mask=s_ok[:, None] & (offs_dk < DK)[None, :])
+                      mask=s_ok[:, None] & (offs_dk < DK)[None, :], sem="relaxed")  # read by later kernels only
         tl.atomic_add(DV_ACC + row_k[:, None] * DV + offs_dv[None, :], dv,
-                      mask=s_ok[:, None] & (offs_dv < DV)[None, :])
+                      mask=s_ok[:, None] & (offs_dv < DV)[None, :], sem="relaxed")

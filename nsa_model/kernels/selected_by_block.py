@@ -372,7 +372,7 @@ def selected_block_bwd_kernel(Q, K, V, KD, VD, DO, LSE, DELTA, ORDER, STARTS, WO
                          eviction_policy="evict_first")  # as the forward's partials (v43)
             elif DQ_MODE == 2:
                 dq = tl.dot(ds, k, input_precision=DOT_PRECISION)
-                tl.atomic_add(DQ_OUT + row_q[:, None] * DK + offs_dk[None, :], dq, mask=q_ok)
+                tl.atomic_add(DQ_OUT + row_q[:, None] * DK + offs_dk[None, :], dq, mask=q_ok, sem="relaxed")
             if PREFETCH:
                 r_ok, t, row_q, row_p, q, do, lse2, delta = r_ok_n, t_n, row_q_n, row_p_n, q_n, do_n, lse2_n, delta_n
                 flat_n, r_ok_n = flat_nn, r_ok_nn
@@ -387,8 +387,11 @@ def selected_block_bwd_kernel(Q, K, V, KD, VD, DO, LSE, DELTA, ORDER, STARTS, WO
                 tl.store(DK_OUT + k_rows, dk.to(DK_OUT.dtype.element_ty), mask=k_ok)
                 tl.store(DV_OUT + v_rows, dv.to(DV_OUT.dtype.element_ty), mask=v_ok)
             else:
-                tl.atomic_add(DK_ACC + k_rows, dk, mask=k_ok)
-                tl.atomic_add(DV_ACC + v_rows, dv, mask=v_ok)
+                # The adds are relaxed (tl.atomic_add's default, acq_rel, fences each one: v51): the barrier
+                # orders every thread's adds before the count's release, which makes them visible to the program
+                # that acquires the last count (the split-K semaphore pattern)
+                tl.atomic_add(DK_ACC + k_rows, dk, mask=k_ok, sem="relaxed")
+                tl.atomic_add(DV_ACC + v_rows, dv, mask=v_ok, sem="relaxed")
                 tl.debug_barrier()  # every thread's adds are issued before the count says this program is done
                 done = tl.atomic_add(DONE + seg, 1, sem="acq_rel")
                 if done == (count + CHUNK - 1) // CHUNK - 1:  # the last: the others' adds are visible to it
@@ -396,9 +399,9 @@ def selected_block_bwd_kernel(Q, K, V, KD, VD, DO, LSE, DELTA, ORDER, STARTS, WO
                     dv = tl.load(DV_ACC + v_rows, mask=v_ok, other=0.0, volatile=True)
                     tl.store(DK_OUT + k_rows, dk.to(DK_OUT.dtype.element_ty), mask=k_ok)
                     tl.store(DV_OUT + v_rows, dv.to(DV_OUT.dtype.element_ty), mask=v_ok)
-        else:
-            tl.atomic_add(DK_ACC + k_rows, dk, mask=k_ok)
-            tl.atomic_add(DV_ACC + v_rows, dv, mask=v_ok)
+        else:  # only later kernels read the sums
+            tl.atomic_add(DK_ACC + k_rows, dk, mask=k_ok, sem="relaxed")
+            tl.atomic_add(DV_ACC + v_rows, dv, mask=v_ok, sem="relaxed")
 
 
 @triton.jit
