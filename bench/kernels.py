@@ -506,7 +506,8 @@ _RANGE_CANDIDATES_D128 = {
     "dkdv": [(64, 64, 4, 2), (64, 128, 8, 2), (32, 128, 4, 2), (64, 64, 4, 3), (128, 128, 8, 2), (32, 64, 4, 3)],
 }
 # v51: at paper 64k the selection reloads each query tile's heads once a chunk, and those reloads miss the L2
-# (7.7% hits, DRAM at 85% of its peak): wider chunks reload less, smaller query tiles keep fewer rows in flight
+# (7.7% hits, DRAM at 85% of its peak): wider chunks reload less, smaller query tiles keep fewer rows in flight;
+# every one of those was slower than (64, 1, 4) on the H100 (kernels-notes.md, v51), kept here to rerun
 _SELECT_CANDIDATES = [(64, 0, 4), (64, 0, 8), (64, 1, 4), (64, 1, 8), (64, 2, 8), (128, 0, 8), (128, 1, 8),
                       (32, 0, 4), (32, 1, 4), (32, 2, 4), (64, 2, 4), (32, 2, 8), (16, 2, 4), (16, 3, 4),
                       (32, 3, 8)]
