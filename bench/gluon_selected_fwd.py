@@ -93,7 +93,7 @@ def _store_rows(O, LSE, acc, m_i, l_i, b, g, t, T, H: gl.constexpr, G: gl.conste
 @gluon.jit
 def _query_warp(Q, BLOCKS, UNION, O, LSE, k_ring, v_ring, ready, empty, union_row, count, b, g, t, T, qk_scale,
                 H: gl.constexpr, G: gl.constexpr, D: gl.constexpr, SEL_BLOCK: gl.constexpr, N_SELECT: gl.constexpr,
-                N_PAD: gl.constexpr, WIDTH: gl.constexpr, STAGES: gl.constexpr):
+                N_PAD: gl.constexpr, WIDTH: gl.constexpr, STAGES: gl.constexpr, PROBE: gl.constexpr):
     """One query's warp: its HPG heads against every block of the union it chose, online softmax in registers.
     The products run on two halves of the block's keys, so a B operand is [D, 32] (K^T) or [32, D] (V): 32
     registers a thread instead of 128 for the whole block."""
@@ -120,6 +120,10 @@ def _query_warp(Q, BLOCKS, UNION, O, LSE, k_ring, v_ring, ready, empty, union_ro
         s = i % STAGES
         blk = gl.load(UNION + union_row * WIDTH + i)
         member = gl.max((chosen == blk).to(gl.int32), axis=0) > 0
+        if PROBE == 1:  # timing probe, wrong values: every warp computes on every block (no skipping)
+            member = t >= 0
+        elif PROBE == 2:  # timing probe, wrong values: no warp computes (the loads and barriers alone)
+            member = t < 0
         mbarrier.wait(ready.index(s), (i // STAGES) & 1)
         if member:  # a warp-uniform branch: the other query warps go on to the next block
             kt = k_ring.index(s).permute((1, 0))
@@ -147,18 +151,20 @@ def _query_warp(Q, BLOCKS, UNION, O, LSE, k_ring, v_ring, ready, empty, union_ro
 @gluon.jit
 def _query_warp_0(Q, BLOCKS, UNION, O, LSE, k_ring, v_ring, ready, empty, union_row, count, b, g, t0, T, qk_scale,
                   H: gl.constexpr, G: gl.constexpr, D: gl.constexpr, SEL_BLOCK: gl.constexpr, N_SELECT: gl.constexpr,
-                  N_PAD: gl.constexpr, WIDTH: gl.constexpr, STAGES: gl.constexpr, W: gl.constexpr):
+                  N_PAD: gl.constexpr, WIDTH: gl.constexpr, STAGES: gl.constexpr, PROBE: gl.constexpr,
+                  W: gl.constexpr):
     """The query warp of the tile's query W (a partition's arguments are the same values for every worker, so the
     query's offset comes in as a constexpr)."""
     _query_warp(Q, BLOCKS, UNION, O, LSE, k_ring, v_ring, ready, empty, union_row, count, b, g, t0 + W, T, qk_scale,
-                H, G, D, SEL_BLOCK, N_SELECT, N_PAD, WIDTH, STAGES)
+                H, G, D, SEL_BLOCK, N_SELECT, N_PAD, WIDTH, STAGES, PROBE)
 
 
 @gluon.jit
 def selected_shared_fwd_kernel(Q, k_desc, v_desc, BLOCKS, UNION, COUNT, O, LSE, T, num_tiles, qk_scale,
                                H: gl.constexpr, G: gl.constexpr, D: gl.constexpr, SEL_BLOCK: gl.constexpr,
                                N_SELECT: gl.constexpr, N_PAD: gl.constexpr, QUERIES: gl.constexpr,
-                               STAGES: gl.constexpr, WORKER_REGS: gl.constexpr):
+                               STAGES: gl.constexpr, WORKER_REGS: gl.constexpr,
+                               PROBE: gl.constexpr = 0):
     """One program per (tile of QUERIES consecutive queries, batch x group): the default partition (this launch's
     num_warps = 4; the TMA copies need one thread) loads the union's blocks, QUERIES one-warp partitions compute."""
     gl.static_assert(QUERIES == 4 or QUERIES == 8, "the spike writes out 4 or 8 query warps")
@@ -185,34 +191,34 @@ def selected_shared_fwd_kernel(Q, k_desc, v_desc, BLOCKS, UNION, COUNT, O, LSE, 
             (_loader, (k_desc, v_desc, UNION, k_ring, v_ring, ready, empty, union_row, count, b, g, T, D, SEL_BLOCK,
                        WIDTH, STAGES)),
             (_query_warp_0, (Q, BLOCKS, UNION, O, LSE, k_ring, v_ring, ready, empty, union_row, count, b, g, t0, T,
-                             qk_scale, H, G, D, SEL_BLOCK, N_SELECT, N_PAD, WIDTH, STAGES, 0)),
+                             qk_scale, H, G, D, SEL_BLOCK, N_SELECT, N_PAD, WIDTH, STAGES, PROBE, 0)),
             (_query_warp_0, (Q, BLOCKS, UNION, O, LSE, k_ring, v_ring, ready, empty, union_row, count, b, g, t0, T,
-                             qk_scale, H, G, D, SEL_BLOCK, N_SELECT, N_PAD, WIDTH, STAGES, 1)),
+                             qk_scale, H, G, D, SEL_BLOCK, N_SELECT, N_PAD, WIDTH, STAGES, PROBE, 1)),
             (_query_warp_0, (Q, BLOCKS, UNION, O, LSE, k_ring, v_ring, ready, empty, union_row, count, b, g, t0, T,
-                             qk_scale, H, G, D, SEL_BLOCK, N_SELECT, N_PAD, WIDTH, STAGES, 2)),
+                             qk_scale, H, G, D, SEL_BLOCK, N_SELECT, N_PAD, WIDTH, STAGES, PROBE, 2)),
             (_query_warp_0, (Q, BLOCKS, UNION, O, LSE, k_ring, v_ring, ready, empty, union_row, count, b, g, t0, T,
-                             qk_scale, H, G, D, SEL_BLOCK, N_SELECT, N_PAD, WIDTH, STAGES, 3)),
+                             qk_scale, H, G, D, SEL_BLOCK, N_SELECT, N_PAD, WIDTH, STAGES, PROBE, 3)),
         ], [1, 1, 1, 1], [WORKER_REGS, WORKER_REGS, WORKER_REGS, WORKER_REGS])
     else:
         gl.warp_specialize([
             (_loader, (k_desc, v_desc, UNION, k_ring, v_ring, ready, empty, union_row, count, b, g, T, D, SEL_BLOCK,
                        WIDTH, STAGES)),
             (_query_warp_0, (Q, BLOCKS, UNION, O, LSE, k_ring, v_ring, ready, empty, union_row, count, b, g, t0, T,
-                             qk_scale, H, G, D, SEL_BLOCK, N_SELECT, N_PAD, WIDTH, STAGES, 0)),
+                             qk_scale, H, G, D, SEL_BLOCK, N_SELECT, N_PAD, WIDTH, STAGES, PROBE, 0)),
             (_query_warp_0, (Q, BLOCKS, UNION, O, LSE, k_ring, v_ring, ready, empty, union_row, count, b, g, t0, T,
-                             qk_scale, H, G, D, SEL_BLOCK, N_SELECT, N_PAD, WIDTH, STAGES, 1)),
+                             qk_scale, H, G, D, SEL_BLOCK, N_SELECT, N_PAD, WIDTH, STAGES, PROBE, 1)),
             (_query_warp_0, (Q, BLOCKS, UNION, O, LSE, k_ring, v_ring, ready, empty, union_row, count, b, g, t0, T,
-                             qk_scale, H, G, D, SEL_BLOCK, N_SELECT, N_PAD, WIDTH, STAGES, 2)),
+                             qk_scale, H, G, D, SEL_BLOCK, N_SELECT, N_PAD, WIDTH, STAGES, PROBE, 2)),
             (_query_warp_0, (Q, BLOCKS, UNION, O, LSE, k_ring, v_ring, ready, empty, union_row, count, b, g, t0, T,
-                             qk_scale, H, G, D, SEL_BLOCK, N_SELECT, N_PAD, WIDTH, STAGES, 3)),
+                             qk_scale, H, G, D, SEL_BLOCK, N_SELECT, N_PAD, WIDTH, STAGES, PROBE, 3)),
             (_query_warp_0, (Q, BLOCKS, UNION, O, LSE, k_ring, v_ring, ready, empty, union_row, count, b, g, t0, T,
-                             qk_scale, H, G, D, SEL_BLOCK, N_SELECT, N_PAD, WIDTH, STAGES, 4)),
+                             qk_scale, H, G, D, SEL_BLOCK, N_SELECT, N_PAD, WIDTH, STAGES, PROBE, 4)),
             (_query_warp_0, (Q, BLOCKS, UNION, O, LSE, k_ring, v_ring, ready, empty, union_row, count, b, g, t0, T,
-                             qk_scale, H, G, D, SEL_BLOCK, N_SELECT, N_PAD, WIDTH, STAGES, 5)),
+                             qk_scale, H, G, D, SEL_BLOCK, N_SELECT, N_PAD, WIDTH, STAGES, PROBE, 5)),
             (_query_warp_0, (Q, BLOCKS, UNION, O, LSE, k_ring, v_ring, ready, empty, union_row, count, b, g, t0, T,
-                             qk_scale, H, G, D, SEL_BLOCK, N_SELECT, N_PAD, WIDTH, STAGES, 6)),
+                             qk_scale, H, G, D, SEL_BLOCK, N_SELECT, N_PAD, WIDTH, STAGES, PROBE, 6)),
             (_query_warp_0, (Q, BLOCKS, UNION, O, LSE, k_ring, v_ring, ready, empty, union_row, count, b, g, t0, T,
-                             qk_scale, H, G, D, SEL_BLOCK, N_SELECT, N_PAD, WIDTH, STAGES, 7)),
+                             qk_scale, H, G, D, SEL_BLOCK, N_SELECT, N_PAD, WIDTH, STAGES, PROBE, 7)),
         ], [1, 1, 1, 1, 1, 1, 1, 1], [WORKER_REGS, WORKER_REGS, WORKER_REGS, WORKER_REGS, WORKER_REGS, WORKER_REGS,
                                        WORKER_REGS, WORKER_REGS])
 
@@ -223,9 +229,11 @@ def _desc(x2d: torch.Tensor, block: list[int]) -> TensorDescriptor:
 
 
 def selected_shared_fwd(q, k, v, blocks, scale: float, sel_block: int = 64, queries: int = 4, stages: int = 3,
-                        worker_regs: int = 216, maxnreg: int | None = 128, fill: float | None = None):
+                        worker_regs: int = 216, maxnreg: int | None = 128, fill: float | None = None,
+                        probe: int = 0):
     """(o, lse) of the selected branch: q [B, T, H, D], k and v [B, T, G, D] contiguous bf16, blocks [B, T, G, n]
-    int32 (-1 = none). fill: the outputs start as this value (NaN for a check)."""
+    int32 (-1 = none). fill: the outputs start as this value (NaN for a check). probe: 0, or a timing probe with
+    wrong values: 1 every query warp computes on every block of the union, 2 none does (loads and barriers only)."""
     from nsa_model.ops import triton_impl as ti
     B, T, H, D = q.shape
     G, n = k.shape[2], blocks.shape[-1]
@@ -243,7 +251,8 @@ def selected_shared_fwd(q, k, v, blocks, scale: float, sel_block: int = 64, quer
     selected_shared_fwd_kernel[(union.shape[1], B * G)](
         q, _desc(k.view(B * T, G * D), [sel_block, D]), _desc(v.view(B * T, G * D), [sel_block, D]), blocks, union,
         count, o, lse, T, union.shape[1], scale * LOG2E, H=H, G=G, D=D, SEL_BLOCK=sel_block, N_SELECT=n,
-        N_PAD=triton.next_power_of_2(n), QUERIES=queries, STAGES=stages, WORKER_REGS=worker_regs, num_warps=4,
+        N_PAD=triton.next_power_of_2(n), QUERIES=queries, STAGES=stages, WORKER_REGS=worker_regs, PROBE=probe,
+        num_warps=4,
         **(dict(maxnreg=maxnreg) if maxnreg else {}))
     return o, lse
 
@@ -319,6 +328,12 @@ def main() -> int:
                 entry["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
             row["variants"].append(entry)
             print(name, entry, flush=True)
+        queries, stages, regs, cap = VARIANTS[0]
+        for probe in (1, 2):  # where the first variant's time goes: its work without the skips, its skeleton alone
+            run = lambda: selected_shared_fwd(q, k, v, blocks, scale, cfg.sel_block, queries, stages,  # noqa: E731
+                                              regs, cap, probe=probe)
+            row[f"probe{probe}_ms"] = triton.testing.do_bench(run, warmup=25, rep=200)
+            print(name, f"probe {probe}", round(row[f"probe{probe}_ms"], 4), flush=True)
         rows_out.append(row)
     stem, meta = result_stem(args.out, "gluon-selected-fwd", args.suffix, args.commit or git_commit())
     result_file(stem, ".json").write_text(json.dumps(dict(meta=meta, rows=rows_out), indent=1))
@@ -341,6 +356,9 @@ def report(meta: dict, rows: list[dict]) -> str:
     for r in rows:
         lines += [f"## {r['shape']} (B={r['B']}, T={r['T']}, H={r['H']}, G={r['G']}, D={r['D']})", "",
                   f"tl tiled: {r['tiled_ms']:.3f} ms; tl per query: {r['per_query_ms']:.3f} ms", "",
+                  *([f"Timing probes of the first variant (wrong values): every query warp computing on every block "
+                     f"{r['probe1_ms']:.3f} ms; none computing (the loader, the barriers and the union walk) "
+                     f"{r['probe2_ms']:.3f} ms", ""] if "probe1_ms" in r else []),
                   "| queries a tile | stages | registers a query warp | register cap | ms | vs tiled | vs per query "
                   "| empty, NaN left | o err | lse err |",
                   "|---|---|---|---|---|---|---|---|---|---|"]
