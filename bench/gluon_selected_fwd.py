@@ -288,12 +288,31 @@ def _inputs(B, T, H, G, D, cfg):
     return q, k, v, ti.select_blocks(q, kc, lse_c, cfg, scale), scale
 
 
+def _profile_once(q, k, v, blocks, scale: float, sel_block: int) -> None:
+    """One launch of each kernel under the profiler, after a warm-up launch of each (the compiles)."""
+    queries, stages, regs, cap = VARIANTS[0]
+    runs = [lambda: _tl_forward(q, k, v, blocks, scale, sel_block, "tiled")]
+    runs += [lambda probe=probe: selected_shared_fwd(q, k, v, blocks, scale, sel_block, queries, stages, regs, cap,
+                                                     probe=probe) for probe in (0, 1, 2)]
+    for run in runs:
+        run()
+    torch.cuda.synchronize()
+    torch.cuda.cudart().cudaProfilerStart()
+    for run in runs:
+        run()
+    torch.cuda.synchronize()
+    torch.cuda.cudart().cudaProfilerStop()
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True)
     ap.add_argument("--commit", default="", help="commit measured (default: git rev-parse of this checkout)")
     ap.add_argument("--suffix", type=file_suffix, default="")
     ap.add_argument("--shapes", default=",".join(SHAPES), help="comma-separated names of SHAPES")
+    ap.add_argument("--profile", action="store_true",
+                    help="no checks or timings: one launch each of the tl tiled forward, the first variant and its "
+                         "two probes between cudaProfilerStart and Stop (ncu --profile-from-start off)")
     args = ap.parse_args()
     from nsa_model.config import NSAConfig
     os.makedirs(args.out, exist_ok=True)
@@ -302,6 +321,9 @@ def main() -> int:
     for name in args.shapes.split(","):
         B, T, H, G, D = SHAPES[name]
         q, k, v, blocks, scale = _inputs(B, T, H, G, D, cfg)
+        if args.profile:
+            _profile_once(q, k, v, blocks, scale, cfg.sel_block)
+            continue
         o_ref, l_ref = _tl_forward(q, k, v, blocks, scale, cfg.sel_block, "tiled")
         row = dict(shape=name, B=B, T=T, H=H, G=G, D=D, variants=[])
         for kernel in ("tiled", "per_query"):
@@ -335,6 +357,8 @@ def main() -> int:
             row[f"probe{probe}_ms"] = triton.testing.do_bench(run, warmup=25, rep=200)
             print(name, f"probe {probe}", round(row[f"probe{probe}_ms"], 4), flush=True)
         rows_out.append(row)
+    if args.profile:
+        return 0
     stem, meta = result_stem(args.out, "gluon-selected-fwd", args.suffix, args.commit or git_commit())
     result_file(stem, ".json").write_text(json.dumps(dict(meta=meta, rows=rows_out), indent=1))
     result_file(stem, ".md").write_text(report(meta, rows_out))
