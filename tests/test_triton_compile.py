@@ -88,10 +88,10 @@ CASES = [
           dict({k: v for k, v in SEL.items() if k != "N_SELECT"}, HEADS_PAD=8, ENTRIES=8, CHUNK=256)),
     *_tma_cases("selected_tiled_fwd_kernel", "selected_tiled",
                 dict(BLOCKS="i32", UNION="i32", COUNT="i32", LSE="fp32"), dict(num_tiles="i32", **SLC_SCALARS),
-                dict(N_PAD=16, ROWS=64, TILE_Q=10, **SEL), descs=dict(KD=64, VD=64)),
+                dict(N_PAD=16, ROWS=64, TILE_Q=10, WIDTH_PAD=256, **SEL), descs=dict(KD=64, VD=64)),
     *_tma_cases("selected_tiled_bwd_dq_kernel", "selected_tiled",
                 dict(BLOCKS="i32", UNION="i32", COUNT="i32", **ROW_TERMS), dict(num_tiles="i32", **SLC_SCALARS),
-                dict(N_PAD=16, ROWS=64, TILE_Q=10, ACCUMULATE=True, **SEL), descs=dict(KD=64, VD=64)),
+                dict(N_PAD=16, ROWS=64, TILE_Q=10, WIDTH_PAD=256, ACCUMULATE=True, **SEL), descs=dict(KD=64, VD=64)),
     # OFFSETS_64 where a tensor passes int32 offsets (triton_impl._offsets_64)
     *[c for prefetch, wide in ((True, False), (False, False), (True, True)) for c in _tma_cases(
         "selected_block_fwd_kernel", "selected_by_block", dict(LSE2_PART="fp32", **BLOCK_INDEX),

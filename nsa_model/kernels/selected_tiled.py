@@ -11,6 +11,12 @@ loading each block's keys and values once for the whole tile; a per-row membersh
 the row's query's choices?) and the causal mask decide which rows see it. Neighbouring queries of trained
 models choose mostly the same blocks, so the union stays near n; random inputs make it up to TILE_Q * n long.
 
+Full and edge blocks (v52): the union is ascending, so its first entries are the blocks that end before the
+tile's first query; every query of the tile sees all their keys. Those run in a loop of their own without the
+per-element causal mask: a row whose query did not choose the block gets -inf through one per-row term of the
+exponential's FMA (the forward's running maximum and exponent, the dQ's log-sum-exp), not a select on each of
+its scores. The few blocks that reach into the tile (its queries' local blocks) keep the element mask.
+
 TMA (constexpr): each block's keys and values come in through tensor descriptors (KD, VD; range_attention.py
 says why), unmasked: rows past the block or the sequence are masked out of the scores (vis). The query tile
 packs (query, head) rows, not one strided run, so it stays a pointer load (once per program).
@@ -56,6 +62,17 @@ def _tile_choices(BLOCKS, b, g, t, T, G, N_SELECT: tl.constexpr, N_PAD: tl.const
 
 
 @triton.jit
+def _full_blocks(UNION, tile_row, count, t_first, SEL_BLOCK: tl.constexpr, WIDTH: tl.constexpr,
+                 WIDTH_PAD: tl.constexpr):
+    """How many of the tile's union entries (ascending) end at or before its first query t_first: the blocks
+    every query of the tile sees whole."""
+    offs = tl.arange(0, WIDTH_PAD)
+    ids = tl.load(UNION + tile_row * WIDTH + offs, mask=offs < count, other=0)
+    full = (offs < count) & (ids < (t_first + 1) // SEL_BLOCK)
+    return tl.sum(full.to(tl.int32), axis=0)
+
+
+@triton.jit
 def _block_tile(K, V, KD, VD, K_ROW, V_ROW, b, g, blk, pos, s_ok, T, DK: tl.constexpr, DV: tl.constexpr,
                 BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, SEL_BLOCK: tl.constexpr, TMA: tl.constexpr):
     """The keys and values of selection block blk of (b, g): [BLOCK_S, D] tiles, unmasked with TMA."""
@@ -89,15 +106,75 @@ def _backward_rows(Q, DO, LSE, DELTA, row_q, r_ok, DK: tl.constexpr, DV: tl.cons
 
 
 @triton.jit
+def _fwd_step(acc, m_i, l_i, q, K, V, KD, VD, UNION, K_ROW, V_ROW, b, g, t, r_ok, chosen, tile_row, i, T, qk_scale,
+              DK: tl.constexpr, DV: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
+              SEL_BLOCK: tl.constexpr, BLOCK_S: tl.constexpr, WIDTH: tl.constexpr, TMA: tl.constexpr,
+              DOT_PRECISION: tl.constexpr, EDGE: tl.constexpr):
+    """Union entry i against the tile's rows: online softmax. EDGE: the block may reach past a row's query or
+    past T (the element mask); otherwise every row sees the whole block or, not having chosen it, none of it
+    (and only a block size short of the tile's power of two masks columns)."""
+    offs_s = tl.arange(0, BLOCK_S)
+    blk = tl.load(UNION + tile_row * WIDTH + i)
+    member = (tl.max((chosen == blk).to(tl.int32), axis=1) > 0) & r_ok
+    pos = blk * SEL_BLOCK + offs_s
+    s_ok = (offs_s < SEL_BLOCK) & (pos < T)
+    k, v = _block_tile(K, V, KD, VD, K_ROW, V_ROW, b, g, blk, pos, s_ok, T, DK, DV, BLOCK_DK, BLOCK_DV, SEL_BLOCK,
+                       TMA)
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # scaled in the exponential's FMA (range_attention)
+    if EDGE:
+        s = tl.where(member[:, None] & s_ok[None, :] & (pos[None, :] <= t[:, None]), s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1) * qk_scale)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that saw nothing yet adds 0
+        p = tl.exp2(s * qk_scale - m_safe[:, None])
+    else:  # -inf for a row that did not choose the block, in its maximum and its exponent's offset
+        if BLOCK_S != SEL_BLOCK:  # the tile's last columns are the next block's keys
+            s = tl.where(s_ok[None, :], s, float("-inf"))
+        bias = tl.where(member, 0.0, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1) * qk_scale + bias)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(s * qk_scale - (m_safe - bias)[:, None])
+    alpha = tl.exp2(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return acc, m_new, l_i
+
+
+@triton.jit
+def _dq_step(dq, q, do, lse2, delta, K, V, KD, VD, UNION, K_ROW, V_ROW, b, g, t, r_ok, chosen, tile_row, i, T,
+             qk_scale, DK: tl.constexpr, DV: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
+             SEL_BLOCK: tl.constexpr, BLOCK_S: tl.constexpr, WIDTH: tl.constexpr, TMA: tl.constexpr,
+             DOT_PRECISION: tl.constexpr, EDGE: tl.constexpr):
+    """Union entry i's part of the tile's dQ; EDGE as in _fwd_step (without it, a row that did not choose the
+    block gets an infinite log-sum-exp, so p = 0)."""
+    offs_s = tl.arange(0, BLOCK_S)
+    blk = tl.load(UNION + tile_row * WIDTH + i)
+    member = (tl.max((chosen == blk).to(tl.int32), axis=1) > 0) & r_ok
+    pos = blk * SEL_BLOCK + offs_s
+    s_ok = (offs_s < SEL_BLOCK) & (pos < T)
+    k, v = _block_tile(K, V, KD, VD, K_ROW, V_ROW, b, g, blk, pos, s_ok, T, DK, DV, BLOCK_DK, BLOCK_DV, SEL_BLOCK,
+                       TMA)
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+    if EDGE:
+        vis = member[:, None] & s_ok[None, :] & (pos[None, :] <= t[:, None])
+        p = tl.where(vis, tl.exp2(s - lse2[:, None]), 0.0)
+    else:
+        p = tl.exp2(s - tl.where(member, lse2, float("inf"))[:, None])
+        if BLOCK_S != SEL_BLOCK:  # the tile's last columns are the next block's keys
+            p = tl.where(s_ok[None, :], p, 0.0)
+    dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
+    ds = p * (dp - delta[:, None])
+    return dq + tl.dot(ds.to(k.dtype), k, input_precision=DOT_PRECISION)
+
+
+@triton.jit
 def selected_tiled_fwd_kernel(Q, K, V, KD, VD, BLOCKS, UNION, COUNT, O, LSE, T, num_tiles, scale, K_ROW, V_ROW,
                               H: tl.constexpr, G: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
                               BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, SEL_BLOCK: tl.constexpr,
                               BLOCK_S: tl.constexpr, N_SELECT: tl.constexpr, N_PAD: tl.constexpr,
-                              ROWS: tl.constexpr, TILE_Q: tl.constexpr, TMA: tl.constexpr,
-                              DOT_PRECISION: tl.constexpr):
+                              ROWS: tl.constexpr, TILE_Q: tl.constexpr, WIDTH_PAD: tl.constexpr,
+                              TMA: tl.constexpr, DOT_PRECISION: tl.constexpr):
     HPG: tl.constexpr = H // G
     b, g, t, r_ok, row_q = _tile_rows(T, H, G, HPG, ROWS, TILE_Q)
-    offs_s = tl.arange(0, BLOCK_S)
     offs_dk = tl.arange(0, BLOCK_DK)
     offs_dv = tl.arange(0, BLOCK_DV)
     q = tl.load(Q + row_q[:, None] * DK + offs_dk[None, :], mask=r_ok[:, None] & (offs_dk < DK)[None, :], other=0.0)
@@ -109,23 +186,16 @@ def selected_tiled_fwd_kernel(Q, K, V, KD, VD, BLOCKS, UNION, COUNT, O, LSE, T, 
     m_i = tl.full([ROWS], float("-inf"), tl.float32)
     l_i = tl.zeros([ROWS], tl.float32)
     acc = tl.zeros([ROWS, BLOCK_DV], tl.float32)
-    for i in range(0, count):
-        blk = tl.load(UNION + tile_row * (TILE_Q * N_SELECT) + i)
-        member = tl.max((chosen == blk).to(tl.int32), axis=1) > 0
-        pos = blk * SEL_BLOCK + offs_s
-        s_ok = (offs_s < SEL_BLOCK) & (pos < T)
-        k, v = _block_tile(K, V, KD, VD, K_ROW, V_ROW, b, g, blk, pos, s_ok, T, DK, DV, BLOCK_DK, BLOCK_DV,
-                           SEL_BLOCK, TMA)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # scaled in the exponential's FMA (range_attention)
-        vis = (member & r_ok)[:, None] & s_ok[None, :] & (pos[None, :] <= t[:, None])
-        s = tl.where(vis, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1) * qk_scale)
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that saw nothing yet adds 0
-        p = tl.exp2(s * qk_scale - m_safe[:, None])
-        alpha = tl.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        m_i = m_new
+    WIDTH: tl.constexpr = TILE_Q * N_SELECT
+    n_full = _full_blocks(UNION, tile_row, count, tl.program_id(0) * TILE_Q, SEL_BLOCK, WIDTH, WIDTH_PAD)
+    for i in range(0, n_full):
+        acc, m_i, l_i = _fwd_step(acc, m_i, l_i, q, K, V, KD, VD, UNION, K_ROW, V_ROW, b, g, t, r_ok, chosen,
+                                  tile_row, i, T, qk_scale, DK, DV, BLOCK_DK, BLOCK_DV, SEL_BLOCK, BLOCK_S, WIDTH,
+                                  TMA, DOT_PRECISION, False)
+    for i in range(n_full, count):
+        acc, m_i, l_i = _fwd_step(acc, m_i, l_i, q, K, V, KD, VD, UNION, K_ROW, V_ROW, b, g, t, r_ok, chosen,
+                                  tile_row, i, T, qk_scale, DK, DV, BLOCK_DK, BLOCK_DV, SEL_BLOCK, BLOCK_S, WIDTH,
+                                  TMA, DOT_PRECISION, True)
 
     has_key = l_i > 0
     l_safe = tl.where(has_key, l_i, 1.0)
@@ -142,13 +212,12 @@ def selected_tiled_bwd_dq_kernel(Q, K, V, KD, VD, BLOCKS, UNION, COUNT, DO, LSE,
                                  H: tl.constexpr, G: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
                                  BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, SEL_BLOCK: tl.constexpr,
                                  BLOCK_S: tl.constexpr, N_SELECT: tl.constexpr, N_PAD: tl.constexpr,
-                                 ROWS: tl.constexpr, TILE_Q: tl.constexpr, TMA: tl.constexpr,
-                                 DOT_PRECISION: tl.constexpr, ACCUMULATE: tl.constexpr = False):
+                                 ROWS: tl.constexpr, TILE_Q: tl.constexpr, WIDTH_PAD: tl.constexpr,
+                                 TMA: tl.constexpr, DOT_PRECISION: tl.constexpr, ACCUMULATE: tl.constexpr = False):
     """ACCUMULATE: DQ holds the other branches' dQ, and this branch's is added to it in float32 before the one
     store (no add pass after, which read and wrote a q-sized tensor more)."""
     HPG: tl.constexpr = H // G
     b, g, t, r_ok, row_q = _tile_rows(T, H, G, HPG, ROWS, TILE_Q)
-    offs_s = tl.arange(0, BLOCK_S)
     offs_dk = tl.arange(0, BLOCK_DK)
     q, do, lse2, delta = _backward_rows(Q, DO, LSE, DELTA, row_q, r_ok, DK, DV, BLOCK_DK, BLOCK_DV)
     chosen = _tile_choices(BLOCKS, b, g, t, T, G, N_SELECT, N_PAD)
@@ -161,19 +230,14 @@ def selected_tiled_bwd_dq_kernel(Q, K, V, KD, VD, BLOCKS, UNION, COUNT, DO, LSE,
         dq_in = tl.load(dq_ptrs, mask=dq_ok, other=0.0)
     qk_scale = scale * LOG2E
     dq = tl.zeros([ROWS, BLOCK_DK], tl.float32)
-    for i in range(0, count):
-        blk = tl.load(UNION + tile_row * (TILE_Q * N_SELECT) + i)
-        member = tl.max((chosen == blk).to(tl.int32), axis=1) > 0
-        pos = blk * SEL_BLOCK + offs_s
-        s_ok = (offs_s < SEL_BLOCK) & (pos < T)
-        k, v = _block_tile(K, V, KD, VD, K_ROW, V_ROW, b, g, blk, pos, s_ok, T, DK, DV, BLOCK_DK, BLOCK_DV,
-                           SEL_BLOCK, TMA)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
-        vis = (member & r_ok)[:, None] & s_ok[None, :] & (pos[None, :] <= t[:, None])
-        p = tl.where(vis, tl.exp2(s - lse2[:, None]), 0.0)
-        dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
-        ds = p * (dp - delta[:, None])
-        dq += tl.dot(ds.to(k.dtype), k, input_precision=DOT_PRECISION)
+    WIDTH: tl.constexpr = TILE_Q * N_SELECT
+    n_full = _full_blocks(UNION, tile_row, count, tl.program_id(0) * TILE_Q, SEL_BLOCK, WIDTH, WIDTH_PAD)
+    for i in range(0, n_full):
+        dq = _dq_step(dq, q, do, lse2, delta, K, V, KD, VD, UNION, K_ROW, V_ROW, b, g, t, r_ok, chosen, tile_row, i,
+                      T, qk_scale, DK, DV, BLOCK_DK, BLOCK_DV, SEL_BLOCK, BLOCK_S, WIDTH, TMA, DOT_PRECISION, False)
+    for i in range(n_full, count):
+        dq = _dq_step(dq, q, do, lse2, delta, K, V, KD, VD, UNION, K_ROW, V_ROW, b, g, t, r_ok, chosen, tile_row, i,
+                      T, qk_scale, DK, DV, BLOCK_DK, BLOCK_DV, SEL_BLOCK, BLOCK_S, WIDTH, TMA, DOT_PRECISION, True)
     dq = dq * scale
     if ACCUMULATE:
         dq += dq_in.to(tl.float32)

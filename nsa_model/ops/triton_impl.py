@@ -796,8 +796,9 @@ def _selected_fwd(q, k, v, blocks, sel_block: int, scale: float, prefix: int = 0
         union, count = index if kernel == "tiled" else tile_block_union(blocks, tile_q, triton.cdiv(T, sel_block))
         selected_tiled_fwd_kernel[(union.shape[1], B * G)](
             q, k, v, BLOCKS=blocks, UNION=union, COUNT=count, O=o, LSE=lse, T=T, num_tiles=union.shape[1],
-            scale=scale, N_PAD=triton.next_power_of_2(n), ROWS=rows, TILE_Q=tile_q, **common,
-            num_warps=_config.slc_tile_warps, num_stages=_tiled_fwd_stages(q, v), **_block_tiles(rows, common, k, v))
+            scale=scale, N_PAD=triton.next_power_of_2(n), ROWS=rows, TILE_Q=tile_q,
+            WIDTH_PAD=triton.next_power_of_2(tile_q * n), **common, num_warps=_config.slc_tile_warps,
+            num_stages=_tiled_fwd_stages(q, v), **_block_tiles(rows, common, k, v))
     else:
         selected_attn_fwd_kernel[(T, B * G)](
             q, k, v, BLOCKS=blocks, O=o, LSE=lse, T=T, scale=scale, HEADS_PAD=_pow2(H // G), **common, **_slc_launch(),
@@ -891,8 +892,8 @@ def _selected_bwd(q, k, v, blocks, o, lse, index, do, sel_block: int, scale: flo
         selected_tiled_bwd_dq_kernel[(union.shape[1], B * G)](
             q, k, v, BLOCKS=blocks, UNION=union, COUNT=count, DO=do, LSE=lse, DELTA=delta, DQ=dq, T=T,
             num_tiles=union.shape[1], scale=scale, N_PAD=triton.next_power_of_2(n), ROWS=rows, TILE_Q=tile_q,
-            **common, num_warps=config.slc_tile_warps, num_stages=config.slc_tile_stages, ACCUMULATE=accumulate,
-            **_block_tiles(rows, common, k, v))
+            WIDTH_PAD=triton.next_power_of_2(tile_q * n), **common, num_warps=config.slc_tile_warps,
+            num_stages=config.slc_tile_stages, ACCUMULATE=accumulate, **_block_tiles(rows, common, k, v))
     else:
         selected_attn_bwd_dq_kernel[(T, B * G)](
             q, k, v, BLOCKS=blocks, DO=do, LSE=lse, DELTA=delta, DQ=dq, T=T, scale=scale, HEADS_PAD=_pow2(hpg),
