@@ -234,14 +234,15 @@ def selected_shared_fwd(q, k, v, blocks, scale: float, sel_block: int = 64, quer
     """(o, lse) of the selected branch: q [B, T, H, D], k and v [B, T, G, D] contiguous bf16, blocks [B, T, G, n]
     int32 (-1 = none). fill: the outputs start as this value (NaN for a check). probe: 0, or a timing probe with
     wrong values: 1 every query warp computes on every block of the union, 2 none does (loads and barriers only)."""
-    from nsa_model.ops import triton_impl as ti
     B, T, H, D = q.shape
-    G, n = k.shape[2], blocks.shape[-1]
+    G = k.shape[2]
     if H // G != 16 or D != 128 or q.dtype != torch.bfloat16:
         raise ValueError(f"the spike takes 16 heads a group, head dim 128 and bf16; got H/G={H // G}, D={D}, "
                          f"{q.dtype}")
     if queries not in (4, 8):
         raise ValueError(f"the spike takes 4 or 8 queries a tile; got {queries}")
+    from nsa_model.ops import triton_impl as ti
+    n = blocks.shape[-1]
     union, count = ti.tile_block_union(blocks, queries, triton.cdiv(T, sel_block))
     o = torch.empty_like(q)
     lse = torch.empty(B, T, H, dtype=torch.float32, device=q.device)

@@ -1,9 +1,10 @@
-"""The Gluon spikes (bench/gluon_window_fwd.py, bench/gluon_by_block_fwd.py): their kernels compile for Hopper
-here, the launchers refuse what they do not take, and the reports say what ran.
+"""The Gluon spikes (bench/gluon_window_fwd.py, bench/gluon_by_block_fwd.py, bench/gluon_selected_fwd.py): their
+kernels compile for Hopper here, the launchers refuse what they do not take, and the reports say what ran.
 
 The kernels need an sm_90 GPU to run (Gluon has no interpreter); their values were checked on the H100 against
 the tl kernels (bench/results/gluon-window-fwd-h100-2026-11-25-*.md: o within 2e-3, lse within 1e-6;
-gluon-by-block-fwd-h100-2026-11-25-v30i-checked.md: bit for bit). Here the compile keeps the scripts honest as
+gluon-by-block-fwd-h100-2026-11-25-v30i-checked.md: bit for bit; gluon-selected-fwd-h100-2026-11-27-v52*.md: o within
+2e-3 and lse within 2e-6 of the tl tiled kernel's, every slot written). Here the compile keeps the scripts honest as
 Triton moves: the same offline path as tests/test_triton_compile.py.
 """
 
@@ -179,3 +180,68 @@ def test_by_block_report_and_refusals():
     assert "| 4 | 4 | 48 | 128 | 2 | False | True | False | CompilationError: no |" in text
     out = _call("gluon_by_block_fwd", "by_block_fwd_ws", [1, 128, 12, 128], [1, 128, 2, 128], None, 0.1, 16)
     assert "ValueError: the spike takes head dim 64 and T a multiple of 64; got D=128, T=128" in out
+
+
+COMPILE_SELECTED = r"""
+import importlib.util, json, sys
+import torch, triton
+from triton.backends.compiler import GPUTarget
+from triton.experimental.gluon._runtime import GluonASTSource
+from triton.runtime.jit import mangle_type
+
+path, const, maxnreg = json.loads(sys.argv[1])
+spec = importlib.util.spec_from_file_location("spike", path)
+spike = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(spike)
+fn = spike.selected_shared_fwd_kernel
+kv = torch.empty(8192, 4 * 128, dtype=torch.bfloat16)
+descs = dict(k_desc=spike._desc(kv, [64, 128]), v_desc=spike._desc(kv, [64, 128]))
+pointers = dict(Q="*bf16", BLOCKS="*i32", UNION="*i32", COUNT="*i32", O="*bf16", LSE="*fp32")
+sig = {a: "constexpr" if a in const else mangle_type(descs[a]) if a in descs else pointers.get(a)
+       or ("fp32" if a == "qk_scale" else "i32") for a in fn.arg_names}
+attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(fn.arg_names) if a in pointers}
+k = triton.compile(GluonASTSource(fn, sig, const, attrs), target=GPUTarget("cuda", 90, 32),
+                   options=dict(num_warps=4, maxnreg=maxnreg))
+ptx = k.asm["ptx"]
+print(json.dumps(dict(cubin=len(k.asm["cubin"]), mma=ptx.count("mma.sync.aligned.m16n8k16"),
+                      ldmatrix=ptx.count("ldmatrix"), tma=ptx.count("cp.async.bulk.tensor"),
+                      setmaxnreg=ptx.count("setmaxnreg"), arrive_lane0=ptx.count("mbarrier.arrive.shared::cta.b64"))))
+"""
+
+SELECTED = dict(H=64, G=4, D=128, SEL_BLOCK=64, N_SELECT=16, N_PAD=16, STAGES=3, PROBE=0)
+
+
+@pytest.mark.parametrize("const, maxnreg", [
+    (dict(SELECTED, QUERIES=4, WORKER_REGS=216), 128),
+    (dict(SELECTED, QUERIES=8, WORKER_REGS=232), 168),
+], ids=["4-queries", "8-queries"])
+def test_selected_spike_compiles_one_warp_per_query(const, maxnreg, tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path)
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    spec = json.dumps([str(ROOT / "bench" / "gluon_selected_fwd.py"), const, maxnreg])
+    run = subprocess.run([sys.executable, "-c", COMPILE_SELECTED, spec], capture_output=True, text=True, env=env,
+                         timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    out = json.loads(run.stdout.strip().splitlines()[-1])
+    queries = const["QUERIES"]
+    # each query warp: S = q K^T and P V as warp MMAs, 64 m16n8k16 each at head dim 128 and l' = 64; its operands
+    # from shared memory by ldmatrix; the loader's TMA copies; registers moved to the query warps; one arrive a warp
+    assert out["cubin"] > 0 and out["mma"] == 128 * queries and out["ldmatrix"] > 0 and out["tma"] > 0
+    assert out["setmaxnreg"] > 0 and out["arrive_lane0"] == queries
+
+
+def test_selected_report_and_refusals():
+    meta = dict(device="H100", date="2026-11-27T19:06:00", commit="abc1234", torch="2.11", triton="3.6.0")
+    variant = dict(queries=4, stages=3, worker_regs=216, maxnreg=128, same_empty=True, nan_left=0, o_err=0.002,
+                   lse_err=1.4e-6, ms=2.857, vs_tiled=0.512, vs_per_query=0.663)
+    rows = [dict(shape="paper_1x8k", B=1, T=8192, H=64, G=4, D=128, tiled_ms=1.462, per_query_ms=1.895,
+                 probe1_ms=4.219, probe2_ms=1.011,
+                 variants=[variant, dict(variant, queries=8, maxnreg=None, error="OutOfResources: registers")])]
+    text = _call("gluon_selected_fwd", "report", meta, rows)
+    assert "tl tiled: 1.462 ms; tl per query: 1.895 ms" in text
+    assert "every query warp computing on every block 4.219 ms; none computing" in text and "1.011 ms" in text
+    assert "| 4 | 3 | 216 | 128 | 2.857 | 0.512 | 0.663 | True, 0 | 0.002 | 1.4e-06 |" in text
+    assert "| 8 | 3 | 216 | - | OutOfResources: registers |" in text
+    out = _call("gluon_selected_fwd", "selected_shared_fwd", [1, 128, 12, 64], [1, 128, 2, 64], None, 0.1)
+    assert "ValueError: the spike takes 16 heads a group, head dim 128 and bf16; got H/G=6, D=64" in out
