@@ -166,6 +166,14 @@ def float_add_semantics(ptx: str) -> list[str]:
     return [sem for sem, kind in ATOMIC.findall(ptx) if kind.startswith("f")]
 
 
+def adds_floats_atomically(name: str, constexprs: dict) -> bool:
+    """Whether a kernel case accumulates into float32 by atomic adds: the range dK/dV where its programs meet
+    (ATOMIC), the inverted selected dK/dV, and by_block's backward (its accumulators, and its dQ in DQ_MODE 2).
+    The semantics check below is empty for every other kernel; this says where it must find adds."""
+    return (name in ("selected_attn_bwd_dkdv_kernel", "selected_block_bwd_kernel")
+            or name == "range_attn_bwd_dkdv_kernel" and constexprs["ATOMIC"])
+
+
 def test_float_add_semantics_reads_ptx():
     ptx = ("\t@%p239 atom.global.gpu.acq_rel.add.v4.f32 { %r1, %r2, %r3, %r4 }, [ %rd1 + 0 ], { %r5, %r6, %r7, %r8 };\n"
            "\t@%p3 atom.global.gpu.relaxed.add.f32 %r9, [ %rd2 + 0 ], %r10;\n"
@@ -190,4 +198,5 @@ def test_kernel_compiles_for_hopper(module, name, pointers, scalars, constexprs,
     assert run.returncode == 0, run.stderr[-3000:]
     assert int(run.stdout.split()[-1]) > 0  # a cubin of some bytes
     semantics = float_add_semantics(ptx.read_text())
+    assert bool(semantics) == adds_floats_atomically(name, constexprs), semantics  # the check below is not vacuous
     assert all(sem == "relaxed" for sem in semantics), semantics
