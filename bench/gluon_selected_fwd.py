@@ -243,7 +243,7 @@ def selected_shared_fwd(q, k, v, blocks, scale: float, sel_block: int = 64, quer
         raise ValueError(f"the spike takes 4 or 8 queries a tile; got {queries}")
     from nsa_model.ops import triton_impl as ti
     n = blocks.shape[-1]
-    union, count = ti.tile_block_union(blocks, queries, triton.cdiv(T, sel_block))
+    union, count, _ = ti.tile_block_union(blocks, queries, triton.cdiv(T, sel_block))
     o = torch.empty_like(q)
     lse = torch.empty(B, T, H, dtype=torch.float32, device=q.device)
     if fill is not None:

@@ -461,7 +461,7 @@ def time_selected_variants(x, blocks, do, cfg, scale, nsa_fb, leaves):
                     out[f"slc_{kind}_{label}_ms"] = bench(fn, leaves)
                     if variant["slc_kernel"] in ("tiled", "tiled_by_block"):
                         _, tile_q = ti._selected_tile(hpg)
-                        _, count = ti.tile_block_union(sel, tile_q, cfg.num_sel_blocks(sel.shape[1]))
+                        _, count, _ = ti.tile_block_union(sel, tile_q, cfg.num_sel_blocks(sel.shape[1]))
                         out[f"union_{kind}_{label}"] = float(count.float().mean())
                 out[f"slc_peak_mib_{label}"] = peak_mib(
                     lambda: ti.selected_attention(x["q"], x["k_slc"], x["v_slc"], blocks, cfg, scale).backward(do))

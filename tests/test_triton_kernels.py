@@ -967,18 +967,24 @@ def test_tile_block_union(num_blocks, tile_q, monkeypatch):
     real = {name: getattr(triton_impl, name) for name in ("_union_by_kernel", "_union_by_sort")}
     for name, fn in real.items():
         monkeypatch.setattr(triton_impl, name, lambda *a, fn=fn, name=name: seen.append(name) or fn(*a))
-    union, count = (x.cpu() for x in triton_impl.tile_block_union(blocks.to(DEVICE), tile_q, num_blocks))
+    union, count, members = (x.cpu() for x in triton_impl.tile_block_union(blocks.to(DEVICE), tile_q, num_blocks))
     assert seen == ["_union_by_kernel" if num_blocks <= 4 * tile_q * 4 else "_union_by_sort"]
     tiles = -(-21 // tile_q)
     assert union.shape == (2, tiles, 3, tile_q * 4) and count.shape == (2, tiles, 3)
+    assert members.shape == union.shape and members.dtype == torch.int64
     for b in range(2):
         for tile in range(tiles):
             for g in range(3):
-                chosen = blocks[b, tile * tile_q:(tile + 1) * tile_q, g].flatten()
+                queries = blocks[b, tile * tile_q:(tile + 1) * tile_q, g]  # [<= tile_q, 4]; duplicates possible
+                chosen = queries.flatten()
                 expected = torch.unique(chosen[chosen >= 0])  # sorted
                 c = int(count[b, tile, g])
                 assert c == expected.numel()
                 assert torch.equal(union[b, tile, g, :c].long(), expected.long())
+                # bit q of an entry's mask: the tile's query q chose that block
+                masks = [sum(1 << q for q in range(queries.shape[0]) if int(block) in queries[q].tolist())
+                         for block in expected]
+                assert members[b, tile, g, :c].tolist() == masks
 
 
 @pytest.mark.parametrize("form", ["kernel", "sort"])
@@ -987,13 +993,14 @@ def test_tile_union_forms_on_full_unions(form):
     slot, in either form; the kernel pads after the count."""
     per_tile = torch.tensor([[5, 9, 14, 2], [0, 1, 1, -1]], dtype=torch.int32)  # [tiles, slots]: one query each
     if form == "kernel":
-        union, count = triton_impl._union_by_kernel(per_tile.view(1, 2, 1, 4).to(DEVICE), 1, 16)
-        union, count = union.view(2, 4).cpu(), count.view(2).cpu()
+        union, count, members = triton_impl._union_by_kernel(per_tile.view(1, 2, 1, 4).to(DEVICE), 1, 16)
+        union, count, members = union.view(2, 4).cpu(), count.view(2).cpu(), members.view(2, 4).cpu()
         assert union[1, 2:].tolist() == [torch.iinfo(torch.int32).max] * 2
     else:
-        union, count = triton_impl._union_by_sort(per_tile)
+        union, count, members = triton_impl._union_by_sort(per_tile, 4)
     assert count.tolist() == [4, 2]
     assert union[0].tolist() == [2, 5, 9, 14] and union[1, :2].tolist() == [0, 1]
+    assert members[0].tolist() == [1] * 4 and members[1, :2].tolist() == [1, 1]  # the tile's one query chose each
 
 
 def test_fused_gated_sum_matches_torch():

@@ -9,7 +9,8 @@ training step of nsa-125m at T = 2048 besides the sort (kernels-notes.md, v19). 
   block_work_kernel   from the starts, the work list: program p of the by_block kernels takes chunk
                       work_chunk[p] of segment work_seg[p] (-1: nothing)
   tile_union_kernel   for each tile of TILE_Q consecutive queries, the distinct blocks they chose, ascending,
-                      and their count (the tiled kernels walk it)
+                      their count, and for each one a bitmask of the tile's queries that chose it (the tiled
+                      kernels walk the union and read a row's membership from the mask)
 
 The inverted index without a sort of all slots (LaunchConfig.index_build "count", which "auto" picks at short T),
 three kernels in place of the first three above and PyTorch's radix sort (whose own launches, memsets and int64
@@ -84,17 +85,24 @@ def block_work_kernel(STARTS, WORK_SEG, WORK_CHUNK, num_segments, num_work, CHUN
 
 
 @triton.jit
-def tile_union_kernel(BLOCKS, UNION, COUNT, T, num_tiles, G: tl.constexpr, N: tl.constexpr, N_PAD: tl.constexpr,
-                      TILE_Q: tl.constexpr, QUERIES: tl.constexpr, NB_PAD: tl.constexpr, WIDTH: tl.constexpr,
-                      BLOCK_W: tl.constexpr):
+def _bit_or(a, b):
+    return a | b
+
+
+@triton.jit
+def tile_union_kernel(BLOCKS, UNION, COUNT, MEMBERS, T, num_tiles, G: tl.constexpr, N: tl.constexpr,
+                      N_PAD: tl.constexpr, TILE_Q: tl.constexpr, QUERIES: tl.constexpr, NB_PAD: tl.constexpr,
+                      WIDTH: tl.constexpr, BLOCK_W: tl.constexpr):
     """Program (tile, b * G + g): marks the blocks its queries chose, QUERIES queries at a time (a [QUERIES *
-    N_PAD, NB_PAD] comparison), then stores each marked block at its rank (a prefix sum over the blocks: no
-    sort) and ABSENT after the count. Every block id must be < NB_PAD."""
+    N_PAD, NB_PAD] comparison), each mark a bitmask of the queries (bit q: the tile's query q, TILE_Q <= 64),
+    then stores each marked block at its rank (a prefix sum over the blocks: no sort), its mask beside it in
+    MEMBERS, and ABSENT after the count. Every block id must be < NB_PAD."""
+    tl.static_assert(TILE_Q <= 64, "a tile's membership masks hold at most 64 queries")
     tile = tl.program_id(0)
     b = tl.program_id(1) // G
     g = tl.program_id(1) % G
     ids = tl.arange(0, NB_PAD)
-    member = tl.zeros([NB_PAD], dtype=tl.int32)
+    bits = tl.zeros([NB_PAD], dtype=tl.int64)
     slot = tl.arange(0, QUERIES * N_PAD)
     for q0 in range(0, TILE_Q, QUERIES):
         q = q0 + slot // N_PAD
@@ -102,11 +110,15 @@ def tile_union_kernel(BLOCKS, UNION, COUNT, T, num_tiles, G: tl.constexpr, N: tl
         i = slot % N_PAD
         ok = (q < TILE_Q) & (t < T) & (i < N)
         block = tl.load(BLOCKS + ((b * T + t).to(tl.int64) * G + g) * N + i, mask=ok, other=-1)
-        member = tl.maximum(member, tl.max((block[:, None] == ids[None, :]).to(tl.int32), axis=0))
+        bit = tl.full([QUERIES * N_PAD], 1, tl.int64) << tl.minimum(q, 63).to(tl.int64)
+        hits = tl.where(block[:, None] == ids[None, :], bit[:, None], tl.zeros([1, 1], tl.int64))
+        bits = bits | tl.reduce(hits, 0, _bit_or)
+    member = (bits != 0).to(tl.int32)
     rank = tl.cumsum(member, 0) - 1
     count = tl.sum(member, 0)
     row = ((b * num_tiles + tile) * G + g).to(tl.int64)
     tl.store(UNION + row * WIDTH + rank, ids, mask=member > 0)
+    tl.store(MEMBERS + row * WIDTH + rank, bits, mask=member > 0)
     tl.store(COUNT + row, count)
     for p0 in range(0, WIDTH, BLOCK_W):
         p = p0 + tl.arange(0, BLOCK_W)

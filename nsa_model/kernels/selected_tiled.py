@@ -7,9 +7,11 @@ query r // HPG, head r % HPG, so 64 rows hold 10 queries of a 6-head group (60 u
 to 8 heads held 8 queries, 48 useful rows). The last ROWS - TILE_Q * HPG rows are masked: they would belong to
 the next tile's first query, whose blocks this tile's union need not hold.
 It walks the sorted union of the tile's selected blocks (built outside by tile_block_union in triton_impl.py),
-loading each block's keys and values once for the whole tile; a per-row membership mask (is this block among
-the row's query's choices?) and the causal mask decide which rows see it. Neighbouring queries of trained
-models choose mostly the same blocks, so the union stays near n; random inputs make it up to TILE_Q * n long.
+loading each block's keys and values once for the whole tile; a per-row membership (is this block among the row's
+query's choices? bit q of the union entry's mask, built with the union: a shift a row where comparing the row's
+n choices with the block cost about 35 instructions a step, v52) and the causal mask decide which rows see it.
+Neighbouring queries of trained models choose mostly the same blocks, so the union stays near n; random inputs
+make it up to TILE_Q * n long.
 
 Full and edge blocks (v52): the union is ascending, so its first entries are the blocks that end before the
 tile's first query; every query of the tile sees all their keys. Those run in a loop of their own without the
@@ -24,8 +26,8 @@ packs (query, head) rows, not one strided run, so it stays a pointer load (once 
 dK/dV keep the inverted-index kernel of selected_attention.py (it already loads each key block once).
 
 Layouts (contiguous unless said): q [B, T, H, DK], k [B, T, G, DK] and v [B, T, G, DV] with tokens K_ROW / V_ROW
-elements apart (range_attention.py), blocks [B, T, G, N_SELECT] int32 (-1 = none), union [B, num_tiles, G,
-TILE_Q * N_SELECT] int32 (ascending, padding after `count` entries), count [B, num_tiles, G] int32,
+elements apart (range_attention.py), union [B, num_tiles, G, TILE_Q * N_SELECT] int32 (ascending, padding after
+`count` entries), count [B, num_tiles, G] int32, members (as union) int64 (bit q: the tile's query q chose it),
 o [B, T, H, DV], lse/delta [B, T, H] fp32.
 """
 
@@ -53,12 +55,11 @@ def _tile_rows(T, H, G, HPG: tl.constexpr, ROWS: tl.constexpr, TILE_Q: tl.conste
 
 
 @triton.jit
-def _tile_choices(BLOCKS, b, g, t, T, G, N_SELECT: tl.constexpr, N_PAD: tl.constexpr):
-    """[ROWS, N_PAD] the block ids chosen by each row's query (-1 = none or padding)."""
-    offs_n = tl.arange(0, N_PAD)
-    base = ((b * T + t).to(tl.int64) * G + g) * N_SELECT
-    return tl.load(BLOCKS + base[:, None] + offs_n[None, :], mask=(t < T)[:, None] & (offs_n < N_SELECT)[None, :],
-                   other=-1)
+def _member(MEMBERS, tile_row, i, r_ok, HPG: tl.constexpr, ROWS: tl.constexpr, WIDTH: tl.constexpr):
+    """[ROWS] whether each row's query chose union entry i: bit (row // HPG) of the entry's mask."""
+    bits = tl.load(MEMBERS + tile_row * WIDTH + i)
+    q_in_tile = tl.minimum(tl.arange(0, ROWS) // HPG, 63).to(tl.int64)  # rows past the tile: r_ok is false
+    return (((bits >> q_in_tile) & 1) != 0) & r_ok
 
 
 @triton.jit
@@ -106,8 +107,9 @@ def _backward_rows(Q, DO, LSE, DELTA, row_q, r_ok, DK: tl.constexpr, DV: tl.cons
 
 
 @triton.jit
-def _fwd_step(acc, m_i, l_i, q, K, V, KD, VD, UNION, K_ROW, V_ROW, b, g, t, r_ok, chosen, tile_row, i, T, qk_scale,
-              DK: tl.constexpr, DV: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
+def _fwd_step(acc, m_i, l_i, q, K, V, KD, VD, UNION, MEMBERS, K_ROW, V_ROW, b, g, t, r_ok, tile_row, i, T,
+              qk_scale, HPG: tl.constexpr, ROWS: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+              BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
               SEL_BLOCK: tl.constexpr, BLOCK_S: tl.constexpr, WIDTH: tl.constexpr, TMA: tl.constexpr,
               DOT_PRECISION: tl.constexpr, EDGE: tl.constexpr):
     """Union entry i against the tile's rows: online softmax. EDGE: the block may reach past a row's query or
@@ -115,7 +117,7 @@ def _fwd_step(acc, m_i, l_i, q, K, V, KD, VD, UNION, K_ROW, V_ROW, b, g, t, r_ok
     (and only a block size short of the tile's power of two masks columns)."""
     offs_s = tl.arange(0, BLOCK_S)
     blk = tl.load(UNION + tile_row * WIDTH + i)
-    member = (tl.max((chosen == blk).to(tl.int32), axis=1) > 0) & r_ok
+    member = _member(MEMBERS, tile_row, i, r_ok, HPG, ROWS, WIDTH)
     pos = blk * SEL_BLOCK + offs_s
     s_ok = (offs_s < SEL_BLOCK) & (pos < T)
     k, v = _block_tile(K, V, KD, VD, K_ROW, V_ROW, b, g, blk, pos, s_ok, T, DK, DV, BLOCK_DK, BLOCK_DV, SEL_BLOCK,
@@ -140,15 +142,16 @@ def _fwd_step(acc, m_i, l_i, q, K, V, KD, VD, UNION, K_ROW, V_ROW, b, g, t, r_ok
 
 
 @triton.jit
-def _dq_step(dq, q, do, lse2, delta, K, V, KD, VD, UNION, K_ROW, V_ROW, b, g, t, r_ok, chosen, tile_row, i, T,
-             qk_scale, DK: tl.constexpr, DV: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
+def _dq_step(dq, q, do, lse2, delta, K, V, KD, VD, UNION, MEMBERS, K_ROW, V_ROW, b, g, t, r_ok, tile_row, i, T,
+             qk_scale, HPG: tl.constexpr, ROWS: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+             BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
              SEL_BLOCK: tl.constexpr, BLOCK_S: tl.constexpr, WIDTH: tl.constexpr, TMA: tl.constexpr,
              DOT_PRECISION: tl.constexpr, EDGE: tl.constexpr):
     """Union entry i's part of the tile's dQ; EDGE as in _fwd_step (without it, a row that did not choose the
     block gets an infinite log-sum-exp, so p = 0)."""
     offs_s = tl.arange(0, BLOCK_S)
     blk = tl.load(UNION + tile_row * WIDTH + i)
-    member = (tl.max((chosen == blk).to(tl.int32), axis=1) > 0) & r_ok
+    member = _member(MEMBERS, tile_row, i, r_ok, HPG, ROWS, WIDTH)
     pos = blk * SEL_BLOCK + offs_s
     s_ok = (offs_s < SEL_BLOCK) & (pos < T)
     k, v = _block_tile(K, V, KD, VD, K_ROW, V_ROW, b, g, blk, pos, s_ok, T, DK, DV, BLOCK_DK, BLOCK_DV, SEL_BLOCK,
@@ -167,10 +170,10 @@ def _dq_step(dq, q, do, lse2, delta, K, V, KD, VD, UNION, K_ROW, V_ROW, b, g, t,
 
 
 @triton.jit
-def selected_tiled_fwd_kernel(Q, K, V, KD, VD, BLOCKS, UNION, COUNT, O, LSE, T, num_tiles, scale, K_ROW, V_ROW,
+def selected_tiled_fwd_kernel(Q, K, V, KD, VD, UNION, COUNT, MEMBERS, O, LSE, T, num_tiles, scale, K_ROW, V_ROW,
                               H: tl.constexpr, G: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
                               BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, SEL_BLOCK: tl.constexpr,
-                              BLOCK_S: tl.constexpr, N_SELECT: tl.constexpr, N_PAD: tl.constexpr,
+                              BLOCK_S: tl.constexpr, N_SELECT: tl.constexpr,
                               ROWS: tl.constexpr, TILE_Q: tl.constexpr, WIDTH_PAD: tl.constexpr,
                               TMA: tl.constexpr, DOT_PRECISION: tl.constexpr):
     HPG: tl.constexpr = H // G
@@ -178,7 +181,6 @@ def selected_tiled_fwd_kernel(Q, K, V, KD, VD, BLOCKS, UNION, COUNT, O, LSE, T, 
     offs_dk = tl.arange(0, BLOCK_DK)
     offs_dv = tl.arange(0, BLOCK_DV)
     q = tl.load(Q + row_q[:, None] * DK + offs_dk[None, :], mask=r_ok[:, None] & (offs_dk < DK)[None, :], other=0.0)
-    chosen = _tile_choices(BLOCKS, b, g, t, T, G, N_SELECT, N_PAD)
     tile_row = (b * num_tiles + tl.program_id(0)).to(tl.int64) * G + g
     count = tl.load(COUNT + tile_row)
 
@@ -189,13 +191,13 @@ def selected_tiled_fwd_kernel(Q, K, V, KD, VD, BLOCKS, UNION, COUNT, O, LSE, T, 
     WIDTH: tl.constexpr = TILE_Q * N_SELECT
     n_full = _full_blocks(UNION, tile_row, count, tl.program_id(0) * TILE_Q, SEL_BLOCK, WIDTH, WIDTH_PAD)
     for i in range(0, n_full):
-        acc, m_i, l_i = _fwd_step(acc, m_i, l_i, q, K, V, KD, VD, UNION, K_ROW, V_ROW, b, g, t, r_ok, chosen,
-                                  tile_row, i, T, qk_scale, DK, DV, BLOCK_DK, BLOCK_DV, SEL_BLOCK, BLOCK_S, WIDTH,
-                                  TMA, DOT_PRECISION, False)
+        acc, m_i, l_i = _fwd_step(acc, m_i, l_i, q, K, V, KD, VD, UNION, MEMBERS, K_ROW, V_ROW, b, g, t, r_ok,
+                                  tile_row, i, T, qk_scale, HPG, ROWS, DK, DV, BLOCK_DK, BLOCK_DV, SEL_BLOCK,
+                                  BLOCK_S, WIDTH, TMA, DOT_PRECISION, False)
     for i in range(n_full, count):
-        acc, m_i, l_i = _fwd_step(acc, m_i, l_i, q, K, V, KD, VD, UNION, K_ROW, V_ROW, b, g, t, r_ok, chosen,
-                                  tile_row, i, T, qk_scale, DK, DV, BLOCK_DK, BLOCK_DV, SEL_BLOCK, BLOCK_S, WIDTH,
-                                  TMA, DOT_PRECISION, True)
+        acc, m_i, l_i = _fwd_step(acc, m_i, l_i, q, K, V, KD, VD, UNION, MEMBERS, K_ROW, V_ROW, b, g, t, r_ok,
+                                  tile_row, i, T, qk_scale, HPG, ROWS, DK, DV, BLOCK_DK, BLOCK_DV, SEL_BLOCK,
+                                  BLOCK_S, WIDTH, TMA, DOT_PRECISION, True)
 
     has_key = l_i > 0
     l_safe = tl.where(has_key, l_i, 1.0)
@@ -207,11 +209,11 @@ def selected_tiled_fwd_kernel(Q, K, V, KD, VD, BLOCKS, UNION, COUNT, O, LSE, T, 
 
 
 @triton.jit
-def selected_tiled_bwd_dq_kernel(Q, K, V, KD, VD, BLOCKS, UNION, COUNT, DO, LSE, DELTA, DQ, T, num_tiles, scale, K_ROW,
+def selected_tiled_bwd_dq_kernel(Q, K, V, KD, VD, UNION, COUNT, MEMBERS, DO, LSE, DELTA, DQ, T, num_tiles, scale, K_ROW,
                                  V_ROW,
                                  H: tl.constexpr, G: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
                                  BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, SEL_BLOCK: tl.constexpr,
-                                 BLOCK_S: tl.constexpr, N_SELECT: tl.constexpr, N_PAD: tl.constexpr,
+                                 BLOCK_S: tl.constexpr, N_SELECT: tl.constexpr,
                                  ROWS: tl.constexpr, TILE_Q: tl.constexpr, WIDTH_PAD: tl.constexpr,
                                  TMA: tl.constexpr, DOT_PRECISION: tl.constexpr, ACCUMULATE: tl.constexpr = False):
     """ACCUMULATE: DQ holds the other branches' dQ, and this branch's is added to it in float32 before the one
@@ -220,7 +222,6 @@ def selected_tiled_bwd_dq_kernel(Q, K, V, KD, VD, BLOCKS, UNION, COUNT, DO, LSE,
     b, g, t, r_ok, row_q = _tile_rows(T, H, G, HPG, ROWS, TILE_Q)
     offs_dk = tl.arange(0, BLOCK_DK)
     q, do, lse2, delta = _backward_rows(Q, DO, LSE, DELTA, row_q, r_ok, DK, DV, BLOCK_DK, BLOCK_DV)
-    chosen = _tile_choices(BLOCKS, b, g, t, T, G, N_SELECT, N_PAD)
     tile_row = (b * num_tiles + tl.program_id(0)).to(tl.int64) * G + g
     count = tl.load(COUNT + tile_row)
 
@@ -233,11 +234,13 @@ def selected_tiled_bwd_dq_kernel(Q, K, V, KD, VD, BLOCKS, UNION, COUNT, DO, LSE,
     WIDTH: tl.constexpr = TILE_Q * N_SELECT
     n_full = _full_blocks(UNION, tile_row, count, tl.program_id(0) * TILE_Q, SEL_BLOCK, WIDTH, WIDTH_PAD)
     for i in range(0, n_full):
-        dq = _dq_step(dq, q, do, lse2, delta, K, V, KD, VD, UNION, K_ROW, V_ROW, b, g, t, r_ok, chosen, tile_row, i,
-                      T, qk_scale, DK, DV, BLOCK_DK, BLOCK_DV, SEL_BLOCK, BLOCK_S, WIDTH, TMA, DOT_PRECISION, False)
+        dq = _dq_step(dq, q, do, lse2, delta, K, V, KD, VD, UNION, MEMBERS, K_ROW, V_ROW, b, g, t, r_ok, tile_row,
+                      i, T, qk_scale, HPG, ROWS, DK, DV, BLOCK_DK, BLOCK_DV, SEL_BLOCK, BLOCK_S, WIDTH, TMA,
+                      DOT_PRECISION, False)
     for i in range(n_full, count):
-        dq = _dq_step(dq, q, do, lse2, delta, K, V, KD, VD, UNION, K_ROW, V_ROW, b, g, t, r_ok, chosen, tile_row, i,
-                      T, qk_scale, DK, DV, BLOCK_DK, BLOCK_DV, SEL_BLOCK, BLOCK_S, WIDTH, TMA, DOT_PRECISION, True)
+        dq = _dq_step(dq, q, do, lse2, delta, K, V, KD, VD, UNION, MEMBERS, K_ROW, V_ROW, b, g, t, r_ok, tile_row,
+                      i, T, qk_scale, HPG, ROWS, DK, DV, BLOCK_DK, BLOCK_DV, SEL_BLOCK, BLOCK_S, WIDTH, TMA,
+                      DOT_PRECISION, True)
     dq = dq * scale
     if ACCUMULATE:
         dq += dq_in.to(tl.float32)

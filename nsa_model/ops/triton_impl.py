@@ -568,14 +568,20 @@ def _sorted_segments(blocks: torch.Tensor, num_blocks: int):
 
 
 def tile_block_union(blocks: torch.Tensor, tile_q: int, num_blocks: int, shapes_only: bool = False):
-    """(union [B, num_tiles, G, tile_q * n] int32, count [B, num_tiles, G] int32): for each tile of tile_q
-    consecutive queries, the distinct blocks (ids < num_blocks) its queries chose, ascending in
-    union[..., :count], padding after. shapes_only: empty tensors of those shapes (nsa::core's fake)."""
+    """(union [B, num_tiles, G, tile_q * n] int32, count [B, num_tiles, G] int32, members [B, num_tiles, G,
+    tile_q * n] int64): for each tile of tile_q consecutive queries, the distinct blocks (ids < num_blocks) its
+    queries chose, ascending in union[..., :count], padding after; members[..., i]: bit q set where the tile's
+    query q chose union[..., i] (valid up to the count). shapes_only: empty tensors of those shapes (nsa::core's
+    fake)."""
     B, T, G, n = blocks.shape
+    if tile_q > 64:
+        raise ValueError(f"tile_block_union: a tile of {tile_q} queries; its membership masks hold 64 (a smaller "
+                         "LaunchConfig.slc_tile_rows, or more heads a group, makes fewer queries a tile)")
     num_tiles, width = triton.cdiv(T, tile_q), tile_q * n
     if shapes_only:
         return (blocks.new_empty(B, num_tiles, G, width, dtype=torch.int32),
-                blocks.new_empty(B, num_tiles, G, dtype=torch.int32))
+                blocks.new_empty(B, num_tiles, G, dtype=torch.int32),
+                blocks.new_empty(B, num_tiles, G, width, dtype=torch.int64))
     # The kernel compares each choice with every block id, T * n * num_blocks compares in all, which grows with
     # T squared; up to _UNION_KERNEL_WIDTHS times the tile's width in blocks that is still a few microseconds
     # (paper 8k: 128 blocks, width 64, where the two sorts took 0.10 ms of the 7.9 ms call, v38); beyond (long
@@ -586,7 +592,7 @@ def tile_block_union(blocks: torch.Tensor, tile_q: int, num_blocks: int, shapes_
     if pad:
         blocks = torch.cat([blocks, blocks.new_full((B, pad, G, n), -1)], dim=1)
     per_tile = blocks.view(B, num_tiles, tile_q, G, n).permute(0, 1, 3, 2, 4).reshape(B, num_tiles, G, width)
-    return _union_by_sort(per_tile)
+    return _union_by_sort(per_tile, n)
 
 
 _UNION_KERNEL_WIDTHS = 4  # tile_block_union: the kernel up to this many times a tile's width in blocks
@@ -602,22 +608,28 @@ def _union_by_kernel(blocks: torch.Tensor, tile_q: int, num_blocks: int):
     num_tiles, width = triton.cdiv(T, tile_q), tile_q * n
     union = blocks.new_empty(B, num_tiles, G, width, dtype=torch.int32)
     count = blocks.new_empty(B, num_tiles, G, dtype=torch.int32)
+    members = blocks.new_empty(B, num_tiles, G, width, dtype=torch.int64)
     n_pad, nb_pad = _pow2(n, floor=2), _pow2(num_blocks)
     queries = min(max(1, _UNION_COMPARES // (n_pad * nb_pad)), _pow2(tile_q, floor=1))
     if count.numel():
         tile_union_kernel[(num_tiles, B * G)](
-            blocks.contiguous(), union, count, T, num_tiles, G=G, N=n, N_PAD=n_pad, TILE_Q=tile_q, QUERIES=queries,
-            NB_PAD=nb_pad, WIDTH=width, BLOCK_W=min(_pow2(width), 1024))
-    return union, count
+            blocks.contiguous(), union, count, members, T, num_tiles, G=G, N=n, N_PAD=n_pad, TILE_Q=tile_q,
+            QUERIES=queries, NB_PAD=nb_pad, WIDTH=width, BLOCK_W=min(_pow2(width), 1024))
+    return union, count, members
 
 
-def _union_by_sort(per_tile: torch.Tensor):
-    """tile_block_union from two sorts of each tile's choices: the second moves the repeats behind the union."""
+def _union_by_sort(per_tile: torch.Tensor, n: int):
+    """tile_block_union from two sorts of each tile's choices (per_tile [..., queries * n], query-major): the
+    second moves the repeats behind the union; then each query's choices against the union, a bit a query."""
     ids = torch.where(per_tile >= 0, per_tile, _ABSENT).sort(-1).values
     repeat = torch.zeros_like(ids, dtype=torch.bool)
     repeat[..., 1:] = ids[..., 1:] == ids[..., :-1]
     union = torch.where(repeat, _ABSENT, ids).sort(-1).values
-    return union.contiguous(), (union != _ABSENT).sum(-1, dtype=torch.int32)
+    members = torch.zeros(union.shape, dtype=torch.int64, device=union.device)
+    for q, chosen in enumerate(per_tile.split(n, dim=-1)):  # one query's n choices at a time: memory O(width * n)
+        hit = (union[..., :, None] == chosen[..., None, :]) & (union != _ABSENT)[..., None]
+        members |= hit.any(-1).to(torch.int64) << q
+    return union.contiguous(), (union != _ABSENT).sum(-1, dtype=torch.int32), members
 
 
 def _selected_tile(hpg: int) -> tuple[int, int]:
@@ -793,10 +805,11 @@ def _selected_fwd(q, k, v, blocks, sel_block: int, scale: float, prefix: int = 0
     elif kernel in ("tiled", "tiled_by_block"):
         rows, tile_q = _selected_tile(H // G)
         # tiled_by_block saves by_block's work list for its backward; the unions serve the forward alone
-        union, count = index if kernel == "tiled" else tile_block_union(blocks, tile_q, triton.cdiv(T, sel_block))
+        union, count, members = (index if kernel == "tiled"
+                                 else tile_block_union(blocks, tile_q, triton.cdiv(T, sel_block)))
         selected_tiled_fwd_kernel[(union.shape[1], B * G)](
-            q, k, v, BLOCKS=blocks, UNION=union, COUNT=count, O=o, LSE=lse, T=T, num_tiles=union.shape[1],
-            scale=scale, N_PAD=triton.next_power_of_2(n), ROWS=rows, TILE_Q=tile_q,
+            q, k, v, UNION=union, COUNT=count, MEMBERS=members, O=o, LSE=lse, T=T, num_tiles=union.shape[1],
+            scale=scale, ROWS=rows, TILE_Q=tile_q,
             WIDTH_PAD=triton.next_power_of_2(tile_q * n), **common, num_warps=_config.slc_tile_warps,
             num_stages=_tiled_fwd_stages(q, v), **_block_tiles(rows, common, k, v))
     else:
@@ -887,11 +900,11 @@ def _selected_bwd(q, k, v, blocks, o, lse, index, do, sel_block: int, scale: flo
     accumulate = bool(adds)
     dq = _dq_scratch(adds.pop(0), q) if adds else torch.empty_like(q)
     if kernel == "tiled":
-        union, count = index[:2]
+        union, count, members = index[:3]
         rows, tile_q = _selected_tile(hpg)
         selected_tiled_bwd_dq_kernel[(union.shape[1], B * G)](
-            q, k, v, BLOCKS=blocks, UNION=union, COUNT=count, DO=do, LSE=lse, DELTA=delta, DQ=dq, T=T,
-            num_tiles=union.shape[1], scale=scale, N_PAD=triton.next_power_of_2(n), ROWS=rows, TILE_Q=tile_q,
+            q, k, v, UNION=union, COUNT=count, MEMBERS=members, DO=do, LSE=lse, DELTA=delta, DQ=dq, T=T,
+            num_tiles=union.shape[1], scale=scale, ROWS=rows, TILE_Q=tile_q,
             WIDTH_PAD=triton.next_power_of_2(tile_q * n), **common, num_warps=config.slc_tile_warps,
             num_stages=config.slc_tile_stages, ACCUMULATE=accumulate, **_block_tiles(rows, common, k, v))
     else:
