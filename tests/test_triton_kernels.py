@@ -987,6 +987,15 @@ def test_tile_block_union(num_blocks, tile_q, monkeypatch):
                 assert members[b, tile, g, :c].tolist() == masks
 
 
+def test_tile_block_union_refuses_tiles_past_its_masks():
+    """A tile's membership masks are int64: a tile of more than 64 queries is refused, naming the setting."""
+    blocks = torch.zeros(1, 130, 1, 4, dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"a tile of 65 queries; its membership masks hold 64 .*slc_tile_rows"):
+        triton_impl.tile_block_union(blocks.to(DEVICE), 65, 4)
+    union, count, members = triton_impl.tile_block_union(blocks.to(DEVICE), 64, 4)  # 64 fit: bit 63 is query 63
+    assert count.flatten().tolist() == [1, 1, 1] and members[0, 0, 0, 0].item() == -1  # all 64 bits set
+
+
 @pytest.mark.parametrize("form", ["kernel", "sort"])
 def test_tile_union_forms_on_full_unions(form):
     """Full unions (as many distinct blocks as slots) among more blocks than slots: no unchosen block lands in a
