@@ -92,6 +92,23 @@ def _block_tile(K, V, KD, VD, K_ROW, V_ROW, b, g, blk, pos, s_ok, T, DK: tl.cons
 
 
 @triton.jit
+def _union_entry(K, V, KD, VD, UNION, MEMBERS, K_ROW, V_ROW, b, g, r_ok, tile_row, i, T, HPG: tl.constexpr,
+                 ROWS: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BLOCK_DK: tl.constexpr,
+                 BLOCK_DV: tl.constexpr, SEL_BLOCK: tl.constexpr, BLOCK_S: tl.constexpr, WIDTH: tl.constexpr,
+                 TMA: tl.constexpr):
+    """What a forward or dQ step reads of the tile's union entry i: (member, pos, s_ok, k, v), the rows whose
+    query chose the block, its key positions, which of them exist, and its key and value tiles."""
+    offs_s = tl.arange(0, BLOCK_S)
+    blk = tl.load(UNION + tile_row * WIDTH + i)
+    member = _member(MEMBERS, tile_row, i, r_ok, HPG, ROWS, WIDTH)
+    pos = blk * SEL_BLOCK + offs_s
+    s_ok = (offs_s < SEL_BLOCK) & (pos < T)
+    k, v = _block_tile(K, V, KD, VD, K_ROW, V_ROW, b, g, blk, pos, s_ok, T, DK, DV, BLOCK_DK, BLOCK_DV, SEL_BLOCK,
+                       TMA)
+    return member, pos, s_ok, k, v
+
+
+@triton.jit
 def _backward_rows(Q, DO, LSE, DELTA, row_q, r_ok, DK: tl.constexpr, DV: tl.constexpr, BLOCK_DK: tl.constexpr,
                    BLOCK_DV: tl.constexpr):
     """(q, do, lse in log2 units, delta) of the rows row_q of [B*T*H] (zeros where not r_ok): what a backward
@@ -115,13 +132,8 @@ def _fwd_step(acc, m_i, l_i, q, K, V, KD, VD, UNION, MEMBERS, K_ROW, V_ROW, b, g
     """Union entry i against the tile's rows: online softmax. EDGE: the block may reach past a row's query or
     past T (the element mask); otherwise every row sees the whole block or, not having chosen it, none of it
     (and only a block size short of the tile's power of two masks columns)."""
-    offs_s = tl.arange(0, BLOCK_S)
-    blk = tl.load(UNION + tile_row * WIDTH + i)
-    member = _member(MEMBERS, tile_row, i, r_ok, HPG, ROWS, WIDTH)
-    pos = blk * SEL_BLOCK + offs_s
-    s_ok = (offs_s < SEL_BLOCK) & (pos < T)
-    k, v = _block_tile(K, V, KD, VD, K_ROW, V_ROW, b, g, blk, pos, s_ok, T, DK, DV, BLOCK_DK, BLOCK_DV, SEL_BLOCK,
-                       TMA)
+    member, pos, s_ok, k, v = _union_entry(K, V, KD, VD, UNION, MEMBERS, K_ROW, V_ROW, b, g, r_ok, tile_row, i, T,
+                                           HPG, ROWS, DK, DV, BLOCK_DK, BLOCK_DV, SEL_BLOCK, BLOCK_S, WIDTH, TMA)
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # scaled in the exponential's FMA (range_attention)
     if EDGE:
         s = tl.where(member[:, None] & s_ok[None, :] & (pos[None, :] <= t[:, None]), s, float("-inf"))
@@ -149,13 +161,8 @@ def _dq_step(dq, q, do, lse2, delta, K, V, KD, VD, UNION, MEMBERS, K_ROW, V_ROW,
              DOT_PRECISION: tl.constexpr, EDGE: tl.constexpr):
     """Union entry i's part of the tile's dQ; EDGE as in _fwd_step (without it, a row that did not choose the
     block gets an infinite log-sum-exp, so p = 0)."""
-    offs_s = tl.arange(0, BLOCK_S)
-    blk = tl.load(UNION + tile_row * WIDTH + i)
-    member = _member(MEMBERS, tile_row, i, r_ok, HPG, ROWS, WIDTH)
-    pos = blk * SEL_BLOCK + offs_s
-    s_ok = (offs_s < SEL_BLOCK) & (pos < T)
-    k, v = _block_tile(K, V, KD, VD, K_ROW, V_ROW, b, g, blk, pos, s_ok, T, DK, DV, BLOCK_DK, BLOCK_DV, SEL_BLOCK,
-                       TMA)
+    member, pos, s_ok, k, v = _union_entry(K, V, KD, VD, UNION, MEMBERS, K_ROW, V_ROW, b, g, r_ok, tile_row, i, T,
+                                           HPG, ROWS, DK, DV, BLOCK_DK, BLOCK_DV, SEL_BLOCK, BLOCK_S, WIDTH, TMA)
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
     if EDGE:
         vis = member[:, None] & s_ok[None, :] & (pos[None, :] <= t[:, None])
