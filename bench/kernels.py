@@ -210,8 +210,9 @@ CHECKS = [
     dict(name="h8_b2_stacked_kv", B=2, T=3001, H=16, G=2, Dk=64, Dv=64, stacked_kv=True),
     dict(name="paper_T8k", B=1, T=8192, H=64, G=4, Dk=128, Dv=128),
     dict(name="paper_T32k_fwd", B=1, T=32768, H=64, G=4, Dk=128, Dv=128, grads=False),
-    # past 8n blocks: the per-query forward and dQ with by_block's dK/dV, the paper 64k row's kernels, with grads
-    dict(name="paper_T16k", B=1, T=16384, H=64, G=4, Dk=128, Dv=128),
+    # past 16n blocks (257 of 64): the per-query forward and dQ with by_block's dK/dV, the paper 64k row's kernels,
+    # with grads
+    dict(name="paper_T16k_per_query", B=1, T=16448, H=64, G=4, Dk=128, Dv=128),
     dict(name="h1_dk192_dv128", B=1, T=4133, H=4, G=4, Dk=192, Dv=128),
     dict(name="h8_b2", B=2, T=3001, H=16, G=2, Dk=64, Dv=64),
     dict(name="h16_T5000", B=1, T=5000, H=16, G=1, Dk=128, Dv=128),
@@ -535,13 +536,13 @@ SWEEP_GROUPS = {
     # the tiled forward's and dQ's stages where auto picks them (paper 8k; the forward at 125M 16 x 2k)
     "slc": ([dict(), dict(slc_tile_stages=3), dict(slc_tile_fwd_stages_d128=2)],
             [("paper", 1, 8192), ("125m", 16, 2048)]),
-    # the per-query forward and dQ (auto's choice past 8n blocks at large groups: paper 16k-64k); v37 swept them
+    # the per-query forward and dQ (auto's choice past 16n blocks at large groups: paper 32k-64k); v37 swept them
     # for the first time since v2 and took 3 stages
     # (v38 added one warp a program, for twice the programs a multiprocessor: it lost)
     "slc_per_query": ([dict(), dict(slc_stages=2), dict(slc_warps=4), dict(slc_warps=4, slc_stages=2),
                        dict(slc_stages=4), dict(slc_warps=8), dict(slc_stages=1), dict(slc_warps=1),
                        dict(slc_warps=1, slc_stages=2)],
-                      [("paper", 1, 16384), ("paper", 1, 65536)]),
+                      [("paper", 1, 32768), ("paper", 1, 65536)]),
     "dkdv": ([dict(), dict(dkdv_rows=128, dkdv_warps=8), dict(dkdv_rows=64, dkdv_warps=8)],
              [("paper", 1, 8192), ("125m", 16, 2048)]),
 }

@@ -80,7 +80,7 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--commit", default=None)
     parser.add_argument("--suffix", type=file_suffix, default="-per-query")
-    parser.add_argument("--seq-lens", default="65536", help="comma-separated T values (per_query runs from 8n + 1 "
+    parser.add_argument("--seq-lens", default="65536", help="comma-separated T values (per_query runs from 16n + 1 "
                         "blocks on)")
     args = parser.parse_args()
     if not torch.cuda.is_available():

@@ -263,18 +263,22 @@ def test_bad_inputs_are_refused():
 def test_auto_picks_the_selected_variant_from_static_shapes():
     """auto (kernels-notes.md v6, v11): small groups run tiled's forward with by_block's backward while a sequence
     has at most 2n blocks (125M at T = 2048: 32 blocks of 64, n = 16), by_block beyond; larger groups run tiled up
-    to 8n blocks, per_query beyond. 0 turns tiled_by_block off; a named variant is taken as it is."""
+    to 16n blocks (v53; paper at T = 16384: 256 blocks), per_query beyond. 0 turns tiled_by_block off; a named
+    variant is taken as it is."""
     auto = triton_impl.LaunchConfig()
     assert triton_impl.selected_kernel(6, 32, 16, auto) == "tiled_by_block"
     assert triton_impl.selected_kernel(6, 33, 16, auto) == "by_block"
     assert triton_impl.selected_kernel(8, 512, 16, auto) == "by_block"
-    assert triton_impl.selected_kernel(16, 128, 16, auto) == "tiled"
-    assert triton_impl.selected_kernel(16, 129, 16, auto) == "per_query"
+    assert triton_impl.selected_kernel(16, 256, 16, auto) == "tiled"
+    assert triton_impl.selected_kernel(16, 257, 16, auto) == "per_query"
+    assert triton_impl.selected_kernel(16, 129, 16, triton_impl.LaunchConfig(slc_auto_tiled_blocks=8)) == "per_query"
     off = triton_impl.LaunchConfig(slc_auto_tiled_fwd_blocks=0)
     assert triton_impl.selected_kernel(6, 1, 16, off) == "by_block"
     assert triton_impl.selected_kernel(6, 32, 16, triton_impl.LaunchConfig(slc_kernel="per_query")) == "per_query"
     with pytest.raises(ValueError, match="LaunchConfig.slc_auto_tiled_fwd_blocks: must be an int >= 0"):
         triton_impl.LaunchConfig(slc_auto_tiled_fwd_blocks=-1)
+    with pytest.raises(ValueError, match="LaunchConfig.slc_auto_tiled_blocks: must be an int >= 0"):
+        triton_impl.LaunchConfig(slc_auto_tiled_blocks=-1)
 
 
 @pytest.mark.parametrize("side_stream", [True, False])
@@ -956,9 +960,10 @@ def test_segment_sort_uses_the_narrowest_keys_that_hold_every_segment(num_blocks
     assert torch.equal(order, wide_order) and torch.equal(sorted_segment.long(), wide_sorted)
 
 
-# up to 4 times a tile's tile_q * 4 slots in blocks, the kernel; more, the sorts. tile_q = 5: the kernel reads 8
-# queries per step; 40 blocks over 8 x 4 slots: the kernel past the width; 200: the sorts
-@pytest.mark.parametrize("num_blocks, tile_q", [(9, 8), (9, 5), (40, 8), (200, 8)])
+# up to _UNION_KERNEL_WIDTHS (16) times a tile's tile_q * 4 slots in blocks, the kernel; more, the sorts. tile_q = 5:
+# the kernel reads 8 queries per step; 40 and 200 blocks over 8 x 4 slots: the kernel past the width (200: one
+# query a step); 600: the sorts
+@pytest.mark.parametrize("num_blocks, tile_q", [(9, 8), (9, 5), (40, 8), (200, 8), (600, 8)])
 def test_tile_block_union(num_blocks, tile_q, monkeypatch):
     """Each tile's union is its queries' distinct valid blocks, ascending, counted, padded after the count."""
     gen = torch.Generator().manual_seed(13)
@@ -968,7 +973,7 @@ def test_tile_block_union(num_blocks, tile_q, monkeypatch):
     for name, fn in real.items():
         monkeypatch.setattr(triton_impl, name, lambda *a, fn=fn, name=name: seen.append(name) or fn(*a))
     union, count, members = (x.cpu() for x in triton_impl.tile_block_union(blocks.to(DEVICE), tile_q, num_blocks))
-    assert seen == ["_union_by_kernel" if num_blocks <= 4 * tile_q * 4 else "_union_by_sort"]
+    assert seen == ["_union_by_kernel" if num_blocks <= 16 * tile_q * 4 else "_union_by_sort"]
     tiles = -(-21 // tile_q)
     assert union.shape == (2, tiles, 3, tile_q * 4) and count.shape == (2, tiles, 3)
     assert members.shape == union.shape and members.dtype == torch.int64

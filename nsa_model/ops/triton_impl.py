@@ -117,6 +117,9 @@ class LaunchConfig:
     slc_kernel: str = "auto"  # one of SELECTED_KERNELS
     slc_auto_max_hpg: int = 8  # auto: by_block for groups of at most this many heads, query-driven for larger ones
     slc_auto_tiled_fwd_blocks: int = 2  # auto, small groups: tiled_by_block up to this many times n blocks (v11)
+    # auto, large groups: tiled up to this many times n blocks, per_query beyond (v53 on the H100, paper shapes:
+    # tiled took paper 16k, 16n blocks, from 18.24-18.36 to 17.40-17.56 ms; 32k tied; 64k lost, 112.1 -> 115.0)
+    slc_auto_tiled_blocks: int = 16
     slc_block_rows: int = 64  # by_block: matrix rows (choosers x heads, unpadded) per step
     slc_block_chunk: int = 512  # by_block: choosers per program (v8 sweep: 512 beat 256 by 3% at 32k, tie at 2k)
     slc_block_warps: int = 4
@@ -159,7 +162,8 @@ class LaunchConfig:
             if f.name in choices or f.name in RANGE_TILE_FIELDS or f.name in BOOL_FIELDS or f.name in SELECT_FIELDS:
                 continue
             value = getattr(self, f.name)
-            low = 0 if f.name in ("slc_auto_tiled_fwd_blocks", "slc_block_prefetch_dims") else 1
+            zero_ok = ("slc_auto_tiled_fwd_blocks", "slc_auto_tiled_blocks", "slc_block_prefetch_dims")
+            low = 0 if f.name in zero_ok else 1
             if not isinstance(value, int) or value < low:
                 raise ValueError(f"LaunchConfig.{f.name}: must be an int >= {low}, got {value!r}")
         for name in RANGE_TILE_FIELDS:
@@ -583,9 +587,9 @@ def tile_block_union(blocks: torch.Tensor, tile_q: int, num_blocks: int, shapes_
                 blocks.new_empty(B, num_tiles, G, dtype=torch.int32),
                 blocks.new_empty(B, num_tiles, G, width, dtype=torch.int64))
     # The kernel compares each choice with every block id, T * n * num_blocks compares in all, which grows with
-    # T squared; up to _UNION_KERNEL_WIDTHS times the tile's width in blocks that is still a few microseconds
-    # (paper 8k: 128 blocks, width 64, where the two sorts took 0.10 ms of the 7.9 ms call, v38); beyond (long
-    # sequences), two sorts of each tile's choices.
+    # T squared; up to _UNION_KERNEL_WIDTHS times the tile's width in blocks it still beats the two sorts of each
+    # tile's choices (paper 8k: 0.02 against 0.10 ms, v38; paper 32k, 8 widths: 0.30 against about 2.5 ms, and
+    # 64k, 16 widths: 1.1 against about 5 ms, v53); beyond, the sorts.
     if num_blocks <= _UNION_KERNEL_WIDTHS * width:
         return _union_by_kernel(blocks, tile_q, num_blocks)
     pad = num_tiles * tile_q - T
@@ -595,7 +599,7 @@ def tile_block_union(blocks: torch.Tensor, tile_q: int, num_blocks: int, shapes_
     return _union_by_sort(per_tile, n)
 
 
-_UNION_KERNEL_WIDTHS = 4  # tile_block_union: the kernel up to this many times a tile's width in blocks
+_UNION_KERNEL_WIDTHS = 16  # tile_block_union: the kernel up to this many times a tile's width in blocks
 _ABSENT = torch.iinfo(torch.int32).max  # the union's padding: after every block id (kernels/block_index.py's)
 _UNION_COMPARES = 8192  # choice x block comparisons per step of tile_union_kernel
 
@@ -646,8 +650,9 @@ def selected_kernel(hpg: int, num_blocks: int, n: int, config: LaunchConfig | No
     fills the matrix rows with several choosers and loads each block once per slice of its choosers, whatever
     the selections look like; where a sequence has at most slc_auto_tiled_fwd_blocks * n blocks, `tiled_by_block`
     (v11: tiled's forward keeps the partial outputs on chip, by_block's backward). Large groups fill the rows per
-    query already: `tiled` while a sequence has at most 8n blocks (a tile of neighbouring queries then shares
-    most of its blocks), `per_query` beyond (random selections make a tile's union 3-6x n there)."""
+    query already: `tiled` while a sequence has at most slc_auto_tiled_blocks * n blocks (a tile of neighbouring
+    queries then shares most of its blocks), `per_query` beyond (random selections make a tile's union 3-6x n
+    there)."""
     config = config or _config
     if config.slc_kernel != "auto":
         return config.slc_kernel
@@ -655,7 +660,7 @@ def selected_kernel(hpg: int, num_blocks: int, n: int, config: LaunchConfig | No
         # Where a sequence has few blocks, a tile of neighbouring queries shares most of them and tiled's forward
         # keeps each query's partial outputs on chip (no partials written, no combine pass).
         return "tiled_by_block" if num_blocks <= config.slc_auto_tiled_fwd_blocks * n else "by_block"
-    return "tiled" if num_blocks <= 8 * n else "per_query"
+    return "tiled" if num_blocks <= config.slc_auto_tiled_blocks * n else "per_query"
 
 
 _WORK_SEGMENTS = 1024  # segments per step of block_work_kernel
