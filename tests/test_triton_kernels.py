@@ -961,9 +961,9 @@ def test_segment_sort_uses_the_narrowest_keys_that_hold_every_segment(num_blocks
 
 
 # up to _UNION_KERNEL_WIDTHS (16) times a tile's tile_q * 4 slots in blocks, the kernel; more, the sorts. tile_q = 5:
-# the kernel reads 8 queries per step; 40 and 200 blocks over 8 x 4 slots: the kernel past the width (200: one
-# query a step); 600: the sorts
-@pytest.mark.parametrize("num_blocks, tile_q", [(9, 8), (9, 5), (40, 8), (200, 8), (600, 8)])
+# the kernel reads 8 queries per step; 40 and 500 blocks over 8 x 4 slots: the kernel past the width (500: 4 x 512
+# block ids a step, two steps); 600: the sorts
+@pytest.mark.parametrize("num_blocks, tile_q", [(9, 8), (9, 5), (40, 8), (500, 8), (600, 8)])
 def test_tile_block_union(num_blocks, tile_q, monkeypatch):
     """Each tile's union is its queries' distinct valid blocks, ascending, counted, padded after the count."""
     gen = torch.Generator().manual_seed(13)
