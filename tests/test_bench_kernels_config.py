@@ -26,13 +26,6 @@ print(count)
 """
 
 
-def test_every_sweep_candidate_and_variant_is_a_valid_launch_config():
-    # In a subprocess: bench/kernels.py imports the triton backend, which this test session imports interpreted.
-    out = subprocess.run([sys.executable, "-c", CODE], cwd=ROOT, capture_output=True, text=True,
-                         env={**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": ROOT})
-    assert out.returncode == 0, out.stderr[-2000:]
-    assert int(out.stdout.strip()) > 50
-
 CHECK_KERNELS = """
 import bench.kernels as k
 gpu = k.ti.LaunchConfig()  # the GPU's defaults (this interpreter session's own config is the interpreter's)
@@ -43,14 +36,24 @@ for case in k.CHECKS:
 """
 
 
+def _run_with_bench(code: str) -> str:
+    """stdout of `code`, which imports bench.kernels, run in a subprocess: bench/kernels.py imports the triton
+    backend, which this test session imports interpreted."""
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                         env={**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": ROOT})
+    assert out.returncode == 0, out.stderr[-2000:]
+    return out.stdout
+
+
+def test_every_sweep_candidate_and_variant_is_a_valid_launch_config():
+    assert int(_run_with_bench(CODE).strip()) > 50
+
+
 def test_the_gpu_checks_reach_each_selected_variant_auto_picks():
     """The bf16 checks on the GPU (bench/kernels.py CHECKS) are the only run of each selected variant at its real
     shapes with gradients. A check named for a variant must still get it from auto when auto's lines move (v53
     moved the per-query check from T = 16384 to 16448), and every variant auto can pick must have a check."""
-    out = subprocess.run([sys.executable, "-c", CHECK_KERNELS], cwd=ROOT, capture_output=True, text=True,
-                         env={**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": ROOT})
-    assert out.returncode == 0, out.stderr[-2000:]
-    picked = dict(line.split() for line in out.stdout.strip().splitlines())
+    picked = dict(line.split() for line in _run_with_bench(CHECK_KERNELS).strip().splitlines())
     assert picked["paper_T16k_per_query"] == "per_query"
     assert picked["paper_T8k"] == "tiled"
     assert {"by_block", "tiled_by_block", "tiled", "per_query"} <= set(picked.values()), picked
