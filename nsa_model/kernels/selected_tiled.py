@@ -252,3 +252,150 @@ def selected_tiled_bwd_dq_kernel(Q, K, V, KD, VD, UNION, COUNT, MEMBERS, DO, LSE
     if ACCUMULATE:
         dq += dq_in.to(tl.float32)
     tl.store(dq_ptrs, dq.to(DQ.dtype.element_ty), mask=dq_ok)
+
+
+# dQ by member queries (LaunchConfig.slc_tile_dq = "members"). The kernel above runs every union entry on all
+# ROWS rows of the tile, and on random selections a block is chosen by about one query of four, so 2.2 times the
+# products it needs (v38). Here the same walk over the union runs, for each entry, only the queries whose bit is
+# set, each as products with the keys as the matrix rows: s^T = k q_j^T, [BLOCK_S keys, HEADS_PAD heads], so the
+# matrix unit's 64 rows are the block's keys and the query's heads are the narrow side (at least 16 columns).
+# The backward knows each row's lse, so there is no running maximum to carry, and a query's dQ^T [DK, HEADS_PAD]
+# gathers k^T ds^T. One accumulator per query of the tile (at most MEMBER_QUERIES, written out: Triton keeps
+# loop-carried tensors as named values, not lists).
+MEMBER_QUERIES = tl.constexpr(4)
+
+
+@triton.jit
+def _query_rows_t(Q, DO, LSE, DELTA, b, g, t, T, H: tl.constexpr, HPG: tl.constexpr, HEADS_PAD: tl.constexpr,
+                  DK: tl.constexpr, DV: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr):
+    """(q^T [BLOCK_DK, HEADS_PAD], do^T [BLOCK_DV, HEADS_PAD], lse in log2 units, delta) of query t's heads in
+    group g; padding heads (and a t past T) get lse = +inf, so they see nothing."""
+    offs_h = tl.arange(0, HEADS_PAD)
+    offs_dk = tl.arange(0, BLOCK_DK)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    h_ok = (offs_h < HPG) & (t < T)
+    row = (b * T + t).to(tl.int64) * H + g * HPG + offs_h
+    qt = tl.load(Q + row[None, :] * DK + offs_dk[:, None], mask=h_ok[None, :] & (offs_dk < DK)[:, None], other=0.0)
+    dot_ = tl.load(DO + row[None, :] * DV + offs_dv[:, None], mask=h_ok[None, :] & (offs_dv < DV)[:, None],
+                   other=0.0)
+    lse2 = tl.where(h_ok, tl.load(LSE + row, mask=h_ok, other=0.0) * LOG2E, float("inf"))
+    delta = tl.load(DELTA + row, mask=h_ok, other=0.0)
+    return qt, dot_, lse2, delta
+
+
+@triton.jit
+def _member_dq(dqt, k, v, Q, DO, LSE, DELTA, b, g, pos, s_ok, t, T, qk_scale, H: tl.constexpr, HPG: tl.constexpr,
+               HEADS_PAD: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BLOCK_DK: tl.constexpr,
+               BLOCK_DV: tl.constexpr, SEL_BLOCK: tl.constexpr, BLOCK_S: tl.constexpr, DOT_PRECISION: tl.constexpr,
+               EDGE: tl.constexpr):
+    """One member query's part of one block: dQ^T += k^T ds^T, with s^T = k q^T (keys as rows). The query's rows
+    are loaded here, per member (from L1 or L2), not held across the loop: four queries' q and do in registers
+    spilled."""
+    qt, dot_, lse2, delta = _query_rows_t(Q, DO, LSE, DELTA, b, g, t, T, H, HPG, HEADS_PAD, DK, DV, BLOCK_DK,
+                                          BLOCK_DV)
+    st = tl.dot(k, qt, input_precision=DOT_PRECISION) * qk_scale
+    pt = tl.exp2(st - lse2[None, :])
+    if EDGE:
+        pt = tl.where(s_ok[:, None] & (pos <= t)[:, None], pt, 0.0)
+    elif BLOCK_S != SEL_BLOCK:
+        pt = tl.where(s_ok[:, None], pt, 0.0)
+    dpt = tl.dot(v, dot_, input_precision=DOT_PRECISION)
+    dst = pt * (dpt - delta[None, :])
+    return dqt + tl.dot(tl.trans(k), dst.to(k.dtype), input_precision=DOT_PRECISION)
+
+
+@triton.jit
+def _if_member(dqt, bits, j: tl.constexpr, k, v, Q, DO, LSE, DELTA, b, g, pos, s_ok, t0, T, qk_scale,
+               H: tl.constexpr, HPG: tl.constexpr, HEADS_PAD: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+               BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, SEL_BLOCK: tl.constexpr, BLOCK_S: tl.constexpr,
+               TILE_Q: tl.constexpr, DOT_PRECISION: tl.constexpr, EDGE: tl.constexpr):
+    """Query t0 + j's dQ^T, with the block's part added where the query is in the tile and chose it (bit j)."""
+    if j < TILE_Q:
+        if ((bits >> j) & 1) != 0:
+            dqt = _member_dq(dqt, k, v, Q, DO, LSE, DELTA, b, g, pos, s_ok, t0 + j, T, qk_scale, H, HPG, HEADS_PAD,
+                             DK, DV, BLOCK_DK, BLOCK_DV, SEL_BLOCK, BLOCK_S, DOT_PRECISION, EDGE)
+    return dqt
+
+
+@triton.jit
+def _members_step(dq0, dq1, dq2, dq3, Q, DO, LSE, DELTA, K, V, KD, VD, UNION, MEMBERS, K_ROW, V_ROW, b, g, t0,
+                  tile_row, i, T, qk_scale, H: tl.constexpr, HPG: tl.constexpr, HEADS_PAD: tl.constexpr,
+                  DK: tl.constexpr, DV: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
+                  SEL_BLOCK: tl.constexpr, BLOCK_S: tl.constexpr, WIDTH: tl.constexpr, TILE_Q: tl.constexpr,
+                  TMA: tl.constexpr, DOT_PRECISION: tl.constexpr, EDGE: tl.constexpr):
+    """Union entry i: its block loaded once, then each query of the tile that chose it."""
+    offs_s = tl.arange(0, BLOCK_S)
+    blk = tl.load(UNION + tile_row * WIDTH + i)
+    bits = tl.load(MEMBERS + tile_row * WIDTH + i)
+    pos = blk * SEL_BLOCK + offs_s
+    s_ok = (offs_s < SEL_BLOCK) & (pos < T)
+    k, v = _block_tile(K, V, KD, VD, K_ROW, V_ROW, b, g, blk, pos, s_ok, T, DK, DV, BLOCK_DK, BLOCK_DV, SEL_BLOCK,
+                       TMA)
+    dq0 = _if_member(dq0, bits, 0, k, v, Q, DO, LSE, DELTA, b, g, pos, s_ok, t0, T, qk_scale, H, HPG, HEADS_PAD, DK,
+                     DV, BLOCK_DK, BLOCK_DV, SEL_BLOCK, BLOCK_S, TILE_Q, DOT_PRECISION, EDGE)
+    dq1 = _if_member(dq1, bits, 1, k, v, Q, DO, LSE, DELTA, b, g, pos, s_ok, t0, T, qk_scale, H, HPG, HEADS_PAD, DK,
+                     DV, BLOCK_DK, BLOCK_DV, SEL_BLOCK, BLOCK_S, TILE_Q, DOT_PRECISION, EDGE)
+    dq2 = _if_member(dq2, bits, 2, k, v, Q, DO, LSE, DELTA, b, g, pos, s_ok, t0, T, qk_scale, H, HPG, HEADS_PAD, DK,
+                     DV, BLOCK_DK, BLOCK_DV, SEL_BLOCK, BLOCK_S, TILE_Q, DOT_PRECISION, EDGE)
+    dq3 = _if_member(dq3, bits, 3, k, v, Q, DO, LSE, DELTA, b, g, pos, s_ok, t0, T, qk_scale, H, HPG, HEADS_PAD, DK,
+                     DV, BLOCK_DK, BLOCK_DV, SEL_BLOCK, BLOCK_S, TILE_Q, DOT_PRECISION, EDGE)
+    return dq0, dq1, dq2, dq3
+
+
+@triton.jit
+def _store_dq_t(DQ, dqt, b, g, t, T, scale, H: tl.constexpr, HPG: tl.constexpr, HEADS_PAD: tl.constexpr,
+                DK: tl.constexpr, BLOCK_DK: tl.constexpr, ACCUMULATE: tl.constexpr):
+    """Query t's dQ rows from its dQ^T (times the softmax scale), added to DQ's values where ACCUMULATE."""
+    offs_h = tl.arange(0, HEADS_PAD)
+    offs_dk = tl.arange(0, BLOCK_DK)
+    row = (b * T + t).to(tl.int64) * H + g * HPG + offs_h
+    ptrs = DQ + row[:, None] * DK + offs_dk[None, :]
+    ok = ((offs_h < HPG) & (t < T))[:, None] & (offs_dk < DK)[None, :]
+    dq = tl.trans(dqt) * scale
+    if ACCUMULATE:
+        dq += tl.load(ptrs, mask=ok, other=0.0).to(tl.float32)
+    tl.store(ptrs, dq.to(DQ.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def selected_tiled_bwd_dq_members_kernel(Q, K, V, KD, VD, UNION, COUNT, MEMBERS, DO, LSE, DELTA, DQ, T, num_tiles,
+                                         scale, K_ROW, V_ROW,
+                                         H: tl.constexpr, G: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+                                         BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, SEL_BLOCK: tl.constexpr,
+                                         BLOCK_S: tl.constexpr, N_SELECT: tl.constexpr, HEADS_PAD: tl.constexpr,
+                                         TILE_Q: tl.constexpr, WIDTH_PAD: tl.constexpr, TMA: tl.constexpr,
+                                         DOT_PRECISION: tl.constexpr, ACCUMULATE: tl.constexpr = False):
+    """The tiled dQ (same union, count and members; the same result) over member queries only. TILE_Q <=
+    MEMBER_QUERIES; ACCUMULATE as in selected_tiled_bwd_dq_kernel."""
+    tl.static_assert(TILE_Q <= MEMBER_QUERIES)
+    HPG: tl.constexpr = H // G
+    pid_bg = tl.program_id(1)
+    b = pid_bg // G
+    g = pid_bg % G
+    t0 = tl.program_id(0) * TILE_Q
+    tile_row = (b * num_tiles + tl.program_id(0)).to(tl.int64) * G + g
+    count = tl.load(COUNT + tile_row)
+    qk_scale = scale * LOG2E
+    dq0 = tl.zeros([BLOCK_DK, HEADS_PAD], tl.float32)
+    dq1 = tl.zeros([BLOCK_DK, HEADS_PAD], tl.float32)
+    dq2 = tl.zeros([BLOCK_DK, HEADS_PAD], tl.float32)
+    dq3 = tl.zeros([BLOCK_DK, HEADS_PAD], tl.float32)
+    WIDTH: tl.constexpr = TILE_Q * N_SELECT
+    n_full = _full_blocks(UNION, tile_row, count, t0, SEL_BLOCK, WIDTH, WIDTH_PAD)
+    for i in range(0, n_full):
+        dq0, dq1, dq2, dq3 = _members_step(dq0, dq1, dq2, dq3, Q, DO, LSE, DELTA, K, V, KD, VD, UNION, MEMBERS,
+                                           K_ROW, V_ROW, b, g, t0, tile_row, i, T, qk_scale, H, HPG, HEADS_PAD, DK,
+                                           DV, BLOCK_DK, BLOCK_DV, SEL_BLOCK, BLOCK_S, WIDTH, TILE_Q, TMA,
+                                           DOT_PRECISION, False)
+    for i in range(n_full, count):
+        dq0, dq1, dq2, dq3 = _members_step(dq0, dq1, dq2, dq3, Q, DO, LSE, DELTA, K, V, KD, VD, UNION, MEMBERS,
+                                           K_ROW, V_ROW, b, g, t0, tile_row, i, T, qk_scale, H, HPG, HEADS_PAD, DK,
+                                           DV, BLOCK_DK, BLOCK_DV, SEL_BLOCK, BLOCK_S, WIDTH, TILE_Q, TMA,
+                                           DOT_PRECISION, True)
+    _store_dq_t(DQ, dq0, b, g, t0, T, scale, H, HPG, HEADS_PAD, DK, BLOCK_DK, ACCUMULATE)
+    if TILE_Q > 1:
+        _store_dq_t(DQ, dq1, b, g, t0 + 1, T, scale, H, HPG, HEADS_PAD, DK, BLOCK_DK, ACCUMULATE)
+    if TILE_Q > 2:
+        _store_dq_t(DQ, dq2, b, g, t0 + 2, T, scale, H, HPG, HEADS_PAD, DK, BLOCK_DK, ACCUMULATE)
+    if TILE_Q > 3:
+        _store_dq_t(DQ, dq3, b, g, t0 + 3, T, scale, H, HPG, HEADS_PAD, DK, BLOCK_DK, ACCUMULATE)
