@@ -359,6 +359,23 @@ def test_tiled_dq_over_member_queries_matches_reference(H, G, rows, structured):
         dkdv_chunk=64))
 
 
+def test_tiled_dq_over_member_queries_adds_into_the_other_branches_dq_in_the_core():
+    """Under nsa::core the members dQ adds its part into the compressed and window branches' dQ (ACCUMULATE): all
+    eight gradients against the reference, tiles of 4 queries of 4 heads."""
+    cfg = NSAConfig(cmp_block=8, cmp_stride=4, sel_block=8, n_selected=3, window=8)
+    inputs = make_inputs(1, 29, 8, 2, 16, 32, cfg, seed=22)
+    o_ref, ref_in, grad_out = reference_with_grads(inputs, cfg, 0.25)
+    tri_in = {n: x.float().to(DEVICE).requires_grad_() for n, x in inputs.items()}
+    with triton_impl.use_launch_config(triton_impl.LaunchConfig(
+            slc_kernel="tiled", slc_tile_rows=16, slc_tile_dq="members", slc_dkdv="by_block", slc_block_rows=16,
+            slc_block_chunk=8, dkdv_rows=32, dkdv_chunk=64)):
+        o = triton_impl.nsa_attention(*tri_in.values(), cfg, scale=0.25)
+        o.backward(grad_out.float().to(DEVICE))
+    assert rel_err(o, o_ref) <= FP32_TOL
+    for name in NAMES:
+        assert rel_err(tri_in[name].grad, ref_in[name].grad) <= FP32_TOL, name
+
+
 def test_tiled_dq_over_member_queries_refuses_tiles_past_its_accumulators():
     """Tiles of more than MEMBER_QUERIES queries (16 rows of 3-head groups make 5) are refused, naming the field."""
     cfg = NSAConfig(cmp_block=8, cmp_stride=4, sel_block=8, n_selected=3, window=8)

@@ -259,8 +259,8 @@ def selected_tiled_bwd_dq_kernel(Q, K, V, KD, VD, UNION, COUNT, MEMBERS, DO, LSE
 # products it needs (v38). Here the same walk over the union runs, for each entry, only the queries whose bit is
 # set, each as products with the keys as the matrix rows: s^T = k q_j^T, [BLOCK_S keys, HEADS_PAD heads], so the
 # matrix unit's 64 rows are the block's keys and the query's heads are the narrow side (at least 16 columns).
-# The backward knows each row's lse, so there is no running maximum to carry, and a query's dQ^T [DK, HEADS_PAD]
-# gathers k^T ds^T. One accumulator per query of the tile (at most MEMBER_QUERIES, written out: Triton keeps
+# The backward knows each row's lse, so there is no running maximum to carry, and a query's dQ [HEADS_PAD, DK]
+# gathers ds k. One accumulator per query of the tile (at most MEMBER_QUERIES, written out: Triton keeps
 # loop-carried tensors as named values, not lists).
 MEMBER_QUERIES = tl.constexpr(4)
 
@@ -288,7 +288,7 @@ def _member_dq(dqt, k, v, Q, DO, LSE, DELTA, b, g, pos, s_ok, t, T, qk_scale, H:
                HEADS_PAD: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BLOCK_DK: tl.constexpr,
                BLOCK_DV: tl.constexpr, SEL_BLOCK: tl.constexpr, BLOCK_S: tl.constexpr, DOT_PRECISION: tl.constexpr,
                EDGE: tl.constexpr):
-    """One member query's part of one block: dQ^T += k^T ds^T, with s^T = k q^T (keys as rows). The query's rows
+    """One member query's part of one block: dQ += ds k, with s^T = k q^T (keys as rows). The query's rows
     are loaded here, per member (from L1 or L2), not held across the loop: four queries' q and do in registers
     spilled."""
     qt, dot_, lse2, delta = _query_rows_t(Q, DO, LSE, DELTA, b, g, t, T, H, HPG, HEADS_PAD, DK, DV, BLOCK_DK,
@@ -301,7 +301,10 @@ def _member_dq(dqt, k, v, Q, DO, LSE, DELTA, b, g, pos, s_ok, t, T, qk_scale, H:
         pt = tl.where(s_ok[:, None], pt, 0.0)
     dpt = tl.dot(v, dot_, input_precision=DOT_PRECISION)
     dst = pt * (dpt - delta[None, :])
-    return dqt + tl.dot(tl.trans(k), dst.to(k.dtype), input_precision=DOT_PRECISION)
+    # dQ = ds k, heads as rows (16: not the matrix unit's 64-row form, but k is read as stored). The transposed
+    # form k^T ds^T read k^T out of the copy engine's swizzled tile out of range on the H100 (Triton 3.6,
+    # compute-sanitizer: "out-of-range shared address"; the interpreter ran it).
+    return dqt + tl.dot(tl.trans(dst).to(k.dtype), k, input_precision=DOT_PRECISION)
 
 
 @triton.jit
@@ -309,7 +312,7 @@ def _if_member(dqt, bits, j: tl.constexpr, k, v, Q, DO, LSE, DELTA, b, g, pos, s
                H: tl.constexpr, HPG: tl.constexpr, HEADS_PAD: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
                BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, SEL_BLOCK: tl.constexpr, BLOCK_S: tl.constexpr,
                TILE_Q: tl.constexpr, DOT_PRECISION: tl.constexpr, EDGE: tl.constexpr):
-    """Query t0 + j's dQ^T, with the block's part added where the query is in the tile and chose it (bit j)."""
+    """Query t0 + j's dQ, with the block's part added where the query is in the tile and chose it (bit j)."""
     if j < TILE_Q:
         if ((bits >> j) & 1) != 0:
             dqt = _member_dq(dqt, k, v, Q, DO, LSE, DELTA, b, g, pos, s_ok, t0 + j, T, qk_scale, H, HPG, HEADS_PAD,
@@ -343,15 +346,15 @@ def _members_step(dq0, dq1, dq2, dq3, Q, DO, LSE, DELTA, K, V, KD, VD, UNION, ME
 
 
 @triton.jit
-def _store_dq_t(DQ, dqt, b, g, t, T, scale, H: tl.constexpr, HPG: tl.constexpr, HEADS_PAD: tl.constexpr,
+def _store_dq(DQ, dq, b, g, t, T, scale, H: tl.constexpr, HPG: tl.constexpr, HEADS_PAD: tl.constexpr,
                 DK: tl.constexpr, BLOCK_DK: tl.constexpr, ACCUMULATE: tl.constexpr):
-    """Query t's dQ rows from its dQ^T (times the softmax scale), added to DQ's values where ACCUMULATE."""
+    """Query t's dQ rows (times the softmax scale), added to DQ's values where ACCUMULATE."""
     offs_h = tl.arange(0, HEADS_PAD)
     offs_dk = tl.arange(0, BLOCK_DK)
     row = (b * T + t).to(tl.int64) * H + g * HPG + offs_h
     ptrs = DQ + row[:, None] * DK + offs_dk[None, :]
     ok = ((offs_h < HPG) & (t < T))[:, None] & (offs_dk < DK)[None, :]
-    dq = tl.trans(dqt) * scale
+    dq = dq * scale
     if ACCUMULATE:
         dq += tl.load(ptrs, mask=ok, other=0.0).to(tl.float32)
     tl.store(ptrs, dq.to(DQ.dtype.element_ty), mask=ok)
@@ -376,10 +379,10 @@ def selected_tiled_bwd_dq_members_kernel(Q, K, V, KD, VD, UNION, COUNT, MEMBERS,
     tile_row = (b * num_tiles + tl.program_id(0)).to(tl.int64) * G + g
     count = tl.load(COUNT + tile_row)
     qk_scale = scale * LOG2E
-    dq0 = tl.zeros([BLOCK_DK, HEADS_PAD], tl.float32)
-    dq1 = tl.zeros([BLOCK_DK, HEADS_PAD], tl.float32)
-    dq2 = tl.zeros([BLOCK_DK, HEADS_PAD], tl.float32)
-    dq3 = tl.zeros([BLOCK_DK, HEADS_PAD], tl.float32)
+    dq0 = tl.zeros([HEADS_PAD, BLOCK_DK], tl.float32)
+    dq1 = tl.zeros([HEADS_PAD, BLOCK_DK], tl.float32)
+    dq2 = tl.zeros([HEADS_PAD, BLOCK_DK], tl.float32)
+    dq3 = tl.zeros([HEADS_PAD, BLOCK_DK], tl.float32)
     WIDTH: tl.constexpr = TILE_Q * N_SELECT
     n_full = _full_blocks(UNION, tile_row, count, t0, SEL_BLOCK, WIDTH, WIDTH_PAD)
     for i in range(0, n_full):
@@ -392,10 +395,10 @@ def selected_tiled_bwd_dq_members_kernel(Q, K, V, KD, VD, UNION, COUNT, MEMBERS,
                                            K_ROW, V_ROW, b, g, t0, tile_row, i, T, qk_scale, H, HPG, HEADS_PAD, DK,
                                            DV, BLOCK_DK, BLOCK_DV, SEL_BLOCK, BLOCK_S, WIDTH, TILE_Q, TMA,
                                            DOT_PRECISION, True)
-    _store_dq_t(DQ, dq0, b, g, t0, T, scale, H, HPG, HEADS_PAD, DK, BLOCK_DK, ACCUMULATE)
+    _store_dq(DQ, dq0, b, g, t0, T, scale, H, HPG, HEADS_PAD, DK, BLOCK_DK, ACCUMULATE)
     if TILE_Q > 1:
-        _store_dq_t(DQ, dq1, b, g, t0 + 1, T, scale, H, HPG, HEADS_PAD, DK, BLOCK_DK, ACCUMULATE)
+        _store_dq(DQ, dq1, b, g, t0 + 1, T, scale, H, HPG, HEADS_PAD, DK, BLOCK_DK, ACCUMULATE)
     if TILE_Q > 2:
-        _store_dq_t(DQ, dq2, b, g, t0 + 2, T, scale, H, HPG, HEADS_PAD, DK, BLOCK_DK, ACCUMULATE)
+        _store_dq(DQ, dq2, b, g, t0 + 2, T, scale, H, HPG, HEADS_PAD, DK, BLOCK_DK, ACCUMULATE)
     if TILE_Q > 3:
-        _store_dq_t(DQ, dq3, b, g, t0 + 3, T, scale, H, HPG, HEADS_PAD, DK, BLOCK_DK, ACCUMULATE)
+        _store_dq(DQ, dq3, b, g, t0 + 3, T, scale, H, HPG, HEADS_PAD, DK, BLOCK_DK, ACCUMULATE)
