@@ -344,64 +344,6 @@ def test_selected_variants_match_reference(variant, structured, loads):
         dkdv_rows=32, dkdv_chunk=64, range_loads=loads, **SELECTED_VARIANTS[variant]))
 
 
-@pytest.mark.parametrize("H, G, rows", [(8, 2, 16), (12, 2, 16), (32, 2, 64)])
-@pytest.mark.parametrize("structured", [False, True])
-def test_tiled_dq_over_member_queries_matches_reference(H, G, rows, structured):
-    """slc_tile_dq = "members": tiled's dQ runs each union block only for the tile's queries that chose it (keys as
-    the matrix rows). Tiles of 4 queries of 4 heads (padded to 16 columns), 2 queries of 6 heads, and 4 of 16 (the
-    paper's groups); random choices with -1 padding and blocks after t, or shared by runs of queries; Dk != Dv."""
-    cfg = NSAConfig(cmp_block=8, cmp_stride=4, sel_block=8, n_selected=3, window=8)
-    T, Dk, Dv = 37, 16, 32
-    x = make_inputs(1, T, H, G, Dk, Dv, cfg, seed=H)
-    blocks = _choices(1, T, G, cfg, structured, seed=H + 1)
-    check_selected_against_reference(x, blocks, cfg, triton_impl.LaunchConfig(
-        slc_kernel="tiled", slc_tile_rows=rows, slc_tile_dq="members", slc_dkdv="inverted", dkdv_rows=32,
-        dkdv_chunk=64))
-
-
-def test_tiled_dq_over_member_queries_adds_into_the_other_branches_dq_in_the_core():
-    """Under nsa::core the members dQ adds its part into the compressed and window branches' dQ (ACCUMULATE): all
-    eight gradients against the reference, tiles of 4 queries of 4 heads."""
-    cfg = NSAConfig(cmp_block=8, cmp_stride=4, sel_block=8, n_selected=3, window=8)
-    inputs = make_inputs(1, 29, 8, 2, 16, 32, cfg, seed=22)
-    o_ref, ref_in, grad_out = reference_with_grads(inputs, cfg, 0.25)
-    tri_in = {n: x.float().to(DEVICE).requires_grad_() for n, x in inputs.items()}
-    with triton_impl.use_launch_config(triton_impl.LaunchConfig(
-            slc_kernel="tiled", slc_tile_rows=16, slc_tile_dq="members", slc_dkdv="by_block", slc_block_rows=16,
-            slc_block_chunk=8, dkdv_rows=32, dkdv_chunk=64)):
-        o = triton_impl.nsa_attention(*tri_in.values(), cfg, scale=0.25)
-        o.backward(grad_out.float().to(DEVICE))
-    assert rel_err(o, o_ref) <= FP32_TOL
-    for name in NAMES:
-        assert rel_err(tri_in[name].grad, ref_in[name].grad) <= FP32_TOL, name
-
-
-def test_tiled_dq_over_member_queries_refuses_tiles_past_its_accumulators():
-    """Tiles of more than MEMBER_QUERIES queries (16 rows of 3-head groups make 5) are refused, naming the field."""
-    cfg = NSAConfig(cmp_block=8, cmp_stride=4, sel_block=8, n_selected=3, window=8)
-    x = make_inputs(1, 21, 6, 2, 16, 16, cfg, seed=3)
-    with pytest.raises(ValueError, match="slc_tile_dq='members' takes tiles of at most 4 queries"):
-        check_selected_against_reference(x, _choices(1, 21, 2, cfg, False, seed=4), cfg, triton_impl.LaunchConfig(
-            slc_kernel="tiled", slc_tile_rows=16, slc_tile_dq="members", slc_dkdv="inverted"))
-
-
-def _choices(B, T, G, cfg, structured, seed):
-    """[B, T, G, 3] int32: each query's own block, then two other distinct blocks (possibly after the query, or
-    -1 where not structured); structured: the two shared by each run of 8 queries."""
-    gen = torch.Generator().manual_seed(seed)
-    num_blocks = (T + cfg.sel_block - 1) // cfg.sel_block
-    runs = (T + 7) // 8 if structured else T
-    others = torch.stack([torch.randperm(num_blocks - 1, generator=gen)[:2] for _ in range(B * runs * G)])
-    others = others.view(B, runs, G, 2)
-    if structured:
-        others = others.repeat_interleave(8, dim=1)[:, :T]
-    current = (torch.arange(T) // cfg.sel_block).view(1, T, 1, 1).expand(B, T, G, 1)
-    others = (current + 1 + others) % num_blocks
-    if not structured:
-        others = torch.where(torch.rand(others.shape, generator=gen) < 0.2, -1, others)
-    return torch.cat([current, others], dim=-1).to(torch.int32)
-
-
 def check_selected_against_reference(x, blocks, cfg, launch):
     """The selected branch under `launch`, forward and the gradients of q, k and v, against the reference's."""
     scale = x["q"].shape[-1] ** -0.5

@@ -35,8 +35,7 @@ from nsa_model.kernels.selected_attention import (selected_attn_bwd_dkdv_kernel,
                                                   selected_attn_fwd_kernel)
 from nsa_model.kernels.selected_by_block import (selected_block_bwd_kernel, selected_block_fwd_kernel,
                                                  selected_combine_kernel, selected_dq_sum_kernel)
-from nsa_model.kernels.selected_tiled import (MEMBER_QUERIES, selected_tiled_bwd_dq_kernel,
-                                              selected_tiled_bwd_dq_members_kernel, selected_tiled_fwd_kernel)
+from nsa_model.kernels.selected_tiled import selected_tiled_bwd_dq_kernel, selected_tiled_fwd_kernel
 from nsa_model.kernels.selection import select_blocks_kernel
 from nsa_model.kernels.stats import attention_stats_kernel
 
@@ -53,9 +52,6 @@ BY_BLOCK_BACKWARD = ("by_block", "tiled_by_block")  # the variants whose backwar
 PARTIAL_DTYPES = ("fp32", "input")  # by_block: partial outputs and dQ contributions in float32 or the input dtype
 SELECTED_DQ = ("partial", "atomic")  # by_block dQ: per-slot contributions summed by a kernel, or fp32 atomics
 SELECTED_DKDV = ("inverted", "by_block")  # dK/dV of per_query/tiled: padded-heads kernel, or the by_block one
-# tiled's dQ: every union block against all the tile's rows, or against its member queries only, keys as the matrix
-# rows (kernels/selected_tiled.py; tiles of at most MEMBER_QUERIES queries)
-TILED_DQ = ("rows", "members")
 GATE_KERNELS = ("torch", "fused")  # gated combination: eager PyTorch ops, or one Triton kernel each way
 # contiguous tiles (the range and selection kernels' q, do, k, v; the selected kernels' key blocks): through
 # tensor descriptors where the layout allows (_tile_args; v23), or by pointer loads
@@ -135,7 +131,6 @@ class LaunchConfig:
     slc_dkdv: str = "by_block"  # one of SELECTED_DKDV
     slc_tile_rows: int = 64  # rows (queries x heads, unpadded) of one program of the tiled selected kernels
     slc_tile_warps: int = 4
-    slc_tile_dq: str = "rows"  # one of TILED_DQ
     gate_kernel: str = "fused"  # one of GATE_KERNELS
     range_kernel: str = "split"  # one of RANGE_KERNELS
     range_loads: str = "tma"  # one of RANGE_LOADS
@@ -154,7 +149,7 @@ class LaunchConfig:
     def __post_init__(self) -> None:
         choices = {"slc_kernel": SELECTED_KERNELS, "gate_kernel": GATE_KERNELS, "range_kernel": RANGE_KERNELS,
                    "delta_kernel": DELTA_KERNELS, "window_dkdv": WINDOW_DKDV, "slc_partial": PARTIAL_DTYPES,
-                   "slc_dq": SELECTED_DQ, "slc_dkdv": SELECTED_DKDV, "slc_tile_dq": TILED_DQ, "range_pair": RANGE_PAIR,
+                   "slc_dq": SELECTED_DQ, "slc_dkdv": SELECTED_DKDV, "range_pair": RANGE_PAIR,
                    "range_loads": RANGE_LOADS, "phi_kernel": PHI_KERNELS,
                    "slc_slot_sum": SLOT_SUMS, "slc_combine": SLC_COMBINES, "index_build": INDEX_BUILDS}
         for name, allowed in choices.items():
@@ -886,21 +881,6 @@ def _selected_index(blocks, sel_block: int, kernel: str, hpg: int,
     return ()
 
 
-def _tiled_dq_members(q, k, v, union, count, members, do, lse, delta, dq, scale: float, tile_q: int,
-                      accumulate: bool, common: dict, config: LaunchConfig) -> None:
-    """tiled's dQ over member queries only (slc_tile_dq = "members"), into dq."""
-    if tile_q > MEMBER_QUERIES.value:
-        raise ValueError(f"LaunchConfig.slc_tile_dq='members' takes tiles of at most {MEMBER_QUERIES.value} queries; "
-                         f"slc_tile_rows={config.slc_tile_rows} makes tiles of {tile_q} queries of "
-                         f"{q.shape[2] // k.shape[2]} heads")
-    B, T = q.shape[:2]
-    selected_tiled_bwd_dq_members_kernel[(union.shape[1], B * k.shape[2])](
-        q, k, v, UNION=union, COUNT=count, MEMBERS=members, DO=do, LSE=lse, DELTA=delta, DQ=dq, T=T,
-        num_tiles=union.shape[1], scale=scale, HEADS_PAD=_pow2(q.shape[2] // k.shape[2], floor=16), TILE_Q=tile_q,
-        WIDTH_PAD=triton.next_power_of_2(tile_q * common["N_SELECT"]), **common, num_warps=config.slc_tile_warps,
-        num_stages=config.slc_tile_stages, ACCUMULATE=accumulate, **_block_tiles(64, common, k, v))
-
-
 def _selected_bwd(q, k, v, blocks, o, lse, index, do, sel_block: int, scale: float, kernel: str, delta=None,
                   dq_add=None, prefix: int = 0, dq_slots: bool = False):
     """(dq, dk, dv) of _selected_fwd, under the launch config its forward ran with (the caller pins it); index
@@ -927,15 +907,11 @@ def _selected_bwd(q, k, v, blocks, o, lse, index, do, sel_block: int, scale: flo
     if kernel == "tiled":
         union, count, members = index[:3]
         rows, tile_q = _selected_tile(hpg)
-        if config.slc_tile_dq == "members":
-            _tiled_dq_members(q, k, v, union, count, members, do, lse, delta, dq, scale, tile_q, accumulate, common,
-                              config)
-        else:
-            selected_tiled_bwd_dq_kernel[(union.shape[1], B * G)](
-                q, k, v, UNION=union, COUNT=count, MEMBERS=members, DO=do, LSE=lse, DELTA=delta, DQ=dq, T=T,
-                num_tiles=union.shape[1], scale=scale, ROWS=rows, TILE_Q=tile_q,
-                WIDTH_PAD=triton.next_power_of_2(tile_q * n), **common, num_warps=config.slc_tile_warps,
-                num_stages=config.slc_tile_stages, ACCUMULATE=accumulate, **_block_tiles(rows, common, k, v))
+        selected_tiled_bwd_dq_kernel[(union.shape[1], B * G)](
+            q, k, v, UNION=union, COUNT=count, MEMBERS=members, DO=do, LSE=lse, DELTA=delta, DQ=dq, T=T,
+            num_tiles=union.shape[1], scale=scale, ROWS=rows, TILE_Q=tile_q,
+            WIDTH_PAD=triton.next_power_of_2(tile_q * n), **common, num_warps=config.slc_tile_warps,
+            num_stages=config.slc_tile_stages, ACCUMULATE=accumulate, **_block_tiles(rows, common, k, v))
     else:
         selected_attn_bwd_dq_kernel[(T, B * G)](
             q, k, v, BLOCKS=blocks, DO=do, LSE=lse, DELTA=delta, DQ=dq, T=T, scale=scale, HEADS_PAD=_pow2(hpg),
