@@ -86,9 +86,13 @@ CASES = [
     _case("selected_attn_bwd_dkdv_kernel", "selected_attention",
           dict(QUERY_OF_ENTRY="i32", STARTS="i64", **ROW_TERMS, **ACCS), dict(num_blocks="i32", **SLC_SCALARS),
           dict({k: v for k, v in SEL.items() if k != "N_SELECT"}, HEADS_PAD=8, ENTRIES=8, CHUNK=256)),
-    *_tma_cases("selected_tiled_fwd_kernel", "selected_tiled",
-                dict(UNION="i32", COUNT="i32", MEMBERS="i64", LSE="fp32"), dict(num_tiles="i32", **SLC_SCALARS),
-                dict(ROWS=64, TILE_Q=10, WIDTH_PAD=256, **SEL), descs=dict(KD=64, VD=64)),
+    # alone, and with the gated sum in its epilogue (nsa::core's forward)
+    *[c for gated in (False, True) for c in _tma_cases(
+        "selected_tiled_fwd_kernel", "selected_tiled", dict(UNION="i32", COUNT="i32", MEMBERS="i64", LSE="fp32"),
+        dict(num_tiles="i32", **SLC_SCALARS),
+        dict(ROWS=64, TILE_Q=10, WIDTH_PAD=256, GATED=gated, **SEL,
+             **({} if gated else dict.fromkeys(("GATES", "O_CMP", "O_WIN", "O_GATED")))),
+        label=f"GATED={gated}", descs=dict(KD=64, VD=64))],
     *_tma_cases("selected_tiled_bwd_dq_kernel", "selected_tiled",
                 dict(UNION="i32", COUNT="i32", MEMBERS="i64", **ROW_TERMS), dict(num_tiles="i32", **SLC_SCALARS),
                 dict(ROWS=64, TILE_Q=10, WIDTH_PAD=256, ACCUMULATE=True, **SEL), descs=dict(KD=64, VD=64)),

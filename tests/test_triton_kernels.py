@@ -564,6 +564,46 @@ def test_gates_are_summed_in_the_combine_pass_where_asked_and_possible(combine, 
             assert torch.equal(a, b), name
 
 
+@pytest.mark.parametrize("combine", ["gated", "plain"])
+def test_gates_are_summed_in_the_tiled_forward_where_asked(combine, monkeypatch):
+    """slc_combine = "gated" with tiled: nsa::core's forward sums the gated output in the tiled forward's epilogue
+    and runs no gate pass; "plain" keeps the pass. The core's output and the selected branch's output and lse are
+    those of the separate passes (exactly, in the interpreter); the core variant test checks the gradients."""
+    cfg = NSAConfig(cmp_block=8, cmp_stride=4, sel_block=8, n_selected=3, window=8)
+    x = [t.float().to(DEVICE) for t in make_inputs(1, 29, 6, 2, 16, 32, cfg, seed=6).values()]
+    seen = {"tiled_gated": 0, "tiled_plain": 0, "gate_pass": 0}
+    real_tiled, real_gates = triton_impl.selected_tiled_fwd_kernel, triton_impl.gated_sum_fwd_kernel
+
+    class CountedTiled:
+        def __getitem__(self, grid):
+            def launch(*args, GATED=False, **kwargs):
+                seen["tiled_gated" if GATED else "tiled_plain"] += 1
+                return real_tiled[grid](*args, GATED=GATED, **kwargs)
+            return launch
+
+    class CountedGates:
+        def __getitem__(self, grid):
+            seen["gate_pass"] += 1
+            return real_gates[grid]
+    monkeypatch.setattr(triton_impl, "selected_tiled_fwd_kernel", CountedTiled())
+    monkeypatch.setattr(triton_impl, "gated_sum_fwd_kernel", CountedGates())
+    outs, counts = {}, {}
+    for which in (combine, "plain"):
+        seen.update(dict.fromkeys(seen, 0))
+        with triton_impl.use_launch_config(triton_impl.LaunchConfig(slc_kernel="tiled", slc_tile_rows=16,
+                                                                    slc_combine=which)):
+            core = torch.ops.nsa.core(*x, cfg.cmp_block, cfg.cmp_stride, cfg.sel_block, cfg.n_selected, cfg.window,
+                                      cfg.n_init_blocks, cfg.n_local_blocks, 0.25, False)
+        outs[which], counts[which] = [core[i] for i in (0, 4, 5)], dict(seen)  # o, o_slc, lse_slc
+    gated = combine == "gated"
+    assert counts[combine] == {"tiled_gated": int(gated), "tiled_plain": int(not gated), "gate_pass": int(not gated)}
+    for name, a, b in zip(("o", "o_slc", "lse_slc"), outs[combine], outs["plain"]):
+        if ON_GPU:
+            assert rel_err(a, b) <= 1e-6, name
+        else:
+            assert torch.equal(a, b), name
+
+
 @pytest.mark.parametrize("kernel", ["per_query", "tiled"])
 def test_selected_query_kernels_take_their_own_pipeline_stages(kernel, monkeypatch):
     """The per-query forward and dQ launch with LaunchConfig.slc_stages, the tiled ones with slc_tile_stages (the

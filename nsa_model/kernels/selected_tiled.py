@@ -34,6 +34,8 @@ o [B, T, H, DV], lse/delta [B, T, H] fp32.
 import triton
 import triton.language as tl
 
+from nsa_model.kernels.gates import gate_rows
+
 
 LOG2E = tl.constexpr(1.4426950408889634)
 
@@ -182,7 +184,10 @@ def selected_tiled_fwd_kernel(Q, K, V, KD, VD, UNION, COUNT, MEMBERS, O, LSE, T,
                               BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, SEL_BLOCK: tl.constexpr,
                               BLOCK_S: tl.constexpr, N_SELECT: tl.constexpr,
                               ROWS: tl.constexpr, TILE_Q: tl.constexpr, WIDTH_PAD: tl.constexpr,
-                              TMA: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                              TMA: tl.constexpr, DOT_PRECISION: tl.constexpr, GATES=None, O_CMP=None, O_WIN=None,
+                              O_GATED=None, GATED: tl.constexpr = False):
+    """GATED (nsa::core): also the gated output O_GATED = g_cmp O_CMP + g_slc O + g_win O_WIN from the stored
+    values of the three (gates.py's gate_rows, as by_block's combine does), so no gate pass follows."""
     HPG: tl.constexpr = H // G
     b, g, t, r_ok, row_q = _tile_rows(T, H, G, HPG, ROWS, TILE_Q)
     offs_dk = tl.arange(0, BLOCK_DK)
@@ -208,11 +213,17 @@ def selected_tiled_fwd_kernel(Q, K, V, KD, VD, UNION, COUNT, MEMBERS, O, LSE, T,
 
     has_key = l_i > 0
     l_safe = tl.where(has_key, l_i, 1.0)
-    o = acc / l_safe[:, None]
+    o = (acc / l_safe[:, None]).to(O.dtype.element_ty)
     lse = tl.where(has_key, (m_i + tl.log2(l_safe)) / LOG2E, float("-inf"))
-    tl.store(O + row_q[:, None] * DV + offs_dv[None, :], o.to(O.dtype.element_ty),
-             mask=r_ok[:, None] & (offs_dv < DV)[None, :])
+    at = row_q[:, None] * DV + offs_dv[None, :]
+    ok = r_ok[:, None] & (offs_dv < DV)[None, :]
+    tl.store(O + at, o, mask=ok)
     tl.store(LSE + row_q, lse, mask=r_ok)
+    if GATED:  # o_cmp and o_win are read here for the last time in the forward
+        o_cmp = tl.load(O_CMP + at, mask=ok, other=0.0, eviction_policy="evict_first").to(tl.float32)
+        o_win = tl.load(O_WIN + at, mask=ok, other=0.0, eviction_policy="evict_first").to(tl.float32)
+        gated = gate_rows(GATES, row_q, r_ok, o_cmp, o.to(tl.float32), o_win)
+        tl.store(O_GATED + at, gated.to(O_GATED.dtype.element_ty), mask=ok)
 
 
 @triton.jit

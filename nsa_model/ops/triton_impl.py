@@ -69,8 +69,9 @@ PHI_KERNELS = ("fused", "torch")
 # branches' dQ), or in the epilogue of the compressed and window branches' two-range dQ kernel, which then runs
 # after the selected branch (kernels-notes.md v29)
 SLOT_SUMS = ("pass", "range_dq")
-# nsa::core's forward with by_block's partials: the combine pass, then the gate pass; or the combine pass also
-# summing the gated output in its epilogue (one pass less; kernels-notes.md v40)
+# nsa::core's forward, by_block's or tiled's: the selected branch's last pass (by_block's combine, the tiled
+# forward), then the gate pass; or that pass also summing the gated output in its epilogue (one pass less;
+# kernels-notes.md v40, v54)
 SLC_COMBINES = ("plain", "gated")
 # by_block's inverted index: per-tile histograms, prefix sums and in-register sorts of each tile's slots (three
 # launches), or PyTorch's stable radix sort of every slot's segment key (kernels/block_index.py); auto: count where
@@ -808,15 +809,10 @@ def _selected_fwd(q, k, v, blocks, sel_block: int, scale: float, prefix: int = 0
     if kernel == "by_block":
         _selected_by_block_fwd(q, k, v, blocks, o, lse, index, common, scale)
     elif kernel in ("tiled", "tiled_by_block"):
-        rows, tile_q = _selected_tile(H // G)
         # tiled_by_block saves by_block's work list for its backward; the unions serve the forward alone
-        union, count, members = (index if kernel == "tiled"
-                                 else tile_block_union(blocks, tile_q, triton.cdiv(T, sel_block)))
-        selected_tiled_fwd_kernel[(union.shape[1], B * G)](
-            q, k, v, UNION=union, COUNT=count, MEMBERS=members, O=o, LSE=lse, T=T, num_tiles=union.shape[1],
-            scale=scale, ROWS=rows, TILE_Q=tile_q,
-            WIDTH_PAD=triton.next_power_of_2(tile_q * n), **common, num_warps=_config.slc_tile_warps,
-            num_stages=_tiled_fwd_stages(q, v), **_block_tiles(rows, common, k, v))
+        unions = index if kernel == "tiled" else tile_block_union(blocks, _selected_tile(H // G)[1],
+                                                                  triton.cdiv(T, sel_block))
+        _tiled_fwd(q, k, v, unions, o, lse, common, scale)
     else:
         selected_attn_fwd_kernel[(T, B * G)](
             q, k, v, BLOCKS=blocks, O=o, LSE=lse, T=T, scale=scale, HEADS_PAD=_pow2(H // G), **common, **_slc_launch(),
@@ -824,6 +820,19 @@ def _selected_fwd(q, k, v, blocks, sel_block: int, scale: float, prefix: int = 0
     if prefix:  # ... and the range kernel fills them: causal attention over keys 0..t
         _range_fwd_into(q, k, v, o, lse, prefix, *_prefix_range(T), scale)
     return o, lse, kernel, index
+
+
+def _tiled_fwd(q, k, v, union_index: tuple, o, lse, common: dict, scale: float, gated: dict | None = None) -> None:
+    """tiled's forward into o, lse over tile_block_union's (union, count, members); gated: also the gated output
+    in its epilogue (selected_tiled_fwd_kernel's GATES, O_CMP, O_WIN, O_GATED)."""
+    union, count, members = union_index[:3]
+    B, T = q.shape[:2]
+    rows, tile_q = _selected_tile(common["H"] // common["G"])
+    selected_tiled_fwd_kernel[(union.shape[1], B * common["G"])](
+        q, k, v, UNION=union, COUNT=count, MEMBERS=members, O=o, LSE=lse, T=T, num_tiles=union.shape[1],
+        scale=scale, ROWS=rows, TILE_Q=tile_q, WIDTH_PAD=triton.next_power_of_2(tile_q * common["N_SELECT"]),
+        **common, num_warps=_config.slc_tile_warps, num_stages=_tiled_fwd_stages(q, v),
+        **_block_tiles(rows, common, k, v), **(dict(gated, GATED=True) if gated else {}))
 
 
 def _tiled_fwd_stages(q: torch.Tensor, v: torch.Tensor) -> int:
@@ -1274,10 +1283,10 @@ def _core(q: torch.Tensor, k_slc: torch.Tensor, v_slc: torch.Tensor, k_win: torc
     (o_cmp, lse_cmp), (o_win, lse_win), win = _range_forwards(q, k_win, v_win, k_cmp, v_cmp, cmp_block, cmp_stride,
                                                               window, scale)
     blocks = select_blocks(q, k_cmp, lse_cmp, cfg, scale)
-    if _gates_in_combine(selected_kernel(q.shape[2] // k_slc.shape[2], triton.cdiv(T, sel_block), n_selected),
-                         prefix):
+    kernel = selected_kernel(q.shape[2] // k_slc.shape[2], triton.cdiv(T, sel_block), n_selected)
+    if _gates_in_combine(kernel, prefix):
         o, o_slc, lse_slc, index = _selected_gated_fwd(q, k_slc, v_slc, blocks, sel_block, scale, gates, o_cmp, o_win,
-                                                       win)
+                                                       win, kernel)
     else:
         o_slc, lse_slc, _, index = _selected_fwd(q, k_slc, v_slc, blocks, sel_block, scale, prefix=prefix)
         win.join()
@@ -1303,29 +1312,38 @@ def _core_fake(q, k_slc, v_slc, k_win, v_win, k_cmp, v_cmp, gates, cmp_block, cm
 
 
 def _gates_in_combine(kernel: str, prefix: int) -> bool:
-    """Whether nsa::core's forward sums the gated output in by_block's combine pass (slc_combine = "gated"): where
-    by_block's forward writes partials for every row (no dense prefix) and the gates are the fused kernel's."""
-    return _config.slc_combine == "gated" and kernel == "by_block" and not prefix and _config.gate_kernel == "fused"
+    """Whether nsa::core's forward sums the gated output in the selected branch's last forward pass
+    (slc_combine = "gated"): by_block's combine pass, or the tiled forward's epilogue; where that pass writes every
+    row (no dense prefix) and the gates are the fused kernel's."""
+    return (_config.slc_combine == "gated" and kernel in ("by_block", "tiled") and not prefix
+            and _config.gate_kernel == "fused")
 
 
-def _selected_gated_fwd(q, k, v, blocks, sel_block: int, scale: float, gates, o_cmp, o_win, win: _Beside):
-    """(o, o_slc, lse_slc, index) of nsa::core's forward under _gates_in_combine: by_block's partials, then, once the
-    window forward (win) has finished, one pass that combines them into o_slc, lse_slc and sums the gated output o
-    from o_cmp, o_slc and o_win (the gate pass's work; kernels-notes.md v40)."""
+def _selected_gated_fwd(q, k, v, blocks, sel_block: int, scale: float, gates, o_cmp, o_win, win: _Beside,
+                        kernel: str):
+    """(o, o_slc, lse_slc, index) of nsa::core's forward under _gates_in_combine. by_block: its partials, then, once
+    the window forward (win) has finished, one pass that combines them into o_slc, lse_slc and sums the gated
+    output o from o_cmp, o_slc and o_win (the gate pass's work; kernels-notes.md v40). tiled: once win has
+    finished, its forward with that sum in the epilogue (v54)."""
     _check_scale(scale)
     k, v, blocks = _kv_rows(k), _kv_rows(v), blocks.contiguous()
     common = _selected_common(q, k, v, sel_block, blocks.shape[-1])
+    gated = dict(GATES=gates.contiguous(), O_CMP=o_cmp, O_WIN=o_win, O_GATED=torch.empty_like(o_cmp))
+    if kernel == "tiled":
+        o_slc, lse_slc = _range_outputs(q, v)
+        index = _selected_index(blocks, sel_block, kernel, common["H"] // common["G"])
+        win.join()
+        _tiled_fwd(q, k, v, index, o_slc, lse_slc, common, scale, gated)
+        return gated["O_GATED"], o_slc, lse_slc, index
     # the outputs first, the partials after, as on the plain path: the partials' memory, freed after the combine,
     # is then one piece for what follows (allocated after them, the outputs left the T = 8192 training step 3 GB
     # more reserved memory, kernels-notes.md v40)
     o_slc, lse_slc = _range_outputs(q, v)
-    o = torch.empty_like(o_cmp)
     index = _selected_index(blocks, sel_block, "by_block", common["H"] // common["G"])
     o_part, lse2_part = _selected_by_block_partials(q, k, v, index, common, scale)
     win.join()
-    _combine_partials(o_part, lse2_part, blocks, o_slc, lse_slc, common,
-                      gated=dict(GATES=gates.contiguous(), O_CMP=o_cmp, O_WIN=o_win, O_GATED=o))
-    return o, o_slc, lse_slc, index
+    _combine_partials(o_part, lse2_part, blocks, o_slc, lse_slc, common, gated=gated)
+    return gated["O_GATED"], o_slc, lse_slc, index
 
 
 def _empty_range_output(q: torch.Tensor) -> torch.Tensor:
