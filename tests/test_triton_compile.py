@@ -79,8 +79,12 @@ CASES = [
         dict(q_chunk="i32", **RANGE_SCALARS), dict(RANGE, HEAD_SPLIT=split, ATOMIC=atomic),
         dict(num_warps=4, num_stages=3), f"HEAD_SPLIT={split},ATOMIC={atomic}",
         descs=dict(QD=64, DOD=64, KD=64, VD=64))],
-    *_tma_cases("selected_attn_fwd_kernel", "selected_attention", dict(BLOCKS="i32", LSE="fp32"), SLC_SCALARS,
-                dict(HEADS_PAD=8, **SEL), dict(num_warps=2, num_stages=3), descs=dict(KD=64, VD=64)),
+    # alone, and with the gated sum in its epilogue (nsa::core's forward)
+    *[c for gated in (False, True) for c in _tma_cases(
+        "selected_attn_fwd_kernel", "selected_attention", dict(BLOCKS="i32", LSE="fp32"), SLC_SCALARS,
+        dict(HEADS_PAD=8, GATED=gated, **SEL,
+             **({} if gated else dict.fromkeys(("GATES", "O_CMP", "O_WIN", "O_GATED")))),
+        dict(num_warps=2, num_stages=3), label=f"GATED={gated}", descs=dict(KD=64, VD=64))],
     *_tma_cases("selected_attn_bwd_dq_kernel", "selected_attention", dict(BLOCKS="i32", **ROW_TERMS), SLC_SCALARS,
                 dict(HEADS_PAD=8, ACCUMULATE=True, **SEL), dict(num_warps=2, num_stages=3), descs=dict(KD=64, VD=64)),
     _case("selected_attn_bwd_dkdv_kernel", "selected_attention",

@@ -458,6 +458,9 @@ def test_by_block_steps_skip_the_mask_only_where_every_chooser_sees_the_whole_bl
 
 CORE_VARIANTS = {  # three with the dense prefix: its dK/dV by groups (tiled_by_block) and by heads
     "per_query": dict(slc_kernel="per_query", slc_dkdv="inverted", slc_dense_prefix=True),
+    # without the prefix: the gated output summed in the per-query forward's epilogue (paper 32k-64k's variant)
+    "per_query_dkdv_by_block": dict(slc_kernel="per_query", slc_dkdv="by_block", slc_block_rows=16,
+                                    slc_block_chunk=8),
     "tiled_torch_gates": dict(slc_kernel="tiled", slc_tile_rows=64, gate_kernel="torch"),
     # the paper shapes' variant: tiled dQ adding into the two ranges' dQ (ACCUMULATE), by_block's dK/dV
     "tiled_dkdv_by_block": dict(slc_kernel="tiled", slc_tile_rows=16, slc_dkdv="by_block", slc_block_rows=16,
@@ -564,39 +567,42 @@ def test_gates_are_summed_in_the_combine_pass_where_asked_and_possible(combine, 
             assert torch.equal(a, b), name
 
 
+@pytest.mark.parametrize("kernel, launcher", [("tiled", "selected_tiled_fwd_kernel"),
+                                              ("per_query", "selected_attn_fwd_kernel")])
 @pytest.mark.parametrize("combine", ["gated", "plain"])
-def test_gates_are_summed_in_the_tiled_forward_where_asked(combine, monkeypatch):
-    """slc_combine = "gated" with tiled: nsa::core's forward sums the gated output in the tiled forward's epilogue
-    and runs no gate pass; "plain" keeps the pass. The core's output and the selected branch's output and lse are
-    those of the separate passes (exactly, in the interpreter); the core variant test checks the gradients."""
+def test_gates_are_summed_in_the_query_driven_forward_where_asked(combine, kernel, launcher, monkeypatch):
+    """slc_combine = "gated" with tiled or per_query: nsa::core's forward sums the gated output in the selected
+    forward's epilogue and runs no gate pass; "plain" keeps the pass. The core's output and the selected branch's
+    output and lse are those of the separate passes (exactly, in the interpreter); the core variant test checks the
+    gradients."""
     cfg = NSAConfig(cmp_block=8, cmp_stride=4, sel_block=8, n_selected=3, window=8)
     x = [t.float().to(DEVICE) for t in make_inputs(1, 29, 6, 2, 16, 32, cfg, seed=6).values()]
-    seen = {"tiled_gated": 0, "tiled_plain": 0, "gate_pass": 0}
-    real_tiled, real_gates = triton_impl.selected_tiled_fwd_kernel, triton_impl.gated_sum_fwd_kernel
+    seen = {"slc_gated": 0, "slc_plain": 0, "gate_pass": 0}
+    real_slc, real_gates = getattr(triton_impl, launcher), triton_impl.gated_sum_fwd_kernel
 
-    class CountedTiled:
+    class CountedSelected:
         def __getitem__(self, grid):
             def launch(*args, GATED=False, **kwargs):
-                seen["tiled_gated" if GATED else "tiled_plain"] += 1
-                return real_tiled[grid](*args, GATED=GATED, **kwargs)
+                seen["slc_gated" if GATED else "slc_plain"] += 1
+                return real_slc[grid](*args, GATED=GATED, **kwargs)
             return launch
 
     class CountedGates:
         def __getitem__(self, grid):
             seen["gate_pass"] += 1
             return real_gates[grid]
-    monkeypatch.setattr(triton_impl, "selected_tiled_fwd_kernel", CountedTiled())
+    monkeypatch.setattr(triton_impl, launcher, CountedSelected())
     monkeypatch.setattr(triton_impl, "gated_sum_fwd_kernel", CountedGates())
     outs, counts = {}, {}
     for which in (combine, "plain"):
         seen.update(dict.fromkeys(seen, 0))
-        with triton_impl.use_launch_config(triton_impl.LaunchConfig(slc_kernel="tiled", slc_tile_rows=16,
+        with triton_impl.use_launch_config(triton_impl.LaunchConfig(slc_kernel=kernel, slc_tile_rows=16,
                                                                     slc_combine=which)):
             core = torch.ops.nsa.core(*x, cfg.cmp_block, cfg.cmp_stride, cfg.sel_block, cfg.n_selected, cfg.window,
                                       cfg.n_init_blocks, cfg.n_local_blocks, 0.25, False)
         outs[which], counts[which] = [core[i] for i in (0, 4, 5)], dict(seen)  # o, o_slc, lse_slc
     gated = combine == "gated"
-    assert counts[combine] == {"tiled_gated": int(gated), "tiled_plain": int(not gated), "gate_pass": int(not gated)}
+    assert counts[combine] == {"slc_gated": int(gated), "slc_plain": int(not gated), "gate_pass": int(not gated)}
     for name, a, b in zip(("o", "o_slc", "lse_slc"), outs[combine], outs["plain"]):
         if ON_GPU:
             assert rel_err(a, b) <= 1e-6, name

@@ -17,6 +17,7 @@ contiguous; k [B, T, G, DK] and v [B, T, G, DV] with tokens K_ROW / V_ROW elemen
 import triton
 import triton.language as tl
 
+from nsa_model.kernels.gates import gate_rows
 from nsa_model.kernels.selected_by_block import _block_kv
 from nsa_model.kernels.selected_tiled import _block_tile
 
@@ -28,7 +29,10 @@ def selected_attn_fwd_kernel(Q, K, V, KD, VD, BLOCKS, O, LSE, T, scale, K_ROW, V
                              H: tl.constexpr, G: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
                              BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, SEL_BLOCK: tl.constexpr,
                              BLOCK_S: tl.constexpr, N_SELECT: tl.constexpr, HEADS_PAD: tl.constexpr,
-                             TMA: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                             TMA: tl.constexpr, DOT_PRECISION: tl.constexpr, GATES=None, O_CMP=None, O_WIN=None,
+                             O_GATED=None, GATED: tl.constexpr = False):
+    """GATED (nsa::core): also the gated output O_GATED = g_cmp O_CMP + g_slc O + g_win O_WIN from the stored values
+    of the three (gates.py's gate_rows), so no gate pass follows."""
     t = tl.program_id(0)
     pid_bg = tl.program_id(1)
     b = pid_bg // G
@@ -67,11 +71,17 @@ def selected_attn_fwd_kernel(Q, K, V, KD, VD, BLOCKS, O, LSE, T, scale, K_ROW, V
 
     has_key = l_i > 0
     l_safe = tl.where(has_key, l_i, 1.0)
-    o = acc / l_safe[:, None]
+    o = (acc / l_safe[:, None]).to(O.dtype.element_ty)
     lse = tl.where(has_key, (m_i + tl.log2(l_safe)) / LOG2E, float("-inf"))
-    tl.store(O + row_q[:, None] * DV + offs_dv[None, :], o.to(O.dtype.element_ty),
-             mask=h_ok[:, None] & (offs_dv < DV)[None, :])
+    at = row_q[:, None] * DV + offs_dv[None, :]
+    ok = h_ok[:, None] & (offs_dv < DV)[None, :]
+    tl.store(O + at, o, mask=ok)
     tl.store(LSE + row_q, lse, mask=h_ok)
+    if GATED:  # o_cmp and o_win are read here for the last time in the forward
+        o_cmp = tl.load(O_CMP + at, mask=ok, other=0.0, eviction_policy="evict_first").to(tl.float32)
+        o_win = tl.load(O_WIN + at, mask=ok, other=0.0, eviction_policy="evict_first").to(tl.float32)
+        gated = gate_rows(GATES, row_q, h_ok, o_cmp, o.to(tl.float32), o_win)
+        tl.store(O_GATED + at, gated.to(O_GATED.dtype.element_ty), mask=ok)
 
 
 @triton.jit

@@ -69,8 +69,8 @@ PHI_KERNELS = ("fused", "torch")
 # branches' dQ), or in the epilogue of the compressed and window branches' two-range dQ kernel, which then runs
 # after the selected branch (kernels-notes.md v29)
 SLOT_SUMS = ("pass", "range_dq")
-# nsa::core's forward, by_block's or tiled's: the selected branch's last pass (by_block's combine, the tiled
-# forward), then the gate pass; or that pass also summing the gated output in its epilogue (one pass less;
+# nsa::core's forward: the selected branch's last pass (by_block's combine, the tiled or per-query forward), then
+# the gate pass; or that pass also summing the gated output in its epilogue (one pass less;
 # kernels-notes.md v40, v54)
 SLC_COMBINES = ("plain", "gated")
 # by_block's inverted index: per-tile histograms, prefix sums and in-register sorts of each tile's slots (three
@@ -814,12 +814,19 @@ def _selected_fwd(q, k, v, blocks, sel_block: int, scale: float, prefix: int = 0
                                                                   triton.cdiv(T, sel_block))
         _tiled_fwd(q, k, v, unions, o, lse, common, scale)
     else:
-        selected_attn_fwd_kernel[(T, B * G)](
-            q, k, v, BLOCKS=blocks, O=o, LSE=lse, T=T, scale=scale, HEADS_PAD=_pow2(H // G), **common, **_slc_launch(),
-            **_block_tiles(_pow2(H // G), common, k, v))
+        _per_query_fwd(q, k, v, blocks, o, lse, common, scale)
     if prefix:  # ... and the range kernel fills them: causal attention over keys 0..t
         _range_fwd_into(q, k, v, o, lse, prefix, *_prefix_range(T), scale)
     return o, lse, kernel, index
+
+
+def _per_query_fwd(q, k, v, blocks, o, lse, common: dict, scale: float, gated: dict | None = None) -> None:
+    """per_query's forward into o, lse; gated: also the gated output in its epilogue (as _tiled_fwd)."""
+    B, T = q.shape[:2]
+    hpg = common["H"] // common["G"]
+    selected_attn_fwd_kernel[(T, B * common["G"])](
+        q, k, v, BLOCKS=blocks, O=o, LSE=lse, T=T, scale=scale, HEADS_PAD=_pow2(hpg), **common, **_slc_launch(),
+        **_block_tiles(_pow2(hpg), common, k, v), **(dict(gated, GATED=True) if gated else {}))
 
 
 def _tiled_fwd(q, k, v, union_index: tuple, o, lse, common: dict, scale: float, gated: dict | None = None) -> None:
@@ -1313,9 +1320,9 @@ def _core_fake(q, k_slc, v_slc, k_win, v_win, k_cmp, v_cmp, gates, cmp_block, cm
 
 def _gates_in_combine(kernel: str, prefix: int) -> bool:
     """Whether nsa::core's forward sums the gated output in the selected branch's last forward pass
-    (slc_combine = "gated"): by_block's combine pass, or the tiled forward's epilogue; where that pass writes every
-    row (no dense prefix) and the gates are the fused kernel's."""
-    return (_config.slc_combine == "gated" and kernel in ("by_block", "tiled") and not prefix
+    (slc_combine = "gated"): by_block's combine pass, or the tiled or per-query forward's epilogue; where that pass
+    writes every row (no dense prefix) and the gates are the fused kernel's."""
+    return (_config.slc_combine == "gated" and kernel in ("by_block", "tiled", "per_query") and not prefix
             and _config.gate_kernel == "fused")
 
 
@@ -1323,17 +1330,20 @@ def _selected_gated_fwd(q, k, v, blocks, sel_block: int, scale: float, gates, o_
                         kernel: str):
     """(o, o_slc, lse_slc, index) of nsa::core's forward under _gates_in_combine. by_block: its partials, then, once
     the window forward (win) has finished, one pass that combines them into o_slc, lse_slc and sums the gated
-    output o from o_cmp, o_slc and o_win (the gate pass's work; kernels-notes.md v40). tiled: once win has
-    finished, its forward with that sum in the epilogue (v54)."""
+    output o from o_cmp, o_slc and o_win (the gate pass's work; kernels-notes.md v40). tiled and per_query: once
+    win has finished, their forward with that sum in the epilogue (v54)."""
     _check_scale(scale)
     k, v, blocks = _kv_rows(k), _kv_rows(v), blocks.contiguous()
     common = _selected_common(q, k, v, sel_block, blocks.shape[-1])
     gated = dict(GATES=gates.contiguous(), O_CMP=o_cmp, O_WIN=o_win, O_GATED=torch.empty_like(o_cmp))
-    if kernel == "tiled":
+    if kernel in ("tiled", "per_query"):
         o_slc, lse_slc = _range_outputs(q, v)
         index = _selected_index(blocks, sel_block, kernel, common["H"] // common["G"])
         win.join()
-        _tiled_fwd(q, k, v, index, o_slc, lse_slc, common, scale, gated)
+        if kernel == "tiled":
+            _tiled_fwd(q, k, v, index, o_slc, lse_slc, common, scale, gated)
+        else:
+            _per_query_fwd(q, k, v, blocks, o_slc, lse_slc, common, scale, gated)
         return gated["O_GATED"], o_slc, lse_slc, index
     # the outputs first, the partials after, as on the plain path: the partials' memory, freed after the combine,
     # is then one piece for what follows (allocated after them, the outputs left the T = 8192 training step 3 GB
