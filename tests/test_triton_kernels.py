@@ -521,12 +521,11 @@ def test_slot_sum_runs_in_the_range_dq_kernel_where_asked_and_possible(slot_sum,
 
 
 @pytest.mark.parametrize("combine, variant", [("gated", {}), ("plain", {}), ("gated", dict(slc_dense_prefix=True)),
-                                             ("gated", dict(gate_kernel="torch")),
-                                             ("gated", dict(slc_kernel="tiled_by_block", slc_tile_rows=16))])
+                                             ("gated", dict(gate_kernel="torch"))])
 def test_gates_are_summed_in_the_combine_pass_where_asked_and_possible(combine, variant, monkeypatch):
     """slc_combine = "gated": nsa::core's forward runs by_block's combine with the gated sum in its epilogue and no
-    gate pass. It keeps the gate pass with the dense prefix (whose rows no partial covers) or the torch gates, and
-    tiled_by_block's forward has no combine. Either way the core's output and the selected branch's output and lse
+    gate pass. It keeps the gate pass with the dense prefix (whose rows no partial covers) or the torch gates.
+    Either way the core's output and the selected branch's output and lse
     (what the backward reads) are those of the separate passes (exactly, in the interpreter); the variant tests
     check the gradients."""
     cfg = NSAConfig(cmp_block=8, cmp_stride=4, sel_block=8, n_selected=3, window=8)
@@ -557,8 +556,7 @@ def test_gates_are_summed_in_the_combine_pass_where_asked_and_possible(combine, 
                                       cfg.n_init_blocks, cfg.n_local_blocks, 0.25, False)
         outs[which], counts[which] = [core[i] for i in (0, 4, 5)], dict(seen)  # o, o_slc, lse_slc
     gated = combine == "gated" and not variant
-    combines = 0 if variant.get("slc_kernel") == "tiled_by_block" else 1
-    assert counts[combine] == {"plain_combine": 0 if gated else combines, "gated_combine": 1 if gated else 0,
+    assert counts[combine] == {"plain_combine": 0 if gated else 1, "gated_combine": 1 if gated else 0,
                                "gate_pass": 0 if gated or variant.get("gate_kernel") == "torch" else 1}
     for name, a, b in zip(("o", "o_slc", "lse_slc"), outs[combine], outs["plain"]):
         if ON_GPU:
@@ -568,11 +566,12 @@ def test_gates_are_summed_in_the_combine_pass_where_asked_and_possible(combine, 
 
 
 @pytest.mark.parametrize("kernel, launcher", [("tiled", "selected_tiled_fwd_kernel"),
+                                              ("tiled_by_block", "selected_tiled_fwd_kernel"),
                                               ("per_query", "selected_attn_fwd_kernel")])
 @pytest.mark.parametrize("combine", ["gated", "plain"])
 def test_gates_are_summed_in_the_query_driven_forward_where_asked(combine, kernel, launcher, monkeypatch):
-    """slc_combine = "gated" with tiled or per_query: nsa::core's forward sums the gated output in the selected
-    forward's epilogue and runs no gate pass; "plain" keeps the pass. The core's output and the selected branch's
+    """slc_combine = "gated" with tiled, tiled_by_block (tiled's forward) or per_query: nsa::core's forward sums
+    the gated output in the selected forward's epilogue and runs no gate pass; "plain" keeps the pass. The core's output and the selected branch's
     output and lse are those of the separate passes (exactly, in the interpreter); the core variant test checks the
     gradients."""
     cfg = NSAConfig(cmp_block=8, cmp_stride=4, sel_block=8, n_selected=3, window=8)

@@ -69,8 +69,8 @@ PHI_KERNELS = ("fused", "torch")
 # branches' dQ), or in the epilogue of the compressed and window branches' two-range dQ kernel, which then runs
 # after the selected branch (kernels-notes.md v29)
 SLOT_SUMS = ("pass", "range_dq")
-# nsa::core's forward: the selected branch's last pass (by_block's combine, the tiled or per-query forward), then
-# the gate pass; or that pass also summing the gated output in its epilogue (one pass less;
+# nsa::core's forward: the selected branch's last pass (by_block's combine, the tiled, tiled_by_block or per-query
+# forward), then the gate pass; or that pass also summing the gated output in its epilogue (one pass less;
 # kernels-notes.md v40, v54)
 SLC_COMBINES = ("plain", "gated")
 # by_block's inverted index: per-tile histograms, prefix sums and in-register sorts of each tile's slots (three
@@ -810,9 +810,8 @@ def _selected_fwd(q, k, v, blocks, sel_block: int, scale: float, prefix: int = 0
         _selected_by_block_fwd(q, k, v, blocks, o, lse, index, common, scale)
     elif kernel in ("tiled", "tiled_by_block"):
         # tiled_by_block saves by_block's work list for its backward; the unions serve the forward alone
-        unions = index if kernel == "tiled" else tile_block_union(blocks, _selected_tile(H // G)[1],
-                                                                  triton.cdiv(T, sel_block))
-        _tiled_fwd(q, k, v, unions, o, lse, common, scale)
+        _tiled_fwd(q, k, v, index if kernel == "tiled" else _tile_unions(blocks, sel_block, common), o, lse, common,
+                   scale)
     else:
         _per_query_fwd(q, k, v, blocks, o, lse, common, scale)
     if prefix:  # ... and the range kernel fills them: causal attention over keys 0..t
@@ -827,6 +826,12 @@ def _per_query_fwd(q, k, v, blocks, o, lse, common: dict, scale: float, gated: d
     selected_attn_fwd_kernel[(T, B * common["G"])](
         q, k, v, BLOCKS=blocks, O=o, LSE=lse, T=T, scale=scale, HEADS_PAD=_pow2(hpg), **common, **_slc_launch(),
         **_block_tiles(_pow2(hpg), common, k, v), **(dict(gated, GATED=True) if gated else {}))
+
+
+def _tile_unions(blocks: torch.Tensor, sel_block: int, common: dict) -> tuple[torch.Tensor, ...]:
+    """tile_block_union of blocks for the tiled forward's tiles (what tiled_by_block's forward walks)."""
+    return tile_block_union(blocks, _selected_tile(common["H"] // common["G"])[1],
+                            triton.cdiv(blocks.shape[1], sel_block))
 
 
 def _tiled_fwd(q, k, v, union_index: tuple, o, lse, common: dict, scale: float, gated: dict | None = None) -> None:
@@ -1291,7 +1296,7 @@ def _core(q: torch.Tensor, k_slc: torch.Tensor, v_slc: torch.Tensor, k_win: torc
                                                               window, scale)
     blocks = select_blocks(q, k_cmp, lse_cmp, cfg, scale)
     kernel = selected_kernel(q.shape[2] // k_slc.shape[2], triton.cdiv(T, sel_block), n_selected)
-    if _gates_in_combine(kernel, prefix):
+    if _gates_in_selected_fwd(prefix):
         o, o_slc, lse_slc, index = _selected_gated_fwd(q, k_slc, v_slc, blocks, sel_block, scale, gates, o_cmp, o_win,
                                                        win, kernel)
     else:
@@ -1318,32 +1323,32 @@ def _core_fake(q, k_slc, v_slc, k_win, v_win, k_cmp, v_cmp, gates, cmp_block, cm
             lse.new_empty(lse.shape), *_padded_index(index, q.device)]
 
 
-def _gates_in_combine(kernel: str, prefix: int) -> bool:
+def _gates_in_selected_fwd(prefix: int) -> bool:
     """Whether nsa::core's forward sums the gated output in the selected branch's last forward pass
-    (slc_combine = "gated"): by_block's combine pass, or the tiled or per-query forward's epilogue; where that pass
-    writes every row (no dense prefix) and the gates are the fused kernel's."""
-    return (_config.slc_combine == "gated" and kernel in ("by_block", "tiled", "per_query") and not prefix
-            and _config.gate_kernel == "fused")
+    (slc_combine = "gated"): by_block's combine pass, or the epilogue of the tiled (tiled_by_block's too) or
+    per-query forward; where that pass writes every row (no dense prefix) and the gates are the fused kernel's."""
+    return _config.slc_combine == "gated" and not prefix and _config.gate_kernel == "fused"
 
 
 def _selected_gated_fwd(q, k, v, blocks, sel_block: int, scale: float, gates, o_cmp, o_win, win: _Beside,
                         kernel: str):
-    """(o, o_slc, lse_slc, index) of nsa::core's forward under _gates_in_combine. by_block: its partials, then, once
+    """(o, o_slc, lse_slc, index) of nsa::core's forward under _gates_in_selected_fwd. by_block: its partials, then, once
     the window forward (win) has finished, one pass that combines them into o_slc, lse_slc and sums the gated
-    output o from o_cmp, o_slc and o_win (the gate pass's work; kernels-notes.md v40). tiled and per_query: once
-    win has finished, their forward with that sum in the epilogue (v54)."""
+    output o from o_cmp, o_slc and o_win (the gate pass's work; kernels-notes.md v40). tiled, tiled_by_block and
+    per_query: once win has finished, their forward with that sum in the epilogue (v54)."""
     _check_scale(scale)
     k, v, blocks = _kv_rows(k), _kv_rows(v), blocks.contiguous()
     common = _selected_common(q, k, v, sel_block, blocks.shape[-1])
     gated = dict(GATES=gates.contiguous(), O_CMP=o_cmp, O_WIN=o_win, O_GATED=torch.empty_like(o_cmp))
-    if kernel in ("tiled", "per_query"):
+    if kernel != "by_block":
         o_slc, lse_slc = _range_outputs(q, v)
         index = _selected_index(blocks, sel_block, kernel, common["H"] // common["G"])
         win.join()
-        if kernel == "tiled":
-            _tiled_fwd(q, k, v, index, o_slc, lse_slc, common, scale, gated)
-        else:
+        if kernel == "per_query":
             _per_query_fwd(q, k, v, blocks, o_slc, lse_slc, common, scale, gated)
+        else:  # tiled_by_block's index is by_block's work list, for its backward: its forward builds the unions
+            unions = index if kernel == "tiled" else _tile_unions(blocks, sel_block, common)
+            _tiled_fwd(q, k, v, unions, o_slc, lse_slc, common, scale, gated)
         return gated["O_GATED"], o_slc, lse_slc, index
     # the outputs first, the partials after, as on the plain path: the partials' memory, freed after the combine,
     # is then one piece for what follows (allocated after them, the outputs left the T = 8192 training step 3 GB
