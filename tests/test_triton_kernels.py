@@ -571,9 +571,9 @@ def test_gates_are_summed_in_the_combine_pass_where_asked_and_possible(combine, 
 @pytest.mark.parametrize("combine", ["gated", "plain"])
 def test_gates_are_summed_in_the_query_driven_forward_where_asked(combine, kernel, launcher, monkeypatch):
     """slc_combine = "gated" with tiled, tiled_by_block (tiled's forward) or per_query: nsa::core's forward sums
-    the gated output in the selected forward's epilogue and runs no gate pass; "plain" keeps the pass. The core's output and the selected branch's
-    output and lse are those of the separate passes (exactly, in the interpreter); the core variant test checks the
-    gradients."""
+    the gated output in the selected forward's epilogue and runs no gate pass; "plain" keeps the pass. The core's
+    output and the selected branch's output and lse are those of the separate passes (exactly, in the
+    interpreter); the core variant test checks the gradients."""
     cfg = NSAConfig(cmp_block=8, cmp_stride=4, sel_block=8, n_selected=3, window=8)
     x = [t.float().to(DEVICE) for t in make_inputs(1, 29, 6, 2, 16, 32, cfg, seed=6).values()]
     seen = {"slc_gated": 0, "slc_plain": 0, "gate_pass": 0}

@@ -1332,10 +1332,10 @@ def _gates_in_selected_fwd(prefix: int) -> bool:
 
 def _selected_gated_fwd(q, k, v, blocks, sel_block: int, scale: float, gates, o_cmp, o_win, win: _Beside,
                         kernel: str):
-    """(o, o_slc, lse_slc, index) of nsa::core's forward under _gates_in_selected_fwd. by_block: its partials, then, once
-    the window forward (win) has finished, one pass that combines them into o_slc, lse_slc and sums the gated
-    output o from o_cmp, o_slc and o_win (the gate pass's work; kernels-notes.md v40). tiled, tiled_by_block and
-    per_query: once win has finished, their forward with that sum in the epilogue (v54)."""
+    """(o, o_slc, lse_slc, index) of nsa::core's forward under _gates_in_selected_fwd. by_block: its partials,
+    then, once the window forward (win) has finished, one pass that combines them into o_slc, lse_slc and sums the
+    gated output o from o_cmp, o_slc and o_win (the gate pass's work; kernels-notes.md v40). tiled, tiled_by_block
+    and per_query: once win has finished, their forward with that sum in the epilogue (v54)."""
     _check_scale(scale)
     k, v, blocks = _kv_rows(k), _kv_rows(v), blocks.contiguous()
     common = _selected_common(q, k, v, sel_block, blocks.shape[-1])
