@@ -28,8 +28,7 @@ from nsa_model.ops import triton_impl as ti
 HINT = ', eviction_policy="evict_first")'
 Q_LOAD = ("q = tl.load(Q + row_q[:, None] * DK + offs_dk[None, :], mask=h_ok[:, None] & (offs_dk < DK)[None, :], "
           "other=0.0)")
-O_STORE = ("tl.store(O + row_q[:, None] * DV + offs_dv[None, :], o.to(O.dtype.element_ty),\n"
-           "             mask=h_ok[:, None] & (offs_dv < DV)[None, :])")
+O_STORE = "tl.store(O + at, o, mask=ok)"
 LSE_STORE = "tl.store(LSE + row_q, lse, mask=h_ok)"
 DO_LOAD = ("do = tl.load(DO + row_q[:, None] * DV + offs_dv[None, :], mask=h_ok[:, None] & (offs_dv < DV)[None, :],\n"
            "                 other=0.0)")
