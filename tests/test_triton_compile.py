@@ -100,6 +100,11 @@ CASES = [
     *_tma_cases("selected_tiled_bwd_dq_kernel", "selected_tiled",
                 dict(UNION="i32", COUNT="i32", MEMBERS="i64", **ROW_TERMS), dict(num_tiles="i32", **SLC_SCALARS),
                 dict(ROWS=64, TILE_Q=10, WIDTH_PAD=256, ACCUMULATE=True, **SEL), descs=dict(KD=64, VD=64)),
+    # the dQ from by_block's stored ds (slc_tile_dq = "ds"), adding into the other branches' dQ
+    *_tma_cases("selected_tiled_dq_from_ds_kernel", "selected_tiled",
+                dict(UNION="i32", COUNT="i32", MEMBERS="i64", BLOCKS="i32"), dict(T="i32", num_tiles="i32", K_ROW="i32"),
+                dict({k: v for k, v in SEL.items() if k not in ("DV", "BLOCK_DV")}, N_PAD=16, ROWS=64, TILE_Q=10,
+                     ACCUMULATE=True), descs=dict(KD=64)),
     # OFFSETS_64 where a tensor passes int32 offsets (triton_impl._offsets_64)
     *[c for prefetch, wide in ((True, False), (False, False), (True, True)) for c in _tma_cases(
         "selected_block_fwd_kernel", "selected_by_block", dict(LSE2_PART="fp32", **BLOCK_INDEX),
@@ -113,7 +118,8 @@ CASES = [
             label=f"GATED={gated}") for gated in (True, False)],
     *[c for mode, final, prefetch, wide in ((0, True, False, False), (1, True, False, False), (1, False, False, False),
                                             (2, False, False, False), (1, True, True, False), (0, True, True, False),
-                                            (1, True, True, True)) for c in _tma_cases(
+                                            (1, True, True, True), (3, True, False, False), (3, True, True, False))
+      for c in _tma_cases(
         "selected_block_bwd_kernel", "selected_by_block", dict(BLOCK_INDEX, DONE="i32", **ROW_TERMS, **ACCS),
         dict(num_blocks="i32", **SLC_SCALARS),
         dict(ROWS=64, CHUNK=512, DQ_MODE=mode, FINAL_KV=final, PREFETCH=prefetch, OFFSETS_64=wide, **SEL),

@@ -313,6 +313,9 @@ SELECTED_VARIANTS = {
                                    slc_block_prefetch_dims=0),
     # tiled's forward (its lse feeds by_block's backward), by_block's backward over the saved work list
     "tiled_by_block": dict(slc_kernel="tiled_by_block", slc_tile_rows=16, slc_block_rows=16, slc_block_chunk=8),
+    # tiled's dQ from the ds by_block's dK/dV stores at each slot (one product a union block)
+    "tiled64_dq_from_ds": dict(slc_kernel="tiled", slc_tile_rows=64, slc_dkdv="by_block", slc_tile_dq="ds",
+                               slc_block_rows=16, slc_block_chunk=8),
 }
 
 
@@ -342,6 +345,45 @@ def test_selected_variants_match_reference(variant, structured, loads):
     blocks = torch.cat([current, others], dim=-1)
     check_selected_against_reference(x, blocks.to(torch.int32), cfg, triton_impl.LaunchConfig(
         dkdv_rows=32, dkdv_chunk=64, range_loads=loads, **SELECTED_VARIANTS[variant]))
+
+
+@pytest.mark.parametrize("H, G, rows", [(8, 2, 16), (12, 2, 16), (32, 2, 64)])
+@pytest.mark.parametrize("structured", [False, True])
+def test_tiled_dq_from_stored_ds_matches_reference(H, G, rows, structured):
+    """slc_tile_dq = "ds": by_block's dK/dV stores each (query, block) slot's ds and tiled's dQ multiplies the union's
+    keys by its member rows' ds, finding each row's slot among its query's choices. Tiles of 4 queries of 4 heads,
+    2 queries of 6 heads, and 4 of 16 (the paper's groups); random choices with -1 padding and blocks after t, or
+    shared by runs of queries; Dk != Dv."""
+    cfg = NSAConfig(cmp_block=8, cmp_stride=4, sel_block=8, n_selected=3, window=8)
+    T, Dk, Dv = 37, 16, 32
+    x = make_inputs(1, T, H, G, Dk, Dv, cfg, seed=H)
+    blocks = _choices(1, T, G, cfg, structured, seed=H + 1)
+    check_selected_against_reference(x, blocks, cfg, triton_impl.LaunchConfig(
+        slc_kernel="tiled", slc_tile_rows=rows, slc_tile_dq="ds", slc_dkdv="by_block", slc_block_rows=16,
+        slc_block_chunk=8))
+
+
+def test_tiled_dq_from_stored_ds_needs_by_blocks_dkdv():
+    """slc_tile_dq = "ds" reads what by_block's dK/dV writes: with the inverted-index dK/dV it is refused up front."""
+    with pytest.raises(ValueError, match="slc_tile_dq='ds' reads the ds that by_block's dK/dV stores"):
+        triton_impl.LaunchConfig(slc_tile_dq="ds", slc_dkdv="inverted")
+
+
+def _choices(B, T, G, cfg, structured, seed):
+    """[B, T, G, 3] int32: each query's own block, then two other distinct blocks (possibly after the query, or
+    -1 where not structured); structured: the two shared by each run of 8 queries."""
+    gen = torch.Generator().manual_seed(seed)
+    num_blocks = (T + cfg.sel_block - 1) // cfg.sel_block
+    runs = (T + 7) // 8 if structured else T
+    others = torch.stack([torch.randperm(num_blocks - 1, generator=gen)[:2] for _ in range(B * runs * G)])
+    others = others.view(B, runs, G, 2)
+    if structured:
+        others = others.repeat_interleave(8, dim=1)[:, :T]
+    current = (torch.arange(T) // cfg.sel_block).view(1, T, 1, 1).expand(B, T, G, 1)
+    others = (current + 1 + others) % num_blocks
+    if not structured:
+        others = torch.where(torch.rand(others.shape, generator=gen) < 0.2, -1, others)
+    return torch.cat([current, others], dim=-1).to(torch.int32)
 
 
 def check_selected_against_reference(x, blocks, cfg, launch):
@@ -465,6 +507,12 @@ CORE_VARIANTS = {  # three with the dense prefix: its dK/dV by groups (tiled_by_
     # the paper shapes' variant: tiled dQ adding into the two ranges' dQ (ACCUMULATE), by_block's dK/dV
     "tiled_dkdv_by_block": dict(slc_kernel="tiled", slc_tile_rows=16, slc_dkdv="by_block", slc_block_rows=16,
                                 slc_block_chunk=8),
+    # the same with tiled's dQ from by_block's stored ds, with and without the dense prefix
+    "tiled_dq_from_ds": dict(slc_kernel="tiled", slc_tile_rows=16, slc_dkdv="by_block", slc_tile_dq="ds",
+                             slc_block_rows=16, slc_block_chunk=8),
+    "tiled_dq_from_ds_dense_prefix": dict(slc_kernel="tiled", slc_tile_rows=16, slc_dkdv="by_block",
+                                          slc_tile_dq="ds", slc_block_rows=16, slc_block_chunk=8,
+                                          slc_dense_prefix=True),
     "by_block_partial": dict(slc_kernel="by_block", slc_block_rows=16, slc_block_chunk=8),
     "by_block_atomic": dict(slc_kernel="by_block", slc_block_rows=16, slc_block_chunk=8, slc_dq="atomic"),
     "by_block_no_prefetch": dict(slc_kernel="by_block", slc_block_rows=16, slc_block_chunk=16,

@@ -263,3 +263,54 @@ def selected_tiled_bwd_dq_kernel(Q, K, V, KD, VD, UNION, COUNT, MEMBERS, DO, LSE
     if ACCUMULATE:
         dq += dq_in.to(tl.float32)
     tl.store(dq_ptrs, dq.to(DQ.dtype.element_ty), mask=dq_ok)
+
+
+@triton.jit
+def selected_tiled_dq_from_ds_kernel(K, KD, UNION, COUNT, MEMBERS, BLOCKS, DS, DQ, T, num_tiles, K_ROW,
+                                     H: tl.constexpr, G: tl.constexpr, DK: tl.constexpr, BLOCK_DK: tl.constexpr,
+                                     SEL_BLOCK: tl.constexpr, BLOCK_S: tl.constexpr, N_SELECT: tl.constexpr,
+                                     N_PAD: tl.constexpr, ROWS: tl.constexpr, TILE_Q: tl.constexpr,
+                                     TMA: tl.constexpr, DOT_PRECISION: tl.constexpr, ACCUMULATE: tl.constexpr = False):
+    """The tile's dQ from the ds that by_block's backward stored (DQ_MODE 3): for each union entry, its member
+    rows' ds [ROWS, BLOCK_S] times the block's keys. One product a block where the kernel above runs three (s, dp,
+    dq), and no q, do, v, lse or delta reads; a row that did not choose the block loads nothing (zeros), and ds is
+    already zero past the row's query, so there is no mask on the scores. The ds row of (query, block) is at the
+    query's slot of that block: each row keeps its query's n choices in registers and finds the slot by comparing
+    them with the entry's block. DS rows: ((b * T + t) * G + g) * N_SELECT + slot) * HPG + head, BLOCK_S wide.
+    ACCUMULATE as in selected_tiled_bwd_dq_kernel."""
+    HPG: tl.constexpr = H // G
+    WIDTH: tl.constexpr = TILE_Q * N_SELECT
+    b, g, t, r_ok, row_q = _tile_rows(T, H, G, HPG, ROWS, TILE_Q)
+    offs_dk = tl.arange(0, BLOCK_DK)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_n = tl.arange(0, N_PAD)
+    head = tl.arange(0, ROWS) % HPG
+    tile_row = (b * num_tiles + tl.program_id(0)).to(tl.int64) * G + g
+    count = tl.load(COUNT + tile_row)
+    slot0 = ((b * T + t).to(tl.int64) * G + g) * N_SELECT  # [ROWS] the row's query's first slot
+    choices = tl.load(BLOCKS + slot0[:, None] + offs_n[None, :], mask=r_ok[:, None] & (offs_n < N_SELECT)[None, :],
+                      other=-1)
+
+    dq_ptrs = DQ + row_q[:, None] * DK + offs_dk[None, :]
+    dq_ok = r_ok[:, None] & (offs_dk < DK)[None, :]
+    if ACCUMULATE:
+        dq_in = tl.load(dq_ptrs, mask=dq_ok, other=0.0)
+    dq = tl.zeros([ROWS, BLOCK_DK], tl.float32)
+    for i in range(0, count):
+        blk = tl.load(UNION + tile_row * WIDTH + i)
+        member = _member(MEMBERS, tile_row, i, r_ok, HPG, ROWS, WIDTH)
+        slot = tl.sum(tl.where(choices == blk, offs_n[None, :], 0), axis=1)
+        ds_row = (slot0 + slot) * HPG + head
+        ds = tl.load(DS + ds_row[:, None] * BLOCK_S + offs_s[None, :], mask=member[:, None], other=0.0)
+        if TMA:
+            k = KD.load([b * T + blk * SEL_BLOCK, g * DK])
+        else:
+            pos = blk * SEL_BLOCK + offs_s
+            s_ok = (offs_s < SEL_BLOCK) & (pos < T)
+            tok = (b * T + pos).to(tl.int64)
+            k = tl.load(K + tok[:, None] * K_ROW + g * DK + offs_dk[None, :],
+                        mask=s_ok[:, None] & (offs_dk < DK)[None, :], other=0.0)
+        dq += tl.dot(ds, k, input_precision=DOT_PRECISION)
+    if ACCUMULATE:
+        dq += dq_in.to(tl.float32)
+    tl.store(dq_ptrs, dq.to(DQ.dtype.element_ty), mask=dq_ok)

@@ -35,7 +35,8 @@ from nsa_model.kernels.selected_attention import (selected_attn_bwd_dkdv_kernel,
                                                   selected_attn_fwd_kernel)
 from nsa_model.kernels.selected_by_block import (selected_block_bwd_kernel, selected_block_fwd_kernel,
                                                  selected_combine_kernel, selected_dq_sum_kernel)
-from nsa_model.kernels.selected_tiled import selected_tiled_bwd_dq_kernel, selected_tiled_fwd_kernel
+from nsa_model.kernels.selected_tiled import (selected_tiled_bwd_dq_kernel, selected_tiled_dq_from_ds_kernel,
+                                             selected_tiled_fwd_kernel)
 from nsa_model.kernels.selection import select_blocks_kernel
 from nsa_model.kernels.stats import attention_stats_kernel
 
@@ -52,6 +53,10 @@ BY_BLOCK_BACKWARD = ("by_block", "tiled_by_block")  # the variants whose backwar
 PARTIAL_DTYPES = ("fp32", "input")  # by_block: partial outputs and dQ contributions in float32 or the input dtype
 SELECTED_DQ = ("partial", "atomic")  # by_block dQ: per-slot contributions summed by a kernel, or fp32 atomics
 SELECTED_DKDV = ("inverted", "by_block")  # dK/dV of per_query/tiled: padded-heads kernel, or the by_block one
+# tiled's dQ: recomputing s, p and dp over the tile's union (three products a block, for all the tile's rows), or
+# from the ds that by_block's dK/dV stores at each (query, block) slot (one product a block; needs slc_dkdv
+# "by_block", which then runs first; kernels-notes.md v55)
+TILE_DQ = ("recompute", "ds")
 GATE_KERNELS = ("torch", "fused")  # gated combination: eager PyTorch ops, or one Triton kernel each way
 # contiguous tiles (the range and selection kernels' q, do, k, v; the selected kernels' key blocks): through
 # tensor descriptors where the layout allows (_tile_args; v23), or by pointer loads
@@ -130,6 +135,7 @@ class LaunchConfig:
     slc_partial: str = "input"  # one of PARTIAL_DTYPES
     slc_dq: str = "partial"  # one of SELECTED_DQ
     slc_dkdv: str = "by_block"  # one of SELECTED_DKDV
+    slc_tile_dq: str = "recompute"  # one of TILE_DQ
     slc_tile_rows: int = 64  # rows (queries x heads, unpadded) of one program of the tiled selected kernels
     slc_tile_warps: int = 4
     gate_kernel: str = "fused"  # one of GATE_KERNELS
@@ -150,7 +156,7 @@ class LaunchConfig:
     def __post_init__(self) -> None:
         choices = {"slc_kernel": SELECTED_KERNELS, "gate_kernel": GATE_KERNELS, "range_kernel": RANGE_KERNELS,
                    "delta_kernel": DELTA_KERNELS, "window_dkdv": WINDOW_DKDV, "slc_partial": PARTIAL_DTYPES,
-                   "slc_dq": SELECTED_DQ, "slc_dkdv": SELECTED_DKDV, "range_pair": RANGE_PAIR,
+                   "slc_dq": SELECTED_DQ, "slc_dkdv": SELECTED_DKDV, "slc_tile_dq": TILE_DQ, "range_pair": RANGE_PAIR,
                    "range_loads": RANGE_LOADS, "phi_kernel": PHI_KERNELS,
                    "slc_slot_sum": SLOT_SUMS, "slc_combine": SLC_COMBINES, "index_build": INDEX_BUILDS}
         for name, allowed in choices.items():
@@ -179,6 +185,9 @@ class LaunchConfig:
                     or value[1] < 0 or value[2] < 1 or value[2] & (value[2] - 1)):
                 raise ValueError(f"LaunchConfig.{name}: must be a tuple (query tile, chunk splits >= 0, warps a power "
                                  f"of two), got {value!r}")
+        if self.slc_tile_dq == "ds" and self.slc_dkdv != "by_block":
+            raise ValueError("LaunchConfig.slc_tile_dq='ds' reads the ds that by_block's dK/dV stores: it needs "
+                             f"slc_dkdv='by_block', got slc_dkdv={self.slc_dkdv!r}")
         tiles = [(name, getattr(self, name)) for name in ("dkdv_rows", "slc_tile_rows", "slc_block_rows", "phi_rows")]
         tiles += [(f"{name} tiles", getattr(self, name)[i]) for name in RANGE_TILE_FIELDS for i in (0, 1)]
         tiles += [(f"{name} query tile", getattr(self, name)[0]) for name in SELECT_FIELDS]
@@ -925,6 +934,14 @@ def _selected_bwd(q, k, v, blocks, o, lse, index, do, sel_block: int, scale: flo
     adds = list(dq_add or ())
     accumulate = bool(adds)
     dq = _dq_scratch(adds.pop(0), q) if adds else torch.empty_like(q)
+    final_kv = config.slc_dkdv == "by_block" and not prefix  # dk, dv come out final (no accumulators to cast)
+    if kernel == "tiled" and config.slc_tile_dq == "ds":
+        ds, dk, dv = _selected_by_block_bwd(q, k, v, blocks, do, lse, delta, _by_block_index(blocks, sel_block, config),
+                                            common, scale, dq_mode=3, final_kv=final_kv)
+        _tiled_dq_from_ds(k, index, blocks, ds, dq, common, accumulate)
+        for extra in adds:
+            dq = dq.add_(extra)
+        return (dq, dk, dv) if final_kv else _with_prefix_bwd(q, k, v, do, lse, delta, dq, dk, dv, prefix, scale)
     if kernel == "tiled":
         union, count, members = index[:3]
         rows, tile_q = _selected_tile(hpg)
@@ -937,7 +954,6 @@ def _selected_bwd(q, k, v, blocks, o, lse, index, do, sel_block: int, scale: flo
         selected_attn_bwd_dq_kernel[(T, B * G)](
             q, k, v, BLOCKS=blocks, DO=do, LSE=lse, DELTA=delta, DQ=dq, T=T, scale=scale, HEADS_PAD=_pow2(hpg),
             ACCUMULATE=accumulate, **common, **_slc_launch(), **_block_tiles(_pow2(hpg), common, k, v))
-    final_kv = config.slc_dkdv == "by_block" and not prefix  # dk, dv come out final (no accumulators to cast)
     if config.slc_dkdv == "by_block":
         block_index = _by_block_index(blocks, sel_block, config)
         _, dk, dv = _selected_by_block_bwd(q, k, v, blocks, do, lse, delta, block_index, common, scale, dq_mode=0,
@@ -947,6 +963,22 @@ def _selected_bwd(q, k, v, blocks, o, lse, index, do, sel_block: int, scale: flo
     for extra in adds:
         dq = dq.add_(extra)
     return (dq, dk, dv) if final_kv else _with_prefix_bwd(q, k, v, do, lse, delta, dq, dk, dv, prefix, scale)
+
+
+def _tiled_dq_from_ds(k, union_index: tuple, blocks, ds, dq, common: dict, accumulate: bool) -> None:
+    """dq of the tiled variant from by_block's stored ds (slc_tile_dq = "ds"): per tile, the union's keys times
+    its member rows' ds; with accumulate, added to what dq holds."""
+    union, count, members = union_index[:3]
+    B, T = blocks.shape[:2]
+    G, n = common["G"], common["N_SELECT"]
+    rows, tile_q = _selected_tile(common["H"] // G)
+    selected_tiled_dq_from_ds_kernel[(union.shape[1], B * G)](
+        k, UNION=union, COUNT=count, MEMBERS=members, BLOCKS=blocks, DS=ds, DQ=dq, T=T, num_tiles=union.shape[1],
+        K_ROW=k.stride(1), H=common["H"], G=G, DK=common["DK"], BLOCK_DK=common["BLOCK_DK"],
+        SEL_BLOCK=common["SEL_BLOCK"], BLOCK_S=common["BLOCK_S"], N_SELECT=n, N_PAD=triton.next_power_of_2(n),
+        ROWS=rows, TILE_Q=tile_q, DOT_PRECISION=common["DOT_PRECISION"], ACCUMULATE=accumulate,
+        num_warps=_config.slc_tile_warps, num_stages=_config.slc_tile_stages,
+        **_tile_args(dict(BLOCK_M=rows, BLOCK_N=common["BLOCK_S"]), {}, dict(KD=k)))
 
 
 def _dq_scratch(dq: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
@@ -1035,7 +1067,8 @@ def _selected_by_block_bwd(q, k, v, blocks, do, lse, delta, index, common, scale
     """(dq or None, dk, dv) of the selected branch by key blocks: one fused kernel over the blocks' choosers, then
     the dQ slot sum. dk and dv: with final_kv the gradients in k's and v's dtype, written by the kernel itself;
     else float32 accumulators that the caller adds to and casts (the dense prefix). dq_mode 0 computes dK/dV
-    only (for the query-driven variants); None follows slc_dq. dq_add: one or two [B,T,H,Dk] tensors added into
+    only (for the query-driven variants); 3 also stores ds, returned in dq's place as [B*T*G*n*hpg, BLOCK_S] rows
+    (for the tiled dQ, _tiled_dq_from_ds); None follows slc_dq. dq_add: one or two [B,T,H,Dk] tensors added into
     dq (the other branches' dQ), by the slot sum where it runs. dq_slots (with dQ slots): no slot sum; dq is
     the slots' rows [B*T*G*n*hpg, Dk] as the kernel wrote them."""
     order, starts, work_seg, work_chunk = index
@@ -1063,6 +1096,8 @@ def _selected_by_block_bwd(q, k, v, blocks, do, lse, delta, index, common, scale
         dq_add = None
     elif dq_mode == 1:
         dq_out = torch.empty(B * T * G * n * hpg, dk_dim, dtype=_partial_dtype(q, c), device=q.device)
+    elif dq_mode == 3:  # ds in q's dtype, as the kernel rounds it for its dK product
+        dq_out = torch.empty(B * T * G * n * hpg, common["BLOCK_S"], dtype=q.dtype, device=q.device)
     else:
         dq_out = dk_acc  # not touched
     selected_block_bwd_kernel[(work_seg.numel(),)](
@@ -1075,6 +1110,8 @@ def _selected_by_block_bwd(q, k, v, blocks, do, lse, delta, index, common, scale
         num_stages=c.slc_block_stages,
         **_block_tiles(_block_rows(hpg, c), common, k, v))
     dq = None
+    if dq_mode == 3:
+        return dq_out, dk_out, dv_out
     if dq_mode == 2:
         dq = dq_out.to(q.dtype)
     elif dq_mode == 1 and dq_slots:
