@@ -85,6 +85,9 @@ CASES = [
         dict(HEADS_PAD=8, GATED=gated, **SEL,
              **({} if gated else dict.fromkeys(("GATES", "O_CMP", "O_WIN", "O_GATED")))),
         dict(num_warps=2, num_stages=3), label=f"GATED={gated}", descs=dict(KD=64, VD=64))],
+    *_tma_cases("selected_dq_from_ds_kernel", "selected_attention", dict(BLOCKS="i32"), dict(T="i32", K_ROW="i32"),
+                dict({k: v for k, v in SEL.items() if k not in ("DV", "BLOCK_DV")}, HEADS_PAD=8, ACCUMULATE=True),
+                dict(num_warps=2, num_stages=3), descs=dict(KD=64)),
     *_tma_cases("selected_attn_bwd_dq_kernel", "selected_attention", dict(BLOCKS="i32", **ROW_TERMS), SLC_SCALARS,
                 dict(HEADS_PAD=8, ACCUMULATE=True, **SEL), dict(num_warps=2, num_stages=3), descs=dict(KD=64, VD=64)),
     _case("selected_attn_bwd_dkdv_kernel", "selected_attention",
@@ -100,7 +103,7 @@ CASES = [
     *_tma_cases("selected_tiled_bwd_dq_kernel", "selected_tiled",
                 dict(UNION="i32", COUNT="i32", MEMBERS="i64", **ROW_TERMS), dict(num_tiles="i32", **SLC_SCALARS),
                 dict(ROWS=64, TILE_Q=10, WIDTH_PAD=256, ACCUMULATE=True, **SEL), descs=dict(KD=64, VD=64)),
-    # the dQ from by_block's stored ds (slc_tile_dq = "ds"), adding into the other branches' dQ
+    # the dQ from by_block's stored ds (slc_query_dq = "ds"), adding into the other branches' dQ
     *_tma_cases("selected_tiled_dq_from_ds_kernel", "selected_tiled",
                 dict(UNION="i32", COUNT="i32", MEMBERS="i64", BLOCKS="i32"), dict(T="i32", num_tiles="i32", K_ROW="i32"),
                 dict({k: v for k, v in SEL.items() if k not in ("DV", "BLOCK_DV")}, N_PAD=16, ROWS=64, TILE_Q=10,

@@ -314,8 +314,10 @@ SELECTED_VARIANTS = {
     # tiled's forward (its lse feeds by_block's backward), by_block's backward over the saved work list
     "tiled_by_block": dict(slc_kernel="tiled_by_block", slc_tile_rows=16, slc_block_rows=16, slc_block_chunk=8),
     # tiled's dQ from the ds by_block's dK/dV stores at each slot (one product a union block)
-    "tiled64_dq_from_ds": dict(slc_kernel="tiled", slc_tile_rows=64, slc_dkdv="by_block", slc_tile_dq="ds",
+    "tiled64_dq_from_ds": dict(slc_kernel="tiled", slc_tile_rows=64, slc_dkdv="by_block", slc_query_dq="ds",
                                slc_block_rows=16, slc_block_chunk=8),
+    "per_query_dq_from_ds": dict(slc_kernel="per_query", slc_dkdv="by_block", slc_query_dq="ds", slc_block_rows=16,
+                                 slc_block_chunk=8),
 }
 
 
@@ -349,24 +351,25 @@ def test_selected_variants_match_reference(variant, structured, loads):
 
 @pytest.mark.parametrize("H, G, rows", [(8, 2, 16), (12, 2, 16), (32, 2, 64)])
 @pytest.mark.parametrize("structured", [False, True])
-def test_tiled_dq_from_stored_ds_matches_reference(H, G, rows, structured):
-    """slc_tile_dq = "ds": by_block's dK/dV stores each (query, block) slot's ds and tiled's dQ multiplies the union's
-    keys by its member rows' ds, finding each row's slot among its query's choices. Tiles of 4 queries of 4 heads,
-    2 queries of 6 heads, and 4 of 16 (the paper's groups); random choices with -1 padding and blocks after t, or
-    shared by runs of queries; Dk != Dv."""
+@pytest.mark.parametrize("kernel", ["tiled", "per_query"])
+def test_query_dq_from_stored_ds_matches_reference(H, G, rows, structured, kernel):
+    """slc_query_dq = "ds": by_block's dK/dV stores each (query, block) slot's ds. tiled's dQ multiplies the union's
+    keys by its member rows' ds, finding each row's slot among its query's choices; per_query's multiplies each
+    slot's keys by the slot's ds. Tiles of 4 queries of 4 heads, 2 queries of 6 heads, and 4 of 16 (the paper's
+    groups); random choices with -1 padding and blocks after t, or shared by runs of queries; Dk != Dv."""
     cfg = NSAConfig(cmp_block=8, cmp_stride=4, sel_block=8, n_selected=3, window=8)
     T, Dk, Dv = 37, 16, 32
     x = make_inputs(1, T, H, G, Dk, Dv, cfg, seed=H)
     blocks = _choices(1, T, G, cfg, structured, seed=H + 1)
     check_selected_against_reference(x, blocks, cfg, triton_impl.LaunchConfig(
-        slc_kernel="tiled", slc_tile_rows=rows, slc_tile_dq="ds", slc_dkdv="by_block", slc_block_rows=16,
+        slc_kernel=kernel, slc_tile_rows=rows, slc_query_dq="ds", slc_dkdv="by_block", slc_block_rows=16,
         slc_block_chunk=8))
 
 
-def test_tiled_dq_from_stored_ds_needs_by_blocks_dkdv():
-    """slc_tile_dq = "ds" reads what by_block's dK/dV writes: with the inverted-index dK/dV it is refused up front."""
-    with pytest.raises(ValueError, match="slc_tile_dq='ds' reads the ds that by_block's dK/dV stores"):
-        triton_impl.LaunchConfig(slc_tile_dq="ds", slc_dkdv="inverted")
+def test_query_dq_from_stored_ds_needs_by_blocks_dkdv():
+    """slc_query_dq = "ds" reads what by_block's dK/dV writes: with the inverted-index dK/dV it is refused up front."""
+    with pytest.raises(ValueError, match="slc_query_dq='ds' reads the ds that by_block's dK/dV stores"):
+        triton_impl.LaunchConfig(slc_query_dq="ds", slc_dkdv="inverted")
 
 
 def _choices(B, T, G, cfg, structured, seed):
@@ -508,11 +511,13 @@ CORE_VARIANTS = {  # three with the dense prefix: its dK/dV by groups (tiled_by_
     "tiled_dkdv_by_block": dict(slc_kernel="tiled", slc_tile_rows=16, slc_dkdv="by_block", slc_block_rows=16,
                                 slc_block_chunk=8),
     # the same with tiled's dQ from by_block's stored ds, with and without the dense prefix
-    "tiled_dq_from_ds": dict(slc_kernel="tiled", slc_tile_rows=16, slc_dkdv="by_block", slc_tile_dq="ds",
+    "tiled_dq_from_ds": dict(slc_kernel="tiled", slc_tile_rows=16, slc_dkdv="by_block", slc_query_dq="ds",
                              slc_block_rows=16, slc_block_chunk=8),
     "tiled_dq_from_ds_dense_prefix": dict(slc_kernel="tiled", slc_tile_rows=16, slc_dkdv="by_block",
-                                          slc_tile_dq="ds", slc_block_rows=16, slc_block_chunk=8,
+                                          slc_query_dq="ds", slc_block_rows=16, slc_block_chunk=8,
                                           slc_dense_prefix=True),
+    "per_query_dq_from_ds": dict(slc_kernel="per_query", slc_dkdv="by_block", slc_query_dq="ds", slc_block_rows=16,
+                                 slc_block_chunk=8),
     "by_block_partial": dict(slc_kernel="by_block", slc_block_rows=16, slc_block_chunk=8),
     "by_block_atomic": dict(slc_kernel="by_block", slc_block_rows=16, slc_block_chunk=8, slc_dq="atomic"),
     "by_block_no_prefetch": dict(slc_kernel="by_block", slc_block_rows=16, slc_block_chunk=16,

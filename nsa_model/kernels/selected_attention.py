@@ -186,3 +186,47 @@ def selected_attn_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, QUERY_OF_ENTRY, START
                       mask=s_ok[:, None] & (offs_dk < DK)[None, :], sem="relaxed")  # read by later kernels only
         tl.atomic_add(DV_ACC + row_k[:, None] * DV + offs_dv[None, :], dv,
                       mask=s_ok[:, None] & (offs_dv < DV)[None, :], sem="relaxed")
+
+
+@triton.jit
+def selected_dq_from_ds_kernel(K, KD, BLOCKS, DS, DQ, T, K_ROW, H: tl.constexpr, G: tl.constexpr, DK: tl.constexpr,
+                               BLOCK_DK: tl.constexpr, SEL_BLOCK: tl.constexpr, BLOCK_S: tl.constexpr,
+                               N_SELECT: tl.constexpr, HEADS_PAD: tl.constexpr, TMA: tl.constexpr,
+                               DOT_PRECISION: tl.constexpr, ACCUMULATE: tl.constexpr = False):
+    """One query's dQ from the ds that by_block's backward stored at its slots (DQ_MODE 3): the sum over its n
+    slots of ds [heads, BLOCK_S] times the slot's keys. One product and one key tile a slot where the kernel above
+    runs three products on key and value tiles; no q, do, lse or delta. A slot of block -1 loads no ds (zeros).
+    DS rows: (((b * T + t) * G + g) * N_SELECT + slot) * HPG + head, BLOCK_S wide. ACCUMULATE as above."""
+    t = tl.program_id(0)
+    pid_bg = tl.program_id(1)
+    b = pid_bg // G
+    g = pid_bg % G
+    HPG: tl.constexpr = H // G
+    offs_h = tl.arange(0, HEADS_PAD)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_dk = tl.arange(0, BLOCK_DK)
+    h_ok = offs_h < HPG
+    row_q = (b * T + t).to(tl.int64) * H + g * HPG + offs_h
+    block_row = ((b * T + t).to(tl.int64) * G + g) * N_SELECT
+
+    dq_ptrs = DQ + row_q[:, None] * DK + offs_dk[None, :]
+    dq_ok = h_ok[:, None] & (offs_dk < DK)[None, :]
+    if ACCUMULATE:
+        dq_in = tl.load(dq_ptrs, mask=dq_ok, other=0.0)
+    dq = tl.zeros([HEADS_PAD, BLOCK_DK], tl.float32)
+    for i in range(N_SELECT):
+        # No branch on the block id, as in the kernels above: the loop stays software-pipelined.
+        blk = tl.load(BLOCKS + block_row + i)
+        ds = tl.load(DS + ((block_row + i) * HPG + offs_h)[:, None] * BLOCK_S + offs_s[None, :],
+                     mask=(h_ok & (blk >= 0))[:, None], other=0.0)
+        if TMA:
+            k = KD.load([b * T + blk * SEL_BLOCK, g * DK])
+        else:
+            pos = blk * SEL_BLOCK + offs_s
+            s_ok = (offs_s < SEL_BLOCK) & (pos < T) & (blk >= 0)
+            k = tl.load(K + (b * T + pos).to(tl.int64)[:, None] * K_ROW + g * DK + offs_dk[None, :],
+                        mask=s_ok[:, None] & (offs_dk < DK)[None, :], other=0.0)
+        dq += tl.dot(ds, k, input_precision=DOT_PRECISION)
+    if ACCUMULATE:
+        dq += dq_in.to(tl.float32)
+    tl.store(dq_ptrs, dq.to(DQ.dtype.element_ty), mask=dq_ok)

@@ -32,7 +32,7 @@ from nsa_model.kernels.rope import rope_split_kernel
 from nsa_model.kernels.range_attention import (range_attn_bwd_dkdv_kernel, range_attn_bwd_dq_kernel,
                                                range_attn_fwd_kernel)
 from nsa_model.kernels.selected_attention import (selected_attn_bwd_dkdv_kernel, selected_attn_bwd_dq_kernel,
-                                                  selected_attn_fwd_kernel)
+                                                  selected_attn_fwd_kernel, selected_dq_from_ds_kernel)
 from nsa_model.kernels.selected_by_block import (selected_block_bwd_kernel, selected_block_fwd_kernel,
                                                  selected_combine_kernel, selected_dq_sum_kernel)
 from nsa_model.kernels.selected_tiled import (selected_tiled_bwd_dq_kernel, selected_tiled_dq_from_ds_kernel,
@@ -53,10 +53,10 @@ BY_BLOCK_BACKWARD = ("by_block", "tiled_by_block")  # the variants whose backwar
 PARTIAL_DTYPES = ("fp32", "input")  # by_block: partial outputs and dQ contributions in float32 or the input dtype
 SELECTED_DQ = ("partial", "atomic")  # by_block dQ: per-slot contributions summed by a kernel, or fp32 atomics
 SELECTED_DKDV = ("inverted", "by_block")  # dK/dV of per_query/tiled: padded-heads kernel, or the by_block one
-# tiled's dQ: recomputing s, p and dp over the tile's union (three products a block, for all the tile's rows), or
-# from the ds that by_block's dK/dV stores at each (query, block) slot (one product a block; needs slc_dkdv
-# "by_block", which then runs first; kernels-notes.md v55)
-TILE_DQ = ("recompute", "ds")
+# dQ of the query-driven variants (tiled, per_query): recomputing s, p and dp (three products a block; the tiled
+# kernel for all the tile's rows), or from the ds that by_block's dK/dV stores at each (query, block) slot (one
+# product a block, member rows only; needs slc_dkdv "by_block", which then runs first; kernels-notes.md v55)
+QUERY_DQ = ("recompute", "ds")
 GATE_KERNELS = ("torch", "fused")  # gated combination: eager PyTorch ops, or one Triton kernel each way
 # contiguous tiles (the range and selection kernels' q, do, k, v; the selected kernels' key blocks): through
 # tensor descriptors where the layout allows (_tile_args; v23), or by pointer loads
@@ -135,7 +135,9 @@ class LaunchConfig:
     slc_partial: str = "input"  # one of PARTIAL_DTYPES
     slc_dq: str = "partial"  # one of SELECTED_DQ
     slc_dkdv: str = "by_block"  # one of SELECTED_DKDV
-    slc_tile_dq: str = "recompute"  # one of TILE_DQ
+    slc_query_dq: str = "recompute"  # one of QUERY_DQ
+    slc_ds_warps: int = 4  # the tiled dQ from stored ds (slc_query_dq "ds")
+    slc_ds_stages: int = 2
     slc_tile_rows: int = 64  # rows (queries x heads, unpadded) of one program of the tiled selected kernels
     slc_tile_warps: int = 4
     gate_kernel: str = "fused"  # one of GATE_KERNELS
@@ -156,7 +158,7 @@ class LaunchConfig:
     def __post_init__(self) -> None:
         choices = {"slc_kernel": SELECTED_KERNELS, "gate_kernel": GATE_KERNELS, "range_kernel": RANGE_KERNELS,
                    "delta_kernel": DELTA_KERNELS, "window_dkdv": WINDOW_DKDV, "slc_partial": PARTIAL_DTYPES,
-                   "slc_dq": SELECTED_DQ, "slc_dkdv": SELECTED_DKDV, "slc_tile_dq": TILE_DQ, "range_pair": RANGE_PAIR,
+                   "slc_dq": SELECTED_DQ, "slc_dkdv": SELECTED_DKDV, "slc_query_dq": QUERY_DQ, "range_pair": RANGE_PAIR,
                    "range_loads": RANGE_LOADS, "phi_kernel": PHI_KERNELS,
                    "slc_slot_sum": SLOT_SUMS, "slc_combine": SLC_COMBINES, "index_build": INDEX_BUILDS}
         for name, allowed in choices.items():
@@ -185,8 +187,8 @@ class LaunchConfig:
                     or value[1] < 0 or value[2] < 1 or value[2] & (value[2] - 1)):
                 raise ValueError(f"LaunchConfig.{name}: must be a tuple (query tile, chunk splits >= 0, warps a power "
                                  f"of two), got {value!r}")
-        if self.slc_tile_dq == "ds" and self.slc_dkdv != "by_block":
-            raise ValueError("LaunchConfig.slc_tile_dq='ds' reads the ds that by_block's dK/dV stores: it needs "
+        if self.slc_query_dq == "ds" and self.slc_dkdv != "by_block":
+            raise ValueError("LaunchConfig.slc_query_dq='ds' reads the ds that by_block's dK/dV stores: it needs "
                              f"slc_dkdv='by_block', got slc_dkdv={self.slc_dkdv!r}")
         tiles = [(name, getattr(self, name)) for name in ("dkdv_rows", "slc_tile_rows", "slc_block_rows", "phi_rows")]
         tiles += [(f"{name} tiles", getattr(self, name)[i]) for name in RANGE_TILE_FIELDS for i in (0, 1)]
@@ -935,10 +937,17 @@ def _selected_bwd(q, k, v, blocks, o, lse, index, do, sel_block: int, scale: flo
     accumulate = bool(adds)
     dq = _dq_scratch(adds.pop(0), q) if adds else torch.empty_like(q)
     final_kv = config.slc_dkdv == "by_block" and not prefix  # dk, dv come out final (no accumulators to cast)
-    if kernel == "tiled" and config.slc_tile_dq == "ds":
+    if config.slc_query_dq == "ds":
         ds, dk, dv = _selected_by_block_bwd(q, k, v, blocks, do, lse, delta, _by_block_index(blocks, sel_block, config),
                                             common, scale, dq_mode=3, final_kv=final_kv)
-        _tiled_dq_from_ds(k, index, blocks, ds, dq, common, accumulate)
+        if kernel == "tiled":
+            _tiled_dq_from_ds(k, index, blocks, ds, dq, common, accumulate)
+        else:
+            selected_dq_from_ds_kernel[(T, B * G)](
+                k, BLOCKS=blocks, DS=ds, DQ=dq, T=T, K_ROW=k.stride(1), H=H, G=G, DK=common["DK"],
+                BLOCK_DK=common["BLOCK_DK"], SEL_BLOCK=sel_block, BLOCK_S=common["BLOCK_S"], N_SELECT=n,
+                HEADS_PAD=_pow2(hpg), DOT_PRECISION=common["DOT_PRECISION"], ACCUMULATE=accumulate, **_slc_launch(),
+                **_tile_args(dict(BLOCK_M=_pow2(hpg), BLOCK_N=common["BLOCK_S"]), {}, dict(KD=k)))
         for extra in adds:
             dq = dq.add_(extra)
         return (dq, dk, dv) if final_kv else _with_prefix_bwd(q, k, v, do, lse, delta, dq, dk, dv, prefix, scale)
@@ -966,7 +975,7 @@ def _selected_bwd(q, k, v, blocks, o, lse, index, do, sel_block: int, scale: flo
 
 
 def _tiled_dq_from_ds(k, union_index: tuple, blocks, ds, dq, common: dict, accumulate: bool) -> None:
-    """dq of the tiled variant from by_block's stored ds (slc_tile_dq = "ds"): per tile, the union's keys times
+    """dq of the tiled variant from by_block's stored ds (slc_query_dq = "ds"): per tile, the union's keys times
     its member rows' ds; with accumulate, added to what dq holds."""
     union, count, members = union_index[:3]
     B, T = blocks.shape[:2]
@@ -977,7 +986,7 @@ def _tiled_dq_from_ds(k, union_index: tuple, blocks, ds, dq, common: dict, accum
         K_ROW=k.stride(1), H=common["H"], G=G, DK=common["DK"], BLOCK_DK=common["BLOCK_DK"],
         SEL_BLOCK=common["SEL_BLOCK"], BLOCK_S=common["BLOCK_S"], N_SELECT=n, N_PAD=triton.next_power_of_2(n),
         ROWS=rows, TILE_Q=tile_q, DOT_PRECISION=common["DOT_PRECISION"], ACCUMULATE=accumulate,
-        num_warps=_config.slc_tile_warps, num_stages=_config.slc_tile_stages,
+        num_warps=_config.slc_ds_warps, num_stages=_config.slc_ds_stages,
         **_tile_args(dict(BLOCK_M=rows, BLOCK_N=common["BLOCK_S"]), {}, dict(KD=k)))
 
 
