@@ -105,7 +105,8 @@ CASES = [
                 dict(ROWS=64, TILE_Q=10, WIDTH_PAD=256, ACCUMULATE=True, **SEL), descs=dict(KD=64, VD=64)),
     # the dQ from by_block's stored ds (slc_query_dq = "ds"), adding into the other branches' dQ
     *_tma_cases("selected_tiled_dq_from_ds_kernel", "selected_tiled",
-                dict(UNION="i32", COUNT="i32", MEMBERS="i64", BLOCKS="i32"), dict(T="i32", num_tiles="i32", K_ROW="i32"),
+                dict(UNION="i32", COUNT="i32", MEMBERS="i64", BLOCKS="i32"),
+                dict(T="i32", num_tiles="i32", K_ROW="i32"),
                 dict({k: v for k, v in SEL.items() if k not in ("DV", "BLOCK_DV")}, N_PAD=16, ROWS=64, TILE_Q=10,
                      ACCUMULATE=True), descs=dict(KD=64)),
     # OFFSETS_64 where a tensor passes int32 offsets (triton_impl._offsets_64)
