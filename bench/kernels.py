@@ -356,7 +356,8 @@ def time_config(family, B, T, cfg, have_fla, sections=SECTIONS):
 # kernel (padded heads, inverted index) under the query-driven variants instead of the by_block one.
 SELECTED_VARIANTS = {"per_query": dict(slc_kernel="per_query"),
                      "tiled64": dict(slc_kernel="tiled", slc_tile_rows=64, slc_tile_warps=4),
-                     "tiled64_inv": dict(slc_kernel="tiled", slc_tile_rows=64, slc_dkdv="inverted"),
+                     "tiled64_inv": dict(slc_kernel="tiled", slc_tile_rows=64, slc_dkdv="inverted",
+                                         slc_query_dq="recompute"),
                      "by_block": dict(slc_kernel="by_block"),
                      "by_block_s2": dict(slc_kernel="by_block", slc_block_stages=2),
                      "tiled_by_block": dict(slc_kernel="tiled_by_block", slc_tile_rows=64, slc_tile_warps=4)}

@@ -300,11 +300,11 @@ def test_work_beside_the_selected_branch_runs_once_at_the_join_off_a_gpu(side_st
 
 
 SELECTED_VARIANTS = {
-    "per_query": dict(slc_kernel="per_query", slc_dkdv="inverted"),
-    "tiled16": dict(slc_kernel="tiled", slc_tile_rows=16, slc_dkdv="inverted"),
+    "per_query": dict(slc_kernel="per_query", slc_dkdv="inverted", slc_query_dq="recompute"),
+    "tiled16": dict(slc_kernel="tiled", slc_tile_rows=16, slc_dkdv="inverted", slc_query_dq="recompute"),
     # dK/dV of the query-driven variants by the by_block kernel (no dQ), 2 choosers of 6 heads per 16 rows
     "tiled64_dkdv_by_block": dict(slc_kernel="tiled", slc_tile_rows=64, slc_dkdv="by_block", slc_block_rows=16,
-                                  slc_block_chunk=8),
+                                  slc_block_chunk=8, slc_query_dq="recompute"),
     # 16 rows hold 2 choosers of 6 heads (4 rows idle); chunks of 8 choosers split the busy blocks over programs
     "by_block16_partial": dict(slc_kernel="by_block", slc_block_rows=16, slc_block_chunk=8),
     "by_block64_atomic": dict(slc_kernel="by_block", slc_block_rows=64, slc_block_chunk=16, slc_dq="atomic"),
@@ -502,14 +502,14 @@ def test_by_block_steps_skip_the_mask_only_where_every_chooser_sees_the_whole_bl
 
 
 CORE_VARIANTS = {  # three with the dense prefix: its dK/dV by groups (tiled_by_block) and by heads
-    "per_query": dict(slc_kernel="per_query", slc_dkdv="inverted", slc_dense_prefix=True),
+    "per_query": dict(slc_kernel="per_query", slc_dkdv="inverted", slc_query_dq="recompute", slc_dense_prefix=True),
     # without the prefix: the gated output summed in the per-query forward's epilogue (paper 32k-64k's variant)
     "per_query_dkdv_by_block": dict(slc_kernel="per_query", slc_dkdv="by_block", slc_block_rows=16,
-                                    slc_block_chunk=8),
+                                    slc_block_chunk=8, slc_query_dq="recompute"),
     "tiled_torch_gates": dict(slc_kernel="tiled", slc_tile_rows=64, gate_kernel="torch"),
     # the paper shapes' variant: tiled dQ adding into the two ranges' dQ (ACCUMULATE), by_block's dK/dV
     "tiled_dkdv_by_block": dict(slc_kernel="tiled", slc_tile_rows=16, slc_dkdv="by_block", slc_block_rows=16,
-                                slc_block_chunk=8),
+                                slc_block_chunk=8, slc_query_dq="recompute"),
     # the same with tiled's dQ from by_block's stored ds, with and without the dense prefix
     "tiled_dq_from_ds": dict(slc_kernel="tiled", slc_tile_rows=16, slc_dkdv="by_block", slc_query_dq="ds",
                              slc_block_rows=16, slc_block_chunk=8),
@@ -686,6 +686,7 @@ def test_selected_query_kernels_take_their_own_pipeline_stages(kernel, monkeypat
     for name in names:
         monkeypatch.setattr(triton_impl, name, Recorded(name, getattr(triton_impl, name)))
     launch = triton_impl.LaunchConfig(slc_kernel=kernel, slc_stages=5, slc_tile_stages=1, slc_dkdv="inverted",
+                                      slc_query_dq="recompute",
                                       dkdv_rows=32, dkdv_chunk=64)
     x = {n: t.float().to(DEVICE).requires_grad_() for n, t in inputs.items()}
     with triton_impl.use_launch_config(launch):
