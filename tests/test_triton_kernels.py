@@ -331,21 +331,8 @@ def test_selected_variants_match_reference(variant, structured, loads):
     cfg = NSAConfig(cmp_block=8, cmp_stride=4, sel_block=8, n_selected=3, window=8)
     B, T, H, G, Dk, Dv = 2, 43, 6, 2, 16, 32
     x = make_inputs(B, T, H, G, Dk, Dv, cfg, seed=11)
-    gen = torch.Generator().manual_seed(12)
-    num_blocks = (T + cfg.sel_block - 1) // cfg.sel_block
-    # Column 0 is the query's own block (forced, as in NSA); columns 1-2 are two other distinct blocks, possibly
-    # after the query (the causal mask must drop them) or -1; structured: shared by each run of 8 queries.
-    runs = (T + 7) // 8 if structured else T
-    others = torch.stack([torch.randperm(num_blocks - 1, generator=gen)[:2] for _ in range(B * runs * G)])
-    others = others.view(B, runs, G, 2)
-    if structured:
-        others = others.repeat_interleave(8, dim=1)[:, :T]
-    current = (torch.arange(T) // cfg.sel_block).view(1, T, 1, 1).expand(B, T, G, 1)
-    others = (current + 1 + others) % num_blocks
-    if not structured:
-        others = torch.where(torch.rand(others.shape, generator=gen) < 0.2, -1, others)
-    blocks = torch.cat([current, others], dim=-1)
-    check_selected_against_reference(x, blocks.to(torch.int32), cfg, triton_impl.LaunchConfig(
+    blocks = _choices(B, T, G, cfg, structured, seed=12)
+    check_selected_against_reference(x, blocks, cfg, triton_impl.LaunchConfig(
         dkdv_rows=32, dkdv_chunk=64, range_loads=loads, **SELECTED_VARIANTS[variant]))
 
 

@@ -915,15 +915,13 @@ def _selected_index(blocks, sel_block: int, kernel: str, hpg: int,
 
 
 def _selected_bwd(q, k, v, blocks, o, lse, index, do, sel_block: int, scale: float, kernel: str, delta=None,
-                  dq_add=None, prefix: int = 0, dq_slots: bool = False, dq_add_ready=None):
+                  dq_add=None, prefix: int = 0, dq_slots: bool = False):
     """(dq, dk, dv) of _selected_fwd, under the launch config its forward ran with (the caller pins it); index
     is the forward's (_selected_index), possibly followed by unused empty slots; delta as in _range_bwd;
     dq_add: one or two [B,T,H,Dk] tensors added into dq (folded into by_block's dQ slot sum; the query-driven
     dQ kernels add the first in place, so it must be the caller's own scratch, and it is returned as dq).
     dq_slots (by_block backward with dQ slots, no dense prefix): dq is by_block's per-slot contributions, for
-    the caller's range dQ kernel to sum (slc_slot_sum = "range_dq"). dq_add_ready: called before the first read of
-    dq_add, where that comes after other work (slc_query_dq "ds": by_block's backward runs first), so the caller can
-    compute dq_add beside it (_Beside.join)."""
+    the caller's range dQ kernel to sum (slc_slot_sum = "range_dq")."""
     q, k, v, blocks, do = q.contiguous(), _kv_rows(k), _kv_rows(v), blocks.contiguous(), do.contiguous()
     B, T, H, _ = q.shape
     G, n = k.shape[2], blocks.shape[-1]
@@ -943,8 +941,6 @@ def _selected_bwd(q, k, v, blocks, o, lse, index, do, sel_block: int, scale: flo
     if config.slc_query_dq == "ds":
         ds, dk, dv = _selected_by_block_bwd(q, k, v, blocks, do, lse, delta, _by_block_index(blocks, sel_block, config),
                                             common, scale, dq_mode=3, final_kv=final_kv)
-        if dq_add_ready is not None:
-            dq_add_ready()
         if kernel == "tiled":
             _tiled_dq_from_ds(k, index, blocks, ds, dq, common, accumulate)
         else:
@@ -1293,8 +1289,7 @@ class _Beside:
     the dQ slot sum are bound by DRAM (kernels-notes.md, v22): one queue leaves the tail of every kernel and the
     memory passes' idle matrix units unused. With side_stream the work starts at once on a second CUDA stream,
     ordered after what the current stream has queued (v26: about 0.1 ms of 3.74 at 125m 4 x 8k); join() makes the
-    current stream wait for it (for this work only: an event recorded after it, not what the second stream took on
-    later). Without side_stream, or off CUDA, join() runs it there, in order.
+    current stream wait for it. Without side_stream, or off CUDA, join() runs it there, in order.
 
     The work writes into tensors the caller allocated on the current stream, so nothing the second stream
     allocates outlives the work: its own temporaries go back to its pool in its own order, and no tensor needs
@@ -1312,14 +1307,12 @@ class _Beside:
             self.stream.wait_stream(main)
             with torch.cuda.stream(self.stream):
                 work()
-            self.done = torch.cuda.Event()
-            self.done.record(self.stream)
 
     def join(self) -> None:
         if self.stream is None:
             self.work()
         else:
-            torch.cuda.current_stream(self.stream.device).wait_event(self.done)
+            torch.cuda.current_stream(self.stream.device).wait_stream(self.stream)
 
 
 def _empty_index(device) -> torch.Tensor:
@@ -1466,14 +1459,6 @@ def _core_bwd(do: torch.Tensor, q: torch.Tensor, k_slc: torch.Tensor, v_slc: tor
     cmp = (q, _kv_rows(k_cmp), _kv_rows(v_cmp), d_cmp, lse_cmp, delta_cmp, *_cmp_range(cmp_block, cmp_stride, T))
     win = (q, _kv_rows(k_win), _kv_rows(v_win), d_win, lse_win, delta_win, *_win_range(window, T))
     prefix = _dense_prefix(T, blocks.shape[-1], sel_block)
-    # With the query-driven dQ from by_block's ds, the selected branch reads the two ranges' dQ only after its
-    # by_block backward: that dQ (one launch) runs beside it, ahead of the dK/dV on the second stream.
-    range_dq_beside = None
-    if (kernel in ("tiled", "per_query") and _config.slc_query_dq == "ds" and _range_pair_fused()
-            and not _slot_sum_in_range_dq(kernel, prefix)):
-        dq_pair = torch.empty_like(q)
-        range_dq_beside = _Beside(q.device, lambda: _range_dq_into(*cmp[:6], dq_pair, T, *cmp[6:], scale,
-                                                                   second=(*win[1:3], *win[4:])))
     # dK/dV of the compressed and window branches feed nothing else here: beside the dQ kernels.
     dkdv = [_range_dkdv_outputs(q, r[1], r[2], r[-1]) for r in (cmp, win)]
     range_dkdv = _Beside(q.device, lambda: [_range_dkdv_into(*r[:6], dk, dv, T, r[1].shape[1], *r[6:], scale)
@@ -1484,10 +1469,6 @@ def _core_bwd(do: torch.Tensor, q: torch.Tensor, k_slc: torch.Tensor, v_slc: tor
         dq = torch.empty_like(q)
         _range_dq_into(*cmp[:6], dq, T, *cmp[6:], scale, second=(*win[1:3], *win[4:]),
                        slots=(dq_slots, blocks.contiguous()))
-    elif range_dq_beside is not None:
-        dq, dk_slc, dv_slc = _selected_bwd(q, k_slc, v_slc, blocks, o_slc, lse_slc, index, d_slc, sel_block, scale,
-                                           kernel, delta=delta_slc, dq_add=(dq_pair,), prefix=prefix,
-                                           dq_add_ready=range_dq_beside.join)
     else:
         if _range_pair_fused():  # d_cmp = d_win = do: one dQ launch for both branches
             dq_add = [torch.empty_like(q)]
