@@ -110,3 +110,35 @@ def test_attention_recompute_keeps_less_by_what_it_recomputes_and_gives_the_same
     for name, grad in grads_kept.items():
         noise = rel(grad, grads_again[name])
         assert rel(grad, grads_less[name]) <= max(2 ** -8, 3 * noise), (name, noise)
+
+
+@pytest.mark.parametrize("slc_kernel", ["auto", "tiled"])  # auto runs per_query at this T
+def test_query_dq_from_stored_ds_past_int32_offsets_equals_recompute(slc_kernel):
+    """slc_query_dq="ds" stores by_block's ds at every (query, group, slot, head) row, 64 wide: 65,536 elements a
+    query at the paper shapes, so past T = 32,768 the ds tensor holds more than 2^31 elements and its offsets
+    must be int64 in by_block's store and in both dQ kernels that read it. No float64 reference fits there with
+    gradients; the judge is the recompute path (checked against the reference at every other shape), run on the
+    same inputs: each gradient within 1e-2 of its norm (ds is rounded to bf16 before its product; a wrapped
+    offset reads another query's ds and moves the rows past 2^31 by their whole size)."""
+    bench = _bench_module()
+    ti = bench.ti
+    cfg = bench.PAPER_NSA
+    B, T, H, G, D = 1, 36864, 64, 4, 128
+    assert B * T * G * cfg.n_selected * (H // G) * cfg.sel_block >= 2 ** 31
+    x = bench.make_inputs(B, T, H, G, D, D, cfg, torch.bfloat16, seed=5)
+    leaves = [x[n].requires_grad_() for n in bench.NAMES]
+    do = torch.randn(B, T, H, D, device="cuda", dtype=torch.bfloat16, generator=torch.Generator("cuda").manual_seed(6))
+    results = {}
+    for query_dq in ("recompute", "ds"):
+        with ti.use_launch_config(ti.LaunchConfig(slc_kernel=slc_kernel, slc_query_dq=query_dq)):
+            o = ti.nsa_attention(*leaves, cfg, scale=D ** -0.5)
+            results[query_dq] = [o.detach(), *torch.autograd.grad(o, leaves, do)]
+    for name, want, got in zip(("o", *bench.NAMES), results["recompute"], results["ds"]):
+        assert torch.isfinite(got).all(), name
+        err = ((got.float() - want.float()).norm() / want.float().norm()).item()
+        assert err <= 1e-2, (name, err)
+    # the rows past 2^31 ds elements on their own: a wrapped offset there would not hide in the norm above
+    first = -(-(2 ** 31) // (G * cfg.n_selected * (H // G) * cfg.sel_block))
+    tail_err = ((results["ds"][1][:, first:].float() - results["recompute"][1][:, first:].float()).norm()
+                / results["recompute"][1][:, first:].float().norm()).item()
+    assert tail_err <= 1e-2, tail_err
