@@ -319,8 +319,8 @@ def selected_block_bwd_kernel(Q, K, V, KD, VD, DO, LSE, DELTA, ORDER, STARTS, WO
     """DQ_MODE: 0 no dQ (the query-driven variants compute it), 1 store each chooser's contribution at its slot
     (DQ_OUT rows as the partials), 2 add it atomically into a float32 DQ_OUT [B, T, H, DK], 3 store each chooser's
     ds (scale included, rounded as dK's product takes it) at its slot, DQ_OUT rows of BLOCK_S columns, for the
-    tiled dQ to multiply by the keys (selected_tiled_dq_from_ds_kernel): dQ with one product a block instead of
-    three, and only for the queries that chose it.
+    query-driven dQ to multiply by the keys (selected_tiled_dq_from_ds_kernel, selected_dq_from_ds_kernel): dQ
+    with one product a block instead of three, and only for the queries that chose it.
 
     FINAL_KV: the block's dK, dV end in DK_OUT, DV_OUT (their dtype) instead of staying in the float32
     accumulators for a cast launch after (0.4 ms per training step at T = 2048, kernels-notes.md v20). The work
@@ -376,7 +376,7 @@ def selected_block_bwd_kernel(Q, K, V, KD, VD, DO, LSE, DELTA, ORDER, STARTS, WO
             elif DQ_MODE == 2:
                 dq = tl.dot(ds, k, input_precision=DOT_PRECISION)
                 tl.atomic_add(DQ_OUT + row_q[:, None] * DK + offs_dk[None, :], dq, mask=q_ok, sem="relaxed")
-            elif DQ_MODE == 3:  # ds itself, zero where not visible; the tiled dQ reads it (selected_tiled.py)
+            elif DQ_MODE == 3:  # ds itself, zero where not visible; the query-driven dQ kernels read it
                 offs_s = tl.arange(0, BLOCK_S)
                 tl.store(DQ_OUT + row_p[:, None] * BLOCK_S + offs_s[None, :], ds, mask=r_ok[:, None],
                          eviction_policy="evict_first")
