@@ -124,7 +124,8 @@ def test_query_dq_from_stored_ds_past_int32_offsets_equals_recompute(slc_kernel)
     ti = bench.ti
     cfg = bench.PAPER_NSA
     B, T, H, G, D = 1, 36864, 64, 4, 128
-    assert B * T * G * cfg.n_selected * (H // G) * cfg.sel_block >= 2 ** 31
+    ds_per_query = G * cfg.n_selected * (H // G) * cfg.sel_block
+    assert B * T * ds_per_query >= 2 ** 31
     x = bench.make_inputs(B, T, H, G, D, D, cfg, torch.bfloat16, seed=5)
     leaves = [x[n].requires_grad_() for n in bench.NAMES]
     do = torch.randn(B, T, H, D, device="cuda", dtype=torch.bfloat16, generator=torch.Generator("cuda").manual_seed(6))
@@ -133,12 +134,13 @@ def test_query_dq_from_stored_ds_past_int32_offsets_equals_recompute(slc_kernel)
         with ti.use_launch_config(ti.LaunchConfig(slc_kernel=slc_kernel, slc_query_dq=query_dq)):
             o = ti.nsa_attention(*leaves, cfg, scale=D ** -0.5)
             results[query_dq] = [o.detach(), *torch.autograd.grad(o, leaves, do)]
+
+    def rel(got, want):
+        return ((got.float() - want.float()).norm() / want.float().norm()).item()
     for name, want, got in zip(("o", *bench.NAMES), results["recompute"], results["ds"]):
         assert torch.isfinite(got).all(), name
-        err = ((got.float() - want.float()).norm() / want.float().norm()).item()
-        assert err <= 1e-2, (name, err)
-    # the rows past 2^31 ds elements on their own: a wrapped offset there would not hide in the norm above
-    first = -(-(2 ** 31) // (G * cfg.n_selected * (H // G) * cfg.sel_block))
-    tail_err = ((results["ds"][1][:, first:].float() - results["recompute"][1][:, first:].float()).norm()
-                / results["recompute"][1][:, first:].float().norm()).item()
+        assert rel(got, want) <= 1e-2, (name, rel(got, want))
+    # dq's rows past 2^31 ds elements on their own: a wrapped offset there would not hide in the norm above
+    first = -(-(2 ** 31) // ds_per_query)
+    tail_err = rel(results["ds"][1][:, first:], results["recompute"][1][:, first:])
     assert tail_err <= 1e-2, tail_err

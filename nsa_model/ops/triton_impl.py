@@ -1078,8 +1078,8 @@ def _selected_by_block_bwd(q, k, v, blocks, do, lse, delta, index, common, scale
     the dQ slot sum. dk and dv: with final_kv the gradients in k's and v's dtype, written by the kernel itself;
     else float32 accumulators that the caller adds to and casts (the dense prefix). dq_mode 0 computes dK/dV
     only (for the query-driven variants); 3 also stores ds, returned in dq's place as [B*T*G*n*hpg, BLOCK_S] rows
-    (for the query-driven dQ from ds, _selected_bwd); None follows slc_dq. dq_add: one or two [B,T,H,Dk] tensors added into
-    dq (the other branches' dQ), by the slot sum where it runs. dq_slots (with dQ slots): no slot sum; dq is
+    (for the query-driven dQ from ds, _selected_bwd); None follows slc_dq. dq_add: one or two [B,T,H,Dk] tensors
+    added into dq (the other branches' dQ), by the slot sum where it runs. dq_slots (with dQ slots): no slot sum; dq is
     the slots' rows [B*T*G*n*hpg, Dk] as the kernel wrote them."""
     order, starts, work_seg, work_chunk = index
     B, T, H, dk_dim = q.shape
