@@ -26,6 +26,8 @@ import yaml
 
 from ports import free_ports
 
+pytestmark = pytest.mark.xdist_group("ray")  # one Ray cluster at a time (pyproject.toml)
+
 REPO = Path(__file__).resolve().parents[1]
 RAY = str(Path(sys.executable).with_name("ray"))
 
@@ -182,7 +184,7 @@ def test_autoscaler_adds_a_node_and_the_training_job_completes_across_nodes(fake
 
     job = run_job(fake_cluster, pretrain_args(tmp_path), timeout=540)
     assert job.returncode == 0, f"job failed:\n{job.stdout[-4000:]}\n{job.stderr[-6000:]}"
-    assert f"done in" in job.stdout and f"step {MAX_STEPS}," in job.stdout, job.stdout[-3000:]
+    assert "done in" in job.stdout and f"step {MAX_STEPS}," in job.stdout, job.stdout[-3000:]
 
     # The autoscaler launched worker nodes for it, and they joined.
     assert "Adding 1 node(s) of type cpu.worker" in fake_cluster.monitor_log()

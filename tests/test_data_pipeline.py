@@ -20,6 +20,8 @@ from pipeline.data.source import list_source_files, needed_columns, read_file_ba
 from pipeline.data.stats import DataStats
 from test_data_fixtures import fineweb_rows, write_corpus, write_fineweb
 
+pytestmark = pytest.mark.xdist_group("ray")  # one Ray cluster at a time (pyproject.toml)
+
 SEQ_LEN = 31  # blocks of 32 tokens: many blocks from a small corpus, documents spanning blocks
 
 

@@ -1,6 +1,5 @@
 """Tokenizers: BPE training round trip, the byte tokenizer, EOS placement, and clear load errors."""
 
-import numpy as np
 import pytest
 
 from pipeline.data.config import DataConfig

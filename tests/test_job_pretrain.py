@@ -18,7 +18,7 @@ import pytest
 from ports import free_ports
 from test_train_support import REPO, SEQ_LEN, SMALL_MODEL
 
-pytestmark = pytest.mark.timeout(900)
+pytestmark = [pytest.mark.timeout(900), pytest.mark.xdist_group("ray")]  # one Ray cluster at a time (pyproject.toml)
 VENV_BIN = Path(sys.executable).parent
 
 

@@ -125,7 +125,7 @@ def _selection_and_reference(cfg, *, T, H, G, Dk, seed, launch=None):
     return blocks, blocks_ref, lse, lse_ref
 
 
-@pytest.mark.parametrize("chunk_splits,loads", [(0, "tma"), (1, "tma"), (2, "tma"), (0, "pointer")])
+@pytest.mark.parametrize("chunk_splits,loads", [(0, "tma"), (1, "pointer"), (2, "tma")])
 def test_selection_across_chunks_matches_reference(chunk_splits, loads):
     """More blocks than one chunk of the selection kernel (16, 32 or 64 blocks: n_pad = 16, the kernel's floor,
     times 2^splits; 70 blocks here): the running top-n merge, the halving of a chunk to its top n_pad, and the
@@ -321,8 +321,17 @@ SELECTED_VARIANTS = {
 }
 
 
-@pytest.mark.parametrize("variant", list(SELECTED_VARIANTS))
-@pytest.mark.parametrize("structured,loads", [(False, "tma"), (True, "tma"), (False, "pointer")])
+# Every variant on random choices through descriptors; structured choices for the variants whose work follows the
+# sharing (tiled's unions, by_block's chooser lists); pointer loads once for each kernel that reads key blocks.
+SHARING_VARIANTS = ("tiled16", "tiled64_dkdv_by_block", "by_block16_partial", "by_block64_atomic", "tiled_by_block",
+                    "tiled64_dq_from_ds")
+POINTER_VARIANTS = ("per_query", "tiled16", "by_block16_partial", "tiled64_dq_from_ds", "per_query_dq_from_ds")
+SELECTED_CASES = ([(variant, False, "tma") for variant in SELECTED_VARIANTS]
+                  + [(variant, True, "tma") for variant in SHARING_VARIANTS]
+                  + [(variant, False, "pointer") for variant in POINTER_VARIANTS])
+
+
+@pytest.mark.parametrize("variant,structured,loads", SELECTED_CASES)
 def test_selected_variants_match_reference(variant, structured, loads):
     """Every selected-attention variant (per query; per tile of queries walking the union of their blocks; per
     key block over its choosers, with dQ by slot sums or atomics), forward and all three gradients, on random
@@ -336,8 +345,8 @@ def test_selected_variants_match_reference(variant, structured, loads):
         dkdv_rows=32, dkdv_chunk=64, range_loads=loads, **SELECTED_VARIANTS[variant]))
 
 
-@pytest.mark.parametrize("H, G, rows", [(8, 2, 16), (12, 2, 16), (32, 2, 64)])
-@pytest.mark.parametrize("structured", [False, True])
+@pytest.mark.parametrize("H, G, rows, structured", [(8, 2, 16, False), (12, 2, 16, False), (32, 2, 64, False),
+                                                    (32, 2, 64, True)])
 @pytest.mark.parametrize("kernel", ["tiled", "per_query"])
 def test_query_dq_from_stored_ds_matches_reference(H, G, rows, structured, kernel):
     """slc_query_dq = "ds": by_block's dK/dV stores each (query, block) slot's ds. tiled's dQ multiplies the union's
@@ -695,24 +704,49 @@ def reference_with_grads(inputs, cfg, scale):
 
 
 @pytest.mark.parametrize("variant", list(CORE_VARIANTS))
-def test_core_op_backward_matches_reference_under_every_variant(variant):
+def test_core_op_backward_matches_reference_under_every_variant(variant, monkeypatch):
     """nsa::core_bwd takes each branch's row term from the gate backward and folds the compressed and window dQ
     into the selected branch's (by_block: its dQ slots summed in the range dQ kernel, or the range dQ added by the
     slot-sum pass): all eight gradients against the reference, under every selected variant and both gate
-    kernels."""
+    kernels. The K/V sets are sliced from one [B, T, sets, G, D] tensor (tokens 3 * G * D elements apart; how
+    NSAAttention handed them over before rope_split gave each set its own tensor): every kernel reads them where
+    they lie at that row pitch (no copy of any K/V set is made), and the set no branch reads gets no gradient."""
     cfg = NSAConfig(cmp_block=8, cmp_stride=4, sel_block=8, n_selected=3, window=8)
     B, T, H, G, Dk, Dv = 1, 29, 6, 2, 16, 32
     inputs = make_inputs(B, T, H, G, Dk, Dv, cfg, seed=21)
     scale = Dk ** -0.5
     o_ref, ref_in, grad_out = reference_with_grads(inputs, cfg, scale)
-    tri_in = {n: x.float().to(DEVICE).requires_grad_() for n, x in inputs.items()}
+
+    # sets in the model's order (cmp, slc, win); the compressed set stays a separate tensor, as phi's output is
+    stacked_k = torch.stack([torch.zeros_like(inputs["k_slc"]), inputs["k_slc"], inputs["k_win"]], dim=2)
+    stacked_v = torch.stack([torch.zeros_like(inputs["v_slc"]), inputs["v_slc"], inputs["v_win"]], dim=2)
+    stacked_k = stacked_k.float().to(DEVICE).requires_grad_()
+    stacked_v = stacked_v.float().to(DEVICE).requires_grad_()
+    _, k_slc, k_win = stacked_k.unbind(2)
+    _, v_slc, v_win = stacked_v.unbind(2)
+    rest = {n: inputs[n].float().to(DEVICE).requires_grad_() for n in ("q", "k_cmp", "v_cmp", "gates")}
+    copied = []
+    contiguous = torch.Tensor.contiguous
+
+    def recording_contiguous(self, *args, **kwargs):
+        if not self.is_contiguous() and self.dim() == 4 and self.shape[1] == T and self.shape[2] == G:
+            copied.append(tuple(self.shape))
+        return contiguous(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "contiguous", recording_contiguous)
     with triton_impl.use_launch_config(triton_impl.LaunchConfig(dkdv_rows=32, dkdv_chunk=64,
                                                                 **CORE_VARIANTS[variant])):
-        o = triton_impl.nsa_attention(*tri_in.values(), cfg, scale=scale)
+        o = triton_impl.nsa_attention(rest["q"], k_slc, v_slc, k_win, v_win, rest["k_cmp"], rest["v_cmp"],
+                                      rest["gates"], cfg, scale=scale)
         o.backward(grad_out.float().to(DEVICE))
+    monkeypatch.undo()
+    assert not k_slc.is_contiguous() and copied == []
     assert rel_err(o, o_ref) <= FP32_TOL
+    grads = {"k_slc": stacked_k.grad[:, :, 1], "k_win": stacked_k.grad[:, :, 2], "v_slc": stacked_v.grad[:, :, 1],
+             "v_win": stacked_v.grad[:, :, 2], **{n: x.grad for n, x in rest.items()}}
     for name in NAMES:
-        assert rel_err(tri_in[name].grad, ref_in[name].grad) <= FP32_TOL, name
+        assert rel_err(grads[name], ref_in[name].grad) <= FP32_TOL, name
+    assert stacked_k.grad[:, :, 0].abs().max() == 0 and stacked_v.grad[:, :, 0].abs().max() == 0
 
 
 @pytest.mark.parametrize("dense_prefix", [True, False])
@@ -798,50 +832,6 @@ def test_fused_gate_backward_folds_each_gate_into_its_branch_lse():
     assert lse_g[0, 0, 0, 0].item() == float("-inf") and lse_g[0, 0, 0, 1].item() == float("-inf")
     assert lse_g[1, 0, 0, 0].item() == float("inf")  # g = 0 (all three gates of that row), lse finite
     assert torch.allclose(lse_g.cpu(), expected, rtol=1e-5, atol=1e-5)
-
-
-@pytest.mark.parametrize("variant", list(CORE_VARIANTS))
-def test_core_reads_key_sets_sliced_from_a_stacked_projection_in_place(variant, monkeypatch):
-    """The core reads K/V sets sliced from one [B, T, sets, G, D] tensor (tokens 3 * G * D elements apart; how
-    NSAAttention handed them over before rope_split gave each set its own tensor) where they lie: every kernel
-    takes that row pitch (no copy of any K/V set is made), and output and gradients are those of contiguous
-    inputs."""
-    cfg = NSAConfig(cmp_block=8, cmp_stride=4, sel_block=8, n_selected=3, window=8)
-    B, T, H, G, Dk, Dv = 2, 29, 6, 2, 16, 32
-    inputs = make_inputs(B, T, H, G, Dk, Dv, cfg, seed=23)
-    scale = Dk ** -0.5
-    o_ref, ref_in, grad_out = reference_with_grads(inputs, cfg, scale)
-
-    # sets in the model's order (cmp, slc, win); the compressed set stays a separate tensor, as phi's output is
-    stacked_k = torch.stack([torch.zeros_like(inputs["k_slc"]), inputs["k_slc"], inputs["k_win"]], dim=2)
-    stacked_v = torch.stack([torch.zeros_like(inputs["v_slc"]), inputs["v_slc"], inputs["v_win"]], dim=2)
-    stacked_k = stacked_k.float().to(DEVICE).requires_grad_()
-    stacked_v = stacked_v.float().to(DEVICE).requires_grad_()
-    _, k_slc, k_win = stacked_k.unbind(2)
-    _, v_slc, v_win = stacked_v.unbind(2)
-    rest = {n: inputs[n].float().to(DEVICE).requires_grad_() for n in ("q", "k_cmp", "v_cmp", "gates")}
-    copied = []
-    contiguous = torch.Tensor.contiguous
-
-    def recording_contiguous(self, *args, **kwargs):
-        if not self.is_contiguous() and self.dim() == 4 and self.shape[1] == T and self.shape[2] == G:
-            copied.append(tuple(self.shape))
-        return contiguous(self, *args, **kwargs)
-
-    monkeypatch.setattr(torch.Tensor, "contiguous", recording_contiguous)
-    with triton_impl.use_launch_config(triton_impl.LaunchConfig(dkdv_rows=32, dkdv_chunk=64,
-                                                                **CORE_VARIANTS[variant])):
-        o = triton_impl.nsa_attention(rest["q"], k_slc, v_slc, k_win, v_win, rest["k_cmp"], rest["v_cmp"],
-                                      rest["gates"], cfg, scale=scale)
-        o.backward(grad_out.float().to(DEVICE))
-    monkeypatch.undo()
-    assert not k_slc.is_contiguous() and copied == []
-    assert rel_err(o, o_ref) <= FP32_TOL
-    grads = {"k_slc": stacked_k.grad[:, :, 1], "k_win": stacked_k.grad[:, :, 2], "v_slc": stacked_v.grad[:, :, 1],
-             "v_win": stacked_v.grad[:, :, 2], **{n: x.grad for n, x in rest.items()}}
-    for name in NAMES:
-        assert rel_err(grads[name], ref_in[name].grad) <= FP32_TOL, name
-    assert stacked_k.grad[:, :, 0].abs().max() == 0 and stacked_v.grad[:, :, 0].abs().max() == 0
 
 
 def test_core_backward_in_half_precision_matches_reference():

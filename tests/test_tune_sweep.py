@@ -26,6 +26,8 @@ from pipeline.config import load_job_config  # noqa: E402
 from pipeline.tune import SUMMARY_COLUMNS, format_summary, init_ray, run_sweep  # noqa: E402
 from test_tune_support import EXPERIMENT, OVERRIDES, REPO  # noqa: E402
 
+pytestmark = pytest.mark.xdist_group("ray")  # one Ray cluster at a time (pyproject.toml)
+
 # Every trial pauses after its step-1 checkpoint: the window in which the test kills the sweep's driver.
 OVERRIDES = [*OVERRIDES, "train.debug.stall_at_step=1", "train.debug.stall_seconds=5"]
 
