@@ -1,4 +1,5 @@
-""".ci/run's last check: a pytest run in which no test ran (all skipped, or none collected) fails CI."""
+""".ci/run and scripts/test.sh: a pytest run in which no test ran (all skipped, or none collected) fails CI; the
+suite's xdist groups hold."""
 
 from __future__ import annotations
 
@@ -79,3 +80,56 @@ def test_ci_run_script_end_to_end(tmp_path, body, ok):
     assert (proc.returncode == 0) == ok, proc.stdout + proc.stderr
     if body.startswith("import pytest"):
         assert "CI: no test ran" in proc.stderr
+
+
+GROUPED = '''
+import os
+import time
+
+import pytest
+
+pytestmark = pytest.mark.xdist_group("ray")
+
+
+@pytest.mark.parametrize("i", range(4))
+def test_grouped(i):
+    time.sleep(0.2)
+    with open("workers.txt", "a") as f:
+        f.write(os.environ["PYTEST_XDIST_WORKER"] + "\\n")
+'''
+
+FREE = '''
+import time
+
+import pytest
+
+
+@pytest.mark.parametrize("i", range(4))
+def test_free(i):
+    time.sleep(0.2)
+'''
+
+# Test modules that start a Ray cluster (a local one, `ray start`, or a job or sweep that starts one).
+STARTS_RAY = ("ray.init(", "init_ray(", '"start", "--head"', "run_pretraining(", "run_sweep(")
+
+
+def test_modules_that_start_ray_share_one_xdist_group_and_the_group_holds(tmp_path):
+    """scripts/test.sh runs the suite on pytest-xdist workers with --dist loadgroup; two Ray clusters at once would
+    share two cores, and one module split over two workers runs its module fixtures (a sweep, prepared data)
+    twice. So every module that starts Ray carries xdist_group("ray"), and with the installed pytest and
+    pytest-xdist a group really runs on one worker (pytest 9.2 made xdist 3.8 ignore groups without a word)."""
+    assert "-n auto --dist loadgroup" in (REPO / "scripts" / "test.sh").read_text()
+    starting = [p for p in sorted((REPO / "tests").glob("test_*.py"))
+                if p.name != "test_ci.py" and any(s in p.read_text() for s in STARTS_RAY)]
+    assert len(starting) >= 5, starting
+    for path in starting:
+        assert 'pytest.mark.xdist_group("ray")' in path.read_text(), f"{path.name} starts Ray outside the group"
+
+    (tmp_path / "test_grouped.py").write_text(GROUPED)
+    (tmp_path / "test_free.py").write_text(FREE)
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "2", "--dist",
+                           "loadgroup", "test_grouped.py", "test_free.py"], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    workers = (tmp_path / "workers.txt").read_text().split()
+    assert len(workers) == 4 and len(set(workers)) == 1, workers

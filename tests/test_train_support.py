@@ -9,6 +9,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from filelock import FileLock
+
 REPO = Path(__file__).resolve().parents[1]
 CACHE = REPO / "outputs" / "test-cache"
 SEQ_LEN = 32
@@ -31,8 +33,10 @@ def prepared_data_dir() -> str:
     cfg = DataConfig(seq_len=SEQ_LEN, max_files=1, output_dir=str(REPO / "outputs"), row_group_blocks=ROW_GROUP_BLOCKS)
     sha = load_tokenizer(cfg).sha256[:10]
     out = CACHE / f"packed-embedded-f1-{sha}-L{SEQ_LEN}-rg{ROW_GROUP_BLOCKS}"
-    if not (out / "manifest.json").exists():
-        prepare_blocks(cfg, out, progress=False)
+    CACHE.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(out) + ".lock"):  # another pytest worker may be preparing the same cache
+        if not (out / "manifest.json").exists():
+            prepare_blocks(cfg, out, progress=False)
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["splits"]["train"]["blocks"] > 500 and manifest["splits"]["val"]["blocks"] > 8
     return str(out)
