@@ -14,7 +14,7 @@ import torch
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="bf16 large-T checks need a CUDA GPU")
 
 BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench", "kernels.py")
-N_CHECKS = 13  # len(bench/kernels.py CHECKS)
+N_CHECKS = 14  # len(bench/kernels.py CHECKS)
 
 
 def _bench_module():
