@@ -110,6 +110,9 @@ class LaunchConfig:
     # compressed dK/dV: split the query axis until about this many programs (v26f: beside the selected branch on the
     # second stream, 1024 beat 2048 by 0.05 ms at 125m 4 x 8k and 16 x 2k, a tie at paper 64k; 512 lost 0.9 ms there)
     range_dkdv_programs: int = 1024
+    # compressed dK/dV: > 0 splits the query axis into absolute chunks of this many queries instead, chunk-major,
+    # so that the programs running together share one head's q and dO rows in L2 (ALIGNED_CHUNKS); 0: off
+    range_dkdv_q_chunk: int = 0
     slc_warps: int = 2  # per-query selected forward and dQ (2 beat 4 in the v2 sweep on H100; v37 again)
     slc_stages: int = 3  # per-query forward and dQ (v37 sweep: 2 -> 3 took 3% off paper 16k's selected branch)
     # the tiled forward at head dims <= 64 and the tiled dQ (v37: 3 stages cost paper 8k's dQ 1.64 -> 1.83 ms)
@@ -172,7 +175,8 @@ class LaunchConfig:
             if f.name in choices or f.name in RANGE_TILE_FIELDS or f.name in BOOL_FIELDS or f.name in SELECT_FIELDS:
                 continue
             value = getattr(self, f.name)
-            zero_ok = ("slc_auto_tiled_fwd_blocks", "slc_auto_tiled_blocks", "slc_block_prefetch_dims")
+            zero_ok = ("slc_auto_tiled_fwd_blocks", "slc_auto_tiled_blocks", "slc_block_prefetch_dims",
+                       "range_dkdv_q_chunk")
             low = 0 if f.name in zero_ok else 1
             if not isinstance(value, int) or value < low:
                 raise ValueError(f"LaunchConfig.{f.name}: must be an int >= {low}, got {value!r}")
@@ -390,7 +394,7 @@ def _range_dkdv(q, k, v, do, lse, delta, key_stride: int, key_offset: int, windo
 def _range_dkdv_outputs(q, k, v, window: int) -> tuple[torch.Tensor, torch.Tensor]:
     """What _range_dkdv_into writes dK, dV into: float32 accumulators where programs add (atomic), to be cast once
     at the end; else empty tensors in k's and v's dtype, each key row stored once (no zero fill, no cast)."""
-    atomic, _, _ = _range_dkdv_split(q, k, v, q.shape[1], window)
+    atomic = _range_dkdv_split(q, k, v, q.shape[1], window)[0]
     if atomic:
         return _fp32_accumulators(k, v)
     return (torch.empty(k.shape, dtype=k.dtype, device=k.device),
@@ -423,13 +427,15 @@ def _range_dq_into(q, k, v, do, lse, delta, dq, num_queries: int, key_stride: in
         **({} if slots is None else dict(DQ_SLOTS=slots[0], SLOT_BLOCKS=slots[1], N_SLOTS=slots[1].shape[-1])))
 
 
-def _range_dkdv_split(q, k, v, num_queries: int, window: int, prefix: bool = False) -> tuple[bool, int, int]:
+def _range_dkdv_split(q, k, v, num_queries: int, window: int,
+                      prefix: bool = False) -> tuple[bool, int, int, bool]:
     """(atomic, head_split, q_chunk) of the dK/dV kernel. A key tile of the compressed branch is seen by up to T
     queries: one head per program and chunks of the query axis (atomic adds) spread that over the GPU. A window
     tile is seen by ~w queries: one program per group is enough (window_dkdv = "group"), or one per head (atomic
     adds). The selected branch's dense prefix (prefix) is seen by up to n * l' queries: one program per group
     where that makes at least prefix_dkdv_group_programs programs (fewer atomics: v15 measured 7.9 ms per step
-    for one per head at 16 x 2k), else as the compressed branch."""
+    for one per head at 16 x 2k), else as the compressed branch. The last item: whether the chunks are absolute
+    (range_dkdv_q_chunk; the compressed branch only)."""
     launch = _range_launch(q, v, "dkdv")
     bm, bn = launch["BLOCK_M"], launch["BLOCK_N"]
     B, _, H, _ = q.shape
@@ -437,6 +443,9 @@ def _range_dkdv_split(q, k, v, num_queries: int, window: int, prefix: bool = Fal
     key_tiles, query_tiles = triton.cdiv(min(k.shape[1], num_queries), bn), triton.cdiv(num_queries, bm)
     if prefix and max(key_tiles, 1) * B * G >= _config.prefix_dkdv_group_programs:
         head_split, q_chunk = 1, query_tiles * bm
+    elif window >= num_queries and not prefix and _config.range_dkdv_q_chunk > 0:
+        q_chunk = triton.cdiv(_config.range_dkdv_q_chunk, bm) * bm
+        return True, H // G, q_chunk, True
     elif window >= num_queries:
         head_split = H // G
         chunks = triton.cdiv(_config.range_dkdv_programs, max(key_tiles, 1) * B * G * head_split)
@@ -444,7 +453,7 @@ def _range_dkdv_split(q, k, v, num_queries: int, window: int, prefix: bool = Fal
     else:
         head_split = H // G if _config.window_dkdv == "head" else 1
         q_chunk = query_tiles * bm
-    return head_split > 1 or q_chunk < num_queries, head_split, q_chunk
+    return head_split > 1 or q_chunk < num_queries, head_split, q_chunk, False
 
 
 def _range_dkdv_into(q, k, v, do, lse, delta, dk, dv, num_queries: int, num_key_rows: int, key_stride: int,
@@ -455,15 +464,15 @@ def _range_dkdv_into(q, k, v, do, lse, delta, dk, dv, num_queries: int, num_key_
     B, T, H, _ = q.shape
     num_keys, G = k.shape[1], k.shape[2]
     launch = _range_launch(q, v, "dkdv")
-    atomic, head_split, q_chunk = _range_dkdv_split(q, k, v, num_queries, window, prefix=prefix)
+    atomic, head_split, q_chunk, aligned = _range_dkdv_split(q, k, v, num_queries, window, prefix=prefix)
     atomic = atomic or prefix
     if num_key_rows > 0 and num_queries > 0:
-        range_attn_bwd_dkdv_kernel[(B * G * head_split, triton.cdiv(num_key_rows, launch["BLOCK_N"]),
-                                    triton.cdiv(num_queries, q_chunk))](
+        grid = (B * G * head_split, triton.cdiv(num_key_rows, launch["BLOCK_N"]), triton.cdiv(num_queries, q_chunk))
+        range_attn_bwd_dkdv_kernel[(grid[1], grid[0], grid[2]) if aligned else grid](
             q, k, v, do, LSE=lse, DELTA=delta, DK_ACC=dk, DV_ACC=dv, T=T, num_queries=num_queries, num_keys=num_keys,
             scale=scale, key_stride=key_stride, key_offset=key_offset, window=window, q_chunk=q_chunk,
             **_kv_strides(k, v), HEAD_SPLIT=head_split, ATOMIC=atomic, H=H, G=G, **_head_dims(q, v), **launch,
-            **_tile_args(launch, dict(QD=q, DOD=do), dict(KD=k, VD=v)))
+            **_tile_args(launch, dict(QD=q, DOD=do), dict(KD=k, VD=v)), ALIGNED_CHUNKS=aligned)
 
 
 def _range_pair_fused() -> bool:
