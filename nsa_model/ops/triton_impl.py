@@ -110,8 +110,9 @@ class LaunchConfig:
     # compressed dK/dV: split the query axis until about this many programs (v26f: beside the selected branch on the
     # second stream, 1024 beat 2048 by 0.05 ms at 125m 4 x 8k and 16 x 2k, a tie at paper 64k; 512 lost 0.9 ms there)
     range_dkdv_programs: int = 1024
-    # compressed dK/dV: > 0 splits the query axis into absolute chunks of this many queries instead, chunk-major,
-    # so that the programs running together share one head's q and dO rows in L2 (ALIGNED_CHUNKS); 0: off
+    # compressed dK/dV: > 0 splits the query axis into absolute chunks of this many queries instead where T is
+    # longer, chunk-major, so that the programs running together share one head's q and dO rows in L2
+    # (ALIGNED_CHUNKS); 0: off
     range_dkdv_q_chunk: int = 0
     slc_warps: int = 2  # per-query selected forward and dQ (2 beat 4 in the v2 sweep on H100; v37 again)
     slc_stages: int = 3  # per-query forward and dQ (v37 sweep: 2 -> 3 took 3% off paper 16k's selected branch)
@@ -443,7 +444,7 @@ def _range_dkdv_split(q, k, v, num_queries: int, window: int,
     key_tiles, query_tiles = triton.cdiv(min(k.shape[1], num_queries), bn), triton.cdiv(num_queries, bm)
     if prefix and max(key_tiles, 1) * B * G >= _config.prefix_dkdv_group_programs:
         head_split, q_chunk = 1, query_tiles * bm
-    elif window >= num_queries and not prefix and _config.range_dkdv_q_chunk > 0:
+    elif window >= num_queries and not prefix and 0 < _config.range_dkdv_q_chunk < num_queries:
         q_chunk = triton.cdiv(_config.range_dkdv_q_chunk, bm) * bm
         return True, H // G, q_chunk, True
     elif window >= num_queries:
