@@ -112,8 +112,9 @@ class LaunchConfig:
     range_dkdv_programs: int = 1024
     # compressed dK/dV: > 0 splits the query axis into absolute chunks of this many queries instead where T is
     # longer, chunk-major, so that the programs running together share one head's q and dO rows in L2
-    # (ALIGNED_CHUNKS); 0: off
-    range_dkdv_q_chunk: int = 0
+    # (ALIGNED_CHUNKS); 0: off. v57 on an H200, NSA under CUDA graphs: 4096 took paper 8k -0.5%, 32k -2.2%,
+    # 64k -1.9%, 128k -5.4%, 125m 4 x 8k -0.6%, 1 x 32k -1.2%
+    range_dkdv_q_chunk: int = 4096
     slc_warps: int = 2  # per-query selected forward and dQ (2 beat 4 in the v2 sweep on H100; v37 again)
     slc_stages: int = 3  # per-query forward and dQ (v37 sweep: 2 -> 3 took 3% off paper 16k's selected branch)
     # the tiled forward at head dims <= 64 and the tiled dQ (v37: 3 stages cost paper 8k's dQ 1.64 -> 1.83 ms)
