@@ -74,10 +74,11 @@ CASES = [
              **({} if slots else dict(DQ_SLOTS=None, SLOT_BLOCKS=None))),
         dict(num_warps=4, num_stages=3), f"TWO_RANGES={two},N_SLOTS={slots}",
         descs=dict(QD=64, DOD=64, KD=32, VD=32, K2D=32, V2D=32))],
-    *[c for split, atomic in ((6, True), (1, False)) for c in _tma_cases(
+    # per head with atomic adds, in relative or absolute (ALIGNED_CHUNKS: its early return) chunks; per group
+    *[c for split, atomic, aligned in ((6, True, False), (6, True, True), (1, False, False)) for c in _tma_cases(
         "range_attn_bwd_dkdv_kernel", "range_attention", dict(ROW_TERMS, **(ACCS if atomic else {})),
-        dict(q_chunk="i32", **RANGE_SCALARS), dict(RANGE, HEAD_SPLIT=split, ATOMIC=atomic),
-        dict(num_warps=4, num_stages=3), f"HEAD_SPLIT={split},ATOMIC={atomic}",
+        dict(q_chunk="i32", **RANGE_SCALARS), dict(RANGE, HEAD_SPLIT=split, ATOMIC=atomic, ALIGNED_CHUNKS=aligned),
+        dict(num_warps=4, num_stages=3), f"HEAD_SPLIT={split},ATOMIC={atomic},ALIGNED_CHUNKS={aligned}",
         descs=dict(QD=64, DOD=64, KD=64, VD=64))],
     # alone, and with the gated sum in its epilogue (nsa::core's forward)
     *[c for gated in (False, True) for c in _tma_cases(

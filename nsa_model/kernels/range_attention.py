@@ -369,9 +369,6 @@ def range_attn_bwd_dkdv_kernel(Q, K, V, DO, QD, KD, VD, DOD, LSE, DELTA, DK_ACC,
     n_ok = offs_n < num_keys
     tok = (b * num_keys + offs_n).to(tl.int64)
     row_k = tok * G + g  # the gradients' rows: dK and dV are contiguous
-    k, v = _key_tile(K, V, KD, VD, K_ROW, V_ROW, b, g, pid_n * BLOCK_N, n_ok, num_keys, DK, DV, BLOCK_DK, BLOCK_DV,
-                     BLOCK_N, True, TMA)
-
     # Queries that may see this tile: from its first key's position to its last key's position + window - 1.
     first_pos = pid_n * BLOCK_N * key_stride + key_offset
     last_pos = (pid_n * BLOCK_N + BLOCK_N - 1) * key_stride + key_offset
@@ -382,9 +379,13 @@ def range_attn_bwd_dkdv_kernel(Q, K, V, DO, QD, KD, VD, DOD, LSE, DELTA, DK_ACC,
         c_lo = tl.program_id(2) * q_chunk
         t_lo = tl.maximum(t_lo, c_lo)
         t_hi = tl.minimum(t_hi, c_lo + q_chunk)
+        if t_hi <= t_lo:  # a key tile after its chunk (about half the grid): no loads, nothing to add
+            return
     else:
         t_lo = t_lo + tl.program_id(2) * q_chunk
         t_hi = tl.minimum(t_hi, t_lo + q_chunk)
+    k, v = _key_tile(K, V, KD, VD, K_ROW, V_ROW, b, g, pid_n * BLOCK_N, n_ok, num_keys, DK, DV, BLOCK_DK, BLOCK_DV,
+                     BLOCK_N, True, TMA)
     if EDGE_SPLIT:
         # Full query tiles: every query at or after the last key, before the first key's window end, inside T;
         # and every key of the tile in bounds.
