@@ -926,6 +926,28 @@ def test_range_variants_match_reference(range_kernel, delta_kernel, dkdv_program
     check_range_branches(x, cfg, scale, launch, grad_seed=16)
 
 
+def test_compressed_dkdv_takes_absolute_chunks_past_one_chunk_and_within_the_grid_limit():
+    """range_dkdv_q_chunk: the compressed branch's dK/dV walks absolute query chunks (aligned) only where T is
+    longer than one chunk, never for the window branch or the dense prefix, and not where its grid's second axis
+    (B * H head slices) would pass CUDA's 65535; the chunk is rounded up to whole query tiles. Meta tensors: no
+    kernel runs."""
+    def split(B, T, H, G, window, prefix=False):
+        q = torch.empty(B, T, H, 64, device="meta")
+        kv = torch.empty(B, T // 16, G, 64, device="meta")
+        return triton_impl._range_dkdv_split(q, kv, kv, T, window, prefix=prefix)
+
+    launch = triton_impl.LaunchConfig(range_dkdv_q_chunk=4000, range_dkdv_d64=(64, 64, 4, 3))
+    with triton_impl.use_launch_config(launch):
+        assert split(1, 8192, 12, 2, window=8192) == (True, 6, 4032, True)
+        assert split(1, 4000, 12, 2, window=4000)[3] is False  # one chunk: the relative chunks
+        assert split(1, 8192, 12, 2, window=512)[3] is False  # the window branch
+        assert split(1, 8192, 12, 2, window=8192, prefix=True)[3] is False
+        assert split(5461, 8192, 12, 2, window=8192)[3] is True  # 65,532 head slices
+        assert split(5462, 8192, 12, 2, window=8192)[3] is False  # 65,544
+    with triton_impl.use_launch_config(triton_impl.LaunchConfig(range_dkdv_q_chunk=0)):
+        assert split(1, 8192, 12, 2, window=8192)[3] is False
+
+
 @pytest.mark.parametrize("range_kernel,Dv,expect_tma", [("split", 16, True), ("masked", 32, True),
                                                         ("split", 24, False)])
 def test_range_kernels_read_tiles_through_descriptors_where_the_layout_allows(range_kernel, Dv, expect_tma,

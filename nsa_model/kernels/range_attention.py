@@ -351,7 +351,8 @@ def range_attn_bwd_dkdv_kernel(Q, K, V, DO, QD, KD, VD, DOD, LSE, DELTA, DK_ACC,
     not counted from each tile's first query, and the grid is (key tiles, head slices, chunks). The programs that
     run together are then the key tiles of one head slice over one chunk: they read the same q and dO rows, a
     working set of q_chunk rows that stays in L2, where the relative chunks' tiles of 64 heads each stream their own
-    rows (v51: 32% L2 hits, DRAM at 70% of its peak at paper 64k). A key tile after its chunk runs no loop."""
+    rows (v51: 32% L2 hits, DRAM at 70% of its peak at paper 64k; v57). A key tile after its chunk returns before
+    loading its keys."""
     HPG: tl.constexpr = H // G
     HEADS: tl.constexpr = HPG // HEAD_SPLIT
     if ALIGNED_CHUNKS:

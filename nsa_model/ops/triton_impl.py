@@ -429,15 +429,19 @@ def _range_dq_into(q, k, v, do, lse, delta, dq, num_queries: int, key_stride: in
         **({} if slots is None else dict(DQ_SLOTS=slots[0], SLOT_BLOCKS=slots[1], N_SLOTS=slots[1].shape[-1])))
 
 
+_MAX_GRID_YZ = 65535  # CUDA's limit on a grid's second and third axes
+
+
 def _range_dkdv_split(q, k, v, num_queries: int, window: int,
                       prefix: bool = False) -> tuple[bool, int, int, bool]:
-    """(atomic, head_split, q_chunk) of the dK/dV kernel. A key tile of the compressed branch is seen by up to T
+    """(atomic, head_split, q_chunk, aligned) of the dK/dV kernel. A key tile of the compressed branch is seen by up to T
     queries: one head per program and chunks of the query axis (atomic adds) spread that over the GPU. A window
     tile is seen by ~w queries: one program per group is enough (window_dkdv = "group"), or one per head (atomic
     adds). The selected branch's dense prefix (prefix) is seen by up to n * l' queries: one program per group
     where that makes at least prefix_dkdv_group_programs programs (fewer atomics: v15 measured 7.9 ms per step
-    for one per head at 16 x 2k), else as the compressed branch. The last item: whether the chunks are absolute
-    (range_dkdv_q_chunk; the compressed branch only)."""
+    for one per head at 16 x 2k), else as the compressed branch. aligned: the compressed branch's chunks are
+    absolute (range_dkdv_q_chunk, where T is longer than one chunk); its grid then has the B * H head slices on
+    its second axis, which CUDA caps at 65535, so beyond that the relative chunks run."""
     launch = _range_launch(q, v, "dkdv")
     bm, bn = launch["BLOCK_M"], launch["BLOCK_N"]
     B, _, H, _ = q.shape
@@ -445,7 +449,8 @@ def _range_dkdv_split(q, k, v, num_queries: int, window: int,
     key_tiles, query_tiles = triton.cdiv(min(k.shape[1], num_queries), bn), triton.cdiv(num_queries, bm)
     if prefix and max(key_tiles, 1) * B * G >= _config.prefix_dkdv_group_programs:
         head_split, q_chunk = 1, query_tiles * bm
-    elif window >= num_queries and not prefix and 0 < _config.range_dkdv_q_chunk < num_queries:
+    elif (window >= num_queries and not prefix and 0 < _config.range_dkdv_q_chunk < num_queries
+          and B * H <= _MAX_GRID_YZ):
         q_chunk = triton.cdiv(_config.range_dkdv_q_chunk, bm) * bm
         return True, H // G, q_chunk, True
     elif window >= num_queries:
