@@ -434,8 +434,8 @@ _MAX_GRID_YZ = 65535  # CUDA's limit on a grid's second and third axes
 
 def _range_dkdv_split(q, k, v, num_queries: int, window: int,
                       prefix: bool = False) -> tuple[bool, int, int, bool]:
-    """(atomic, head_split, q_chunk, aligned) of the dK/dV kernel. A key tile of the compressed branch is seen by up to T
-    queries: one head per program and chunks of the query axis (atomic adds) spread that over the GPU. A window
+    """(atomic, head_split, q_chunk, aligned) of the dK/dV kernel. A key tile of the compressed branch is seen by up
+    to T queries: one head per program and chunks of the query axis (atomic adds) spread that over the GPU. A window
     tile is seen by ~w queries: one program per group is enough (window_dkdv = "group"), or one per head (atomic
     adds). The selected branch's dense prefix (prefix) is seen by up to n * l' queries: one program per group
     where that makes at least prefix_dkdv_group_programs programs (fewer atomics: v15 measured 7.9 ms per step
