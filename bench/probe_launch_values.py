@@ -1,0 +1,134 @@
+"""Probe: values of one integer LaunchConfig field against its first value, in the whole NSA forward + backward.
+
+    python bench/probe_launch_values.py --field slc_block_q_chunk --values 0,2048,4096
+                                        [--kernels selected_block_bwd_kernel,range_attn_bwd_dkdv_kernel]
+                                        [--shapes paper:1:8192,paper:1:65536] [--rounds 2]
+                                        --out DIR --commit SHA [--suffix=-v58b]
+
+The first value is the judge (the default's path, checked against float64 by bench/kernels.py): before timing,
+each value's eight gradients must agree with its within 1e-2 of their norm (atomic adds may meet in another
+order), or the probe stops. Then, `rounds` times over the values in turn (drift shows as a spread between
+rounds): the NSA forward + backward replayed as a CUDA graph (median ms, as training runs it) and the GPU time of
+each named kernel in one call (torch.profiler). Writes DIR/probe-<device>-<date><suffix>.json and .md.
+
+v57 ran this as bench/probe_dkdv_chunks.py, the field fixed to range_dkdv_q_chunk and the kernel to the range
+dK/dV: `--field range_dkdv_q_chunk --values 0,2048,4096,8192,16384 --kernels range_attn_bwd_dkdv_kernel`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from bench.provenance import file_suffix, git_commit, result_file  # noqa: E402
+from bench.shapes import FAMILIES, family_shapes  # noqa: E402
+
+
+def value_list(text: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected comma-separated integers, e.g. 0,4096") from None
+    if len(set(values)) != len(values):
+        raise argparse.ArgumentTypeError(f"{text!r}: a value appears twice")
+    return values
+
+
+def name_list(text: str) -> list[str]:
+    names = [x.strip() for x in text.split(",") if x.strip()]
+    if not names:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected comma-separated kernel names")
+    return names
+
+
+def launch_configs(base, field: str, values: list[int]) -> dict:
+    """{value: base with field = value}, refused before any GPU work where the field is not an integer field of
+    LaunchConfig or a value is not valid for it (LaunchConfig validates each)."""
+    fields = {f.name: f for f in dataclasses.fields(base)}
+    if field not in fields or not isinstance(getattr(base, field), int) or isinstance(getattr(base, field), bool):
+        ints = sorted(n for n in fields if isinstance(getattr(base, n), int) and not isinstance(getattr(base, n), bool))
+        raise SystemExit(f"--field {field!r}: not an integer LaunchConfig field; one of {', '.join(ints)}")
+    try:
+        return {v: dataclasses.replace(base, **{field: v}) for v in values}
+    except ValueError as err:
+        raise SystemExit(f"--values: {err}") from None
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--field", required=True)
+    ap.add_argument("--values", type=value_list, required=True)
+    ap.add_argument("--kernels", type=name_list, default=name_list("selected_block_bwd_kernel"))
+    ap.add_argument("--shapes", type=family_shapes, default="paper:1:8192,paper:1:65536")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results"))
+    ap.add_argument("--suffix", type=file_suffix, default="")
+    ap.add_argument("--commit", default="")
+    args = ap.parse_args()
+    import torch
+
+    from bench import kernels as kb
+    from bench.kernel_variants import write_times
+
+    ti = kb.ti
+    configs = launch_configs(ti.launch_config(), args.field, args.values)
+    if not torch.cuda.is_available():
+        raise SystemExit("bench/probe_launch_values.py needs a CUDA GPU")
+    cfg = kb.PAPER_NSA
+    judge = args.values[0]
+    results = {}
+    for family, B, T in args.shapes:
+        f = FAMILIES[family]
+        H, G, D = f["H"], f["G"], f["D"]
+        x = kb.make_inputs(B, T, H, G, D, D, cfg, torch.bfloat16, seed=1)
+        leaves = [x[n].requires_grad_() for n in kb.NAMES]
+        do = torch.randn(B, T, H, D, device="cuda", dtype=torch.bfloat16,
+                         generator=torch.Generator("cuda").manual_seed(2))
+        name = f"{family} {B} x {T}"
+
+        def nsa_fb():
+            ti.nsa_attention(*leaves, cfg, scale=D ** -0.5).backward(do)
+
+        # the agreement check on leaves of its own: a backward run eagerly on the timed leaves leaves their
+        # gradient streams tied to the default stream, and the graph capture below then fails (v48)
+        check_leaves = [t.detach().clone().requires_grad_() for t in leaves]
+        grads = {}
+        for v, launch in configs.items():
+            with ti.use_launch_config(launch):
+                o = ti.nsa_attention(*check_leaves, cfg, scale=D ** -0.5)
+                grads[v] = torch.autograd.grad(o, check_leaves, do)
+        for v in args.values:
+            for n, got, want in zip(kb.NAMES, grads[v], grads[judge]):
+                err = ((got.float() - want.float()).norm() / want.float().norm().clamp_min(1e-12)).item()
+                if not err <= 1e-2:
+                    raise SystemExit(f"{name}: {args.field} {v}: d{n} differs from {judge}'s by {err:.3g}")
+        del grads, check_leaves
+        for r in range(args.rounds):
+            for v, launch in configs.items():
+                with ti.use_launch_config(launch):
+                    graph_ms = kb.bench_graph(nsa_fb, leaves)
+                    per_kernel = kb.kernel_breakdown(kb.fresh_grads(nsa_fb, leaves), top=40)
+                results.setdefault(f"graph ms, {v}, round {r + 1}", {})[name] = graph_ms
+                line = f"{name} {args.field} {v} round {r + 1}: NSA graph {graph_ms:.3f} ms"
+                for kernel in args.kernels:
+                    ms = per_kernel.get(kernel, 0.0)
+                    results.setdefault(f"{kernel} ms, {v}, round {r + 1}", {})[name] = ms
+                    line += f", {kernel} {ms:.3f} ms"
+                print(line, flush=True)
+        torch.cuda.empty_cache()
+    stem = write_times(args.out, args.suffix, args.commit or git_commit(), results,
+                       title=f"LaunchConfig.{args.field}: {', '.join(map(str, args.values))}",
+                       note=f"Each value of {args.field}, the first the judge of the others' gradients (within "
+                            "1e-2). NSA fwd+bwd as a CUDA graph (median ms) and each named kernel's GPU ms in one "
+                            "call (torch.profiler).",
+                       unit="ms", fmt=".3f")
+    print(result_file(stem, ".md").read_text())
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,28 @@
+"""bench/probe_launch_values.py refuses a field or value before any GPU work, and builds one config per value."""
+
+import pytest
+
+from bench.probe_launch_values import launch_configs, value_list
+from nsa_model.ops import triton_impl
+
+
+def test_one_config_per_value_differing_only_in_the_field():
+    base = triton_impl.LaunchConfig()
+    configs = launch_configs(base, "slc_block_q_chunk", [0, 4096])
+    assert [c.slc_block_q_chunk for c in configs.values()] == [0, 4096]
+    assert configs[4096].range_dkdv_q_chunk == base.range_dkdv_q_chunk
+
+
+@pytest.mark.parametrize("field, values, message", [("slc_kernel", [0], "not an integer LaunchConfig field"),
+                                                    ("side_stream", [0], "not an integer LaunchConfig field"),
+                                                    ("slc_block_q_chunk", [0, -1], "must be an int >= 0")])
+def test_a_field_or_value_launch_config_refuses_stops_the_probe(field, values, message):
+    with pytest.raises(SystemExit, match=message):
+        launch_configs(triton_impl.LaunchConfig(), field, values)
+
+
+def test_values_are_distinct_integers():
+    assert value_list("0,2048") == [0, 2048]
+    for bad in ("0,x", "0,0"):
+        with pytest.raises(Exception):
+            value_list(bad)
