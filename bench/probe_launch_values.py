@@ -1,7 +1,7 @@
 """Probe: values of one integer LaunchConfig field against its first value, in the whole NSA forward + backward.
 
-    python bench/probe_launch_values.py --field slc_block_q_chunk --values 0,2048,4096
-                                        [--kernels selected_block_bwd_kernel,range_attn_bwd_dkdv_kernel]
+    python bench/probe_launch_values.py --field range_dkdv_q_chunk --values 4096,0,8192
+                                        [--kernels range_attn_bwd_dkdv_kernel,selected_block_bwd_kernel]
                                         [--shapes paper:1:8192,paper:1:65536] [--rounds 2]
                                         --out DIR --commit SHA [--suffix=-v58b]
 
@@ -12,7 +12,8 @@ rounds): the NSA forward + backward replayed as a CUDA graph (median ms, as trai
 each named kernel in one call (torch.profiler). Writes DIR/probe-<device>-<date><suffix>.json and .md.
 
 v57 ran this as bench/probe_dkdv_chunks.py, the field fixed to range_dkdv_q_chunk and the kernel to the range
-dK/dV: `--field range_dkdv_q_chunk --values 0,2048,4096,8192,16384 --kernels range_attn_bwd_dkdv_kernel`.
+dK/dV: `--field range_dkdv_q_chunk --values 0,2048,4096,8192,16384 --kernels range_attn_bwd_dkdv_kernel`. v58
+ran it at 6eceb54 for by_block's index cut by query chunk (slc_block_q_chunk, since removed).
 """
 
 from __future__ import annotations
@@ -63,7 +64,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--field", required=True)
     ap.add_argument("--values", type=value_list, required=True)
-    ap.add_argument("--kernels", type=name_list, default=name_list("selected_block_bwd_kernel"))
+    ap.add_argument("--kernels", type=name_list, default=name_list("range_attn_bwd_dkdv_kernel"))
     ap.add_argument("--shapes", type=family_shapes, default="paper:1:8192,paper:1:65536")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results"))

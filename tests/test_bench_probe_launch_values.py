@@ -8,14 +8,14 @@ from nsa_model.ops import triton_impl
 
 def test_one_config_per_value_differing_only_in_the_field():
     base = triton_impl.LaunchConfig()
-    configs = launch_configs(base, "slc_block_q_chunk", [0, 4096])
-    assert [c.slc_block_q_chunk for c in configs.values()] == [0, 4096]
-    assert configs[4096].range_dkdv_q_chunk == base.range_dkdv_q_chunk
+    configs = launch_configs(base, "range_dkdv_q_chunk", [0, 2048])
+    assert [c.range_dkdv_q_chunk for c in configs.values()] == [0, 2048]
+    assert configs[2048].slc_block_chunk == base.slc_block_chunk
 
 
 @pytest.mark.parametrize("field, values, message", [("slc_kernel", [0], "not an integer LaunchConfig field"),
                                                     ("side_stream", [0], "not an integer LaunchConfig field"),
-                                                    ("slc_block_q_chunk", [0, -1], "must be an int >= 0")])
+                                                    ("range_dkdv_q_chunk", [0, -1], "must be an int >= 0")])
 def test_a_field_or_value_launch_config_refuses_stops_the_probe(field, values, message):
     with pytest.raises(SystemExit, match=message):
         launch_configs(triton_impl.LaunchConfig(), field, values)

@@ -113,8 +113,7 @@ CASES = [
     # OFFSETS_64 where a tensor passes int32 offsets (triton_impl._offsets_64)
     *[c for prefetch, wide in ((True, False), (False, False), (True, True)) for c in _tma_cases(
         "selected_block_fwd_kernel", "selected_by_block", dict(LSE2_PART="fp32", **BLOCK_INDEX),
-        dict(num_blocks="i32", num_q_chunks="i32", **SLC_SCALARS),
-        dict(ROWS=64, CHUNK=512, PREFETCH=prefetch, OFFSETS_64=wide, **SEL),
+        dict(num_blocks="i32", **SLC_SCALARS), dict(ROWS=64, CHUNK=512, PREFETCH=prefetch, OFFSETS_64=wide, **SEL),
         dict(num_warps=4, num_stages=3, **(dict(maxnreg=168) if prefetch else {})),
         f"PREFETCH={prefetch},OFFSETS_64={wide}", descs=dict(KD=64, VD=64))],
     # alone, and with the gated sum in its epilogue (nsa::core's forward)
@@ -127,7 +126,7 @@ CASES = [
                                             (1, True, True, True), (3, True, False, False), (3, True, True, False))
       for c in _tma_cases(
         "selected_block_bwd_kernel", "selected_by_block", dict(BLOCK_INDEX, DONE="i32", **ROW_TERMS, **ACCS),
-        dict(num_blocks="i32", num_q_chunks="i32", **SLC_SCALARS),
+        dict(num_blocks="i32", **SLC_SCALARS),
         dict(ROWS=64, CHUNK=512, DQ_MODE=mode, FINAL_KV=final, PREFETCH=prefetch, OFFSETS_64=wide, **SEL),
         dict(num_warps=4, num_stages=3), f"DQ_MODE={mode},FINAL_KV={final},PREFETCH={prefetch},OFFSETS_64={wide}",
         descs=dict(KD=64, VD=64))],
@@ -139,13 +138,11 @@ CASES = [
             dict(DV=64, BLOCK_R=32, BLOCK_D=64, FOLD=fold), label=f"FOLD={fold}") for fold in (True, False)],
     _case("row_dot_kernel", "delta", dict(DELTA="fp32"), dict(num_rows="i32"), dict(D=64, BLOCK_R=32, BLOCK_D=64)),
     _case("segment_ids_kernel", "block_index", dict(BLOCKS="i32", SEG="i16"),
-          dict(num_entries="i32", T="i32", num_blocks="i32", num_segments="i32", q_chunk="i32", num_q_chunks="i32"),
-          dict(G=2, N=16, BLOCK=1024)),
+          dict(num_entries="i32", T="i32", num_blocks="i32", num_segments="i32"), dict(G=2, N=16, BLOCK=1024)),
     _case("segment_starts_kernel", "block_index", dict(SORTED="i16", STARTS="i32"),
           dict(num_entries="i32", num_segments="i32"), dict(BLOCK=1024)),
-    *[_case("block_work_kernel", "block_index", dict(STARTS="i32", WORK_SEG="i32", WORK_CHUNK="i32"),
-            dict(num_segments="i32", num_work="i32"), dict(CHUNK=512, BLOCK_S=1024, EMPTY_ITEMS=empty),
-            label=f"EMPTY_ITEMS={empty}") for empty in (True, False)],
+    _case("block_work_kernel", "block_index", dict(STARTS="i32", WORK_SEG="i32", WORK_CHUNK="i32"),
+          dict(num_segments="i32", num_work="i32"), dict(CHUNK=512, BLOCK_S=1024)),
     # the counting index at nsa-125m's 4 x 8k: 1024 slots a tile (64 queries of 16), 128 blocks, 128 tiles
     _case("tile_histogram_kernel", "block_index", dict(BLOCKS="i32", COUNTS="i32", TILE_TOTAL="i32"),
           dict(T="i32", num_blocks="i32", num_tiles="i32"), dict(G=2, N=16, N_PAD=16, ENTRIES=1024, NB_PAD=128)),

@@ -318,18 +318,13 @@ SELECTED_VARIANTS = {
                                slc_block_rows=16, slc_block_chunk=8),
     "per_query_dq_from_ds": dict(slc_kernel="per_query", slc_dkdv="by_block", slc_query_dq="ds", slc_block_rows=16,
                                  slc_block_chunk=8),
-    # by_block's segments cut by query chunk (12 queries: cuts through blocks of 8), forward and backward; and as
-    # paper 64k runs it, by_block's dK/dV and ds under the per-query forward
-    "by_block16_q_chunks": dict(slc_kernel="by_block", slc_block_rows=16, slc_block_chunk=8, slc_block_q_chunk=12),
-    "per_query_dq_from_ds_q_chunks": dict(slc_kernel="per_query", slc_dkdv="by_block", slc_query_dq="ds",
-                                          slc_block_rows=16, slc_block_chunk=8, slc_block_q_chunk=16),
 }
 
 
 # Every variant on random choices through descriptors; structured choices for the variants whose work follows the
 # sharing (tiled's unions, by_block's chooser lists); pointer loads once for each kernel that reads key blocks.
 SHARING_VARIANTS = ("tiled16", "tiled64_dkdv_by_block", "by_block16_partial", "by_block64_atomic", "tiled_by_block",
-                    "tiled64_dq_from_ds", "by_block16_q_chunks")
+                    "tiled64_dq_from_ds")
 POINTER_VARIANTS = ("per_query", "tiled16", "by_block16_partial", "tiled64_dq_from_ds", "per_query_dq_from_ds")
 SELECTED_CASES = ([(variant, False, "tma") for variant in SELECTED_VARIANTS]
                   + [(variant, True, "tma") for variant in SHARING_VARIANTS]
@@ -541,9 +536,6 @@ CORE_VARIANTS = {  # three with the dense prefix: its dK/dV by groups (tiled_by_
     # by_block's partials combined, and the gates summed, by a pass each, not the gated sum in the combine pass's
     # epilogue (slc_combine "gated", the default the by_block variants above run)
     "by_block_combine_plain": dict(slc_kernel="by_block", slc_block_rows=16, slc_block_chunk=8, slc_combine="plain"),
-    # by_block's segments cut by query chunk: its dK/dV summed in float32 and cast after (no FINAL_KV)
-    "per_query_dq_from_ds_q_chunks": dict(slc_kernel="per_query", slc_dkdv="by_block", slc_query_dq="ds",
-                                          slc_block_rows=16, slc_block_chunk=8, slc_block_q_chunk=12),
 }
 
 
@@ -1021,46 +1013,6 @@ def test_block_work_covers_every_choice_once(B, T, G, n, num_blocks, chunk, buil
         assert (order[valid:] == -1).all()
     fake = triton_impl.block_work(blocks.to(DEVICE), num_blocks, chunk, shapes_only=True, build=build)
     assert [x.shape for x in fake] == [x.shape for x in index]  # nsa::core's fake gives the real shapes
-
-
-# query chunks of 7 over T = 23 (4 chunks, the last of 2) and of 64 over T = 150 (3 chunks, 1200 x 3 segments)
-@pytest.mark.parametrize("B, T, G, n, num_blocks, chunk, q_chunk", [(2, 23, 3, 4, 6, 5, 7), (2, 150, 2, 3, 300, 4, 64)])
-def test_block_work_cuts_segments_by_query_chunk(B, T, G, n, num_blocks, chunk, q_chunk):
-    """With q_chunk, segment ((b*G + g) * Q + c) * num_blocks + j holds the choosers of block j among queries
-    [c q_chunk, (c + 1) q_chunk), in query order; every valid slot appears once; only non-empty segments get
-    work items (a block's gradient is summed over its chunks' segments in float32, not written by one)."""
-    gen = torch.Generator().manual_seed(19)
-    blocks = torch.randint(-1, num_blocks, (B, T, G, n), generator=gen, dtype=torch.int32)
-    index = triton_impl.block_work(blocks.to(DEVICE), num_blocks, chunk, build="sort", q_chunk=q_chunk)
-    order, starts, work_seg, work_chunk = (x.cpu() for x in index)
-    Q = -(-T // q_chunk)
-    assert starts.numel() == B * G * Q * num_blocks + 1 and int(starts[-1]) == int((blocks >= 0).sum())
-    assert triton_impl.index_q_chunks(starts, B * G, num_blocks) == Q
-    flat = blocks.flatten().long()
-    seen = torch.zeros(flat.numel(), dtype=torch.int64)
-    for seg in range(B * G * Q * num_blocks):
-        bgc, j = divmod(seg, num_blocks)
-        bg, c = divmod(bgc, Q)
-        entries = order[int(starts[seg]):int(starts[seg + 1])].long()
-        t = (entries // (G * n)) % T
-        assert (flat[entries] == j).all() and ((t // q_chunk) == c).all()
-        assert ((entries // (T * G * n)) == bg // G).all() and (((entries // n) % G) == bg % G).all()
-        assert (t[1:] >= t[:-1]).all()
-        covered = sorted(int(k) for s, k in zip(work_seg.tolist(), work_chunk.tolist()) if s == seg)
-        assert covered == list(range(-(-entries.numel() // chunk)))  # an empty segment: no item
-        seen[entries] += 1
-    assert torch.equal(seen, (flat >= 0).long())
-    fake = triton_impl.block_work(blocks.to(DEVICE), num_blocks, chunk, shapes_only=True, q_chunk=q_chunk)
-    assert [x.shape for x in fake] == [x.shape for x in index]
-    with pytest.raises(ValueError, match="take the sort build"):
-        triton_impl.block_work(blocks.to(DEVICE), num_blocks, chunk, build="count", q_chunk=q_chunk)
-    whole = triton_impl.block_work(blocks.to(DEVICE), num_blocks, chunk, build="sort", q_chunk=T)  # one chunk
-    assert whole[1].numel() == B * G * num_blocks + 1
-
-
-def test_block_q_chunks_refuse_the_count_build():
-    with pytest.raises(ValueError, match="only the sort build"):
-        triton_impl.LaunchConfig(slc_block_q_chunk=4096, index_build="count")
 
 
 def test_block_work_builds_agree():

@@ -4,8 +4,7 @@ Each was a chain of PyTorch ops: about 35 small launches per layer call in the f
 training step of nsa-125m at T = 2048 besides the sort (kernels-notes.md, v19). Four kernels do their work now:
 
   segment_ids_kernel  each slot's segment s = (b * G + g) * num_blocks + block (num_segments for an empty slot),
-                      the key of the stable sort that builds by_block's inverted index; or, with the query axis
-                      cut into chunks, s = ((b * G + g) * num_q_chunks + t // q_chunk) * num_blocks + block
+                      the key of the stable sort that builds by_block's inverted index
   segment_starts_kernel  from the sorted keys, each segment's first entry (starts)
   block_work_kernel   from the starts, the work list: program p of the by_block kernels takes chunk
                       work_chunk[p] of segment work_seg[p] (-1: nothing)
@@ -36,18 +35,14 @@ ABSENT = tl.constexpr(2 ** 31 - 1)  # a union's padding: after every block id
 
 
 @triton.jit
-def segment_ids_kernel(BLOCKS, SEG, num_entries, T, num_blocks, num_segments, q_chunk, num_q_chunks,
-                       G: tl.constexpr, N: tl.constexpr, BLOCK: tl.constexpr):
-    """Each slot's segment ((b * G + g) * num_q_chunks + t // q_chunk) * num_blocks + block (num_segments for an
-    empty slot): with one query chunk (q_chunk >= T) a segment is every chooser of a (b, g, block)."""
+def segment_ids_kernel(BLOCKS, SEG, num_entries, T, num_blocks, num_segments, G: tl.constexpr, N: tl.constexpr,
+                       BLOCK: tl.constexpr):
     e = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     ok = e < num_entries
     block = tl.load(BLOCKS + e, mask=ok, other=-1)
     g = (e // N) % G
-    bt = e // (G * N)
-    b = bt // T
-    seg = tl.where(block >= 0, block + ((b * G + g) * num_q_chunks + (bt - b * T) // q_chunk) * num_blocks,
-                   num_segments)
+    b = e // (T * (G * N))
+    seg = tl.where(block >= 0, block + (b * G + g) * num_blocks, num_segments)
     tl.store(SEG + e, seg.to(SEG.dtype.element_ty), mask=ok)
 
 
@@ -67,18 +62,16 @@ def segment_starts_kernel(SORTED, STARTS, num_entries, num_segments, BLOCK: tl.c
 
 @triton.jit
 def block_work_kernel(STARTS, WORK_SEG, WORK_CHUNK, num_segments, num_work, CHUNK: tl.constexpr,
-                      BLOCK_S: tl.constexpr, EMPTY_ITEMS: tl.constexpr = True):
-    """One program: segment s's cdiv(count, CHUNK) chunks are consecutive work items, segment after segment (count
-    = starts[s + 1] - starts[s]); the work list's spare items (it is sized from shapes alone) get segment -1.
-    EMPTY_ITEMS: an empty segment has one item too (it writes its block's zero gradient); without, none (segments
-    split by query chunk: a block's gradient is then summed in float32 buffers that start at zero)."""
-    MIN_CHUNKS: tl.constexpr = 1 if EMPTY_ITEMS else 0
+                      BLOCK_S: tl.constexpr):
+    """One program: segment s's cdiv(count, CHUNK) chunks, at least one (an empty segment's item writes its
+    block's zero gradient), are consecutive work items, segment after segment (count = starts[s + 1] -
+    starts[s]); the work list's spare items (it is sized from shapes alone) get segment -1."""
     total = 0
     for s0 in range(0, num_segments, BLOCK_S):
         s = s0 + tl.arange(0, BLOCK_S)
         ok = s < num_segments
         count = tl.load(STARTS + s + 1, mask=ok, other=0) - tl.load(STARTS + s, mask=ok, other=0)
-        chunks = tl.where(ok, tl.maximum((count + CHUNK - 1) // CHUNK, MIN_CHUNKS), 0)
+        chunks = tl.where(ok, tl.maximum((count + CHUNK - 1) // CHUNK, 1), 0)
         item = total + tl.cumsum(chunks, 0) - chunks  # the segment's first work item
         for c in range(0, tl.max(chunks, 0)):
             has = c < chunks

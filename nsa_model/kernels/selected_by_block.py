@@ -71,9 +71,9 @@ def _offsets(x, OFFSETS_64: tl.constexpr):
 
 
 @triton.jit
-def _work_item(WORK_SEG, WORK_CHUNK, STARTS, num_blocks, num_q_chunks, G: tl.constexpr, CHUNK: tl.constexpr):
+def _work_item(WORK_SEG, WORK_CHUNK, STARTS, num_blocks, G: tl.constexpr, CHUNK: tl.constexpr):
     """(segment, b, g, block j, the segment's first entry, this program's first entry, its end entry) of this
-    program; segment -1: nothing to do. Segment ((b * G + g) * num_q_chunks + query chunk) * num_blocks + j."""
+    program; segment -1: nothing to do."""
     pid = tl.program_id(0)
     seg = tl.load(WORK_SEG + pid)
     seg_c = tl.maximum(seg, 0)
@@ -82,7 +82,7 @@ def _work_item(WORK_SEG, WORK_CHUNK, STARTS, num_blocks, num_q_chunks, G: tl.con
     start = first + chunk * CHUNK
     end = tl.minimum(tl.load(STARTS + seg_c + 1), start + CHUNK)
     j = seg_c % num_blocks
-    bg = seg_c // num_blocks // num_q_chunks
+    bg = seg_c // num_blocks
     return seg, bg // G, bg % G, j, first, start, end
 
 
@@ -182,7 +182,7 @@ def _chooser_bwd_tiles(Q, DO, LSE, DELTA, flat, r_ok, b, g, T, H: tl.constexpr, 
 
 @triton.jit
 def selected_block_fwd_kernel(Q, K, V, KD, VD, ORDER, STARTS, WORK_SEG, WORK_CHUNK, O_PART, LSE2_PART, T, num_blocks,
-                              num_q_chunks, scale, K_ROW, V_ROW,
+                              scale, K_ROW, V_ROW,
                               H: tl.constexpr, G: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
                               BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, SEL_BLOCK: tl.constexpr,
                               BLOCK_S: tl.constexpr, N_SELECT: tl.constexpr, ROWS: tl.constexpr,
@@ -190,7 +190,7 @@ def selected_block_fwd_kernel(Q, K, V, KD, VD, ORDER, STARTS, WORK_SEG, WORK_CHU
                               OFFSETS_64: tl.constexpr, PREFETCH: tl.constexpr = False):
     HPG: tl.constexpr = H // G
     ENTRIES: tl.constexpr = ROWS // HPG
-    seg, b, g, j, first, start, end = _work_item(WORK_SEG, WORK_CHUNK, STARTS, num_blocks, num_q_chunks, G, CHUNK)
+    seg, b, g, j, first, start, end = _work_item(WORK_SEG, WORK_CHUNK, STARTS, num_blocks, G, CHUNK)
     if seg >= 0:
         k, v, pos, s_ok, _ = _block_kv(K, V, KD, VD, K_ROW, V_ROW, b, g, j, T, G, DK, DV, BLOCK_DK, BLOCK_DV,
                                        SEL_BLOCK, BLOCK_S, TMA, OFFSETS_64)
@@ -309,7 +309,7 @@ def selected_combine_kernel(O_PART, LSE2_PART, BLOCKS, O, LSE, num_rows, H: tl.c
 
 @triton.jit
 def selected_block_bwd_kernel(Q, K, V, KD, VD, DO, LSE, DELTA, ORDER, STARTS, WORK_SEG, WORK_CHUNK, DK_ACC, DV_ACC,
-                              DQ_OUT, DK_OUT, DV_OUT, DONE, T, num_blocks, num_q_chunks, scale, K_ROW, V_ROW,
+                              DQ_OUT, DK_OUT, DV_OUT, DONE, T, num_blocks, scale, K_ROW, V_ROW,
                               H: tl.constexpr, G: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
                               BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, SEL_BLOCK: tl.constexpr,
                               BLOCK_S: tl.constexpr, N_SELECT: tl.constexpr, ROWS: tl.constexpr,
@@ -329,7 +329,7 @@ def selected_block_bwd_kernel(Q, K, V, KD, VD, DO, LSE, DELTA, ORDER, STARTS, WO
     counts itself done (DONE [segments] int32, zeroed), and the last one casts the sums."""
     HPG: tl.constexpr = H // G
     ENTRIES: tl.constexpr = ROWS // HPG
-    seg, b, g, j, _, start, end = _work_item(WORK_SEG, WORK_CHUNK, STARTS, num_blocks, num_q_chunks, G, CHUNK)
+    seg, b, g, j, _, start, end = _work_item(WORK_SEG, WORK_CHUNK, STARTS, num_blocks, G, CHUNK)
     if seg >= 0:
         k, v, pos, s_ok, row_k = _block_kv(K, V, KD, VD, K_ROW, V_ROW, b, g, j, T, G, DK, DV, BLOCK_DK, BLOCK_DV,
                                            SEL_BLOCK, BLOCK_S, TMA, OFFSETS_64)

@@ -133,12 +133,6 @@ class LaunchConfig:
     slc_auto_tiled_blocks: int = 16
     slc_block_rows: int = 64  # by_block: matrix rows (choosers x heads, unpadded) per step
     slc_block_chunk: int = 512  # by_block: choosers per program (v8 sweep: 512 beat 256 by 3% at 32k, tie at 2k)
-    # by_block's index: > 0 cuts each block's choosers into segments of this many queries where T is longer,
-    # query-chunk-major, so that the programs running together gather the q and dO rows of one chunk, which stay in
-    # L2, instead of rows from anywhere in the sequence (v51: by_block's dK/dV at 18% L2 hits, DRAM at 75% at paper
-    # 64k); 0: off. It takes the sort build, and the backward sums dK and dV in float32 buffers cast at the end
-    # (FINAL_KV counts programs per segment).
-    slc_block_q_chunk: int = 0
     slc_block_warps: int = 4
     slc_block_stages: int = 3  # where by_block does not prefetch; v6c: 3 beat 2 at every 125M shape (4 ties 3)
     slc_block_prefetch_dims: int = 64  # by_block: prefetch the next step's rows at head dims up to this (0: off; v24)
@@ -184,7 +178,7 @@ class LaunchConfig:
                 continue
             value = getattr(self, f.name)
             zero_ok = ("slc_auto_tiled_fwd_blocks", "slc_auto_tiled_blocks", "slc_block_prefetch_dims",
-                       "range_dkdv_q_chunk", "slc_block_q_chunk")
+                       "range_dkdv_q_chunk")
             low = 0 if f.name in zero_ok else 1
             if not isinstance(value, int) or value < low:
                 raise ValueError(f"LaunchConfig.{f.name}: must be an int >= {low}, got {value!r}")
@@ -200,9 +194,6 @@ class LaunchConfig:
                     or value[1] < 0 or value[2] < 1 or value[2] & (value[2] - 1)):
                 raise ValueError(f"LaunchConfig.{name}: must be a tuple (query tile, chunk splits >= 0, warps a power "
                                  f"of two), got {value!r}")
-        if self.slc_block_q_chunk and self.index_build == "count":
-            raise ValueError("LaunchConfig.slc_block_q_chunk > 0 cuts by_block's segments by query chunk, which only "
-                             "the sort build does: set index_build='auto' or 'sort', or slc_block_q_chunk=0")
         if self.slc_query_dq == "ds" and self.slc_dkdv != "by_block":
             raise ValueError("LaunchConfig.slc_query_dq='ds' reads the ds that by_block's dK/dV stores: it needs "
                              f"slc_dkdv='by_block', got slc_dkdv={self.slc_dkdv!r}")
@@ -587,29 +578,26 @@ def inverted_index(blocks: torch.Tensor, num_blocks: int):
 _SEGMENT_SLOTS = 1024  # slots per program of segment_ids_kernel
 
 
-def _segment_ids(blocks: torch.Tensor, num_blocks: int, q_chunk: int | None = None) -> torch.Tensor:
-    """[B*T*G*n]: segment s = ((b*G + g)*Q + t // q_chunk)*num_blocks + block of each (b, t, g, slot) entry over Q =
-    cdiv(T, q_chunk) query chunks (one chunk, the default: s = (b*G + g)*num_blocks + block), S = B*G*Q*num_blocks
-    for an empty slot, one launch (kernels/block_index.py). The keys take the narrowest integer type that holds S: a
+def _segment_ids(blocks: torch.Tensor, num_blocks: int) -> torch.Tensor:
+    """[B*T*G*n]: segment s = (b*G + g)*num_blocks + block of each (b, t, g, slot) entry, S = B*G*num_blocks for an
+    empty slot, one launch (kernels/block_index.py). The keys take the narrowest integer type that holds S: a
     radix sort makes one pass per key byte, so int16 keys (S < 2^15, e.g. 1024 segments at 125M 1 x 32k) take two
     passes where int64 took eight (the sort went from 0.13 to 0.04 ms at every 125M shape on the H100,
     kernels-h100-2026-11-23-v9.md)."""
     B, T, G, n = blocks.shape
-    q_chunk = max(T, 1) if q_chunk is None else q_chunk
-    num_q_chunks = triton.cdiv(T, q_chunk)
-    num_segments = B * G * num_q_chunks * num_blocks
+    num_segments = B * G * num_blocks
     dtype = next(d for d in (torch.int16, torch.int32, torch.int64) if num_segments <= torch.iinfo(d).max)
     segment = torch.empty(blocks.numel(), dtype=dtype, device=blocks.device)
     if segment.numel():
         segment_ids_kernel[(triton.cdiv(segment.numel(), _SEGMENT_SLOTS),)](
-            blocks.contiguous(), segment, segment.numel(), T, num_blocks, num_segments, q_chunk, num_q_chunks, G=G,
-            N=n, BLOCK=_SEGMENT_SLOTS)
+            blocks.contiguous(), segment, segment.numel(), T, num_blocks, num_segments, G=G, N=n,
+            BLOCK=_SEGMENT_SLOTS)
     return segment
 
 
-def _sorted_segments(blocks: torch.Tensor, num_blocks: int, q_chunk: int | None = None):
+def _sorted_segments(blocks: torch.Tensor, num_blocks: int):
     """(sorted segment ids, order): _segment_ids sorted stably (a block's choosers stay in query order)."""
-    return torch.sort(_segment_ids(blocks, num_blocks, q_chunk), stable=True)
+    return torch.sort(_segment_ids(blocks, num_blocks), stable=True)
 
 
 def tile_block_union(blocks: torch.Tensor, tile_q: int, num_blocks: int, shapes_only: bool = False):
@@ -708,7 +696,7 @@ _WORK_SEGMENTS = 1024  # segments per step of block_work_kernel
 
 
 def block_work(blocks: torch.Tensor, num_blocks: int, chunk: int, shapes_only: bool = False,
-               build: str | None = None, q_chunk: int = 0):
+               build: str | None = None):
     """The inverted index of the by_block kernels and their work list, sizes fixed by shapes.
 
     order [B*T*G*n] int32: flat slot ((b*T + t)*G + g)*n + i of each valid entry, sorted by segment s = (b*G + g) *
@@ -720,24 +708,14 @@ def block_work(blocks: torch.Tensor, num_blocks: int, chunk: int, shapes_only: b
     there. build (LaunchConfig.index_build unless given; index_build() resolves auto): "count", three kernels that
     count, sum and sort each tile of slots in registers (each (b, g) owns a part of the work list: its items, then
     its spares); "sort", the slots' segment keys sorted by PyTorch, one pass over them for the starts and one
-    program for the work list (spares at the end). shapes_only: empty tensors of those shapes.
-
-    q_chunk (0 < q_chunk < T): the segments are s = ((b*G + g) * Q + t //
-    q_chunk) * num_blocks + block over Q = cdiv(T, q_chunk) query chunks, query order inside each, by the sort
-    build; an empty segment has no work item (index_q_chunks() reads Q back from starts)."""
+    program for the work list (spares at the end). shapes_only: empty tensors of those shapes."""
     B, T, G, n = blocks.shape
     dev = blocks.device
-    num_q_chunks = triton.cdiv(T, q_chunk) if 0 < q_chunk < T else 1
-    num_segments, entries = B * G * num_q_chunks * num_blocks, blocks.numel()
+    num_segments, entries = B * G * num_blocks, blocks.numel()
     if entries >= 2 ** 31:  # the kernels' int32 index arithmetic (kernels/selected_by_block.py)
         raise ValueError(f"blocks: B*T*G*n = {entries} slots exceed the by_block kernels' int32 index; use "
                          "LaunchConfig(slc_kernel='tiled') or a smaller batch")
-    asked = build or _config.index_build
-    build = index_build(T, n, num_blocks, asked)
-    if num_q_chunks > 1:  # the counting build's segments are whole blocks
-        if asked == "count":
-            raise ValueError(f"block_work: query chunks of {q_chunk} (T = {T}) take the sort build, not 'count'")
-        build = "sort"
+    build = index_build(T, n, num_blocks, build or _config.index_build)
     work_per_group = triton.cdiv(T * n, chunk) + num_blocks
     num_work = B * G * work_per_group if build == "count" else triton.cdiv(entries, chunk) + num_segments
     starts = torch.empty(num_segments + 1, dtype=torch.int32, device=dev)
@@ -750,18 +728,12 @@ def block_work(blocks: torch.Tensor, num_blocks: int, chunk: int, shapes_only: b
         order = torch.full((entries,), -1, dtype=torch.int32, device=dev)
         _count_index(blocks.contiguous(), num_blocks, chunk, work_per_group, order, starts, work_seg, work_chunk)
         return order, starts, work_seg, work_chunk
-    sorted_segment, order = _sorted_segments(blocks, num_blocks, q_chunk if num_q_chunks > 1 else None)
+    sorted_segment, order = _sorted_segments(blocks, num_blocks)
     segment_starts_kernel[(triton.cdiv(entries + 1, _SEGMENT_SLOTS),)](sorted_segment, starts, entries,
                                                                       num_segments, BLOCK=_SEGMENT_SLOTS)
     block_work_kernel[(1,)](starts, work_seg, work_chunk, num_segments, num_work, CHUNK=chunk,
-                            BLOCK_S=_WORK_SEGMENTS, EMPTY_ITEMS=num_q_chunks == 1)
+                            BLOCK_S=_WORK_SEGMENTS)
     return order.to(torch.int32), starts, work_seg, work_chunk
-
-
-def index_q_chunks(starts: torch.Tensor, groups: int, num_blocks: int) -> int:
-    """The query chunks of a block_work index (1: segments of whole blocks), from its starts [B*G*Q*num_blocks + 1]
-    and groups = B * G: a shape, so no sync, and it holds under nsa::core's fake."""
-    return max(1, (starts.numel() - 1) // max(groups * num_blocks, 1))
 
 
 _TILE_SLOTS = 1024  # slots per tile of the counting index build: one in-register sort of this many int32 keys
@@ -1104,8 +1076,7 @@ def _selected_by_block_partials(q, k, v, index, common, scale):
     prefetch = _block_prefetch(q, v)
     selected_block_fwd_kernel[(work_seg.numel(),)](
         q, k, v, ORDER=order, STARTS=starts, WORK_SEG=work_seg, WORK_CHUNK=work_chunk, O_PART=o_part,
-        LSE2_PART=lse2_part, T=T, num_blocks=num_blocks, num_q_chunks=index_q_chunks(starts, B * G, num_blocks),
-        scale=scale, ROWS=_block_rows(hpg, c),
+        LSE2_PART=lse2_part, T=T, num_blocks=num_blocks, scale=scale, ROWS=_block_rows(hpg, c),
         CHUNK=c.slc_block_chunk, PREFETCH=prefetch, OFFSETS_64=_offsets_64(q, k, v, o_part), **common,
         num_warps=c.slc_block_warps, num_stages=c.slc_block_stages,
         **(dict(maxnreg=c.slc_block_fwd_maxnreg) if prefetch else {}),
@@ -1114,20 +1085,18 @@ def _selected_by_block_partials(q, k, v, index, common, scale):
 
 
 def _by_block_index(blocks, sel_block, config, shapes_only: bool = False):
-    return block_work(blocks, triton.cdiv(blocks.shape[1], sel_block), config.slc_block_chunk, shapes_only,
-                      q_chunk=config.slc_block_q_chunk)
+    return block_work(blocks, triton.cdiv(blocks.shape[1], sel_block), config.slc_block_chunk, shapes_only)
 
 
 def _selected_by_block_bwd(q, k, v, blocks, do, lse, delta, index, common, scale, dq_mode=None, dq_add=None,
                            final_kv=False, dq_slots=False):
     """(dq or None, dk, dv) of the selected branch by key blocks: one fused kernel over the blocks' choosers, then
-    the dQ slot sum. dk and dv: with final_kv the gradients in k's and v's dtype, written by the kernel itself
-    (or cast from its float32 sums, where the index cuts segments by query chunk); else float32 accumulators that
-    the caller adds to and casts (the dense prefix). dq_mode 0 computes dK/dV only (for the query-driven
-    variants); 3 also stores ds, returned in dq's place as [B*T*G*n*hpg, BLOCK_S] rows (for the query-driven dQ
-    from ds, _selected_bwd); None follows slc_dq. dq_add: one or two [B,T,H,Dk] tensors added into dq (the other
-    branches' dQ), by the slot sum where it runs. dq_slots (with dQ slots): no slot sum; dq is the slots' rows
-    [B*T*G*n*hpg, Dk] as the kernel wrote them."""
+    the dQ slot sum. dk and dv: with final_kv the gradients in k's and v's dtype, written by the kernel itself;
+    else float32 accumulators that the caller adds to and casts (the dense prefix). dq_mode 0 computes dK/dV
+    only (for the query-driven variants); 3 also stores ds, returned in dq's place as [B*T*G*n*hpg, BLOCK_S] rows
+    (for the query-driven dQ from ds, _selected_bwd); None follows slc_dq. dq_add: one or two [B,T,H,Dk] tensors
+    added into dq (the other branches' dQ), by the slot sum where it runs. dq_slots (with dQ slots): no slot sum; dq is
+    the slots' rows [B*T*G*n*hpg, Dk] as the kernel wrote them."""
     order, starts, work_seg, work_chunk = index
     B, T, H, dk_dim = q.shape
     G, n = k.shape[2], blocks.shape[-1]
@@ -1136,11 +1105,6 @@ def _selected_by_block_bwd(q, k, v, blocks, do, lse, delta, index, common, scale
     if dq_mode is None:
         dq_mode = 2 if c.slc_dq == "atomic" else 1
     num_segments = starts.numel() - 1
-    num_q_chunks = index_q_chunks(starts, B * G, num_blocks)
-    # segments split by query chunk: FINAL_KV's count of a segment's programs is not a block's, so the kernel adds
-    # into float32 accumulators and the casts below make the final gradients
-    cast_kv = final_kv and num_q_chunks > 1
-    final_kv = final_kv and not cast_kv
     if final_kv:  # the accumulators and each segment's count of finished programs, zeroed by one fill
         flat = torch.zeros(k.numel() + v.numel() + num_segments, dtype=torch.float32, device=k.device)
         dk_acc, dv_acc = flat[:k.numel()].view(k.shape), flat[k.numel():k.numel() + v.numel()].view(v.shape)
@@ -1165,15 +1129,12 @@ def _selected_by_block_bwd(q, k, v, blocks, do, lse, delta, index, common, scale
     selected_block_bwd_kernel[(work_seg.numel(),)](
         q, k, v, DO=do, LSE=lse, DELTA=delta, ORDER=order, STARTS=starts, WORK_SEG=work_seg, WORK_CHUNK=work_chunk,
         DK_ACC=dk_acc, DV_ACC=dv_acc, DQ_OUT=dq_out, DK_OUT=dk_out, DV_OUT=dv_out, DONE=done, T=T,
-        num_blocks=num_blocks, num_q_chunks=num_q_chunks, scale=scale, ROWS=_block_rows(hpg, c),
-        CHUNK=c.slc_block_chunk, DQ_MODE=dq_mode,
+        num_blocks=num_blocks, scale=scale, ROWS=_block_rows(hpg, c), CHUNK=c.slc_block_chunk, DQ_MODE=dq_mode,
         FINAL_KV=final_kv, PREFETCH=_block_prefetch(q, v),
         OFFSETS_64=_offsets_64(q, k, v, do, dk_acc, dv_acc, dq_out, dk_out, dv_out), **common,
         num_warps=c.slc_block_warps,
         num_stages=c.slc_block_stages,
         **_block_tiles(_block_rows(hpg, c), common, k, v))
-    if cast_kv:
-        dk_out, dv_out = dk_acc.to(k.dtype), dv_acc.to(v.dtype)
     dq = None
     if dq_mode == 3:
         return dq_out, dk_out, dv_out
