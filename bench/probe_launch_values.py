@@ -1,4 +1,4 @@
-"""Probe: values of one integer LaunchConfig field against its first value, in the whole NSA forward + backward.
+"""Probe: values of one integer or bool LaunchConfig field against its first, in the whole NSA forward + backward.
 
     python bench/probe_launch_values.py --field range_dkdv_q_chunk --values 4096,0,8192
                                         [--kernels range_attn_bwd_dkdv_kernel,selected_block_bwd_kernel]
@@ -48,14 +48,18 @@ def name_list(text: str) -> list[str]:
 
 
 def launch_configs(base, field: str, values: list[int]) -> dict:
-    """{value: base with field = value}, refused before any GPU work where the field is not an integer field of
-    LaunchConfig or a value is not valid for it (LaunchConfig validates each)."""
-    fields = {f.name: f for f in dataclasses.fields(base)}
-    if field not in fields or not isinstance(getattr(base, field), int) or isinstance(getattr(base, field), bool):
-        ints = sorted(n for n in fields if isinstance(getattr(base, n), int) and not isinstance(getattr(base, n), bool))
-        raise SystemExit(f"--field {field!r}: not an integer LaunchConfig field; one of {', '.join(ints)}")
+    """{value: base with field = value (a bool field: 0 or 1 as False or True)}, refused before any GPU work where
+    the field is not an integer or bool field of LaunchConfig or a value is not valid for it (LaunchConfig
+    validates each)."""
+    names = sorted(f.name for f in dataclasses.fields(base) if isinstance(getattr(base, f.name), int))
+    if field not in names:
+        raise SystemExit(f"--field {field!r}: not an integer or bool LaunchConfig field; one of {', '.join(names)}")
+    if isinstance(getattr(base, field), bool):
+        if not set(values) <= {0, 1}:
+            raise SystemExit(f"--values: {field} is a bool: 0 or 1, got {values}")
+        values = [bool(v) for v in values]
     try:
-        return {v: dataclasses.replace(base, **{field: v}) for v in values}
+        return {int(v): dataclasses.replace(base, **{field: v}) for v in values}
     except ValueError as err:
         raise SystemExit(f"--values: {err}") from None
 
