@@ -13,14 +13,14 @@ def test_one_config_per_value_differing_only_in_the_field():
     assert configs[2048].slc_block_chunk == base.slc_block_chunk
 
 
-@pytest.mark.parametrize("field, values, message", [("slc_kernel", [0], "not an integer or bool LaunchConfig field"),
-                                                    ("side_stream", [0, 2], "a bool: 0 or 1"),
-                                                    ("range_dkdv_q_chunk", [0, -1], "must be an int >= 0")])
 def test_a_bool_field_takes_0_and_1():
     configs = launch_configs(triton_impl.LaunchConfig(), "side_stream", [1, 0])
     assert [c.side_stream for c in configs.values()] == [True, False]
 
 
+@pytest.mark.parametrize("field, values, message", [("slc_kernel", [0], "not an integer or bool LaunchConfig field"),
+                                                    ("side_stream", [0, 2], "a bool: 0 or 1"),
+                                                    ("range_dkdv_q_chunk", [0, -1], "must be an int >= 0")])
 def test_a_field_or_value_launch_config_refuses_stops_the_probe(field, values, message):
     with pytest.raises(SystemExit, match=message):
         launch_configs(triton_impl.LaunchConfig(), field, values)
