@@ -13,7 +13,8 @@ each named kernel in one call (torch.profiler). Writes DIR/probe-<device>-<date>
 
 v57 ran this as bench/probe_dkdv_chunks.py, the field fixed to range_dkdv_q_chunk and the kernel to the range
 dK/dV: `--field range_dkdv_q_chunk --values 0,2048,4096,8192,16384 --kernels range_attn_bwd_dkdv_kernel`. v58
-ran it at 6eceb54 for by_block's index cut by query chunk (slc_block_q_chunk, since removed).
+ran it at 6eceb54 for by_block's index cut by query chunk (slc_block_q_chunk) and at 74d9a59 for the compressed
+dK/dV's dK and dV by separate programs (range_dkdv_split_parts); both lost and were removed (kernels-notes v58).
 """
 
 from __future__ import annotations

@@ -301,7 +301,7 @@ def range_attn_bwd_dq_kernel(Q, K, V, DO, QD, KD, VD, DOD, K2D, V2D, LSE, DELTA,
 def _dkdv_tiles(dk, dv, k, v, Q, DO, QD, DOD, LSE, DELTA, b, h, offs_n, n_ok, start, stop, T, num_queries, qk_scale,
                 key_stride, key_offset, window, H: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
                 BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, MASKED: tl.constexpr,
-                TMA: tl.constexpr, DOT_PRECISION: tl.constexpr, WANT_DK: tl.constexpr, WANT_DV: tl.constexpr):
+                TMA: tl.constexpr, DOT_PRECISION: tl.constexpr):
     for start_m in range(start, stop, BLOCK_M):
         offs_m = start_m + tl.arange(0, BLOCK_M)
         m_ok = offs_m < num_queries
@@ -321,36 +321,10 @@ def _dkdv_tiles(dk, dv, k, v, Q, DO, QD, DOD, LSE, DELTA, b, h, offs_n, n_ok, st
             p = tl.where(vis, tl.exp2(s - lse2[:, None]), 0.0)
         else:
             p = tl.exp2(s - lse2[:, None])  # every query of a full tile sees a key: its lse is finite
-        if WANT_DV:
-            dv += tl.dot(tl.trans(p).to(do.dtype), do, input_precision=DOT_PRECISION)
-        if WANT_DK:
-            dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
-            ds = p * (dp - delta[:, None])
-            dk += tl.dot(tl.trans(ds).to(q.dtype), q, input_precision=DOT_PRECISION)
-    return dk, dv
-
-
-@triton.jit
-def _dkdv_heads(k, v, Q, DO, QD, DOD, LSE, DELTA, b, first_head, offs_n, n_ok, t_lo, full_lo, full_hi, t_hi, T,
-                num_queries, qk_scale, key_stride, key_offset, window, H: tl.constexpr, HEADS: tl.constexpr,
-                DK: tl.constexpr, DV: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
-                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TMA: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                WANT_DK: tl.constexpr, WANT_DV: tl.constexpr):
-    """(dk, dv) of one key tile over HEADS heads from first_head and queries [t_lo, t_hi): the masked tiles before
-    full_lo and from full_hi, the full ones between."""
-    dk = tl.zeros([BLOCK_N, BLOCK_DK], tl.float32)
-    dv = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
-    for head in range(HEADS):
-        h = first_head + head
-        dk, dv = _dkdv_tiles(dk, dv, k, v, Q, DO, QD, DOD, LSE, DELTA, b, h, offs_n, n_ok, t_lo, full_lo, T,
-                             num_queries, qk_scale, key_stride, key_offset, window, H, DK, DV, BLOCK_DK, BLOCK_DV,
-                             BLOCK_M, True, TMA, DOT_PRECISION, WANT_DK, WANT_DV)
-        dk, dv = _dkdv_tiles(dk, dv, k, v, Q, DO, QD, DOD, LSE, DELTA, b, h, offs_n, n_ok, full_lo, full_hi, T,
-                             num_queries, qk_scale, key_stride, key_offset, window, H, DK, DV, BLOCK_DK, BLOCK_DV,
-                             BLOCK_M, False, TMA, DOT_PRECISION, WANT_DK, WANT_DV)
-        dk, dv = _dkdv_tiles(dk, dv, k, v, Q, DO, QD, DOD, LSE, DELTA, b, h, offs_n, n_ok, full_hi, t_hi, T,
-                             num_queries, qk_scale, key_stride, key_offset, window, H, DK, DV, BLOCK_DK, BLOCK_DV,
-                             BLOCK_M, True, TMA, DOT_PRECISION, WANT_DK, WANT_DV)
+        dv += tl.dot(tl.trans(p).to(do.dtype), do, input_precision=DOT_PRECISION)
+        dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
+        ds = p * (dp - delta[:, None])
+        dk += tl.dot(tl.trans(ds).to(q.dtype), q, input_precision=DOT_PRECISION)
     return dk, dv
 
 
@@ -360,8 +334,7 @@ def range_attn_bwd_dkdv_kernel(Q, K, V, DO, QD, KD, VD, DOD, LSE, DELTA, DK_ACC,
                                G: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BLOCK_DK: tl.constexpr,
                                BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                                HEAD_SPLIT: tl.constexpr, EDGE_SPLIT: tl.constexpr, ATOMIC: tl.constexpr,
-                               TMA: tl.constexpr, DOT_PRECISION: tl.constexpr, ALIGNED_CHUNKS: tl.constexpr = False,
-                               SPLIT_PARTS: tl.constexpr = False):
+                               TMA: tl.constexpr, DOT_PRECISION: tl.constexpr, ALIGNED_CHUNKS: tl.constexpr = False):
     """One program per (slice of HPG / HEAD_SPLIT heads of a group, key tile, chunk of q_chunk of the queries
     that see the tile). HEAD_SPLIT = 1 and one chunk: the program loops over the whole group and stores (exact,
     deterministic; right for the window branch, whose tiles see few queries). Otherwise (ATOMIC) the programs of
@@ -404,8 +377,7 @@ def range_attn_bwd_dkdv_kernel(Q, K, V, DO, QD, KD, VD, DOD, LSE, DELTA, DK_ACC,
     t_hi = tl.minimum(num_queries, last_pos + window)
     # this program's chunk of them (q_chunk is a multiple of BLOCK_M, so tiles stay aligned)
     if ALIGNED_CHUNKS:
-        # SPLIT_PARTS: two programs a (tile, head, chunk), the third axis's even one adding dK, the odd one dV
-        c_lo = (tl.program_id(2) // 2 if SPLIT_PARTS else tl.program_id(2)) * q_chunk
+        c_lo = tl.program_id(2) * q_chunk
         t_lo = tl.maximum(t_lo, c_lo)
         t_hi = tl.minimum(t_hi, c_lo + q_chunk)
         if t_hi <= t_lo:  # a key tile after its chunk (about half the grid): no loads, nothing to add
@@ -427,30 +399,26 @@ def range_attn_bwd_dkdv_kernel(Q, K, V, DO, QD, KD, VD, DOD, LSE, DELTA, DK_ACC,
         full_lo = t_hi
         full_hi = t_hi
     qk_scale = scale * LOG2E
+    dk = tl.zeros([BLOCK_N, BLOCK_DK], tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
+    for head in range(HEADS):
+        h = first_head + head
+        dk, dv = _dkdv_tiles(dk, dv, k, v, Q, DO, QD, DOD, LSE, DELTA, b, h, offs_n, n_ok, t_lo, full_lo, T,
+                             num_queries, qk_scale, key_stride, key_offset, window, H, DK, DV, BLOCK_DK, BLOCK_DV,
+                             BLOCK_M, True, TMA, DOT_PRECISION)
+        dk, dv = _dkdv_tiles(dk, dv, k, v, Q, DO, QD, DOD, LSE, DELTA, b, h, offs_n, n_ok, full_lo, full_hi, T,
+                             num_queries, qk_scale, key_stride, key_offset, window, H, DK, DV, BLOCK_DK, BLOCK_DV,
+                             BLOCK_M, False, TMA, DOT_PRECISION)
+        dk, dv = _dkdv_tiles(dk, dv, k, v, Q, DO, QD, DOD, LSE, DELTA, b, h, offs_n, n_ok, full_hi, t_hi, T,
+                             num_queries, qk_scale, key_stride, key_offset, window, H, DK, DV, BLOCK_DK, BLOCK_DV,
+                             BLOCK_M, True, TMA, DOT_PRECISION)
+    dk = dk * scale
     dk_ptrs = DK_ACC + row_k[:, None] * DK + offs_dk[None, :]
     dv_ptrs = DV_ACC + row_k[:, None] * DV + offs_dv[None, :]
-    dk_ok = n_ok[:, None] & (offs_dk < DK)[None, :]
-    dv_ok = n_ok[:, None] & (offs_dv < DV)[None, :]
-    if SPLIT_PARTS:  # ATOMIC and ALIGNED_CHUNKS: each program holds one [BLOCK_N, D] accumulator, not two
-        if tl.program_id(2) % 2 == 0:
-            dk, _ = _dkdv_heads(k, v, Q, DO, QD, DOD, LSE, DELTA, b, first_head, offs_n, n_ok, t_lo, full_lo,
-                                full_hi, t_hi, T, num_queries, qk_scale, key_stride, key_offset, window, H, HEADS,
-                                DK, DV, BLOCK_DK, BLOCK_DV, BLOCK_M, BLOCK_N, TMA, DOT_PRECISION, True, False)
-            tl.atomic_add(dk_ptrs, dk * scale, mask=dk_ok, sem="relaxed")
-        else:
-            _, dv = _dkdv_heads(k, v, Q, DO, QD, DOD, LSE, DELTA, b, first_head, offs_n, n_ok, t_lo, full_lo,
-                                full_hi, t_hi, T, num_queries, qk_scale, key_stride, key_offset, window, H, HEADS,
-                                DK, DV, BLOCK_DK, BLOCK_DV, BLOCK_M, BLOCK_N, TMA, DOT_PRECISION, False, True)
-            tl.atomic_add(dv_ptrs, dv, mask=dv_ok, sem="relaxed")
-    else:
-        dk, dv = _dkdv_heads(k, v, Q, DO, QD, DOD, LSE, DELTA, b, first_head, offs_n, n_ok, t_lo, full_lo, full_hi,
-                             t_hi, T, num_queries, qk_scale, key_stride, key_offset, window, H, HEADS, DK, DV,
-                             BLOCK_DK, BLOCK_DV, BLOCK_M, BLOCK_N, TMA, DOT_PRECISION, True, True)
-        dk = dk * scale
-        if not ATOMIC:
-            tl.store(dk_ptrs, dk, mask=dk_ok)
-            tl.store(dv_ptrs, dv, mask=dv_ok)
-        elif t_lo < t_hi:  # empty chunks add nothing
-            # relaxed: only later kernels read the sums; tl.atomic_add's default (acq_rel) fences every add (v51)
-            tl.atomic_add(dk_ptrs, dk, mask=dk_ok, sem="relaxed")
-            tl.atomic_add(dv_ptrs, dv, mask=dv_ok, sem="relaxed")
+    if not ATOMIC:
+        tl.store(dk_ptrs, dk, mask=n_ok[:, None] & (offs_dk < DK)[None, :])
+        tl.store(dv_ptrs, dv, mask=n_ok[:, None] & (offs_dv < DV)[None, :])
+    elif t_lo < t_hi:  # empty chunks add nothing
+        # relaxed: only later kernels read the sums; tl.atomic_add's default (acq_rel) fences every add (v51)
+        tl.atomic_add(dk_ptrs, dk, mask=n_ok[:, None] & (offs_dk < DK)[None, :], sem="relaxed")
+        tl.atomic_add(dv_ptrs, dv, mask=n_ok[:, None] & (offs_dv < DV)[None, :], sem="relaxed")

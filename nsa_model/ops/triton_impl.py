@@ -86,7 +86,7 @@ INDEX_BUILDS = ("auto", "count", "sort")
 
 RANGE_TILE_FIELDS = ("range_fwd", "range_dq", "range_dkdv", "range_fwd_d64", "range_dq_d64", "range_dkdv_d64")
 SELECT_FIELDS = ("select", "select_d128", "select_d64")
-BOOL_FIELDS = ("slc_dense_prefix", "side_stream", "range_dkdv_split_parts")
+BOOL_FIELDS = ("slc_dense_prefix", "side_stream")
 
 
 @dataclass(frozen=True)
@@ -115,8 +115,6 @@ class LaunchConfig:
     # (ALIGNED_CHUNKS); 0: off. v57 on an H200, NSA under CUDA graphs: 4096 took paper 8k -0.5%, 32k -2.2%,
     # 64k -1.9%, 128k -5.4%, 125m 4 x 8k -0.6%, 1 x 32k -1.2%
     range_dkdv_q_chunk: int = 4096
-    # compressed dK/dV in absolute chunks: dK and dV by two programs each (SPLIT_PARTS), one accumulator apiece
-    range_dkdv_split_parts: bool = False
     slc_warps: int = 2  # per-query selected forward and dQ (2 beat 4 in the v2 sweep on H100; v37 again)
     slc_stages: int = 3  # per-query forward and dQ (v37 sweep: 2 -> 3 took 3% off paper 16k's selected branch)
     # the tiled forward at head dims <= 64 and the tiled dQ (v37: 3 stages cost paper 8k's dQ 1.64 -> 1.83 ms)
@@ -477,13 +475,11 @@ def _range_dkdv_into(q, k, v, do, lse, delta, dk, dv, num_queries: int, num_key_
     atomic = atomic or prefix
     if num_key_rows > 0 and num_queries > 0:
         grid = (B * G * head_split, triton.cdiv(num_key_rows, launch["BLOCK_N"]), triton.cdiv(num_queries, q_chunk))
-        split_parts = aligned and _config.range_dkdv_split_parts
-        range_attn_bwd_dkdv_kernel[(grid[1], grid[0], grid[2] * (2 if split_parts else 1)) if aligned else grid](
+        range_attn_bwd_dkdv_kernel[(grid[1], grid[0], grid[2]) if aligned else grid](
             q, k, v, do, LSE=lse, DELTA=delta, DK_ACC=dk, DV_ACC=dv, T=T, num_queries=num_queries, num_keys=num_keys,
             scale=scale, key_stride=key_stride, key_offset=key_offset, window=window, q_chunk=q_chunk,
             **_kv_strides(k, v), HEAD_SPLIT=head_split, ATOMIC=atomic, H=H, G=G, **_head_dims(q, v), **launch,
-            **_tile_args(launch, dict(QD=q, DOD=do), dict(KD=k, VD=v)), ALIGNED_CHUNKS=aligned,
-            SPLIT_PARTS=split_parts)
+            **_tile_args(launch, dict(QD=q, DOD=do), dict(KD=k, VD=v)), ALIGNED_CHUNKS=aligned)
 
 
 def _range_pair_fused() -> bool:
