@@ -2,7 +2,7 @@
 
 import pytest
 
-from bench.probe_launch_values import launch_configs, value_list
+from bench.probe_launch_values import base_config, launch_configs, value_list
 from nsa_model.ops import triton_impl
 
 
@@ -31,3 +31,18 @@ def test_values_are_distinct_integers():
     for bad in ("0,x", "0,0"):
         with pytest.raises(Exception):
             value_list(bad)
+
+
+def test_settings_change_the_base_of_every_value():
+    base = base_config(triton_impl.LaunchConfig(), ["slc_auto_tiled_blocks=64", "side_stream=false",
+                                                    "slc_kernel=tiled"])
+    assert (base.slc_auto_tiled_blocks, base.side_stream, base.slc_kernel) == (64, False, "tiled")
+    configs = launch_configs(base, "slc_tile_rows", [64, 32])
+    assert [(c.slc_tile_rows, c.slc_auto_tiled_blocks) for c in configs.values()] == [(64, 64), (32, 64)]
+
+
+@pytest.mark.parametrize("setting, message", [("nope=1", "a LaunchConfig field"), ("side_stream=1", "a bool"),
+                                              ("slc_tile_rows=x", "is an int"), ("slc_kernel=fast", "must be one of")])
+def test_a_bad_setting_stops_the_probe(setting, message):
+    with pytest.raises(SystemExit, match=message):
+        base_config(triton_impl.LaunchConfig(), [setting])
