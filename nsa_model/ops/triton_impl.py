@@ -86,7 +86,7 @@ INDEX_BUILDS = ("auto", "count", "sort")
 
 RANGE_TILE_FIELDS = ("range_fwd", "range_dq", "range_dkdv", "range_fwd_d64", "range_dq_d64", "range_dkdv_d64")
 SELECT_FIELDS = ("select", "select_d128", "select_d64")
-BOOL_FIELDS = ("slc_dense_prefix", "side_stream")
+BOOL_FIELDS = ("slc_dense_prefix", "side_stream", "range_dq_last")
 
 
 @dataclass(frozen=True)
@@ -155,6 +155,9 @@ class LaunchConfig:
     slc_dense_prefix: bool = False  # selected branch: queries t < n * l' by the range kernels (_dense_prefix; v15)
     prefix_dkdv_group_programs: int = 512  # dense prefix dK/dV: one program per group from this many programs
     side_stream: bool = True  # nsa::core's window forward and range dK/dV on a second CUDA stream (_Beside; v26)
+    # nsa::core's backward without dQ slots: the selected branch's backward first, then the two ranges' dQ added
+    # into its dq, so that the memory-bound selected kernels run beside the range dK/dV on the second stream
+    range_dq_last: bool = False
     phi_kernel: str = "fused"  # one of PHI_KERNELS
     slc_slot_sum: str = "range_dq"  # one of SLOT_SUMS
     slc_combine: str = "gated"  # one of SLC_COMBINES
@@ -1485,6 +1488,10 @@ def _core_bwd(do: torch.Tensor, q: torch.Tensor, k_slc: torch.Tensor, v_slc: tor
         dq = torch.empty_like(q)
         _range_dq_into(*cmp[:6], dq, T, *cmp[6:], scale, second=(*win[1:3], *win[4:]),
                        slots=(dq_slots, blocks.contiguous()))
+    elif _config.range_dq_last and _range_pair_fused():
+        dq, dk_slc, dv_slc = _selected_bwd(q, k_slc, v_slc, blocks, o_slc, lse_slc, index, d_slc, sel_block, scale,
+                                           kernel, delta=delta_slc, prefix=prefix)
+        _range_dq_into(*cmp[:6], dq, T, *cmp[6:], scale, accumulate=True, second=(*win[1:3], *win[4:]))
     else:
         if _range_pair_fused():  # d_cmp = d_win = do: one dQ launch for both branches
             dq_add = [torch.empty_like(q)]
