@@ -507,16 +507,18 @@ CORE_VARIANTS = {  # three with the dense prefix: its dK/dV by groups (tiled_by_
     "tiled_dkdv_by_block": dict(slc_kernel="tiled", slc_tile_rows=16, slc_dkdv="by_block", slc_block_rows=16,
                                 slc_block_chunk=8, slc_query_dq="recompute"),
     # the same with tiled's dQ from by_block's stored ds, with and without the dense prefix
+    # (range_dq_last: the two ranges' dQ after the selected backward, added into its dq; or before it, the
+    # selected dQ adding theirs into its own)
     "tiled_dq_from_ds": dict(slc_kernel="tiled", slc_tile_rows=16, slc_dkdv="by_block", slc_query_dq="ds",
                              slc_block_rows=16, slc_block_chunk=8),
+    "tiled_dq_from_ds_range_dq_first": dict(slc_kernel="tiled", slc_tile_rows=16, slc_dkdv="by_block",
+                                            slc_query_dq="ds", slc_block_rows=16, slc_block_chunk=8,
+                                            range_dq_last=False),
     "tiled_dq_from_ds_dense_prefix": dict(slc_kernel="tiled", slc_tile_rows=16, slc_dkdv="by_block",
                                           slc_query_dq="ds", slc_block_rows=16, slc_block_chunk=8,
                                           slc_dense_prefix=True),
     "per_query_dq_from_ds": dict(slc_kernel="per_query", slc_dkdv="by_block", slc_query_dq="ds", slc_block_rows=16,
                                  slc_block_chunk=8),
-    # the same with the two ranges' dQ after the selected backward, added into its dq
-    "per_query_dq_from_ds_range_dq_last": dict(slc_kernel="per_query", slc_dkdv="by_block", slc_query_dq="ds",
-                                               slc_block_rows=16, slc_block_chunk=8, range_dq_last=True),
     "by_block_partial": dict(slc_kernel="by_block", slc_block_rows=16, slc_block_chunk=8),
     "by_block_atomic": dict(slc_kernel="by_block", slc_block_rows=16, slc_block_chunk=8, slc_dq="atomic"),
     "by_block_no_prefetch": dict(slc_kernel="by_block", slc_block_rows=16, slc_block_chunk=16,

@@ -155,9 +155,11 @@ class LaunchConfig:
     slc_dense_prefix: bool = False  # selected branch: queries t < n * l' by the range kernels (_dense_prefix; v15)
     prefix_dkdv_group_programs: int = 512  # dense prefix dK/dV: one program per group from this many programs
     side_stream: bool = True  # nsa::core's window forward and range dK/dV on a second CUDA stream (_Beside; v26)
-    # nsa::core's backward without dQ slots: the selected branch's backward first, then the two ranges' dQ added
-    # into its dq, so that the memory-bound selected kernels run beside the range dK/dV on the second stream
-    range_dq_last: bool = False
+    # nsa::core's backward under the tiled selected kernels: the selected backward first, then the two ranges' dQ
+    # added into its dq, so that the selected kernels run beside the range dK/dV on the second stream and the
+    # tiled dQ from ds adds into nothing. v58e on an H200, NSA under CUDA graphs: paper 8k 6.66 -> 6.48 ms (-2.8%),
+    # 16k -1.7%; under per_query (paper 32k-128k) a tie at 32k and 128k and +0.5% at 64k, so not there.
+    range_dq_last: bool = True
     phi_kernel: str = "fused"  # one of PHI_KERNELS
     slc_slot_sum: str = "range_dq"  # one of SLOT_SUMS
     slc_combine: str = "gated"  # one of SLC_COMBINES
@@ -1488,7 +1490,7 @@ def _core_bwd(do: torch.Tensor, q: torch.Tensor, k_slc: torch.Tensor, v_slc: tor
         dq = torch.empty_like(q)
         _range_dq_into(*cmp[:6], dq, T, *cmp[6:], scale, second=(*win[1:3], *win[4:]),
                        slots=(dq_slots, blocks.contiguous()))
-    elif _config.range_dq_last and _range_pair_fused():
+    elif _config.range_dq_last and kernel == "tiled" and _range_pair_fused():
         dq, dk_slc, dv_slc = _selected_bwd(q, k_slc, v_slc, blocks, o_slc, lse_slc, index, d_slc, sel_block, scale,
                                            kernel, delta=delta_slc, prefix=prefix)
         _range_dq_into(*cmp[:6], dq, T, *cmp[6:], scale, accumulate=True, second=(*win[1:3], *win[4:]))
