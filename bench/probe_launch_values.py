@@ -3,15 +3,16 @@
     python bench/probe_launch_values.py --field range_dkdv_q_chunk --values 4096,0,8192
                                         [--kernels range_attn_bwd_dkdv_kernel,selected_block_bwd_kernel]
                                         [--shapes paper:1:8192,paper:1:65536] [--rounds 2]
-                                        [--set FIELD=VALUE ...]
+                                        [--launch NAME=VALUE ...]
                                         --out DIR --commit SHA [--suffix=-v58b]
 
 The first value is the judge (the default's path, checked against float64 by bench/kernels.py): before timing,
 each value's eight gradients must agree with its within 1e-2 of their norm (atomic adds may meet in another
 order), or the probe stops. Then, `rounds` times over the values in turn (drift shows as a spread between
 rounds): the NSA forward + backward replayed as a CUDA graph (median ms, as training runs it) and the GPU time of
-each named kernel in one call (torch.profiler). --set changes other fields of the default LaunchConfig under
-every value (an int, true / false, or a string). Writes DIR/probe-<device>-<date><suffix>.json and .md.
+each named kernel in one call (torch.profiler). --launch changes other fields of the default LaunchConfig under
+every value (bench/launch.py's syntax, as bench/kernels.py takes it; v58's runs named it --set). Writes
+DIR/probe-<device>-<date><suffix>.json and .md.
 
 v57 ran this as bench/probe_dkdv_chunks.py, the field fixed to range_dkdv_q_chunk and the kernel to the range
 dK/dV: `--field range_dkdv_q_chunk --values 0,2048,4096,8192,16384 --kernels range_attn_bwd_dkdv_kernel`. v58
@@ -29,6 +30,7 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from bench.launch import launch_overrides  # noqa: E402
 from bench.provenance import file_suffix, git_commit, result_file  # noqa: E402
 from bench.shapes import FAMILIES, family_shapes  # noqa: E402
 
@@ -50,31 +52,13 @@ def name_list(text: str) -> list[str]:
     return names
 
 
-def base_config(default, settings: list[str]):
-    """The default LaunchConfig with each FIELD=VALUE of settings (VALUE an int, true / false or a string), refused
-    before any GPU work where a field is unknown or a value invalid (LaunchConfig validates)."""
-    names = {f.name for f in dataclasses.fields(default)}
-    changes = {}
-    for item in settings:
-        field, sep, text = item.partition("=")
-        if not sep or field not in names:
-            raise SystemExit(f"--set {item!r}: expected FIELD=VALUE with FIELD a LaunchConfig field")
-        current = getattr(default, field)
-        if isinstance(current, bool):
-            if text not in ("true", "false"):
-                raise SystemExit(f"--set {item!r}: {field} is a bool: true or false")
-            changes[field] = text == "true"
-        elif isinstance(current, int):
-            try:
-                changes[field] = int(text)
-            except ValueError:
-                raise SystemExit(f"--set {item!r}: {field} is an int") from None
-        else:
-            changes[field] = text
+def base_config(default, items: list[str]):
+    """The default LaunchConfig with the --launch NAME=VALUE items (bench/launch.py), refused before any GPU work
+    where a name is not a field or a value is invalid (LaunchConfig validates)."""
     try:
-        return dataclasses.replace(default, **changes)
-    except ValueError as err:
-        raise SystemExit(f"--set: {err}") from None
+        return dataclasses.replace(default, **launch_overrides(items))
+    except (TypeError, ValueError) as err:
+        raise SystemExit(f"--launch: {err}") from None
 
 
 def launch_configs(base, field: str, values: list[int]) -> dict:
@@ -101,7 +85,7 @@ def main():
     ap.add_argument("--kernels", type=name_list, default=name_list("range_attn_bwd_dkdv_kernel"))
     ap.add_argument("--shapes", type=family_shapes, default="paper:1:8192,paper:1:65536")
     ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE")
+    ap.add_argument("--launch", action="append", default=[], metavar="NAME=VALUE")
     ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results"))
     ap.add_argument("--suffix", type=file_suffix, default="")
     ap.add_argument("--commit", default="")
@@ -112,7 +96,7 @@ def main():
     from bench.kernel_variants import write_times
 
     ti = kb.ti
-    base = base_config(ti.launch_config(), args.set)
+    base = base_config(ti.launch_config(), args.launch)
     configs = launch_configs(base, args.field, args.values)
     if not torch.cuda.is_available():
         raise SystemExit("bench/probe_launch_values.py needs a CUDA GPU")
@@ -158,7 +142,7 @@ def main():
                     line += f", {kernel} {ms:.3f} ms"
                 print(line, flush=True)
         torch.cuda.empty_cache()
-    settings = f" (with {', '.join(args.set)})" if args.set else ""
+    settings = f" (with {', '.join(args.launch)})" if args.launch else ""
     stem = write_times(args.out, args.suffix, args.commit or git_commit(), results,
                        title=f"LaunchConfig.{args.field}: {', '.join(map(str, args.values))}{settings}",
                        note=f"Each value of {args.field}{settings}, the first the judge of the others' gradients "

@@ -33,13 +33,13 @@ assert [c.side_stream for c in launch_configs(default, "side_stream", [1, 0]).va
 refused(lambda: launch_configs(default, "slc_kernel", [0]), "not an integer or bool LaunchConfig field")
 refused(lambda: launch_configs(default, "side_stream", [0, 2]), "a bool: 0 or 1")
 refused(lambda: launch_configs(default, "range_dkdv_q_chunk", [0, -1]), "must be an int >= 0")
-# --set changes the base of every value
-base = base_config(default, ["slc_auto_tiled_blocks=64", "side_stream=false", "slc_kernel=tiled"])
+# --launch changes the base of every value
+base = base_config(default, ["slc_auto_tiled_blocks=64", "side_stream=False", "slc_kernel=tiled"])
 assert (base.slc_auto_tiled_blocks, base.side_stream, base.slc_kernel) == (64, False, "tiled")
 assert [(c.slc_tile_rows, c.slc_auto_tiled_blocks) for c in launch_configs(base, "slc_tile_rows", [64, 32]).values()] \
     == [(64, 64), (32, 64)]
-for setting, message in [("nope=1", "a LaunchConfig field"), ("side_stream=1", "a bool"),
-                         ("slc_tile_rows=x", "is an int"), ("slc_kernel=fast", "must be one of")]:
+for setting, message in [("nope=1", "nope"), ("side_stream=1", "must be a bool"),
+                         ("slc_tile_rows=x", "must be an int"), ("slc_kernel=fast", "must be one of")]:
     refused(lambda: base_config(default, [setting]), message)
 # values: distinct integers
 assert value_list("0,2048") == [0, 2048]
