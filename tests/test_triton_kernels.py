@@ -318,19 +318,14 @@ SELECTED_VARIANTS = {
                                slc_block_rows=16, slc_block_chunk=8),
     "per_query_dq_from_ds": dict(slc_kernel="per_query", slc_dkdv="by_block", slc_query_dq="ds", slc_block_rows=16,
                                  slc_block_chunk=8),
-    # the same, 4 queries a forward program sharing the blocks their leading slots agree on (random choices: the
-    # own block, 1 slot of 3; structured: all 3), T = 43 leaving a program of 3 queries
-    "per_query_shared4_dq_from_ds": dict(slc_kernel="per_query", slc_fwd_queries=4, slc_dkdv="by_block",
-                                         slc_query_dq="ds", slc_block_rows=16, slc_block_chunk=8),
 }
 
 
 # Every variant on random choices through descriptors; structured choices for the variants whose work follows the
 # sharing (tiled's unions, by_block's chooser lists); pointer loads once for each kernel that reads key blocks.
 SHARING_VARIANTS = ("tiled16", "tiled64_dkdv_by_block", "by_block16_partial", "by_block64_atomic", "tiled_by_block",
-                    "tiled64_dq_from_ds", "per_query_shared4_dq_from_ds")
-POINTER_VARIANTS = ("per_query", "tiled16", "by_block16_partial", "tiled64_dq_from_ds", "per_query_dq_from_ds",
-                    "per_query_shared4_dq_from_ds")
+                    "tiled64_dq_from_ds")
+POINTER_VARIANTS = ("per_query", "tiled16", "by_block16_partial", "tiled64_dq_from_ds", "per_query_dq_from_ds")
 SELECTED_CASES = ([(variant, False, "tma") for variant in SELECTED_VARIANTS]
                   + [(variant, True, "tma") for variant in SHARING_VARIANTS]
                   + [(variant, False, "pointer") for variant in POINTER_VARIANTS])

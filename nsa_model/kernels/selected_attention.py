@@ -25,58 +25,6 @@ LOG2E = tl.constexpr(1.4426950408889634)
 
 
 @triton.jit
-def _slots_fwd(q, m_i, l_i, acc, first_slot, K, V, KD, VD, BLOCKS, block_row, b, g, t, T, qk_scale, K_ROW, V_ROW,
-               DK: tl.constexpr, DV: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
-               SEL_BLOCK: tl.constexpr, BLOCK_S: tl.constexpr, N_SELECT: tl.constexpr, TMA: tl.constexpr,
-               DOT_PRECISION: tl.constexpr):
-    """The online softmax (m_i, l_i, acc) of query t's group rows q carried over its slots first_slot .. n - 1."""
-    offs_s = tl.arange(0, BLOCK_S)
-    for i in range(first_slot, N_SELECT):
-        # No branch on the block id (-1: fewer than n blocks exist) so the loop stays software-pipelined.
-        blk = tl.load(BLOCKS + block_row + i)
-        first = blk * SEL_BLOCK
-        s_ok = (offs_s < tl.minimum(SEL_BLOCK, t - first + 1)) & (blk >= 0)  # in the block, at or before t
-        # with TMA unmasked: keys past t, past the block or of block -1 are masked out of the scores
-        k, v = _block_tile(K, V, KD, VD, K_ROW, V_ROW, b, g, blk, first + offs_s, s_ok, T, DK, DV, BLOCK_DK, BLOCK_DV,
-                           SEL_BLOCK, TMA)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
-        s = tl.where(s_ok[None, :], s, float("-inf"))
-        m_i, l_i, acc = _softmax_step(s, v, m_i, l_i, acc, DOT_PRECISION)
-    return m_i, l_i, acc
-
-
-@triton.jit
-def _softmax_step(s, v, m_i, l_i, acc, DOT_PRECISION: tl.constexpr):
-    """One key tile of the online softmax: scores s (log2-scaled, -inf where not visible) and values v."""
-    m_new = tl.maximum(m_i, tl.max(s, axis=1))
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a block after t (not a valid choice) adds 0
-    p = tl.exp2(s - m_safe[:, None])
-    alpha = tl.exp2(m_i - m_safe)
-    l_i = l_i * alpha + tl.sum(p, axis=1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-    return m_new, l_i, acc
-
-
-@triton.jit
-def _store_query(m_i, l_i, acc, O, LSE, row_q, h_ok, offs_dv, DV: tl.constexpr, GATES, O_CMP, O_WIN, O_GATED,
-                 GATED: tl.constexpr):
-    """A query's o and lse from its finished online softmax; GATED: also its gated output (see the forward)."""
-    has_key = l_i > 0
-    l_safe = tl.where(has_key, l_i, 1.0)
-    o = (acc / l_safe[:, None]).to(O.dtype.element_ty)
-    lse = tl.where(has_key, (m_i + tl.log2(l_safe)) / LOG2E, float("-inf"))
-    at = row_q[:, None] * DV + offs_dv[None, :]
-    ok = h_ok[:, None] & (offs_dv < DV)[None, :]
-    tl.store(O + at, o, mask=ok)
-    tl.store(LSE + row_q, lse, mask=h_ok)
-    if GATED:  # o_cmp and o_win are read here for the last time in the forward
-        o_cmp = tl.load(O_CMP + at, mask=ok, other=0.0, eviction_policy="evict_first").to(tl.float32)
-        o_win = tl.load(O_WIN + at, mask=ok, other=0.0, eviction_policy="evict_first").to(tl.float32)
-        gated = gate_rows(GATES, row_q, h_ok, o_cmp, o.to(tl.float32), o_win)
-        tl.store(O_GATED + at, gated.to(O_GATED.dtype.element_ty), mask=ok)
-
-
-@triton.jit
 def selected_attn_fwd_kernel(Q, K, V, KD, VD, BLOCKS, O, LSE, T, scale, K_ROW, V_ROW,
                              H: tl.constexpr, G: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
                              BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, SEL_BLOCK: tl.constexpr,
@@ -91,6 +39,7 @@ def selected_attn_fwd_kernel(Q, K, V, KD, VD, BLOCKS, O, LSE, T, scale, K_ROW, V
     g = pid_bg % G
     HPG: tl.constexpr = H // G
     offs_h = tl.arange(0, HEADS_PAD)
+    offs_s = tl.arange(0, BLOCK_S)
     offs_dk = tl.arange(0, BLOCK_DK)
     offs_dv = tl.arange(0, BLOCK_DV)
     h_ok = offs_h < HPG
@@ -98,104 +47,41 @@ def selected_attn_fwd_kernel(Q, K, V, KD, VD, BLOCKS, O, LSE, T, scale, K_ROW, V
     q = tl.load(Q + row_q[:, None] * DK + offs_dk[None, :], mask=h_ok[:, None] & (offs_dk < DK)[None, :], other=0.0)
     block_row = ((b * T + t).to(tl.int64) * G + g) * N_SELECT
 
+    qk_scale = scale * LOG2E
     m_i = tl.full([HEADS_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([HEADS_PAD], tl.float32)
     acc = tl.zeros([HEADS_PAD, BLOCK_DV], tl.float32)
-    m_i, l_i, acc = _slots_fwd(q, m_i, l_i, acc, 0, K, V, KD, VD, BLOCKS, block_row, b, g, t, T, scale * LOG2E,
-                               K_ROW, V_ROW, DK, DV, BLOCK_DK, BLOCK_DV, SEL_BLOCK, BLOCK_S, N_SELECT, TMA,
-                               DOT_PRECISION)
-    _store_query(m_i, l_i, acc, O, LSE, row_q, h_ok, offs_dv, DV, GATES, O_CMP, O_WIN, O_GATED, GATED)
-
-
-@triton.jit
-def _shared_slot_count(BLOCKS, block_row0, t0, T, G: tl.constexpr, N_SELECT: tl.constexpr, N_PAD: tl.constexpr,
-                       QUERIES: tl.constexpr):
-    """How many leading slots hold one block for every query t0 .. t0 + QUERIES - 1 (queries past T agree with
-    any). For NSA's own selection these are the forced blocks, in block order (NSA_SPEC.md section 4: forced
-    blocks rank above every other, ties by the lower index), which depend only on the query's block t // l'."""
-    offs_q = tl.arange(0, QUERIES)
-    offs_i = tl.arange(0, N_PAD)
-    i_ok = offs_i < N_SELECT
-    q_ok = t0 + offs_q < T
-    first = tl.load(BLOCKS + block_row0 + offs_i, mask=i_ok, other=-1)
-    rows = block_row0 + offs_q.to(tl.int64) * (G * N_SELECT)
-    blk = tl.load(BLOCKS + rows[:, None] + offs_i[None, :], mask=q_ok[:, None] & i_ok[None, :], other=-1)
-    agree = (blk == first[None, :]) | (~q_ok[:, None])
-    every = tl.min(agree.to(tl.int32), axis=0)
-    return tl.min(tl.where((every == 0) | ~i_ok, offs_i, N_SELECT), axis=0)
-
-
-@triton.jit
-def selected_attn_fwd_shared_kernel(Q, K, V, KD, VD, BLOCKS, O, LSE, T, scale, K_ROW, V_ROW,
-                                    H: tl.constexpr, G: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-                                    BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, SEL_BLOCK: tl.constexpr,
-                                    BLOCK_S: tl.constexpr, N_SELECT: tl.constexpr, N_PAD: tl.constexpr,
-                                    HEADS_PAD: tl.constexpr, QUERIES: tl.constexpr, TMA: tl.constexpr,
-                                    DOT_PRECISION: tl.constexpr, GATES=None, O_CMP=None, O_WIN=None, O_GATED=None,
-                                    GATED: tl.constexpr = False):
-    """The forward above for QUERIES consecutive queries a program, which load the blocks they share once.
-
-    The leading slots that hold one block for all of them (_shared_slot_count: NSA's forced blocks, the first,
-    the query's own and the one before, 3 of n = 16 at the paper's settings) run first, as one
-    [QUERIES x HEADS_PAD, D] matrix of rows against each shared block, so their keys and values are read once for
-    QUERIES queries instead of once for each. Then each query carries its rows of that online softmax over its
-    own remaining slots, as the kernel above does. Any blocks give the same function: slots that differ are
-    simply not shared."""
-    t0 = tl.program_id(0) * QUERIES
-    pid_bg = tl.program_id(1)
-    b = pid_bg // G
-    g = pid_bg % G
-    HPG: tl.constexpr = H // G
-    ROWS: tl.constexpr = QUERIES * HEADS_PAD
-    qk_scale = scale * LOG2E
-    offs_s = tl.arange(0, BLOCK_S)
-    offs_dk = tl.arange(0, BLOCK_DK)
-    offs_dv = tl.arange(0, BLOCK_DV)
-    block_row0 = ((b * T + t0).to(tl.int64) * G + g) * N_SELECT
-    shared = _shared_slot_count(BLOCKS, block_row0, t0, T, G, N_SELECT, N_PAD, QUERIES)
-
-    # The shared slots: row r is query t0 + r // HEADS_PAD, head r % HEADS_PAD.
-    offs_r = tl.arange(0, ROWS)
-    t_r = t0 + offs_r // HEADS_PAD
-    r_ok = (offs_r % HEADS_PAD < HPG) & (t_r < T)
-    rows_q = (b * T + t_r).to(tl.int64) * H + g * HPG + offs_r % HEADS_PAD
-    q_rows = tl.load(Q + rows_q[:, None] * DK + offs_dk[None, :], mask=r_ok[:, None] & (offs_dk < DK)[None, :],
-                     other=0.0)
-    m_r = tl.full([ROWS], float("-inf"), tl.float32)
-    l_r = tl.zeros([ROWS], tl.float32)
-    acc_r = tl.zeros([ROWS, BLOCK_DV], tl.float32)
-    for i in tl.range(shared, num_stages=1):  # three iterations: not worth the shared memory of a pipeline
-        blk = tl.load(BLOCKS + block_row0 + i)
-        pos = blk * SEL_BLOCK + offs_s
-        s_ok = (offs_s < SEL_BLOCK) & (blk >= 0) & (pos < T)
-        k, v = _block_tile(K, V, KD, VD, K_ROW, V_ROW, b, g, blk, pos, s_ok, T, DK, DV, BLOCK_DK, BLOCK_DV,
+    for i in range(N_SELECT):
+        # No branch on the block id (-1: fewer than n blocks exist) so the loop stays software-pipelined.
+        blk = tl.load(BLOCKS + block_row + i)
+        first = blk * SEL_BLOCK
+        s_ok = (offs_s < tl.minimum(SEL_BLOCK, t - first + 1)) & (blk >= 0)  # in the block, at or before t
+        # with TMA unmasked: keys past t, past the block or of block -1 are masked out of the scores
+        k, v = _block_tile(K, V, KD, VD, K_ROW, V_ROW, b, g, blk, first + offs_s, s_ok, T, DK, DV, BLOCK_DK, BLOCK_DV,
                            SEL_BLOCK, TMA)
-        s = tl.dot(q_rows, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
-        s = tl.where(s_ok[None, :] & (pos[None, :] <= t_r[:, None]), s, float("-inf"))
-        m_r, l_r, acc_r = _softmax_step(s, v, m_r, l_r, acc_r, DOT_PRECISION)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+        s = tl.where(s_ok[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a block after t (not a valid choice) adds 0
+        p = tl.exp2(s - m_safe[:, None])
+        alpha = tl.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
 
-    # Each query's own slots, from its rows of the shared state.
-    m_3 = tl.reshape(m_r, [QUERIES, HEADS_PAD])
-    l_3 = tl.reshape(l_r, [QUERIES, HEADS_PAD])
-    acc_3 = tl.reshape(acc_r, [QUERIES, HEADS_PAD, BLOCK_DV])
-    offs_q = tl.arange(0, QUERIES)
-    offs_h = tl.arange(0, HEADS_PAD)
-    h_ok = offs_h < HPG
-    for j in range(QUERIES):
-        t = t0 + j
-        if t < T:
-            mine = offs_q == j  # a sum over the query axis that keeps only query j's rows (-inf stays -inf)
-            m_i = tl.sum(tl.where(mine[:, None], m_3, 0.0), axis=0)
-            l_i = tl.sum(tl.where(mine[:, None], l_3, 0.0), axis=0)
-            acc = tl.sum(tl.where(mine[:, None, None], acc_3, 0.0), axis=0)
-            row_q = (b * T + t).to(tl.int64) * H + g * HPG + offs_h
-            q = tl.load(Q + row_q[:, None] * DK + offs_dk[None, :], mask=h_ok[:, None] & (offs_dk < DK)[None, :],
-                        other=0.0)
-            block_row = block_row0 + j * (G * N_SELECT)
-            m_i, l_i, acc = _slots_fwd(q, m_i, l_i, acc, shared, K, V, KD, VD, BLOCKS, block_row, b, g, t, T,
-                                       qk_scale, K_ROW, V_ROW, DK, DV, BLOCK_DK, BLOCK_DV, SEL_BLOCK, BLOCK_S,
-                                       N_SELECT, TMA, DOT_PRECISION)
-            _store_query(m_i, l_i, acc, O, LSE, row_q, h_ok, offs_dv, DV, GATES, O_CMP, O_WIN, O_GATED, GATED)
+    has_key = l_i > 0
+    l_safe = tl.where(has_key, l_i, 1.0)
+    o = (acc / l_safe[:, None]).to(O.dtype.element_ty)
+    lse = tl.where(has_key, (m_i + tl.log2(l_safe)) / LOG2E, float("-inf"))
+    at = row_q[:, None] * DV + offs_dv[None, :]
+    ok = h_ok[:, None] & (offs_dv < DV)[None, :]
+    tl.store(O + at, o, mask=ok)
+    tl.store(LSE + row_q, lse, mask=h_ok)
+    if GATED:  # o_cmp and o_win are read here for the last time in the forward
+        o_cmp = tl.load(O_CMP + at, mask=ok, other=0.0, eviction_policy="evict_first").to(tl.float32)
+        o_win = tl.load(O_WIN + at, mask=ok, other=0.0, eviction_policy="evict_first").to(tl.float32)
+        gated = gate_rows(GATES, row_q, h_ok, o_cmp, o.to(tl.float32), o_win)
+        tl.store(O_GATED + at, gated.to(O_GATED.dtype.element_ty), mask=ok)
 
 
 @triton.jit

@@ -32,8 +32,7 @@ from nsa_model.kernels.rope import rope_split_kernel
 from nsa_model.kernels.range_attention import (range_attn_bwd_dkdv_kernel, range_attn_bwd_dq_kernel,
                                                range_attn_fwd_kernel)
 from nsa_model.kernels.selected_attention import (selected_attn_bwd_dkdv_kernel, selected_attn_bwd_dq_kernel,
-                                                  selected_attn_fwd_kernel, selected_attn_fwd_shared_kernel,
-                                                  selected_dq_from_ds_kernel)
+                                                  selected_attn_fwd_kernel, selected_dq_from_ds_kernel)
 from nsa_model.kernels.selected_by_block import (selected_block_bwd_kernel, selected_block_fwd_kernel,
                                                  selected_combine_kernel, selected_dq_sum_kernel)
 from nsa_model.kernels.selected_tiled import (selected_tiled_bwd_dq_kernel, selected_tiled_dq_from_ds_kernel,
@@ -118,10 +117,6 @@ class LaunchConfig:
     range_dkdv_q_chunk: int = 4096
     slc_warps: int = 2  # per-query selected forward and dQ (2 beat 4 in the v2 sweep on H100; v37 again)
     slc_stages: int = 3  # per-query forward and dQ (v37 sweep: 2 -> 3 took 3% off paper 16k's selected branch)
-    # per-query forward: queries a program (a power of two), which read the blocks they all chose (NSA's forced
-    # blocks) once; 1: one query a program (selected_attn_fwd_kernel), else selected_attn_fwd_shared_kernel
-    slc_fwd_queries: int = 1
-    slc_fwd_queries_warps: int = 4  # the shared forward's warps (its [queries x heads, D] state lives in registers)
     # the tiled forward at head dims <= 64 and the tiled dQ (v37: 3 stages cost paper 8k's dQ 1.64 -> 1.83 ms)
     slc_tile_stages: int = 2
     # the tiled forward's stages at head dims > 64 (v25; v24 measured 3 stages at paper 8k: 1.515 -> 1.422 ms,
@@ -192,8 +187,6 @@ class LaunchConfig:
             low = 0 if f.name in zero_ok else 1
             if not isinstance(value, int) or value < low:
                 raise ValueError(f"LaunchConfig.{f.name}: must be an int >= {low}, got {value!r}")
-        if self.slc_fwd_queries & (self.slc_fwd_queries - 1):
-            raise ValueError(f"LaunchConfig.slc_fwd_queries: must be a power of two, got {self.slc_fwd_queries!r}")
         for name in RANGE_TILE_FIELDS:
             value = getattr(self, name)
             if (not isinstance(value, tuple) or len(value) != 4 or not all(isinstance(x, int) for x in value)
@@ -863,17 +856,9 @@ def _per_query_fwd(q, k, v, blocks, o, lse, common: dict, scale: float, gated: d
     """per_query's forward into o, lse; gated: also the gated output in its epilogue (as _tiled_fwd)."""
     B, T = q.shape[:2]
     hpg = common["H"] // common["G"]
-    gated_args = dict(gated, GATED=True) if gated else {}
-    queries = _config.slc_fwd_queries
-    if queries == 1:
-        selected_attn_fwd_kernel[(T, B * common["G"])](
-            q, k, v, BLOCKS=blocks, O=o, LSE=lse, T=T, scale=scale, HEADS_PAD=_pow2(hpg), **common,
-            **_slc_launch(), **_block_tiles(_pow2(hpg), common, k, v), **gated_args)
-        return
-    selected_attn_fwd_shared_kernel[(triton.cdiv(T, queries), B * common["G"])](
-        q, k, v, BLOCKS=blocks, O=o, LSE=lse, T=T, scale=scale, HEADS_PAD=_pow2(hpg), QUERIES=queries,
-        N_PAD=_pow2(common["N_SELECT"]), **common, num_warps=_config.slc_fwd_queries_warps,
-        num_stages=_config.slc_stages, **_block_tiles(_pow2(hpg), common, k, v), **gated_args)
+    selected_attn_fwd_kernel[(T, B * common["G"])](
+        q, k, v, BLOCKS=blocks, O=o, LSE=lse, T=T, scale=scale, HEADS_PAD=_pow2(hpg), **common, **_slc_launch(),
+        **_block_tiles(_pow2(hpg), common, k, v), **(dict(gated, GATED=True) if gated else {}))
 
 
 def _tile_unions(blocks: torch.Tensor, sel_block: int, common: dict) -> tuple[torch.Tensor, ...]:
