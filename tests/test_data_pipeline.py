@@ -234,11 +234,12 @@ def test_deal_is_greedy_by_size_deterministic_and_near_equal():
         assert max(totals) - min(totals) <= max(sizes)  # near-equal: within one piece
 
 
-@pytest.mark.parametrize("world", [2, 3, 5])
+@pytest.mark.parametrize("world", [3, 5])
 def test_each_rank_streams_only_its_own_fragments_and_together_every_token_once(corpus, streamed_ranks, world):
     """Rank r's pipeline reads, tokenizes and packs exactly the (file, row group) fragments dealt to it: its
     blocks are those fragments' documents packed in order, its counts are theirs alone; over all ranks every
-    fragment is read once and every document's tokens are in exactly one rank's stream. world=5 > 4 files."""
+    fragment is read once and every document's tokens are in exactly one rank's stream. world=5 > 4 files.
+    (world=2, which checks nothing that world=3 does not, was left out for CI time.)"""
     shares, data, stats = streamed_ranks(world)
     n = corpus.block_len
     fragments = source_fragments(corpus)
@@ -278,8 +279,8 @@ def test_more_ranks_than_fragments_is_refused_naming_the_source(corpus):
         input_shares(corpus, 11)
 
 
-@pytest.mark.parametrize("world", [2, 3])
-def test_each_rank_reads_only_its_own_prepared_row_groups(packed, packed_train, world):
+def test_each_rank_reads_only_its_own_prepared_row_groups(packed, packed_train):
+    world = 3  # world=2, which checks nothing that 3 does not, was left out for CI time (about 150 s on 2 cores)
     shares = input_shares(packed, world)["train"]
     groups = prepared_row_groups(packed, "train")
     assert len(groups) > len({path for path, *_ in groups})  # shards of several row groups, dealt one by one

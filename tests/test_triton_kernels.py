@@ -462,9 +462,11 @@ def test_range_forward_refuses_a_scale_that_is_not_positive(branch):
             triton_impl.compressed_attention(x["q"], x["k_cmp"], x["v_cmp"], cfg, -0.25)
 
 
-@pytest.mark.parametrize("rows,chunk", [(16, 7), (16, 16), (64, 16)])
-@pytest.mark.parametrize("prefetch_dims", [64, 0])
-@pytest.mark.parametrize("later_blocks", [False, True])
+# Every pair of the three settings' values once (6 cases, not the 12 of the full cross): each step shape with and
+# without prefetch and with and without later blocks, and prefetch with and without later blocks.
+@pytest.mark.parametrize("rows,chunk,prefetch_dims,later_blocks", [
+    (16, 7, 64, False), (16, 7, 0, True), (16, 16, 64, True), (16, 16, 0, False), (64, 16, 64, False),
+    (64, 16, 0, True)])
 def test_by_block_steps_skip_the_mask_only_where_every_chooser_sees_the_whole_block(rows, chunk, prefetch_dims,
                                                                                    later_blocks):
     """With the selection block as wide as the kernels' key tile (16), by_block's forward steps whose choosers all sit
