@@ -318,9 +318,6 @@ SELECTED_VARIANTS = {
                                slc_block_rows=16, slc_block_chunk=8),
     "per_query_dq_from_ds": dict(slc_kernel="per_query", slc_dkdv="by_block", slc_query_dq="ds", slc_block_rows=16,
                                  slc_block_chunk=8),
-    # the per-query forward two slots a step (n = 3: the last step's second slot is past n)
-    "per_query_pair": dict(slc_kernel="per_query", slc_fwd_pair=True, slc_dkdv="by_block", slc_query_dq="ds",
-                           slc_block_rows=16, slc_block_chunk=8),
 }
 
 

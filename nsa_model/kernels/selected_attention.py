@@ -30,10 +30,9 @@ def selected_attn_fwd_kernel(Q, K, V, KD, VD, BLOCKS, O, LSE, T, scale, K_ROW, V
                              BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, SEL_BLOCK: tl.constexpr,
                              BLOCK_S: tl.constexpr, N_SELECT: tl.constexpr, HEADS_PAD: tl.constexpr,
                              TMA: tl.constexpr, DOT_PRECISION: tl.constexpr, GATES=None, O_CMP=None, O_WIN=None,
-                             O_GATED=None, GATED: tl.constexpr = False, PAIR: tl.constexpr = False):
+                             O_GATED=None, GATED: tl.constexpr = False):
     """GATED (nsa::core): also the gated output O_GATED = g_cmp O_CMP + g_slc O + g_win O_WIN from the stored values
-    of the three (gates.py's gate_rows), so no gate pass follows. PAIR: two slots a step, whose score products are
-    independent of each other (more work in flight a warp), one rescale of the accumulator for both."""
+    of the three (gates.py's gate_rows), so no gate pass follows."""
     t = tl.program_id(0)
     pid_bg = tl.program_id(1)
     b = pid_bg // G
@@ -52,31 +51,7 @@ def selected_attn_fwd_kernel(Q, K, V, KD, VD, BLOCKS, O, LSE, T, scale, K_ROW, V
     m_i = tl.full([HEADS_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([HEADS_PAD], tl.float32)
     acc = tl.zeros([HEADS_PAD, BLOCK_DV], tl.float32)
-    for i in range(0, N_SELECT if PAIR else 0, 2):
-        blk_a = tl.load(BLOCKS + block_row + i)
-        blk_b = tl.load(BLOCKS + block_row + i + 1, mask=i + 1 < N_SELECT, other=-1)
-        first_a = blk_a * SEL_BLOCK
-        first_b = blk_b * SEL_BLOCK
-        ok_a = (offs_s < tl.minimum(SEL_BLOCK, t - first_a + 1)) & (blk_a >= 0)
-        ok_b = (offs_s < tl.minimum(SEL_BLOCK, t - first_b + 1)) & (blk_b >= 0)
-        k_a, v_a = _block_tile(K, V, KD, VD, K_ROW, V_ROW, b, g, blk_a, first_a + offs_s, ok_a, T, DK, DV, BLOCK_DK,
-                               BLOCK_DV, SEL_BLOCK, TMA)
-        k_b, v_b = _block_tile(K, V, KD, VD, K_ROW, V_ROW, b, g, blk_b, first_b + offs_s, ok_b, T, DK, DV, BLOCK_DK,
-                               BLOCK_DV, SEL_BLOCK, TMA)
-        s_a = tl.where(ok_a[None, :], tl.dot(q, tl.trans(k_a), input_precision=DOT_PRECISION) * qk_scale,
-                       float("-inf"))
-        s_b = tl.where(ok_b[None, :], tl.dot(q, tl.trans(k_b), input_precision=DOT_PRECISION) * qk_scale,
-                       float("-inf"))
-        m_new = tl.maximum(m_i, tl.maximum(tl.max(s_a, axis=1), tl.max(s_b, axis=1)))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p_a = tl.exp2(s_a - m_safe[:, None])
-        p_b = tl.exp2(s_b - m_safe[:, None])
-        alpha = tl.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p_a, axis=1) + tl.sum(p_b, axis=1)
-        acc = tl.dot(p_a.to(v_a.dtype), v_a, acc * alpha[:, None], input_precision=DOT_PRECISION)
-        acc = tl.dot(p_b.to(v_b.dtype), v_b, acc, input_precision=DOT_PRECISION)
-        m_i = m_new
-    for i in range(0 if PAIR else N_SELECT):
+    for i in range(N_SELECT):
         # No branch on the block id (-1: fewer than n blocks exist) so the loop stays software-pipelined.
         blk = tl.load(BLOCKS + block_row + i)
         first = blk * SEL_BLOCK

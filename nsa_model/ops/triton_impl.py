@@ -86,7 +86,7 @@ INDEX_BUILDS = ("auto", "count", "sort")
 
 RANGE_TILE_FIELDS = ("range_fwd", "range_dq", "range_dkdv", "range_fwd_d64", "range_dq_d64", "range_dkdv_d64")
 SELECT_FIELDS = ("select", "select_d128", "select_d64")
-BOOL_FIELDS = ("slc_dense_prefix", "side_stream", "range_dq_last", "slc_fwd_pair")
+BOOL_FIELDS = ("slc_dense_prefix", "side_stream", "range_dq_last")
 
 
 @dataclass(frozen=True)
@@ -117,7 +117,6 @@ class LaunchConfig:
     range_dkdv_q_chunk: int = 4096
     slc_warps: int = 2  # per-query selected forward and dQ (2 beat 4 in the v2 sweep on H100; v37 again)
     slc_stages: int = 3  # per-query forward and dQ (v37 sweep: 2 -> 3 took 3% off paper 16k's selected branch)
-    slc_fwd_pair: bool = False  # per-query forward: two slots a step (selected_attn_fwd_kernel's PAIR)
     # the tiled forward at head dims <= 64 and the tiled dQ (v37: 3 stages cost paper 8k's dQ 1.64 -> 1.83 ms)
     slc_tile_stages: int = 2
     # the tiled forward's stages at head dims > 64 (v25; v24 measured 3 stages at paper 8k: 1.515 -> 1.422 ms,
@@ -858,10 +857,8 @@ def _per_query_fwd(q, k, v, blocks, o, lse, common: dict, scale: float, gated: d
     B, T = q.shape[:2]
     hpg = common["H"] // common["G"]
     selected_attn_fwd_kernel[(T, B * common["G"])](
-        q, k, v, BLOCKS=blocks, O=o, LSE=lse, T=T, scale=scale, HEADS_PAD=_pow2(hpg), PAIR=_config.slc_fwd_pair,
-        **common, **dict(_slc_launch(), num_stages=_config.slc_stages - _config.slc_fwd_pair),  # a pair: 2 tiles a stage
-        **_block_tiles(_pow2(hpg), common, k, v),
-        **(dict(gated, GATED=True) if gated else {}))
+        q, k, v, BLOCKS=blocks, O=o, LSE=lse, T=T, scale=scale, HEADS_PAD=_pow2(hpg), **common, **_slc_launch(),
+        **_block_tiles(_pow2(hpg), common, k, v), **(dict(gated, GATED=True) if gated else {}))
 
 
 def _tile_unions(blocks: torch.Tensor, sel_block: int, common: dict) -> tuple[torch.Tensor, ...]:
