@@ -116,7 +116,10 @@ class LaunchConfig:
     # 64k -1.9%, 128k -5.4%, 125m 4 x 8k -0.6%, 1 x 32k -1.2%
     range_dkdv_q_chunk: int = 4096
     slc_warps: int = 2  # per-query selected forward and dQ (2 beat 4 in the v2 sweep on H100; v37 again)
-    slc_stages: int = 3  # per-query forward and dQ (v37 sweep: 2 -> 3 took 3% off paper 16k's selected branch)
+    # per-query forward and dQ. v37 (H100) took 2 -> 3 for 3% off paper 16k's selected branch, which auto now runs
+    # tiled; v59 (H200, where auto runs per_query: paper 32k-128k) took 3 -> 2 for the forward 8-11% faster
+    # (64k: 16.5-16.6 -> 14.9-15.0 ms, NSA 98.9-99.0 -> 96.8-98.3)
+    slc_stages: int = 2
     # the tiled forward at head dims <= 64 and the tiled dQ (v37: 3 stages cost paper 8k's dQ 1.64 -> 1.83 ms)
     slc_tile_stages: int = 2
     # the tiled forward's stages at head dims > 64 (v25; v24 measured 3 stages at paper 8k: 1.515 -> 1.422 ms,
