@@ -553,10 +553,10 @@ SWEEP_GROUPS = {
             [("paper", 1, 8192), ("125m", 16, 2048)]),
     # the per-query forward and dQ (auto's choice past 16n blocks at large groups: paper 32k-64k); v37 swept them
     # for the first time since v2 and took 3 stages
-    # (v38 added one warp a program, for twice the programs a multiprocessor: it lost)
-    "slc_per_query": ([dict(), dict(slc_stages=2), dict(slc_warps=4), dict(slc_warps=4, slc_stages=2),
+    # (v38 added one warp a program, for twice the programs a multiprocessor: it lost); v59 on an H200 took 2 stages
+    "slc_per_query": ([dict(), dict(slc_stages=3), dict(slc_warps=4), dict(slc_warps=4, slc_stages=3),
                        dict(slc_stages=4), dict(slc_warps=8), dict(slc_stages=1), dict(slc_warps=1),
-                       dict(slc_warps=1, slc_stages=2)],
+                       dict(slc_warps=1, slc_stages=3)],
                       [("paper", 1, 32768), ("paper", 1, 65536)]),
     "dkdv": ([dict(), dict(dkdv_rows=128, dkdv_warps=8), dict(dkdv_rows=64, dkdv_warps=8)],
              [("paper", 1, 8192), ("125m", 16, 2048)]),
