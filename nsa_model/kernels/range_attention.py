@@ -31,6 +31,13 @@ without spending a register per element on addresses and masks (v23: the forward
 sequence's end belong to the next sequence and are finite, so every mask below that reads row or key bounds
 masks scores or stores, never relies on zero-filled inputs. Without TMA those arguments are unused.
 
+HEADS (constexpr, forward and dQ): a tile's BLOCK_M rows are BLOCK_M // HEADS consecutive queries times HEADS
+heads of one group (row r: query t_first + r // HEADS, head h0 + r % HEADS) instead of BLOCK_M queries of one head.
+Every head of a group sees the same keys with the same mask, so a key tile read from L2 serves HEADS heads' rows
+at once (HEADS times fewer key and value bytes a query), and the tile's causal edge spans HEADS times fewer
+positions. HEADS = 1 is one head a tile (the layout before v60). With TMA the packed tile comes in through a 3-D
+descriptor over [B * T, H, D] (block [BLOCK_M // HEADS, HEADS, D]), reshaped to rows.
+
 EDGE_SPLIT (constexpr): each program walks its tiles in three runs, masked / full / masked, where a full tile is
 one every (query, key) pair of which is visible and in bounds, so it skips the visibility mask, the bounds masks
 and the guard for rows with nothing visible. Only the tiles at the causal edge and the window's far edge need
@@ -101,14 +108,34 @@ def _key_tile(K, V, KD, VD, K_ROW, V_ROW, b, g, start_n, n_ok, num_keys, DK: tl.
 
 @triton.jit
 def _query_tile(Q, QD, row_q, m_ok, b, h, T, t_first, D: tl.constexpr, BLOCK_D: tl.constexpr,
-                MASK_ROWS: tl.constexpr, TMA: tl.constexpr):
-    """The [BLOCK_M, BLOCK_D] tile of q (or do) of queries t_first.. of (b, h); with TMA unmasked."""
-    if TMA:
+                MASK_ROWS: tl.constexpr, TMA: tl.constexpr, HEADS: tl.constexpr = 1, BLOCK_M: tl.constexpr = 0):
+    """The [BLOCK_M, BLOCK_D] tile of q (or do) of queries t_first.. of (b, h); with TMA unmasked. HEADS > 1: rows
+    packed as the header says, h the tile's first head (QD then a 3-D descriptor)."""
+    if TMA and HEADS > 1:
+        x = tl.reshape(QD.load([b * T + t_first, h, 0]), [BLOCK_M, D])
+    elif TMA:
         x = QD.load([b * T + t_first, h * D])
     else:
         offs_d = tl.arange(0, BLOCK_D)
         x = _load_rows(Q + row_q[:, None] * D + offs_d[None, :], m_ok, offs_d, D, BLOCK_D, MASK_ROWS)
     return x
+
+
+@triton.jit
+def _query_rows(pid_m, pid_bh, num_queries, H: tl.constexpr, G: tl.constexpr, BLOCK_M: tl.constexpr,
+                HEADS: tl.constexpr):
+    """(b, g, h0, offs_m, h, t_first, t_last) of a forward or dQ program: its batch, group and first head, each
+    row's query and head, and the first and last query it holds (rows as the header's HEADS says)."""
+    QUERIES: tl.constexpr = BLOCK_M // HEADS
+    b = pid_bh // (H // HEADS)
+    h0 = (pid_bh % (H // HEADS)) * HEADS
+    g = h0 // (H // G)
+    rows = tl.arange(0, BLOCK_M)
+    t_first = pid_m * QUERIES
+    offs_m = t_first + rows // HEADS
+    h = h0 + rows % HEADS
+    t_last = tl.minimum(t_first + QUERIES, num_queries) - 1
+    return b, g, h0, offs_m, h, t_first, t_last
 
 
 @triton.jit
@@ -161,19 +188,13 @@ def range_attn_fwd_kernel(Q, K, V, QD, KD, VD, O, LSE, T, num_queries, num_keys,
                           H: tl.constexpr, G: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
                           BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr,
                           BLOCK_N: tl.constexpr, EDGE_SPLIT: tl.constexpr, TMA: tl.constexpr,
-                          DOT_PRECISION: tl.constexpr):
-    pid_m = _query_tile_index()
-    pid_bh = tl.program_id(1)
-    b = pid_bh // H
-    h = pid_bh % H
-    g = h // (H // G)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+                          DOT_PRECISION: tl.constexpr, HEADS: tl.constexpr = 1):
+    b, g, h0, offs_m, h, t_first, t_last = _query_rows(_query_tile_index(), tl.program_id(1), num_queries, H, G,
+                                                       BLOCK_M, HEADS)
     offs_dv = tl.arange(0, BLOCK_DV)
     m_ok = offs_m < num_queries
     row_q = (b * T + offs_m).to(tl.int64) * H + h
-    t_first = pid_m * BLOCK_M
-    q = _query_tile(Q, QD, row_q, m_ok, b, h, T, t_first, DK, BLOCK_DK, True, TMA)
-    t_last = tl.minimum(t_first + BLOCK_M, num_queries) - 1
+    q = _query_tile(Q, QD, row_q, m_ok, b, h0, T, t_first, DK, BLOCK_DK, True, TMA, HEADS, BLOCK_M)
     lo, mid_lo, mid_hi, hi = _key_tiles(t_first, t_last, key_stride, key_offset, window, num_keys, BLOCK_N,
                                         EDGE_SPLIT)
     qk_scale = scale * LOG2E
@@ -252,7 +273,7 @@ def range_attn_bwd_dq_kernel(Q, K, V, DO, QD, KD, VD, DOD, K2D, V2D, LSE, DELTA,
                              BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr,
                              BLOCK_N: tl.constexpr, EDGE_SPLIT: tl.constexpr, ACCUMULATE: tl.constexpr,
                              TWO_RANGES: tl.constexpr, TMA: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                             DQ_SLOTS=None, SLOT_BLOCKS=None, N_SLOTS: tl.constexpr = 0):
+                             DQ_SLOTS=None, SLOT_BLOCKS=None, N_SLOTS: tl.constexpr = 0, HEADS: tl.constexpr = 1):
     """ACCUMULATE: add this dQ to what DQ holds (the selected branch's dense prefix adds into the core's dQ).
     TWO_RANGES: dQ is the sum over two ranges (the second with its own keys, lse and delta; the same do): the
     compressed and window branches' dQ from one load of each query tile and one store.
@@ -260,19 +281,13 @@ def range_attn_bwd_dq_kernel(Q, K, V, DO, QD, KD, VD, DOD, K2D, V2D, LSE, DELTA,
     (selected_by_block.py's DQ_MODE 1 rows; slots whose block in SLOT_BLOCKS [B, T, G, N_SLOTS] is -1 hold
     nothing): its slot sum, done here where the loads overlap other programs' matrix work instead of in a pass
     of its own (kernels-notes.md v29)."""
-    pid_m = _query_tile_index()
-    pid_bh = tl.program_id(1)
-    b = pid_bh // H
-    h = pid_bh % H
-    g = h // (H // G)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    b, g, h0, offs_m, h, t_first, t_last = _query_rows(_query_tile_index(), tl.program_id(1), num_queries, H, G,
+                                                       BLOCK_M, HEADS)
     offs_dk = tl.arange(0, BLOCK_DK)
     m_ok = offs_m < num_queries
     row_q = (b * T + offs_m).to(tl.int64) * H + h
-    t_first = pid_m * BLOCK_M
-    q = _query_tile(Q, QD, row_q, m_ok, b, h, T, t_first, DK, BLOCK_DK, True, TMA)
-    do = _query_tile(DO, DOD, row_q, m_ok, b, h, T, t_first, DV, BLOCK_DV, True, TMA)
-    t_last = tl.minimum(t_first + BLOCK_M, num_queries) - 1
+    q = _query_tile(Q, QD, row_q, m_ok, b, h0, T, t_first, DK, BLOCK_DK, True, TMA, HEADS, BLOCK_M)
+    do = _query_tile(DO, DOD, row_q, m_ok, b, h0, T, t_first, DV, BLOCK_DV, True, TMA, HEADS, BLOCK_M)
     qk_scale = scale * LOG2E
     dq = tl.zeros([BLOCK_M, BLOCK_DK], tl.float32)
     dq = _dq_range(dq, q, do, LSE, DELTA, K, V, KD, VD, K_ROW, V_ROW, b, g, offs_m, m_ok, row_q, t_first, t_last,

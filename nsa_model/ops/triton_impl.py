@@ -115,6 +115,10 @@ class LaunchConfig:
     # (ALIGNED_CHUNKS); 0: off. v57 on an H200, NSA under CUDA graphs: 4096 took paper 8k -0.5%, 32k -2.2%,
     # 64k -1.9%, 128k -5.4%, 125m 4 x 8k -0.6%, 1 x 32k -1.2%
     range_dkdv_q_chunk: int = 4096
+    # compressed and window forward and dQ: at most this many heads of a group share a tile's rows (a power of two;
+    # the largest power of two that divides the group's heads and the query tile runs; 1: one head a tile). Every
+    # head of a group sees the same keys, so a packed tile reads each key tile once for all its heads.
+    range_heads: int = 1
     slc_warps: int = 2  # per-query selected forward and dQ (2 beat 4 in the v2 sweep on H100; v37 again)
     # per-query forward and dQ. v37 (H100) took 2 -> 3 for 3% off paper 16k's selected branch, which auto now runs
     # tiled; v59 (H200, where auto runs per_query: paper 32k-128k) took 3 -> 2 for the forward 8-11% faster
@@ -205,6 +209,8 @@ class LaunchConfig:
         if self.slc_query_dq == "ds" and self.slc_dkdv != "by_block":
             raise ValueError("LaunchConfig.slc_query_dq='ds' reads the ds that by_block's dK/dV stores: it needs "
                              f"slc_dkdv='by_block', got slc_dkdv={self.slc_dkdv!r}")
+        if self.range_heads & (self.range_heads - 1):
+            raise ValueError(f"LaunchConfig.range_heads: must be a power of two, got {self.range_heads}")
         tiles = [(name, getattr(self, name)) for name in ("dkdv_rows", "slc_tile_rows", "slc_block_rows", "phi_rows")]
         tiles += [(f"{name} tiles", getattr(self, name)[i]) for name in RANGE_TILE_FIELDS for i in (0, 1)]
         tiles += [(f"{name} query tile", getattr(self, name)[0]) for name in SELECT_FIELDS]
@@ -281,19 +287,31 @@ def _range_launch(q: torch.Tensor, v: torch.Tensor, kernel: str) -> dict:
                 EDGE_SPLIT=_config.range_kernel == "split")
 
 
+def _range_heads(launch: dict, H: int, G: int) -> int:
+    """Heads of a group in one tile's rows of the range forward and dQ (range_heads, kernels/range_attention.py's
+    HEADS): the largest power of two that divides the group's H // G heads and the query tile, at most
+    range_heads."""
+    heads = 1
+    while heads * 2 <= _config.range_heads and (H // G) % (heads * 2) == 0 and launch["BLOCK_M"] % (heads * 2) == 0:
+        heads *= 2
+    return heads
+
+
 def _tma_device(x: torch.Tensor) -> bool:
     """Hopper or later (the tensor memory accelerator), or the interpreter, which runs descriptors on the CPU."""
     return INTERPRETED or (x.is_cuda and torch.cuda.get_device_capability(x.device)[0] >= 9)
 
 
-def _tile_args(launch: dict, queries: dict[str, torch.Tensor], keys: dict[str, torch.Tensor]) -> dict:
+def _tile_args(launch: dict, queries: dict[str, torch.Tensor], keys: dict[str, torch.Tensor],
+               heads: int = 1) -> dict:
     """The tile arguments of a kernel with a TMA switch (range, selection, selected): TMA=True and a descriptor per
     tensor where range_loads = "tma" and every tensor allows one, else TMA=False and the tensors themselves
     (unread). queries: name -> [B, T, H, D] contiguous, read in [BLOCK_M, D] tiles; keys: name -> [B, N, G, D]
     as _kv_rows gives them, read in [BLOCK_N, D] tiles. A descriptor needs what the copy engine needs: a head dim
     that is its own tile (a power of two: a padded tile would read the next head's values, not zeros), tiles of at
     most 256 rows, 16-byte aligned rows and base, and a non-empty tensor; tensors that miss one (head dim 192, no
-    compressed token yet) take the pointer loads."""
+    compressed token yet) take the pointer loads. heads > 1: query tiles of BLOCK_M // heads queries times heads
+    heads (the range kernels' HEADS), through 3-D descriptors over [B * T, H, D]."""
     tensors = {**queries, **keys}
     usable = _config.range_loads == "tma" and max(launch["BLOCK_M"], launch["BLOCK_N"]) <= 256 and all(
         x.numel() > 0 and _pow2(x.shape[-1]) == x.shape[-1] and x.data_ptr() % 16 == 0
@@ -302,9 +320,13 @@ def _tile_args(launch: dict, queries: dict[str, torch.Tensor], keys: dict[str, t
         return dict(TMA=False, **tensors)
     out = dict(TMA=True)
     for name, x in tensors.items():
-        B, N, heads, D = x.shape
+        B, N, width, D = x.shape
+        if name in queries and heads > 1:
+            out[name] = TensorDescriptor(x, [B * N, width, D], [x.stride(1), D, 1],
+                                         [launch["BLOCK_M"] // heads, heads, D])
+            continue
         block = launch["BLOCK_M"] if name in queries else launch["BLOCK_N"]
-        out[name] = TensorDescriptor(x, [B * N, heads * D], [x.stride(1), 1], [block, D])
+        out[name] = TensorDescriptor(x, [B * N, width * D], [x.stride(1), 1], [block, D])
     return out
 
 
@@ -379,10 +401,11 @@ def _range_fwd_into(q, k, v, o, lse, num_queries: int, key_stride: int, key_offs
     B, T, H, _ = q.shape
     num_keys, G = k.shape[1], k.shape[2]
     launch = _range_launch(q, v, "fwd")
-    range_attn_fwd_kernel[(triton.cdiv(num_queries, launch["BLOCK_M"]), B * H)](
+    heads = _range_heads(launch, H, G)
+    range_attn_fwd_kernel[(triton.cdiv(num_queries, launch["BLOCK_M"] // heads), B * H // heads)](
         q, k, v, O=o, LSE=lse, T=T, num_queries=num_queries, num_keys=num_keys, scale=scale, key_stride=key_stride,
         key_offset=key_offset, window=window, **_kv_strides(k, v), H=H, G=G, **_head_dims(q, v), **launch,
-        **_tile_args(launch, dict(QD=q), dict(KD=k, VD=v)))
+        **_tile_args(launch, dict(QD=q), dict(KD=k, VD=v), heads), HEADS=heads)
 
 
 def _range_bwd(q, k, v, o, lse, do, key_stride: int, key_offset: int, window: int, scale: float, delta=None):
@@ -424,16 +447,17 @@ def _range_dq_into(q, k, v, do, lse, delta, dq, num_queries: int, key_stride: in
                                      else (k, v, lse, delta, key_stride, key_offset, window))
     k2, v2 = _kv_rows(k2), _kv_rows(v2)
     launch = _range_launch(q, v, "dq")
+    heads = _range_heads(launch, H, G)
     key_sets = dict(KD=k, VD=v) if second is None else dict(KD=k, VD=v, K2D=k2, V2D=v2)
-    tiles = _tile_args(launch, dict(QD=q, DOD=do), key_sets)
+    tiles = _tile_args(launch, dict(QD=q, DOD=do), key_sets, heads)
     tiles.setdefault("K2D", tiles["KD"])  # one range: unread
     tiles.setdefault("V2D", tiles["VD"])
-    range_attn_bwd_dq_kernel[(triton.cdiv(num_queries, launch["BLOCK_M"]), B * H)](
+    range_attn_bwd_dq_kernel[(triton.cdiv(num_queries, launch["BLOCK_M"] // heads), B * H // heads)](
         q, k, v, do, LSE=lse, DELTA=delta, DQ=dq, T=T, num_queries=num_queries, num_keys=num_keys, scale=scale,
         key_stride=key_stride, key_offset=key_offset, window=window, K_ROW=k.stride(1), V_ROW=v.stride(1), K2=k2,
         V2=v2, LSE2=lse2, DELTA2=delta2, num_keys2=k2.shape[1], key_stride2=range2[0], key_offset2=range2[1],
         window2=range2[2], K2_ROW=k2.stride(1), V2_ROW=v2.stride(1), H=H, G=G, **_head_dims(q, v),
-        ACCUMULATE=accumulate, TWO_RANGES=second is not None, **launch, **tiles,
+        ACCUMULATE=accumulate, TWO_RANGES=second is not None, HEADS=heads, **launch, **tiles,
         **({} if slots is None else dict(DQ_SLOTS=slots[0], SLOT_BLOCKS=slots[1], N_SLOTS=slots[1].shape[-1])))
 
 
