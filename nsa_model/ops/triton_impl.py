@@ -117,8 +117,10 @@ class LaunchConfig:
     range_dkdv_q_chunk: int = 4096
     # compressed and window forward and dQ: at most this many heads of a group share a tile's rows (a power of two;
     # the largest power of two that divides the group's heads and the query tile runs; 1: one head a tile). Every
-    # head of a group sees the same keys, so a packed tile reads each key tile once for all its heads.
-    range_heads: int = 1
+    # head of a group sees the same keys, so a packed tile reads each key tile once for all its heads. v60 on an
+    # H200, NSA under CUDA graphs: paper 8k -1.1%, 32k -1.3%, 64k -1.2% (the dQ kernel -7%) at 16 heads; nsa-125m
+    # (6 heads a group: 2) -0.5% to -0.9%
+    range_heads: int = 16
     slc_warps: int = 2  # per-query selected forward and dQ (2 beat 4 in the v2 sweep on H100; v37 again)
     # per-query forward and dQ. v37 (H100) took 2 -> 3 for 3% off paper 16k's selected branch, which auto now runs
     # tiled; v59 (H200, where auto runs per_query: paper 32k-128k) took 3 -> 2 for the forward 8-11% faster
