@@ -1,10 +1,11 @@
-"""Probe: values of one integer or bool LaunchConfig field against its first, in the whole NSA forward + backward.
+"""Probe: values of one integer, bool or tile LaunchConfig field against its first, in the whole NSA forward + backward.
 
     python bench/probe_launch_values.py --field range_dkdv_q_chunk --values 4096,0,8192
                                         [--kernels range_attn_bwd_dkdv_kernel,selected_block_bwd_kernel]
                                         [--shapes paper:1:8192,paper:1:65536] [--rounds 2]
                                         [--launch NAME=VALUE ...]
                                         --out DIR --commit SHA [--suffix=-v58b]
+    python bench/probe_launch_values.py --field range_dq --values "(64,64,4,2),(64,64,4,3)" ...
 
 The first value is the judge (the default's path, checked against float64 by bench/kernels.py): before timing,
 each value's eight gradients must agree with its within 1e-2 of their norm (atomic adds may meet in another
@@ -23,6 +24,7 @@ dK/dV's dK and dV by separate programs (range_dkdv_split_parts); both lost and w
 from __future__ import annotations
 
 import argparse
+import ast
 import dataclasses
 import os
 import sys
@@ -35,11 +37,17 @@ from bench.provenance import file_suffix, git_commit, result_file  # noqa: E402
 from bench.shapes import FAMILIES, family_shapes  # noqa: E402
 
 
-def value_list(text: str) -> list[int]:
+def value_list(text: str) -> list:
+    """Comma-separated integers (0,4096) or tuples of integers, a tile field's values ((64,64,4,2),(64,64,4,3))."""
     try:
-        values = [int(x) for x in text.split(",")]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected comma-separated integers, e.g. 0,4096") from None
+        values = ast.literal_eval(f"[{text}]")
+    except (ValueError, SyntaxError):
+        values = None
+    ok = isinstance(values, list) and values and all(
+        type(v) is int or (isinstance(v, tuple) and v and all(type(x) is int for x in v)) for v in values)
+    if not ok:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected comma-separated integers, e.g. 0,4096, or tuples of "
+                                         "them, e.g. (64,64,4,2),(64,64,4,3)") from None
     if len(set(values)) != len(values):
         raise argparse.ArgumentTypeError(f"{text!r}: a value appears twice")
     return values
@@ -61,19 +69,23 @@ def base_config(default, items: list[str]):
         raise SystemExit(f"--launch: {err}") from None
 
 
-def launch_configs(base, field: str, values: list[int]) -> dict:
+def launch_configs(base, field: str, values: list) -> dict:
     """{value: base with field = value (a bool field: 0 or 1 as False or True)}, refused before any GPU work where
-    the field is not an integer or bool field of LaunchConfig or a value is not valid for it (LaunchConfig
-    validates each)."""
-    names = sorted(f.name for f in dataclasses.fields(base) if isinstance(getattr(base, f.name), int))
+    the field is not an integer, bool or tile (tuple) field of LaunchConfig or a value is not valid for it
+    (LaunchConfig validates each)."""
+    names = sorted(f.name for f in dataclasses.fields(base) if isinstance(getattr(base, f.name), (int, tuple)))
     if field not in names:
-        raise SystemExit(f"--field {field!r}: not an integer or bool LaunchConfig field; one of {', '.join(names)}")
+        raise SystemExit(f"--field {field!r}: not an integer, bool or tile LaunchConfig field; one of "
+                         f"{', '.join(names)}")
+    if any(isinstance(v, tuple) != isinstance(getattr(base, field), tuple) for v in values):
+        raise SystemExit(f"--values: {field} takes {'tuples' if isinstance(getattr(base, field), tuple) else 'ints'}"
+                         f", got {values}")
     if isinstance(getattr(base, field), bool):
         if not set(values) <= {0, 1}:
             raise SystemExit(f"--values: {field} is a bool: 0 or 1, got {values}")
         values = [bool(v) for v in values]
     try:
-        return {int(v): dataclasses.replace(base, **{field: v}) for v in values}
+        return {v if isinstance(v, tuple) else int(v): dataclasses.replace(base, **{field: v}) for v in values}
     except ValueError as err:
         raise SystemExit(f"--values: {err}") from None
 

@@ -29,8 +29,14 @@ assert [c.range_dkdv_q_chunk for c in configs.values()] == [0, 2048]
 assert configs[2048].slc_block_chunk == default.slc_block_chunk
 # a bool field takes 0 and 1
 assert [c.side_stream for c in launch_configs(default, "side_stream", [1, 0]).values()] == [True, False]
+# a tile field takes tuples
+tiles = launch_configs(default, "range_dq", [(64, 64, 4, 2), (64, 64, 4, 3)])
+assert [c.range_dq for c in tiles.values()] == [(64, 64, 4, 2), (64, 64, 4, 3)]
+refused(lambda: launch_configs(default, "range_dq", [2]), "range_dq takes tuples")
+refused(lambda: launch_configs(default, "range_heads", [(1, 2)]), "range_heads takes ints")
+refused(lambda: launch_configs(default, "range_dq", [(64, 64, 4)]), "tuple of 4 positive ints")
 # fields and values the probe or LaunchConfig refuses
-refused(lambda: launch_configs(default, "slc_kernel", [0]), "not an integer or bool LaunchConfig field")
+refused(lambda: launch_configs(default, "slc_kernel", [0]), "not an integer, bool or tile LaunchConfig field")
 refused(lambda: launch_configs(default, "side_stream", [0, 2]), "a bool: 0 or 1")
 refused(lambda: launch_configs(default, "range_dkdv_q_chunk", [0, -1]), "must be an int >= 0")
 # --launch changes the base of every value
@@ -43,7 +49,8 @@ for setting, message in [("nope=1", "nope"), ("side_stream=1", "must be a bool")
     refused(lambda: base_config(default, [setting]), message)
 # values: distinct integers
 assert value_list("0,2048") == [0, 2048]
-for bad in ("0,x", "0,0"):
+assert value_list("(64,64,4,2),(64, 64, 4, 3)") == [(64, 64, 4, 2), (64, 64, 4, 3)]
+for bad in ("0,x", "0,0", "1.5", "(64,64,4,2),(64,64,4,2)", "'a'", ""):
     try:
         value_list(bad)
     except Exception:
