@@ -74,6 +74,19 @@ CASES = [
              **({} if slots else dict(DQ_SLOTS=None, SLOT_BLOCKS=None))),
         dict(num_warps=4, num_stages=3), f"TWO_RANGES={two},N_SLOTS={slots}",
         descs=dict(QD=64, DOD=64, KD=32, VD=32, K2D=32, V2D=32))],
+    # the forward and both ranges' dQ with two heads of a group a tile (HEADS: nsa-125m's 6 heads a group), the
+    # query tiles through 3-D descriptors
+    _case("range_attn_fwd_kernel", "range_attention",
+          dict(LSE="fp32", QD="tensordesc<bf16[32, 2, 64]>", KD="tensordesc<bf16[64, 64]>",
+               VD="tensordesc<bf16[64, 64]>"), RANGE_SCALARS, dict(RANGE, TMA=True, HEADS=2), label="HEADS=2"),
+    _case("range_attn_bwd_dq_kernel", "range_attention",
+          dict(LSE2="fp32", DELTA2="fp32", SLOT_BLOCKS="i32", **ROW_TERMS,
+               **{d: "tensordesc<bf16[32, 2, 64]>" for d in ("QD", "DOD")},
+               **{d: "tensordesc<bf16[32, 64]>" for d in ("KD", "VD", "K2D", "V2D")}),
+          dict(num_keys2="i32", key_stride2="i32", key_offset2="i32", window2="i32", K2_ROW="i32", V2_ROW="i32",
+               **RANGE_SCALARS),
+          dict(RANGE, BLOCK_N=32, ACCUMULATE=False, TWO_RANGES=True, N_SLOTS=16, TMA=True, HEADS=2),
+          dict(num_warps=4, num_stages=3), "HEADS=2"),
     # per head with atomic adds, in relative or absolute (ALIGNED_CHUNKS: its early return) chunks; per group
     *[c for split, atomic, aligned in ((6, True, False), (6, True, True), (1, False, False)) for c in _tma_cases(
         "range_attn_bwd_dkdv_kernel", "range_attention", dict(ROW_TERMS, **(ACCS if atomic else {})),
