@@ -93,8 +93,8 @@ BOOL_FIELDS = ("slc_dense_prefix", "side_stream", "range_dq_last")
 class LaunchConfig:
     # Compressed/window kernels, each its own (query tile, key tile, warps, stages): forward, dQ, dK/dV; for head
     # dims > 64 and, leaving registers for larger tiles, for head dims <= 64.
-    # v23 sweep, TMA loads: 3 stages -4% at paper 8k, -9% at 64k; v60 (heads packed, H200): 32-key tiles, the
-    # kernel -7% at paper 8k, -3% at 64k (NSA -0.5% and a tie)
+    # v23 sweep, TMA loads: 3 stages -4% at paper 8k, -9% at 64k; v60 (heads packed, H200): 32-key tiles, NSA
+    # -0.6% at paper 8k (the kernel -6% to -8%), a tie at 64k (two calls)
     range_fwd: tuple[int, int, int, int] = (64, 32, 4, 3)
     # v60 (H200, heads packed: 65 KB of shared memory a program at 2 stages): 3 stages took the dQ kernel 13.8 ->
     # 12.2-12.5 ms at paper 64k, 4.6-4.7 -> 4.1-4.3 at 32k (NSA -0.3% to -0.5%); 4 stages lost (18 ms)
