@@ -62,7 +62,7 @@ CASES = [
                 dict(H=12, G=2, DK=64, BLOCK_DK=64, CMP_BLOCK=32, CMP_STRIDE=16, SEL_BLOCK=64, N_SELECT=16, N_INIT=1,
                      N_LOCAL=2, BLOCK_M=64, N_PAD=16, CHUNK_SPLITS=0, TOK_PAD=64, DOT_PRECISION="tf32"),
                 descs=dict(QD=64, KCD=64)),
-    *_tma_cases("range_attn_fwd_kernel", "range_attention", dict(LSE="fp32"), RANGE_SCALARS, RANGE,
+    *_tma_cases("range_attn_fwd_kernel", "range_attention", dict(LSE="fp32"), RANGE_SCALARS, dict(RANGE, HEADS=1),
                 descs=dict(QD=64, KD=64, VD=64)),
     # both ranges with by_block's dQ slots summed in (nsa::core's backward), and one range without them
     *[c for two, slots in ((True, 16), (False, 0)) for c in _tma_cases(
@@ -70,7 +70,7 @@ CASES = [
         dict(LSE2="fp32", DELTA2="fp32", SLOT_BLOCKS="i32", **ROW_TERMS),
         dict(num_keys2="i32", key_stride2="i32", key_offset2="i32", window2="i32", K2_ROW="i32", V2_ROW="i32",
              **RANGE_SCALARS),
-        dict(RANGE, BLOCK_N=32, ACCUMULATE=False, TWO_RANGES=two, N_SLOTS=slots,
+        dict(RANGE, BLOCK_N=32, ACCUMULATE=False, TWO_RANGES=two, N_SLOTS=slots, HEADS=1,
              **({} if slots else dict(DQ_SLOTS=None, SLOT_BLOCKS=None))),
         dict(num_warps=4, num_stages=3), f"TWO_RANGES={two},N_SLOTS={slots}",
         descs=dict(QD=64, DOD=64, KD=32, VD=32, K2D=32, V2D=32))],
