@@ -51,19 +51,14 @@ def selected_attn_fwd_kernel(Q, K, V, KD, VD, BLOCKS, O, LSE, T, scale, K_ROW, V
     m_i = tl.full([HEADS_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([HEADS_PAD], tl.float32)
     acc = tl.zeros([HEADS_PAD, BLOCK_DV], tl.float32)
-    # A step reads BLOCK_S keys: a block takes PARTS steps where BLOCK_S is below the block size (smaller tiles
-    # for more programs in flight; LaunchConfig.slc_fwd_keys).
-    PARTS: tl.constexpr = (SEL_BLOCK + BLOCK_S - 1) // BLOCK_S
-    for i in range(N_SELECT * PARTS):
+    for i in range(N_SELECT):
         # No branch on the block id (-1: fewer than n blocks exist) so the loop stays software-pipelined.
-        blk = tl.load(BLOCKS + block_row + i // PARTS)
-        part = (i % PARTS) * BLOCK_S
-        first = blk * SEL_BLOCK + part
-        # in the block, at or before t
-        s_ok = (offs_s < tl.minimum(SEL_BLOCK - part, t - first + 1)) & (blk >= 0)
+        blk = tl.load(BLOCKS + block_row + i)
+        first = blk * SEL_BLOCK
+        s_ok = (offs_s < tl.minimum(SEL_BLOCK, t - first + 1)) & (blk >= 0)  # in the block, at or before t
         # with TMA unmasked: keys past t, past the block or of block -1 are masked out of the scores
-        k, v = _block_tile(K, V, KD, VD, K_ROW, V_ROW, b, g, first, first + offs_s, s_ok, T, DK, DV, BLOCK_DK,
-                           BLOCK_DV, TMA)
+        k, v = _block_tile(K, V, KD, VD, K_ROW, V_ROW, b, g, blk, first + offs_s, s_ok, T, DK, DV, BLOCK_DK, BLOCK_DV,
+                           SEL_BLOCK, TMA)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
         s = tl.where(s_ok[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -125,8 +120,8 @@ def selected_attn_bwd_dq_kernel(Q, K, V, KD, VD, BLOCKS, DO, LSE, DELTA, DQ, T, 
         first = blk * SEL_BLOCK
         s_ok = (offs_s < tl.minimum(SEL_BLOCK, t - first + 1)) & (blk >= 0)
         # with TMA unmasked: keys past t, past the block or of block -1 are masked out of the scores
-        k, v = _block_tile(K, V, KD, VD, K_ROW, V_ROW, b, g, first, first + offs_s, s_ok, T, DK, DV, BLOCK_DK,
-                           BLOCK_DV, TMA)
+        k, v = _block_tile(K, V, KD, VD, K_ROW, V_ROW, b, g, blk, first + offs_s, s_ok, T, DK, DV, BLOCK_DK, BLOCK_DV,
+                           SEL_BLOCK, TMA)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
         p = tl.where(s_ok[None, :] & h_ok[:, None], tl.exp2(s - lse2[:, None]), 0.0)
         dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)

@@ -76,13 +76,12 @@ def _full_blocks(UNION, tile_row, count, t_first, SEL_BLOCK: tl.constexpr, WIDTH
 
 
 @triton.jit
-def _block_tile(K, V, KD, VD, K_ROW, V_ROW, b, g, first, pos, s_ok, T, DK: tl.constexpr, DV: tl.constexpr,
-                BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, TMA: tl.constexpr):
-    """The keys and values of (b, g) at positions pos = first + 0..BLOCK_S-1: [BLOCK_S, D] tiles, unmasked with
-    TMA (s_ok masks the pointer loads)."""
+def _block_tile(K, V, KD, VD, K_ROW, V_ROW, b, g, blk, pos, s_ok, T, DK: tl.constexpr, DV: tl.constexpr,
+                BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, SEL_BLOCK: tl.constexpr, TMA: tl.constexpr):
+    """The keys and values of selection block blk of (b, g): [BLOCK_S, D] tiles, unmasked with TMA."""
     if TMA:
-        k = KD.load([b * T + first, g * DK])
-        v = VD.load([b * T + first, g * DV])
+        k = KD.load([b * T + blk * SEL_BLOCK, g * DK])
+        v = VD.load([b * T + blk * SEL_BLOCK, g * DV])
     else:
         offs_dk = tl.arange(0, BLOCK_DK)
         offs_dv = tl.arange(0, BLOCK_DV)
@@ -106,7 +105,7 @@ def _union_entry(K, V, KD, VD, UNION, MEMBERS, K_ROW, V_ROW, b, g, r_ok, tile_ro
     member = _member(MEMBERS, tile_row, i, r_ok, HPG, ROWS, WIDTH)
     pos = blk * SEL_BLOCK + offs_s
     s_ok = (offs_s < SEL_BLOCK) & (pos < T)
-    k, v = _block_tile(K, V, KD, VD, K_ROW, V_ROW, b, g, blk * SEL_BLOCK, pos, s_ok, T, DK, DV, BLOCK_DK, BLOCK_DV,
+    k, v = _block_tile(K, V, KD, VD, K_ROW, V_ROW, b, g, blk, pos, s_ok, T, DK, DV, BLOCK_DK, BLOCK_DV, SEL_BLOCK,
                        TMA)
     return member, pos, s_ok, k, v
 

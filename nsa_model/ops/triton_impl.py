@@ -130,9 +130,6 @@ class LaunchConfig:
     # tiled; v59 (H200, where auto runs per_query: paper 32k-128k) took 3 -> 2 for the forward 8-11% faster
     # (64k: 16.5-16.6 -> 14.9-15.0 ms, NSA 98.9-99.0 -> 96.8-98.3)
     slc_stages: int = 2
-    # keys a step of the per-query forward reads (a power of two >= 16; a selection block larger than it takes
-    # several steps): smaller tiles take less shared memory and registers, so more programs run at once
-    slc_fwd_keys: int = 64
     # the tiled forward at head dims <= 64 and the tiled dQ (v37: 3 stages cost paper 8k's dQ 1.64 -> 1.83 ms)
     slc_tile_stages: int = 2
     # the tiled forward's stages at head dims > 64 (v25; v24 measured 3 stages at paper 8k: 1.515 -> 1.422 ms,
@@ -220,8 +217,7 @@ class LaunchConfig:
                              f"slc_dkdv='by_block', got slc_dkdv={self.slc_dkdv!r}")
         if self.range_heads & (self.range_heads - 1):
             raise ValueError(f"LaunchConfig.range_heads: must be a power of two, got {self.range_heads}")
-        tiles = [(name, getattr(self, name))
-                 for name in ("dkdv_rows", "slc_tile_rows", "slc_block_rows", "phi_rows", "slc_fwd_keys")]
+        tiles = [(name, getattr(self, name)) for name in ("dkdv_rows", "slc_tile_rows", "slc_block_rows", "phi_rows")]
         tiles += [(f"{name} tiles", getattr(self, name)[i]) for name in RANGE_TILE_FIELDS for i in (0, 1)]
         tiles += [(f"{name} query tile", getattr(self, name)[0]) for name in SELECT_FIELDS]
         for name, value in tiles:
@@ -893,7 +889,6 @@ def _per_query_fwd(q, k, v, blocks, o, lse, common: dict, scale: float, gated: d
     """per_query's forward into o, lse; gated: also the gated output in its epilogue (as _tiled_fwd)."""
     B, T = q.shape[:2]
     hpg = common["H"] // common["G"]
-    common = dict(common, BLOCK_S=min(common["BLOCK_S"], _config.slc_fwd_keys))
     selected_attn_fwd_kernel[(T, B * common["G"])](
         q, k, v, BLOCKS=blocks, O=o, LSE=lse, T=T, scale=scale, HEADS_PAD=_pow2(hpg), **common, **_slc_launch(),
         **_block_tiles(_pow2(hpg), common, k, v), **(dict(gated, GATED=True) if gated else {}))
