@@ -157,7 +157,7 @@ def _visible(offs_m, offs_n, key_stride, key_offset, window):
 def _fwd_tiles(acc, m_i, l_i, q, K, V, KD, VD, K_ROW, V_ROW, b, g, offs_m, start, stop, hi, num_keys, qk_scale,
                key_stride, key_offset, window, G: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
                BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
-               TMA: tl.constexpr, DOT_PRECISION: tl.constexpr, RESCALE_SLACK: tl.constexpr):
+               TMA: tl.constexpr, DOT_PRECISION: tl.constexpr):
     for start_n in range(start, stop, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         n_ok = offs_n < hi
@@ -169,42 +169,17 @@ def _fwd_tiles(acc, m_i, l_i, q, K, V, KD, VD, K_ROW, V_ROW, b, g, offs_m, start
         if MASKED:
             vis = _visible(offs_m, offs_n, key_stride, key_offset, window) & n_ok[None, :]
             s = tl.where(vis, s, float("-inf"))
-        if RESCALE_SLACK > 0:
-            acc, l_i, m_i, m_safe = _lazy_rescale(acc, l_i, m_i, tl.max(s, axis=1) * qk_scale, RESCALE_SLACK)
-            p = tl.exp2(s * qk_scale - m_safe[:, None])
-            l_i += tl.sum(p, axis=1)
-            acc += tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        else:
             m_new = tl.maximum(m_i, tl.max(s, axis=1) * qk_scale)
-            if MASKED:
-                m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet stay zeros
-            else:
-                m_safe = m_new  # every row sees every key: finite
-            p = tl.exp2(s * qk_scale - m_safe[:, None])
-            alpha = tl.exp2(m_i - m_safe)
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-            m_i = m_new
-    return acc, m_i, l_i
-
-
-@triton.jit
-def _lazy_rescale(acc, l_i, m_i, m_tile, RESCALE_SLACK: tl.constexpr):
-    """(acc, l_i, m_i, m_safe) of an online softmax step whose tile's row maxima (log2 units) are m_tile: the
-    running maxima m_i move, and acc and l_i are rescaled, only when the tile raises some row's maximum by more
-    than RESCALE_SLACK; otherwise the step's exponentials are taken against the stale maxima (each at most
-    2^RESCALE_SLACK, exact in fp32 and bf16) and the rescale of acc, a multiply an element, is skipped (after the
-    first tiles a row's maximum rarely grows that much). The result is the same softmax: m_i is only the offset
-    that o = acc / l_i and lse = m_i + log2(l_i) share. m_safe: m_i with -inf (nothing visible yet) as 0."""
-    m_new = tl.maximum(m_i, m_tile)
-    grow = tl.where(m_new > m_i, m_new - m_i, 0.0)  # -inf to -inf (nothing visible yet) is no growth
-    if tl.max(grow, axis=0) > RESCALE_SLACK:
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet stay zeros
+        else:
+            m_new = tl.maximum(m_i, tl.max(s, axis=1) * qk_scale)  # every row sees every key: finite
+            m_safe = m_new
+        p = tl.exp2(s * qk_scale - m_safe[:, None])
         alpha = tl.exp2(m_i - m_safe)
-        acc = acc * alpha[:, None]
-        l_i = l_i * alpha
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
-    return acc, l_i, m_i, tl.where(m_i == float("-inf"), 0.0, m_i)
+    return acc, m_i, l_i
 
 
 @triton.jit
@@ -213,8 +188,7 @@ def range_attn_fwd_kernel(Q, K, V, QD, KD, VD, O, LSE, T, num_queries, num_keys,
                           H: tl.constexpr, G: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
                           BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr,
                           BLOCK_N: tl.constexpr, EDGE_SPLIT: tl.constexpr, TMA: tl.constexpr,
-                          DOT_PRECISION: tl.constexpr, HEADS: tl.constexpr = 1, RESCALE_SLACK: tl.constexpr = 0):
-    """RESCALE_SLACK > 0: the online softmax rescales lazily (_lazy_rescale); 0: at every key tile."""
+                          DOT_PRECISION: tl.constexpr, HEADS: tl.constexpr = 1):
     b, g, h0, offs_m, h, t_first, t_last = _query_rows(_query_tile_index(), tl.program_id(1), num_queries, H, G,
                                                        BLOCK_M, HEADS)
     offs_dv = tl.arange(0, BLOCK_DV)
@@ -229,13 +203,13 @@ def range_attn_fwd_kernel(Q, K, V, QD, KD, VD, O, LSE, T, num_queries, num_keys,
     acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
     acc, m_i, l_i = _fwd_tiles(acc, m_i, l_i, q, K, V, KD, VD, K_ROW, V_ROW, b, g, offs_m, lo, mid_lo, hi, num_keys,
                                qk_scale, key_stride, key_offset, window, G, DK, DV, BLOCK_DK, BLOCK_DV, BLOCK_N,
-                               True, TMA, DOT_PRECISION, RESCALE_SLACK)
+                               True, TMA, DOT_PRECISION)
     acc, m_i, l_i = _fwd_tiles(acc, m_i, l_i, q, K, V, KD, VD, K_ROW, V_ROW, b, g, offs_m, mid_lo, mid_hi, hi, num_keys,
                                qk_scale, key_stride, key_offset, window, G, DK, DV, BLOCK_DK, BLOCK_DV, BLOCK_N,
-                               False, TMA, DOT_PRECISION, RESCALE_SLACK)
+                               False, TMA, DOT_PRECISION)
     acc, m_i, l_i = _fwd_tiles(acc, m_i, l_i, q, K, V, KD, VD, K_ROW, V_ROW, b, g, offs_m, mid_hi, hi, hi, num_keys,
                                qk_scale, key_stride, key_offset, window, G, DK, DV, BLOCK_DK, BLOCK_DV, BLOCK_N,
-                               True, TMA, DOT_PRECISION, RESCALE_SLACK)
+                               True, TMA, DOT_PRECISION)
 
     has_key = l_i > 0
     l_safe = tl.where(has_key, l_i, 1.0)

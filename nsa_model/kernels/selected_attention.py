@@ -18,7 +18,6 @@ import triton
 import triton.language as tl
 
 from nsa_model.kernels.gates import gate_rows
-from nsa_model.kernels.range_attention import _lazy_rescale
 from nsa_model.kernels.selected_by_block import _block_kv
 from nsa_model.kernels.selected_tiled import _block_tile
 
@@ -31,7 +30,7 @@ def selected_attn_fwd_kernel(Q, K, V, KD, VD, BLOCKS, O, LSE, T, scale, K_ROW, V
                              BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, SEL_BLOCK: tl.constexpr,
                              BLOCK_S: tl.constexpr, N_SELECT: tl.constexpr, HEADS_PAD: tl.constexpr,
                              TMA: tl.constexpr, DOT_PRECISION: tl.constexpr, GATES=None, O_CMP=None, O_WIN=None,
-                             O_GATED=None, GATED: tl.constexpr = False, RESCALE_SLACK: tl.constexpr = 0):
+                             O_GATED=None, GATED: tl.constexpr = False):
     """GATED (nsa::core): also the gated output O_GATED = g_cmp O_CMP + g_slc O + g_win O_WIN from the stored values
     of the three (gates.py's gate_rows), so no gate pass follows."""
     t = tl.program_id(0)
@@ -62,19 +61,13 @@ def selected_attn_fwd_kernel(Q, K, V, KD, VD, BLOCKS, O, LSE, T, scale, K_ROW, V
                            SEL_BLOCK, TMA)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
         s = tl.where(s_ok[None, :], s, float("-inf"))
-        if RESCALE_SLACK > 0:
-            acc, l_i, m_i, m_safe = _lazy_rescale(acc, l_i, m_i, tl.max(s, axis=1), RESCALE_SLACK)
-            p = tl.exp2(s - m_safe[:, None])
-            l_i += tl.sum(p, axis=1)
-            acc += tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        else:
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a block after t (not a valid choice) adds 0
-            p = tl.exp2(s - m_safe[:, None])
-            alpha = tl.exp2(m_i - m_safe)
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-            m_i = m_new
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a block after t (not a valid choice) adds 0
+        p = tl.exp2(s - m_safe[:, None])
+        alpha = tl.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
 
     has_key = l_i > 0
     l_safe = tl.where(has_key, l_i, 1.0)

@@ -125,10 +125,6 @@ class LaunchConfig:
     # H200, NSA under CUDA graphs: paper 8k -1.1%, 32k -1.3%, 64k -1.2% (the dQ kernel -7%) at 16 heads; nsa-125m
     # (6 heads a group: 2) -0.5% to -0.9%
     range_heads: int = 16
-    # the range and per-query forwards' online softmax: move a row's running maximum (and rescale the accumulator,
-    # a multiply an element) only when a key tile raises some row's maximum by more than 2^rescale_slack
-    # (range_attention.py's _lazy_rescale); 0: at every tile
-    rescale_slack: int = 8
     slc_warps: int = 2  # per-query selected forward and dQ (2 beat 4 in the v2 sweep on H100; v37 again)
     # per-query forward and dQ. v37 (H100) took 2 -> 3 for 3% off paper 16k's selected branch, which auto now runs
     # tiled; v59 (H200, where auto runs per_query: paper 32k-128k) took 3 -> 2 for the forward 8-11% faster
@@ -200,7 +196,7 @@ class LaunchConfig:
                 continue
             value = getattr(self, f.name)
             zero_ok = ("slc_auto_tiled_fwd_blocks", "slc_auto_tiled_blocks", "slc_block_prefetch_dims",
-                       "range_dkdv_q_chunk", "rescale_slack")
+                       "range_dkdv_q_chunk")
             low = 0 if f.name in zero_ok else 1
             if not isinstance(value, int) or value < low:
                 raise ValueError(f"LaunchConfig.{f.name}: must be an int >= {low}, got {value!r}")
@@ -415,7 +411,7 @@ def _range_fwd_into(q, k, v, o, lse, num_queries: int, key_stride: int, key_offs
     range_attn_fwd_kernel[(triton.cdiv(num_queries, launch["BLOCK_M"] // heads), B * H // heads)](
         q, k, v, O=o, LSE=lse, T=T, num_queries=num_queries, num_keys=num_keys, scale=scale, key_stride=key_stride,
         key_offset=key_offset, window=window, **_kv_strides(k, v), H=H, G=G, **_head_dims(q, v), **launch,
-        **_tile_args(launch, dict(QD=q), dict(KD=k, VD=v), heads), HEADS=heads, RESCALE_SLACK=_config.rescale_slack)
+        **_tile_args(launch, dict(QD=q), dict(KD=k, VD=v), heads), HEADS=heads)
 
 
 def _range_bwd(q, k, v, o, lse, do, key_stride: int, key_offset: int, window: int, scale: float, delta=None):
@@ -895,7 +891,6 @@ def _per_query_fwd(q, k, v, blocks, o, lse, common: dict, scale: float, gated: d
     hpg = common["H"] // common["G"]
     selected_attn_fwd_kernel[(T, B * common["G"])](
         q, k, v, BLOCKS=blocks, O=o, LSE=lse, T=T, scale=scale, HEADS_PAD=_pow2(hpg), **common, **_slc_launch(),
-        RESCALE_SLACK=_config.rescale_slack,
         **_block_tiles(_pow2(hpg), common, k, v), **(dict(gated, GATED=True) if gated else {}))
 
 
