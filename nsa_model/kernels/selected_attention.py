@@ -192,8 +192,7 @@ def selected_attn_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, QUERY_OF_ENTRY, START
 def selected_dq_from_ds_kernel(K, KD, BLOCKS, DS, DQ, T, K_ROW, H: tl.constexpr, G: tl.constexpr, DK: tl.constexpr,
                                BLOCK_DK: tl.constexpr, SEL_BLOCK: tl.constexpr, BLOCK_S: tl.constexpr,
                                N_SELECT: tl.constexpr, HEADS_PAD: tl.constexpr, TMA: tl.constexpr,
-                               DOT_PRECISION: tl.constexpr, ACCUMULATE: tl.constexpr = False,
-                               DS_EVICT: tl.constexpr = ""):
+                               DOT_PRECISION: tl.constexpr, ACCUMULATE: tl.constexpr = False):
     """One query's dQ from the ds that by_block's backward stored at its slots (DQ_MODE 3): the sum over its n
     slots of ds [heads, BLOCK_S] times the slot's keys. One product and one key tile a slot where the kernel above
     runs three products on key and value tiles; no q, do, lse or delta. A slot of block -1 loads no ds (zeros).
@@ -219,7 +218,7 @@ def selected_dq_from_ds_kernel(K, KD, BLOCKS, DS, DQ, T, K_ROW, H: tl.constexpr,
         # No branch on the block id, as in the kernels above: the loop stays software-pipelined.
         blk = tl.load(BLOCKS + block_row + i)
         ds = tl.load(DS + ((block_row + i) * HPG + offs_h)[:, None] * BLOCK_S + offs_s[None, :],
-                     mask=(h_ok & (blk >= 0))[:, None], other=0.0, eviction_policy=DS_EVICT)
+                     mask=(h_ok & (blk >= 0))[:, None], other=0.0)
         if TMA:
             k = KD.load([b * T + blk * SEL_BLOCK, g * DK])
         else:

@@ -86,7 +86,7 @@ INDEX_BUILDS = ("auto", "count", "sort")
 
 RANGE_TILE_FIELDS = ("range_fwd", "range_dq", "range_dkdv", "range_fwd_d64", "range_dq_d64", "range_dkdv_d64")
 SELECT_FIELDS = ("select", "select_d128", "select_d64")
-BOOL_FIELDS = ("slc_dense_prefix", "side_stream", "range_dq_last", "ds_evict_first")
+BOOL_FIELDS = ("slc_dense_prefix", "side_stream", "range_dq_last")
 
 
 @dataclass(frozen=True)
@@ -157,7 +157,6 @@ class LaunchConfig:
     slc_query_dq: str = "ds"
     slc_ds_warps: int = 4  # the tiled dQ from stored ds (slc_query_dq "ds")
     slc_ds_stages: int = 2
-    ds_evict_first: bool = False  # the per-query dQ from ds reads ds (read once) with evict_first
     slc_tile_rows: int = 64  # rows (queries x heads, unpadded) of one program of the tiled selected kernels
     slc_tile_warps: int = 4
     gate_kernel: str = "fused"  # one of GATE_KERNELS
@@ -1003,8 +1002,7 @@ def _selected_bwd(q, k, v, blocks, o, lse, index, do, sel_block: int, scale: flo
                 k, BLOCKS=blocks, DS=ds, DQ=dq, T=T, K_ROW=k.stride(1), H=H, G=G, DK=common["DK"],
                 BLOCK_DK=common["BLOCK_DK"], SEL_BLOCK=sel_block, BLOCK_S=common["BLOCK_S"], N_SELECT=n,
                 HEADS_PAD=_pow2(hpg), DOT_PRECISION=common["DOT_PRECISION"], ACCUMULATE=accumulate, **_slc_launch(),
-                **_tile_args(dict(BLOCK_M=_pow2(hpg), BLOCK_N=common["BLOCK_S"]), {}, dict(KD=k)),
-                DS_EVICT="evict_first" if _config.ds_evict_first else "")
+                **_tile_args(dict(BLOCK_M=_pow2(hpg), BLOCK_N=common["BLOCK_S"]), {}, dict(KD=k)))
         for extra in adds:
             dq = dq.add_(extra)
         return (dq, dk, dv) if final_kv else _with_prefix_bwd(q, k, v, do, lse, delta, dq, dk, dv, prefix, scale)
