@@ -119,8 +119,6 @@ class LaunchConfig:
     # (ALIGNED_CHUNKS); 0: off. v57 on an H200, NSA under CUDA graphs: 4096 took paper 8k -0.5%, 32k -2.2%,
     # 64k -1.9%, 128k -5.4%, 125m 4 x 8k -0.6%, 1 x 32k -1.2%
     range_dkdv_q_chunk: int = 4096
-    # compressed dK/dV over absolute chunks: at most this many heads of a group a program (fewer atomic adds)
-    range_dkdv_heads: int = 1
     # compressed and window forward and dQ: at most this many heads of a group share a tile's rows (a power of two;
     # the largest power of two that divides the group's heads and the query tile runs; 1: one head a tile). Every
     # head of a group sees the same keys, so a packed tile reads each key tile once for all its heads. v60 on an
@@ -492,10 +490,7 @@ def _range_dkdv_split(q, k, v, num_queries: int, window: int,
     elif (window >= num_queries and not prefix and 0 < _config.range_dkdv_q_chunk < num_queries
           and B * H <= _MAX_GRID_YZ):
         q_chunk = triton.cdiv(_config.range_dkdv_q_chunk, bm) * bm
-        heads = 1  # a group's heads a program: the largest power of two <= range_dkdv_heads dividing them
-        while heads * 2 <= _config.range_dkdv_heads and (H // G) % (heads * 2) == 0:
-            heads *= 2
-        return True, H // G // heads, q_chunk, True
+        return True, H // G, q_chunk, True
     elif window >= num_queries:
         head_split = H // G
         chunks = triton.cdiv(_config.range_dkdv_programs, max(key_tiles, 1) * B * G * head_split)
