@@ -124,18 +124,9 @@ def _block_kv(K, V, KD, VD, K_ROW, V_ROW, b, g, j, T, G: tl.constexpr, DK: tl.co
 
 
 @triton.jit
-def _chooser_flat(ORDER, e0, end, HPG: tl.constexpr, ROWS: tl.constexpr, ENTRY_LOADS: tl.constexpr = False):
-    """(flat slot, row ok) of rows (chooser e0 + r // HPG, head r % HPG): ((b * T + t) * G + g) * N_SELECT + i.
-
-    ENTRY_LOADS (where HPG divides ROWS): each chooser's slot is loaded once and broadcast over its HPG rows,
-    instead of once a row."""
+def _chooser_flat(ORDER, e0, end, HPG: tl.constexpr, ROWS: tl.constexpr):
+    """(flat slot, row ok) of rows (chooser e0 + r // HPG, head r % HPG): ((b * T + t) * G + g) * N_SELECT + i."""
     ENTRIES: tl.constexpr = ROWS // HPG
-    if ENTRY_LOADS and ENTRIES * HPG == ROWS:
-        entry = e0 + tl.arange(0, ENTRIES)
-        e_ok = entry < end
-        f = tl.load(ORDER + entry, mask=e_ok, other=0)
-        flat = tl.reshape(tl.broadcast_to(f[:, None], [ENTRIES, HPG]), [ROWS])
-        return flat, tl.reshape(tl.broadcast_to(e_ok[:, None], [ENTRIES, HPG]), [ROWS])
     slot = tl.arange(0, ROWS) // HPG
     entry = e0 + slot
     r_ok = (slot < ENTRIES) & (entry < end)
@@ -324,8 +315,7 @@ def selected_block_bwd_kernel(Q, K, V, KD, VD, DO, LSE, DELTA, ORDER, STARTS, WO
                               BLOCK_S: tl.constexpr, N_SELECT: tl.constexpr, ROWS: tl.constexpr,
                               CHUNK: tl.constexpr, DQ_MODE: tl.constexpr, FINAL_KV: tl.constexpr,
                               TMA: tl.constexpr, DOT_PRECISION: tl.constexpr, OFFSETS_64: tl.constexpr,
-                              PREFETCH: tl.constexpr = False, ENTRY_LOADS: tl.constexpr = False,
-                              DP_FIRST: tl.constexpr = False):
+                              PREFETCH: tl.constexpr = False):
     """DQ_MODE: 0 no dQ (the query-driven variants compute it), 1 store each chooser's contribution at its slot
     (DQ_OUT rows as the partials), 2 add it atomically into a float32 DQ_OUT [B, T, H, DK], 3 store each chooser's
     ds (scale included, rounded as dK's product takes it) at its slot, DQ_OUT rows of BLOCK_S columns, for the
@@ -350,19 +340,19 @@ def selected_block_bwd_kernel(Q, K, V, KD, VD, DO, LSE, DELTA, ORDER, STARTS, WO
         dk = tl.zeros([BLOCK_S, BLOCK_DK], tl.float32)
         dv = tl.zeros([BLOCK_S, BLOCK_DV], tl.float32)
         if PREFETCH:  # as in the forward
-            flat, r_ok = _chooser_flat(ORDER, start, end, HPG, ROWS, ENTRY_LOADS)
+            flat, r_ok = _chooser_flat(ORDER, start, end, HPG, ROWS)
             t, row_q, row_p, q, do, lse2, delta = _chooser_bwd_tiles(Q, DO, LSE, DELTA, flat, r_ok, b, g, T, H, G,
                                                                      DK, DV, BLOCK_DK, BLOCK_DV, N_SELECT, ROWS,
                                                                      OFFSETS_64)
-            flat_n, r_ok_n = _chooser_flat(ORDER, start + ENTRIES, end, HPG, ROWS, ENTRY_LOADS)
+            flat_n, r_ok_n = _chooser_flat(ORDER, start + ENTRIES, end, HPG, ROWS)
         for e0 in tl.range(start, end, ENTRIES, num_stages=1 if PREFETCH else None):
             if PREFETCH:
-                flat_nn, r_ok_nn = _chooser_flat(ORDER, e0 + 2 * ENTRIES, end, HPG, ROWS, ENTRY_LOADS)
+                flat_nn, r_ok_nn = _chooser_flat(ORDER, e0 + 2 * ENTRIES, end, HPG, ROWS)
                 t_n, row_q_n, row_p_n, q_n, do_n, lse2_n, delta_n = _chooser_bwd_tiles(
                     Q, DO, LSE, DELTA, flat_n, r_ok_n, b, g, T, H, G, DK, DV, BLOCK_DK, BLOCK_DV, N_SELECT, ROWS,
                     OFFSETS_64)
             else:
-                flat, r_ok = _chooser_flat(ORDER, e0, end, HPG, ROWS, ENTRY_LOADS)
+                flat, r_ok = _chooser_flat(ORDER, e0, end, HPG, ROWS)
                 t, row_q, row_p, q, do, lse2, delta = _chooser_bwd_tiles(Q, DO, LSE, DELTA, flat, r_ok, b, g, T, H,
                                                                          G, DK, DV, BLOCK_DK, BLOCK_DV, N_SELECT,
                                                                          ROWS, OFFSETS_64)
@@ -375,12 +365,8 @@ def selected_block_bwd_kernel(Q, K, V, KD, VD, DO, LSE, DELTA, ORDER, STARTS, WO
             # with no multiply an element, and dV divides it out once at the end (kernels-notes.md v42)
             p = tl.where(_visible(t, r_ok, pos, s_ok, SEL_BLOCK, BLOCK_S),
                          tl.exp2(s - (lse2 - log2_scale)[:, None]), 0.0)
-            if DP_FIRST:
-                dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
-                dv += tl.dot(tl.trans(p).to(do.dtype), do, input_precision=DOT_PRECISION)
-            else:
-                dv += tl.dot(tl.trans(p).to(do.dtype), do, input_precision=DOT_PRECISION)
-                dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
+            dv += tl.dot(tl.trans(p).to(do.dtype), do, input_precision=DOT_PRECISION)
+            dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
             ds = (p * (dp - delta[:, None])).to(q.dtype)  # rounded once for dK and dQ
             dk += tl.dot(tl.trans(ds), q, input_precision=DOT_PRECISION)
             if DQ_MODE == 1:

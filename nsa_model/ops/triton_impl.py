@@ -86,7 +86,7 @@ INDEX_BUILDS = ("auto", "count", "sort")
 
 RANGE_TILE_FIELDS = ("range_fwd", "range_dq", "range_dkdv", "range_fwd_d64", "range_dq_d64", "range_dkdv_d64")
 SELECT_FIELDS = ("select", "select_d128", "select_d64")
-BOOL_FIELDS = ("slc_dense_prefix", "side_stream", "range_dq_last", "slc_block_entry_loads", "slc_block_dp_first")
+BOOL_FIELDS = ("slc_dense_prefix", "side_stream", "range_dq_last")
 
 
 @dataclass(frozen=True)
@@ -150,8 +150,6 @@ class LaunchConfig:
     slc_block_stages: int = 3  # where by_block does not prefetch; v6c: 3 beat 2 at every 125M shape (4 ties 3)
     slc_block_prefetch_dims: int = 64  # by_block: prefetch the next step's rows at head dims up to this (0: off; v24)
     slc_block_fwd_maxnreg: int = 168  # by_block forward with prefetch: registers per thread at most (3 programs/SM)
-    slc_block_entry_loads: bool = False  # by_block backward: a chooser's slot loaded once for its heads' rows (v62)
-    slc_block_dp_first: bool = False  # by_block backward: dP's product before dV's (v62)
     slc_partial: str = "input"  # one of PARTIAL_DTYPES
     slc_dq: str = "partial"  # one of SELECTED_DQ
     slc_dkdv: str = "by_block"  # one of SELECTED_DKDV
@@ -1170,8 +1168,7 @@ def _selected_by_block_bwd(q, k, v, blocks, do, lse, delta, index, common, scale
         q, k, v, DO=do, LSE=lse, DELTA=delta, ORDER=order, STARTS=starts, WORK_SEG=work_seg, WORK_CHUNK=work_chunk,
         DK_ACC=dk_acc, DV_ACC=dv_acc, DQ_OUT=dq_out, DK_OUT=dk_out, DV_OUT=dv_out, DONE=done, T=T,
         num_blocks=num_blocks, scale=scale, ROWS=_block_rows(hpg, c), CHUNK=c.slc_block_chunk, DQ_MODE=dq_mode,
-        FINAL_KV=final_kv, PREFETCH=_block_prefetch(q, v), ENTRY_LOADS=c.slc_block_entry_loads,
-        DP_FIRST=c.slc_block_dp_first,
+        FINAL_KV=final_kv, PREFETCH=_block_prefetch(q, v),
         OFFSETS_64=_offsets_64(q, k, v, do, dk_acc, dv_acc, dq_out, dk_out, dv_out), **common,
         num_warps=c.slc_block_warps,
         num_stages=c.slc_block_stages,
