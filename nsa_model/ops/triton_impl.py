@@ -86,7 +86,7 @@ INDEX_BUILDS = ("auto", "count", "sort")
 
 RANGE_TILE_FIELDS = ("range_fwd", "range_dq", "range_dkdv", "range_fwd_d64", "range_dq_d64", "range_dkdv_d64")
 SELECT_FIELDS = ("select", "select_d128", "select_d64")
-BOOL_FIELDS = ("slc_dense_prefix", "side_stream", "range_dq_last", "side_stream_first")
+BOOL_FIELDS = ("slc_dense_prefix", "side_stream", "range_dq_last")
 
 
 @dataclass(frozen=True)
@@ -168,7 +168,6 @@ class LaunchConfig:
     slc_dense_prefix: bool = False  # selected branch: queries t < n * l' by the range kernels (_dense_prefix; v15)
     prefix_dkdv_group_programs: int = 512  # dense prefix dK/dV: one program per group from this many programs
     side_stream: bool = True  # nsa::core's window forward and range dK/dV on a second CUDA stream (_Beside; v26)
-    side_stream_first: bool = False  # the second stream at a higher priority than the caller's (v62)
     # nsa::core's backward under the tiled selected kernels: the selected backward first, then the two ranges' dQ
     # added into its dq, so that the selected kernels run beside the range dK/dV on the second stream and the
     # tiled dQ from ds adds into nothing. v58e on an H200, NSA under CUDA graphs: paper 8k 6.66 -> 6.48 ms (-2.8%),
@@ -1350,16 +1349,15 @@ class _Beside:
     allocates outlives the work: its own temporaries go back to its pool in its own order, and no tensor needs
     record_stream. Inside a CUDA graph capture the two streams become two branches of the graph."""
 
-    _streams: dict[tuple[int, bool], torch.cuda.Stream] = {}
+    _streams: dict[int, torch.cuda.Stream] = {}
 
     def __init__(self, device: torch.device, work) -> None:
         self.work, self.stream = work, None
         if _config.side_stream and device.type == "cuda":
             main = torch.cuda.current_stream(device)
-            key = (device.index, _config.side_stream_first)
-            if key not in self._streams:
-                self._streams[key] = torch.cuda.Stream(device, priority=-1 if _config.side_stream_first else 0)
-            self.stream = self._streams[key]
+            if device.index not in self._streams:
+                self._streams[device.index] = torch.cuda.Stream(device)
+            self.stream = self._streams[device.index]
             self.stream.wait_stream(main)
             with torch.cuda.stream(self.stream):
                 work()
