@@ -27,8 +27,9 @@ from bench.shapes import FAMILIES, family_shapes  # noqa: E402
 PAIRS = (("cmp fwd", "slc fwd"), ("selection", "slc fwd"), ("cmp fwd", "selection"), ("win fwd", "slc fwd"))
 
 
-def pieces(ti, x, cfg, T: int, scale: float) -> dict:
-    """The forward's pieces as closures over preallocated outputs, each writing only its own outputs."""
+def pieces(ti, x, cfg, T: int, scale: float) -> tuple[dict, dict]:
+    """(closures, outputs): the forward's pieces as closures over preallocated outputs, each writing only its own,
+    and those outputs (o and lse of the three attention pieces, the blocks the per-query forward reads)."""
     import torch
 
     q = x["q"].contiguous()
@@ -43,12 +44,13 @@ def pieces(ti, x, cfg, T: int, scale: float) -> dict:
     blocks = ti.select_blocks(q, k_cmp, lse_sel, cfg, scale)
     common = ti._selected_common(q, k_slc, v_slc, cfg.sel_block, cfg.n_selected)
     o_slc, lse_slc = torch.empty_like(o_cmp), torch.empty_like(lse_cmp)
-    return {
+    fns = {
         "cmp fwd": lambda: ti._range_fwd_into(q, k_cmp, v_cmp, o_cmp, lse_cmp, T, *cmp_range, scale),
         "win fwd": lambda: ti._range_fwd_into(q, k_win, v_win, o_win, lse_win, T, *win_range, scale),
         "selection": lambda: ti.select_blocks(q, k_cmp, lse_sel, cfg, scale),
         "slc fwd": lambda: ti._per_query_fwd(q, k_slc, v_slc, blocks, o_slc, lse_slc, common, scale),
     }
+    return fns, {"cmp": (o_cmp, lse_cmp), "win": (o_win, lse_win), "slc": (o_slc, lse_slc), "blocks": blocks}
 
 
 def serial(a, b):
@@ -112,7 +114,7 @@ def main():
         f = FAMILIES[family]
         x = kb.make_inputs(B, T, f["H"], f["G"], f["D"], f["D"], cfg, torch.bfloat16, seed=1)
         with torch.no_grad():
-            fns = pieces(ti, x, cfg, T, f["D"] ** -0.5)
+            fns, _ = pieces(ti, x, cfg, T, f["D"] ** -0.5)
             alone = {p: kb.bench_graph(fn) for p, fn in fns.items()}
             pairs = {}
             for a, b in PAIRS:
