@@ -344,93 +344,12 @@ def _dkdv_tiles(dk, dv, k, v, Q, DO, QD, DOD, LSE, DELTA, b, h, offs_n, n_ok, st
 
 
 @triton.jit
-def _dkdv_program(pid_x, pid_y, pid_z, Q, K, V, DO, QD, KD, VD, DOD, LSE, DELTA, DK_ACC, DV_ACC, T, num_queries, num_keys,
-                               scale, key_stride, key_offset, window, q_chunk, K_ROW, V_ROW, H: tl.constexpr,
-                               G: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BLOCK_DK: tl.constexpr,
-                               BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                               HEAD_SPLIT: tl.constexpr, EDGE_SPLIT: tl.constexpr, ATOMIC: tl.constexpr,
-                               TMA: tl.constexpr, DOT_PRECISION: tl.constexpr, ALIGNED_CHUNKS: tl.constexpr = False):
-    """One program of range_attn_bwd_dkdv_kernel, at grid position (pid_x, pid_y, pid_z)."""
-    HPG: tl.constexpr = H // G
-    HEADS: tl.constexpr = HPG // HEAD_SPLIT
-    if ALIGNED_CHUNKS:
-        pid_bgs = pid_y
-        pid_n = pid_x
-    else:
-        pid_bgs = pid_x
-        pid_n = pid_y
-    b = pid_bgs // (G * HEAD_SPLIT)
-    g = (pid_bgs // HEAD_SPLIT) % G
-    first_head = g * HPG + (pid_bgs % HEAD_SPLIT) * HEADS
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_dk = tl.arange(0, BLOCK_DK)
-    offs_dv = tl.arange(0, BLOCK_DV)
-    n_ok = offs_n < num_keys
-    tok = (b * num_keys + offs_n).to(tl.int64)
-    row_k = tok * G + g  # the gradients' rows: dK and dV are contiguous
-    # Queries that may see this tile: from its first key's position to its last key's position + window - 1.
-    first_pos = pid_n * BLOCK_N * key_stride + key_offset
-    last_pos = (pid_n * BLOCK_N + BLOCK_N - 1) * key_stride + key_offset
-    t_lo = (first_pos // BLOCK_M) * BLOCK_M
-    t_hi = tl.minimum(num_queries, last_pos + window)
-    # this program's chunk of them (q_chunk is a multiple of BLOCK_M, so tiles stay aligned)
-    if ALIGNED_CHUNKS:
-        c_lo = pid_z * q_chunk
-        t_lo = tl.maximum(t_lo, c_lo)
-        t_hi = tl.minimum(t_hi, c_lo + q_chunk)
-    else:
-        t_lo = t_lo + pid_z * q_chunk
-        t_hi = tl.minimum(t_hi, t_lo + q_chunk)
-    # a key tile after its aligned chunk (about half the grid): no loads, nothing to add
-    run = (t_hi > t_lo) | (not ALIGNED_CHUNKS)
-    if run:
-        k, v = _key_tile(K, V, KD, VD, K_ROW, V_ROW, b, g, pid_n * BLOCK_N, n_ok, num_keys, DK, DV, BLOCK_DK, BLOCK_DV,
-                         BLOCK_N, True, TMA)
-        if EDGE_SPLIT:
-            # Full query tiles: every query at or after the last key, before the first key's window end, inside T;
-            # and every key of the tile in bounds.
-            full_lo = tl.minimum(t_lo + tl.cdiv(tl.maximum(last_pos - t_lo, 0), BLOCK_M) * BLOCK_M, t_hi)
-            full_lo = tl.maximum(full_lo, t_lo)  # an empty chunk (t_hi < t_lo) runs no loop
-            full_end = tl.minimum(t_hi, first_pos + window)
-            keys_full = (pid_n + 1) * BLOCK_N <= num_keys
-            full_hi = tl.where(keys_full, full_lo + (tl.maximum(full_end - full_lo, 0) // BLOCK_M) * BLOCK_M, full_lo)
-        else:
-            full_lo = t_hi
-            full_hi = t_hi
-        qk_scale = scale * LOG2E
-        dk = tl.zeros([BLOCK_N, BLOCK_DK], tl.float32)
-        dv = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
-        for head in range(HEADS):
-            h = first_head + head
-            dk, dv = _dkdv_tiles(dk, dv, k, v, Q, DO, QD, DOD, LSE, DELTA, b, h, offs_n, n_ok, t_lo, full_lo, T,
-                                 num_queries, qk_scale, key_stride, key_offset, window, H, DK, DV, BLOCK_DK, BLOCK_DV,
-                                 BLOCK_M, True, TMA, DOT_PRECISION)
-            dk, dv = _dkdv_tiles(dk, dv, k, v, Q, DO, QD, DOD, LSE, DELTA, b, h, offs_n, n_ok, full_lo, full_hi, T,
-                                 num_queries, qk_scale, key_stride, key_offset, window, H, DK, DV, BLOCK_DK, BLOCK_DV,
-                                 BLOCK_M, False, TMA, DOT_PRECISION)
-            dk, dv = _dkdv_tiles(dk, dv, k, v, Q, DO, QD, DOD, LSE, DELTA, b, h, offs_n, n_ok, full_hi, t_hi, T,
-                                 num_queries, qk_scale, key_stride, key_offset, window, H, DK, DV, BLOCK_DK, BLOCK_DV,
-                                 BLOCK_M, True, TMA, DOT_PRECISION)
-        dk = dk * scale
-        dk_ptrs = DK_ACC + row_k[:, None] * DK + offs_dk[None, :]
-        dv_ptrs = DV_ACC + row_k[:, None] * DV + offs_dv[None, :]
-        if not ATOMIC:
-            tl.store(dk_ptrs, dk, mask=n_ok[:, None] & (offs_dk < DK)[None, :])
-            tl.store(dv_ptrs, dv, mask=n_ok[:, None] & (offs_dv < DV)[None, :])
-        elif t_lo < t_hi:  # empty chunks add nothing
-            # relaxed: only later kernels read the sums; tl.atomic_add's default (acq_rel) fences every add (v51)
-            tl.atomic_add(dk_ptrs, dk, mask=n_ok[:, None] & (offs_dk < DK)[None, :], sem="relaxed")
-            tl.atomic_add(dv_ptrs, dv, mask=n_ok[:, None] & (offs_dv < DV)[None, :], sem="relaxed")
-
-
-@triton.jit
 def range_attn_bwd_dkdv_kernel(Q, K, V, DO, QD, KD, VD, DOD, LSE, DELTA, DK_ACC, DV_ACC, T, num_queries, num_keys,
                                scale, key_stride, key_offset, window, q_chunk, K_ROW, V_ROW, H: tl.constexpr,
                                G: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BLOCK_DK: tl.constexpr,
                                BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                                HEAD_SPLIT: tl.constexpr, EDGE_SPLIT: tl.constexpr, ATOMIC: tl.constexpr,
-                               TMA: tl.constexpr, DOT_PRECISION: tl.constexpr, ALIGNED_CHUNKS: tl.constexpr = False,
-                               PERSISTENT: tl.constexpr = False, grid_x=1, grid_y=1, grid_z=1):
+                               TMA: tl.constexpr, DOT_PRECISION: tl.constexpr, ALIGNED_CHUNKS: tl.constexpr = False):
     """One program per (slice of HPG / HEAD_SPLIT heads of a group, key tile, chunk of q_chunk of the queries
     that see the tile). HEAD_SPLIT = 1 and one chunk: the program loops over the whole group and stores (exact,
     deterministic; right for the window branch, whose tiles see few queries). Otherwise (ATOMIC) the programs of
@@ -449,8 +368,72 @@ def range_attn_bwd_dkdv_kernel(Q, K, V, DO, QD, KD, VD, DOD, LSE, DELTA, DK_ACC,
     working set of q_chunk rows that stays in L2, where the relative chunks' tiles of 64 heads each stream their own
     rows (v51: 32% L2 hits, DRAM at 70% of its peak at paper 64k; v57). A key tile after its chunk returns before
     loading its keys."""
-    if PERSISTENT:  # grid (programs,): each program walks grid positions in the order the GPU dispatches them
-        for vid in range(tl.program_id(0), grid_x * grid_y * grid_z, tl.num_programs(0)):
-            _dkdv_program(vid % grid_x, (vid // grid_x) % grid_y, vid // (grid_x * grid_y), Q, K, V, DO, QD, KD, VD, DOD, LSE, DELTA, DK_ACC, DV_ACC, T, num_queries, num_keys, scale, key_stride, key_offset, window, q_chunk, K_ROW, V_ROW, H, G, DK, DV, BLOCK_DK, BLOCK_DV, BLOCK_M, BLOCK_N, HEAD_SPLIT, EDGE_SPLIT, ATOMIC, TMA, DOT_PRECISION, ALIGNED_CHUNKS)
+    HPG: tl.constexpr = H // G
+    HEADS: tl.constexpr = HPG // HEAD_SPLIT
+    if ALIGNED_CHUNKS:
+        pid_bgs = tl.program_id(1)
+        pid_n = tl.program_id(0)
     else:
-        _dkdv_program(tl.program_id(0), tl.program_id(1), tl.program_id(2), Q, K, V, DO, QD, KD, VD, DOD, LSE, DELTA, DK_ACC, DV_ACC, T, num_queries, num_keys, scale, key_stride, key_offset, window, q_chunk, K_ROW, V_ROW, H, G, DK, DV, BLOCK_DK, BLOCK_DV, BLOCK_M, BLOCK_N, HEAD_SPLIT, EDGE_SPLIT, ATOMIC, TMA, DOT_PRECISION, ALIGNED_CHUNKS)
+        pid_bgs = tl.program_id(0)
+        pid_n = tl.program_id(1)
+    b = pid_bgs // (G * HEAD_SPLIT)
+    g = (pid_bgs // HEAD_SPLIT) % G
+    first_head = g * HPG + (pid_bgs % HEAD_SPLIT) * HEADS
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_dk = tl.arange(0, BLOCK_DK)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    n_ok = offs_n < num_keys
+    tok = (b * num_keys + offs_n).to(tl.int64)
+    row_k = tok * G + g  # the gradients' rows: dK and dV are contiguous
+    # Queries that may see this tile: from its first key's position to its last key's position + window - 1.
+    first_pos = pid_n * BLOCK_N * key_stride + key_offset
+    last_pos = (pid_n * BLOCK_N + BLOCK_N - 1) * key_stride + key_offset
+    t_lo = (first_pos // BLOCK_M) * BLOCK_M
+    t_hi = tl.minimum(num_queries, last_pos + window)
+    # this program's chunk of them (q_chunk is a multiple of BLOCK_M, so tiles stay aligned)
+    if ALIGNED_CHUNKS:
+        c_lo = tl.program_id(2) * q_chunk
+        t_lo = tl.maximum(t_lo, c_lo)
+        t_hi = tl.minimum(t_hi, c_lo + q_chunk)
+        if t_hi <= t_lo:  # a key tile after its chunk (about half the grid): no loads, nothing to add
+            return
+    else:
+        t_lo = t_lo + tl.program_id(2) * q_chunk
+        t_hi = tl.minimum(t_hi, t_lo + q_chunk)
+    k, v = _key_tile(K, V, KD, VD, K_ROW, V_ROW, b, g, pid_n * BLOCK_N, n_ok, num_keys, DK, DV, BLOCK_DK, BLOCK_DV,
+                     BLOCK_N, True, TMA)
+    if EDGE_SPLIT:
+        # Full query tiles: every query at or after the last key, before the first key's window end, inside T;
+        # and every key of the tile in bounds.
+        full_lo = tl.minimum(t_lo + tl.cdiv(tl.maximum(last_pos - t_lo, 0), BLOCK_M) * BLOCK_M, t_hi)
+        full_lo = tl.maximum(full_lo, t_lo)  # an empty chunk (t_hi < t_lo) runs no loop
+        full_end = tl.minimum(t_hi, first_pos + window)
+        keys_full = (pid_n + 1) * BLOCK_N <= num_keys
+        full_hi = tl.where(keys_full, full_lo + (tl.maximum(full_end - full_lo, 0) // BLOCK_M) * BLOCK_M, full_lo)
+    else:
+        full_lo = t_hi
+        full_hi = t_hi
+    qk_scale = scale * LOG2E
+    dk = tl.zeros([BLOCK_N, BLOCK_DK], tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
+    for head in range(HEADS):
+        h = first_head + head
+        dk, dv = _dkdv_tiles(dk, dv, k, v, Q, DO, QD, DOD, LSE, DELTA, b, h, offs_n, n_ok, t_lo, full_lo, T,
+                             num_queries, qk_scale, key_stride, key_offset, window, H, DK, DV, BLOCK_DK, BLOCK_DV,
+                             BLOCK_M, True, TMA, DOT_PRECISION)
+        dk, dv = _dkdv_tiles(dk, dv, k, v, Q, DO, QD, DOD, LSE, DELTA, b, h, offs_n, n_ok, full_lo, full_hi, T,
+                             num_queries, qk_scale, key_stride, key_offset, window, H, DK, DV, BLOCK_DK, BLOCK_DV,
+                             BLOCK_M, False, TMA, DOT_PRECISION)
+        dk, dv = _dkdv_tiles(dk, dv, k, v, Q, DO, QD, DOD, LSE, DELTA, b, h, offs_n, n_ok, full_hi, t_hi, T,
+                             num_queries, qk_scale, key_stride, key_offset, window, H, DK, DV, BLOCK_DK, BLOCK_DV,
+                             BLOCK_M, True, TMA, DOT_PRECISION)
+    dk = dk * scale
+    dk_ptrs = DK_ACC + row_k[:, None] * DK + offs_dk[None, :]
+    dv_ptrs = DV_ACC + row_k[:, None] * DV + offs_dv[None, :]
+    if not ATOMIC:
+        tl.store(dk_ptrs, dk, mask=n_ok[:, None] & (offs_dk < DK)[None, :])
+        tl.store(dv_ptrs, dv, mask=n_ok[:, None] & (offs_dv < DV)[None, :])
+    elif t_lo < t_hi:  # empty chunks add nothing
+        # relaxed: only later kernels read the sums; tl.atomic_add's default (acq_rel) fences every add (v51)
+        tl.atomic_add(dk_ptrs, dk, mask=n_ok[:, None] & (offs_dk < DK)[None, :], sem="relaxed")
+        tl.atomic_add(dv_ptrs, dv, mask=n_ok[:, None] & (offs_dv < DV)[None, :], sem="relaxed")

@@ -119,7 +119,6 @@ class LaunchConfig:
     # (ALIGNED_CHUNKS); 0: off. v57 on an H200, NSA under CUDA graphs: 4096 took paper 8k -0.5%, 32k -2.2%,
     # 64k -1.9%, 128k -5.4%, 125m 4 x 8k -0.6%, 1 x 32k -1.2%
     range_dkdv_q_chunk: int = 4096
-    range_dkdv_persistent: int = 0  # > 0: the range dK/dV as this many programs walking its grid (v62)
     # compressed and window forward and dQ: at most this many heads of a group share a tile's rows (a power of two;
     # the largest power of two that divides the group's heads and the query tile runs; 1: one head a tile). Every
     # head of a group sees the same keys, so a packed tile reads each key tile once for all its heads. v60 on an
@@ -197,7 +196,7 @@ class LaunchConfig:
                 continue
             value = getattr(self, f.name)
             zero_ok = ("slc_auto_tiled_fwd_blocks", "slc_auto_tiled_blocks", "slc_block_prefetch_dims",
-                       "range_dkdv_q_chunk", "range_dkdv_persistent")
+                       "range_dkdv_q_chunk")
             low = 0 if f.name in zero_ok else 1
             if not isinstance(value, int) or value < low:
                 raise ValueError(f"LaunchConfig.{f.name}: must be an int >= {low}, got {value!r}")
@@ -514,16 +513,11 @@ def _range_dkdv_into(q, k, v, do, lse, delta, dk, dv, num_queries: int, num_key_
     atomic = atomic or prefix
     if num_key_rows > 0 and num_queries > 0:
         grid = (B * G * head_split, triton.cdiv(num_key_rows, launch["BLOCK_N"]), triton.cdiv(num_queries, q_chunk))
-        grid = (grid[1], grid[0], grid[2]) if aligned else grid
-        programs = _config.range_dkdv_persistent
-        persistent = dict(PERSISTENT=True, grid_x=grid[0], grid_y=grid[1], grid_z=grid[2]) if programs else {}
-        if programs:
-            grid = (min(programs, grid[0] * grid[1] * grid[2]),)
-        range_attn_bwd_dkdv_kernel[grid](
+        range_attn_bwd_dkdv_kernel[(grid[1], grid[0], grid[2]) if aligned else grid](
             q, k, v, do, LSE=lse, DELTA=delta, DK_ACC=dk, DV_ACC=dv, T=T, num_queries=num_queries, num_keys=num_keys,
             scale=scale, key_stride=key_stride, key_offset=key_offset, window=window, q_chunk=q_chunk,
             **_kv_strides(k, v), HEAD_SPLIT=head_split, ATOMIC=atomic, H=H, G=G, **_head_dims(q, v), **launch,
-            **_tile_args(launch, dict(QD=q, DOD=do), dict(KD=k, VD=v)), ALIGNED_CHUNKS=aligned, **persistent)
+            **_tile_args(launch, dict(QD=q, DOD=do), dict(KD=k, VD=v)), ALIGNED_CHUNKS=aligned)
 
 
 def _range_pair_fused() -> bool:
