@@ -125,8 +125,9 @@ def main():
         print(name, alone, pairs, flush=True)
     stem, meta = result_stem(args.out, "probe-overlap", args.suffix, args.commit)
     result_file(stem, ".json").write_text(json.dumps({"meta": meta, "ms": rows}, indent=1))
-    result_file(stem, ".md").write_text(markdown(meta, rows))
-    print(markdown(meta, rows))
+    table = markdown(meta, rows)
+    result_file(stem, ".md").write_text(table)
+    print(table)
 
 
 if __name__ == "__main__":
