@@ -60,15 +60,8 @@ CASES = [
     *_tma_cases("select_blocks_kernel", "selection", dict(LSE="fp32", BLOCKS="i32"),
                 dict(T="i32", num_cmp="i32", scale="fp32"),
                 dict(H=12, G=2, DK=64, BLOCK_DK=64, CMP_BLOCK=32, CMP_STRIDE=16, SEL_BLOCK=64, N_SELECT=16, N_INIT=1,
-                     N_LOCAL=2, BLOCK_M=64, N_PAD=16, CHUNK_SPLITS=0, TOK_PAD=64, DOT_PRECISION="tf32", HEADS=1),
+                     N_LOCAL=2, BLOCK_M=64, N_PAD=16, CHUNK_SPLITS=0, TOK_PAD=64, DOT_PRECISION="tf32"),
                 descs=dict(QD=64, KCD=64)),
-    # the paper's group of 16 heads of 128 as one program's rows (select_heads): 8 queries, 128-token chunks
-    _case("select_blocks_kernel", "selection",
-          dict(LSE="fp32", BLOCKS="i32", QD="tensordesc<bf16[8, 16, 128]>", KCD="tensordesc<bf16[128, 128]>"),
-          dict(T="i32", num_cmp="i32", scale="fp32"),
-          dict(H=64, G=4, DK=128, BLOCK_DK=128, CMP_BLOCK=32, CMP_STRIDE=16, SEL_BLOCK=64, N_SELECT=16, N_INIT=1,
-               N_LOCAL=2, BLOCK_M=128, N_PAD=16, CHUNK_SPLITS=1, TOK_PAD=128, DOT_PRECISION="tf32", TMA=True,
-               HEADS=16), label="HEADS=16"),
     *_tma_cases("range_attn_fwd_kernel", "range_attention", dict(LSE="fp32"), RANGE_SCALARS, dict(RANGE, HEADS=1),
                 descs=dict(QD=64, KD=64, VD=64)),
     # both ranges with by_block's dQ slots summed in (nsa::core's backward), and one range without them

@@ -177,33 +177,6 @@ def test_selection_block_shapes_match_reference(cmp_block, cmp_stride, sel_block
     assert same_block_sets(blocks, blocks_ref)
 
 
-@pytest.mark.parametrize("H,G,sel_block,rows,loads,expect", [
-    (8, 2, 16, 64, "tma", 4),       # 16 queries x 4 heads, 3-D descriptor, banded importance
-    (16, 1, 16, 32, "pointer", 16),  # 2 queries x 16 heads by pointer loads
-    (4, 2, 12, 64, "tma", 2),        # l'/d = 3: importance by a product over 32 queries
-    (8, 2, 12, 32, "tma", 1),        # ... which 8 queries cannot feed: one head at a time
-    (12, 2, 16, 64, "tma", 1),       # 6 heads a group: not a power of two
-])
-def test_selection_packs_the_heads_of_a_group(H, G, sel_block, rows, loads, expect, monkeypatch):
-    """select_heads: a selection program's rows hold the group's heads for rows // heads queries (kernels/
-    selection.py's HEADS), q and lse read once for every chunk. More blocks than one chunk (T = 600: 38 to 50
-    blocks against chunks of 32), T not a multiple of the queries a program holds; the spy checks what ran."""
-    cfg = NSAConfig(cmp_block=8, cmp_stride=4, sel_block=sel_block, n_selected=5, window=16, n_init_blocks=2,
-                    n_local_blocks=1)
-    launch = triton_impl.LaunchConfig(select_d64=(rows, 1, 4), select_heads=16, range_loads=loads)
-    seen = []
-    real_heads = triton_impl._select_heads
-
-    def spy(rows, hpg, banded):
-        seen.append(real_heads(rows, hpg, banded))
-        return seen[-1]
-
-    monkeypatch.setattr(triton_impl, "_select_heads", spy)
-    blocks, blocks_ref, _, _ = _selection_and_reference(cfg, T=600, H=H, G=G, Dk=16, seed=13, launch=launch)
-    assert seen == [expect]
-    assert same_block_sets(blocks, blocks_ref)
-
-
 def test_causality_under_perturbation():
     """Invariant 2: changing every input after t0 (and the compressed tokens t0 cannot see) leaves o[:, :t0+1]
     and the selection up to t0 unchanged."""
@@ -1042,8 +1015,6 @@ def test_range_tiles_pack_the_heads_of_a_group(H, G, range_heads, Dv, expect, mo
 def test_range_heads_must_be_a_power_of_two():
     with pytest.raises(ValueError, match="range_heads: must be a power of two, got 6"):
         triton_impl.LaunchConfig(range_heads=6)
-    with pytest.raises(ValueError, match="select_heads: must be a power of two, got 12"):
-        triton_impl.LaunchConfig(select_heads=12)
 
 
 # the second: more segments (1200) than block_work_kernel (the sort build's) takes per step (1024); the count

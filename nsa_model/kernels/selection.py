@@ -1,8 +1,7 @@
 """Block importance (NSA_SPEC.md section 3) and top-n selection (section 4), fused in one pass.
 
-One program owns BLOCK_M // HEADS queries of one (batch, kv group) (HEADS below). It walks the selection blocks in
-chunks of CHUNK_BLOCKS = N_PAD * 2^CHUNK_SPLITS blocks (with HEADS = 1, larger chunks reload the query tiles
-fewer times); for each
+One program owns BLOCK_M queries of one (batch, kv group). It walks the selection blocks in chunks of
+CHUNK_BLOCKS = N_PAD * 2^CHUNK_SPLITS blocks (larger chunks reload the group's query tiles fewer times); for each
 chunk it recomputes p_cmp = exp(s * q.k_cmp - lse) for the compressed tokens that start in the chunk, summed over
 the group's heads, turns it into block importance with one small matmul against the overlap weights W (integers,
 computed from indices), and merges the chunk into a running top-N_PAD list. No T x Tc score or T x (T / l')
@@ -10,11 +9,11 @@ importance ever reaches memory. W is banded (a token overlaps its own block and 
 is a power of 2 the importance is a per-block sum of the tokens grouped by a reshape plus one neighbour's spill
 (_banded_importance); elsewhere the matmul, in full fp32 ("ieee"): tf32x3 on the matrix units ran 8-20% slower
 (v32). The visibility mask is applied once to the group's summed p, not per head (v35: together about 25% fewer
-instructions a chunk, SASS compiled offline). The exponential is exp2 of scores and lse both scaled by log2(e)
-beforehand, one ex2.approx.ftz each: fp32 `exp` lowers to a non-flushing ex2 that ptxas wraps in a denormal check
-(three FMA-pipe instructions more), which bound this kernel (192.6 -> 147.4 us at 125M 4 x 8k on the H100,
-kernels-notes.md v34). A polynomial on the FMA pipe for a quarter or half of the exponentials (FlashAttention-4's
-device) was slower again (bench/probe_exp2.py).
+instructions a chunk, SASS compiled offline). The exponential is exp2 of scores and lse both scaled by log2(e) beforehand, one ex2.approx.ftz
+each: fp32 `exp` lowers to a non-flushing ex2 that ptxas wraps in a denormal check (three FMA-pipe instructions
+more), which bound this kernel (192.6 -> 147.4 us at 125M 4 x 8k on the H100, kernels-notes.md v34). A
+polynomial on the FMA pipe for a quarter or half of the exponentials (FlashAttention-4's device) was slower again
+(bench/probe_exp2.py).
 
 Ordering: each (query, block) gets one int64 key = (float bits of importance) << 32 | (2^31 - 1 - block), so a
 larger key means more important, and among equal importance the lower block index. Forced blocks get the bits of
@@ -28,14 +27,6 @@ steps order again (_merge_descending; a full sort took 10 steps at N_PAD = 16 an
 TMA (constexpr): the q and compressed-key tiles come in through tensor descriptors (QD, KCD), as in
 range_attention.py; rows they read past a sequence's end are masked out of the scores (vis).
 
-HEADS (constexpr): with HEADS = 1 a program's BLOCK_M rows are BLOCK_M queries, and each chunk walks the group's
-heads one [BLOCK_M, DK] query tile at a time, reloading them every chunk: at the paper shape (16 heads of 128) that
-is 256 KB a program a chunk, more across the GPU than the L2 holds, so the reloads come from DRAM (v51: 84.8% of
-its peak, 7.7% L2 hits). With HEADS = H // G the rows are BLOCK_M // HEADS queries times the group's heads (row r:
-query t_first + r // HEADS, head r % HEADS of the group, as range_attention.py packs them): the tile and its lse
-are loaded once before the walk, each chunk's scores are one product, and the sum over heads is a sum over the row
-groups of the exponentials.
-
 A compressed token that starts before the chunk overlaps at most the chunk's first block (l <= l'); its share
 is carried from the previous chunk (`carry`).
 """
@@ -43,7 +34,7 @@ is carried from the previous chunk (`carry`).
 import triton
 import triton.language as tl
 
-from nsa_model.kernels.range_attention import _query_tile, _query_tile_index
+from nsa_model.kernels.range_attention import _query_tile_index
 
 INF_BITS = tl.constexpr(0x7F800000)  # float32 +inf as int32
 INDEX_MAX = tl.constexpr(2147483647)
@@ -98,12 +89,7 @@ def select_blocks_kernel(Q, KC, QD, KCD, LSE, BLOCKS, T, num_cmp, scale,
                          CMP_BLOCK: tl.constexpr, CMP_STRIDE: tl.constexpr, SEL_BLOCK: tl.constexpr,
                          N_SELECT: tl.constexpr, N_INIT: tl.constexpr, N_LOCAL: tl.constexpr,
                          BLOCK_M: tl.constexpr, N_PAD: tl.constexpr, CHUNK_SPLITS: tl.constexpr,
-                         TOK_PAD: tl.constexpr, TMA: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                         HEADS: tl.constexpr = 1):
-    """BLOCK_M matrix rows: BLOCK_M queries of one head at a time (HEADS = 1), or all HEADS = H // G heads of the
-    group for BLOCK_M // HEADS queries (see the header's HEADS)."""
-    tl.static_assert(HEADS == 1 or HEADS == H // G)
-    QUERIES: tl.constexpr = BLOCK_M // HEADS
+                         TOK_PAD: tl.constexpr, TMA: tl.constexpr, DOT_PRECISION: tl.constexpr):
     pid_m = _query_tile_index()  # reversed: a later tile walks more blocks, so the longest programs start first
     pid_bg = tl.program_id(1)
     b = pid_bg // G
@@ -115,15 +101,14 @@ def select_blocks_kernel(Q, KC, QD, KCD, LSE, BLOCKS, T, num_cmp, scale,
     TOKENS_PER_CHUNK: tl.constexpr = CHUNK_BLOCKS * PIECES_PER_BLOCK
     BANDED: tl.constexpr = TOK_PAD == TOKENS_PER_CHUNK  # l' / d a power of 2 (see _banded_importance)
 
-    t_first = pid_m * QUERIES
-    offs_m = t_first + tl.arange(0, QUERIES)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     m_ok = offs_m < T
     offs_dk = tl.arange(0, BLOCK_DK)
     offs_i = tl.arange(0, TOK_PAD)  # token within the chunk; token i starts at piece i (pieces are d long)
     offs_j = tl.arange(0, CHUNK_BLOCKS)  # block within the chunk
     n_visible = tl.where(offs_m + 1 >= CMP_BLOCK, (offs_m + 1 - CMP_BLOCK) // CMP_STRIDE + 1, 0)  # Nc(t)
     current = offs_m // SEL_BLOCK
-    t_last = tl.minimum(t_first + QUERIES, T) - 1
+    t_last = tl.minimum(pid_m * BLOCK_M + BLOCK_M, T) - 1
     num_candidates = t_last // SEL_BLOCK + 1
 
     # Overlap weights are the same for every chunk (relative indices).
@@ -132,15 +117,8 @@ def select_blocks_kernel(Q, KC, QD, KCD, LSE, BLOCKS, T, num_cmp, scale,
     carry_weights = _overlap(offs_i, CHUNK_BLOCKS, PIECES_PER_TOKEN, PIECES_PER_BLOCK).to(tl.float32)
     carry_weights = tl.where(offs_i < TOKENS_PER_CHUNK, carry_weights, 0.0)
 
-    if HEADS > 1:  # the group's rows hold for every chunk: q and lse are read once (see the header's HEADS)
-        rows = tl.arange(0, BLOCK_M)
-        row_q = (b * T + t_first + rows // HEADS).to(tl.int64) * H + g * HPG + rows % HEADS
-        row_ok = t_first + rows // HEADS < T
-        q = _query_tile(Q, QD, row_q, row_ok, b, g * HPG, T, t_first, DK, BLOCK_DK, True, TMA, HEADS, BLOCK_M)
-        lse2 = tl.load(LSE + row_q, mask=row_ok, other=0.0) * LOG2E
-
-    top = tl.full([QUERIES, N_PAD], -1, tl.int64)
-    carry = tl.zeros([QUERIES], tl.float32)
+    top = tl.full([BLOCK_M, N_PAD], -1, tl.int64)
+    carry = tl.zeros([BLOCK_M], tl.float32)
     for j0 in range(0, num_candidates, CHUNK_BLOCKS):
         tok = j0 * PIECES_PER_BLOCK + offs_i
         tok_ok = (offs_i < TOKENS_PER_CHUNK) & (tok < num_cmp)
@@ -151,27 +129,23 @@ def select_blocks_kernel(Q, KC, QD, KCD, LSE, BLOCKS, T, num_cmp, scale,
             kc = tl.load(KC + row_k[:, None] * DK + offs_dk[None, :], mask=tok_ok[:, None] & (offs_dk < DK)[None, :],
                          other=0.0)
         vis = (tok[None, :] < n_visible[:, None]) & tok_ok[None, :] & m_ok[:, None]
-        if HEADS > 1:
+        p_sum = tl.zeros([BLOCK_M, TOK_PAD], tl.float32)
+        for head in range(HPG):
+            row_q = (b * T + offs_m).to(tl.int64) * H + g * HPG + head
+            if TMA:
+                q = QD.load([b * T + pid_m * BLOCK_M, (g * HPG + head) * DK])
+            else:
+                q = tl.load(Q + row_q[:, None] * DK + offs_dk[None, :], mask=m_ok[:, None] & (offs_dk < DK)[None, :],
+                            other=0.0)
+            lse2 = tl.load(LSE + row_q, mask=m_ok, other=0.0) * LOG2E
             s2 = tl.dot(q, tl.trans(kc), input_precision=DOT_PRECISION) * (scale * LOG2E)
-            p_sum = tl.sum(tl.reshape(tl.exp2(s2 - lse2[:, None]), [QUERIES, HEADS, TOK_PAD]), axis=1)
-        else:
-            p_sum = tl.zeros([QUERIES, TOK_PAD], tl.float32)
-            for head in range(HPG):
-                row_q = (b * T + offs_m).to(tl.int64) * H + g * HPG + head
-                if TMA:
-                    q = QD.load([b * T + t_first, (g * HPG + head) * DK])
-                else:
-                    q = tl.load(Q + row_q[:, None] * DK + offs_dk[None, :],
-                                mask=m_ok[:, None] & (offs_dk < DK)[None, :], other=0.0)
-                lse2 = tl.load(LSE + row_q, mask=m_ok, other=0.0) * LOG2E
-                s2 = tl.dot(q, tl.trans(kc), input_precision=DOT_PRECISION) * (scale * LOG2E)
-                p_sum += tl.exp2(s2 - lse2[:, None])
+            p_sum += tl.exp2(s2 - lse2[:, None])
         # masked once for the group's heads, not per head: invisible entries may be inf (scores past t), never
         # NaN (scores and lse are finite, or lse is -inf for a row that sees no token), and only visible ones stay
         p_sum = tl.where(vis, p_sum, 0.0)
         if BANDED:
-            imp, spill = _banded_importance(p_sum, QUERIES, CHUNK_BLOCKS, PIECES_PER_TOKEN, PIECES_PER_BLOCK)
-            prev = tl.gather(spill, tl.broadcast_to(tl.maximum(offs_j - 1, 0)[None, :], [QUERIES, CHUNK_BLOCKS]), 1)
+            imp, spill = _banded_importance(p_sum, BLOCK_M, CHUNK_BLOCKS, PIECES_PER_TOKEN, PIECES_PER_BLOCK)
+            prev = tl.gather(spill, tl.broadcast_to(tl.maximum(offs_j - 1, 0)[None, :], [BLOCK_M, CHUNK_BLOCKS]), 1)
             imp += tl.where(offs_j[None, :] == 0, carry[:, None], prev)
             carry = tl.sum(tl.where(offs_j[None, :] == CHUNK_BLOCKS - 1, spill, 0.0), axis=1)
         else:
@@ -187,9 +161,9 @@ def select_blocks_kernel(Q, KC, QD, KCD, LSE, BLOCKS, T, num_cmp, scale,
         key = tl.where(cand, key, -1)
         chunk_top = tl.sort(key, dim=1)
         for i in tl.static_range(CHUNK_SPLITS):  # keep the upper (larger) half, still ascending
-            halves = tl.permute(tl.reshape(chunk_top, [QUERIES, 2, CHUNK_BLOCKS >> (i + 1)]), (0, 2, 1))
+            halves = tl.permute(tl.reshape(chunk_top, [BLOCK_M, 2, CHUNK_BLOCKS >> (i + 1)]), (0, 2, 1))
             _, chunk_top = tl.split(halves)
-        top = _merge_descending(tl.maximum(top, chunk_top), QUERIES, N_PAD)
+        top = _merge_descending(tl.maximum(top, chunk_top), BLOCK_M, N_PAD)
 
     chosen = tl.where(top >= 0, (0 - (top & 0x7FFFFFFF)) + INDEX_MAX, -1).to(tl.int32)
     row_b = (b * T + offs_m).to(tl.int64) * G + g

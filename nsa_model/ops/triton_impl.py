@@ -125,10 +125,6 @@ class LaunchConfig:
     # H200, NSA under CUDA graphs: paper 8k -1.1%, 32k -1.3%, 64k -1.2% (the dQ kernel -7%) at 16 heads; nsa-125m
     # (6 heads a group: 2) -0.5% to -0.9%
     range_heads: int = 16
-    # selection: at most this many heads of a group share a program's rows (a power of two; the group's heads when
-    # they are a power of two, at most this, dividing the query tile, else 1: one head at a time). Packed, the
-    # query tile and its lse are read once, not once a chunk (kernels/selection.py's HEADS)
-    select_heads: int = 1
     slc_warps: int = 2  # per-query selected forward and dQ (2 beat 4 in the v2 sweep on H100; v37 again)
     # per-query forward and dQ. v37 (H100) took 2 -> 3 for 3% off paper 16k's selected branch, which auto now runs
     # tiled; v59 (H200, where auto runs per_query: paper 32k-128k) took 3 -> 2 for the forward 8-11% faster
@@ -219,9 +215,8 @@ class LaunchConfig:
         if self.slc_query_dq == "ds" and self.slc_dkdv != "by_block":
             raise ValueError("LaunchConfig.slc_query_dq='ds' reads the ds that by_block's dK/dV stores: it needs "
                              f"slc_dkdv='by_block', got slc_dkdv={self.slc_dkdv!r}")
-        for name in ("range_heads", "select_heads"):
-            if getattr(self, name) & (getattr(self, name) - 1):
-                raise ValueError(f"LaunchConfig.{name}: must be a power of two, got {getattr(self, name)}")
+        if self.range_heads & (self.range_heads - 1):
+            raise ValueError(f"LaunchConfig.range_heads: must be a power of two, got {self.range_heads}")
         tiles = [(name, getattr(self, name)) for name in ("dkdv_rows", "slc_tile_rows", "slc_block_rows", "phi_rows")]
         tiles += [(f"{name} tiles", getattr(self, name)[i]) for name in RANGE_TILE_FIELDS for i in (0, 1)]
         tiles += [(f"{name} query tile", getattr(self, name)[0]) for name in SELECT_FIELDS]
@@ -588,25 +583,15 @@ def select_blocks(q, k_cmp, lse, cfg: NSAConfig, scale: float):
     n_pad = _pow2(n)
     bm, splits, warps = select_launch(q.shape[-1])
     blocks = torch.empty(B, T, G, n, dtype=torch.int32, device=q.device)
-    tokens = (n_pad << splits) * (cfg.sel_block // cfg.cmp_stride)
-    tok_pad = _pow2(tokens)
-    heads = _select_heads(bm, H // G, banded=tok_pad == tokens)
-    tiles = _tile_args(dict(BLOCK_M=bm, BLOCK_N=tok_pad), dict(QD=q), dict(KCD=k_cmp), heads)
-    select_blocks_kernel[(triton.cdiv(T, bm // heads), B * G)](
+    tok_pad = _pow2((n_pad << splits) * (cfg.sel_block // cfg.cmp_stride))
+    tiles = _tile_args(dict(BLOCK_M=bm, BLOCK_N=tok_pad), dict(QD=q), dict(KCD=k_cmp))
+    select_blocks_kernel[(triton.cdiv(T, bm), B * G)](
         q, k_cmp, LSE=lse, BLOCKS=blocks, T=T, num_cmp=num_cmp, scale=scale, H=H, G=G, DK=q.shape[-1],
         BLOCK_DK=_pow2(q.shape[-1]),
         CMP_BLOCK=cfg.cmp_block, CMP_STRIDE=cfg.cmp_stride, SEL_BLOCK=cfg.sel_block, N_SELECT=n,
         N_INIT=cfg.n_init_blocks, N_LOCAL=cfg.n_local_blocks, BLOCK_M=bm, N_PAD=n_pad, CHUNK_SPLITS=splits,
-        TOK_PAD=tok_pad, DOT_PRECISION=_dot_precision(q.dtype), num_warps=warps, HEADS=heads, **tiles)
+        TOK_PAD=tok_pad, DOT_PRECISION=_dot_precision(q.dtype), num_warps=warps, **tiles)
     return blocks
-
-
-def _select_heads(rows: int, hpg: int, banded: bool) -> int:
-    """Heads in one selection program's rows (kernels/selection.py's HEADS): the group's hpg heads where hpg is a
-    power of two, at most select_heads, and divides the rows; else 1. Where l'/d is not a power of two the
-    importance is a matrix product with the queries as rows, which needs at least 16 of them."""
-    packed = hpg & (hpg - 1) == 0 and 1 < hpg <= _config.select_heads and rows % hpg == 0
-    return hpg if packed and (banded or rows // hpg >= 16) else 1
 
 
 def select_launch(head_dim: int) -> tuple[int, int, int]:
