@@ -785,7 +785,7 @@ def main():
     ap.add_argument("--suffix", type=file_suffix, default="", help="appended to the result files' names, e.g. -v4")
     ap.add_argument("--commit", default="", help="commit id to record, for a copy of the tree without its git")
     ap.add_argument("--launch", action="append", default=[], metavar="NAME=VALUE",
-                    help="a LaunchConfig field to change for this run (repeatable), e.g. slc_dense_prefix=False")
+                    help="a LaunchConfig field to change for this run (repeatable), e.g. side_stream=False")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench/kernels.py needs a CUDA GPU")

@@ -234,8 +234,8 @@ def test_bad_inputs_are_refused():
         triton_impl.LaunchConfig(gate_kernel="fast")
     with pytest.raises(ValueError, match="LaunchConfig.range_kernel"):
         triton_impl.LaunchConfig(range_kernel="edge")
-    with pytest.raises(ValueError, match="LaunchConfig.slc_dense_prefix: must be a bool"):
-        triton_impl.LaunchConfig(slc_dense_prefix=1)
+    with pytest.raises(ValueError, match="LaunchConfig.side_stream: must be a bool"):
+        triton_impl.LaunchConfig(side_stream=1)
     with pytest.raises(ValueError, match="LaunchConfig.slc_block_prefetch_dims: must be an int >= 0"):
         triton_impl.LaunchConfig(slc_block_prefetch_dims=-64)
     with pytest.raises(ValueError, match="LaunchConfig.slc_block_fwd_maxnreg: must be an int >= 1"):
@@ -499,16 +499,15 @@ def test_by_block_steps_skip_the_mask_only_where_every_chooser_sees_the_whole_bl
         slc_kernel="by_block", slc_block_rows=rows, slc_block_chunk=chunk, slc_block_prefetch_dims=prefetch_dims))
 
 
-CORE_VARIANTS = {  # three with the dense prefix: its dK/dV by groups (tiled_by_block) and by heads
-    "per_query": dict(slc_kernel="per_query", slc_dkdv="inverted", slc_query_dq="recompute", slc_dense_prefix=True),
-    # without the prefix: the gated output summed in the per-query forward's epilogue (paper 32k-64k's variant)
+CORE_VARIANTS = {  # the per-query ones sum the gated output in their forward's epilogue (paper 32k-64k's variant)
+    "per_query": dict(slc_kernel="per_query", slc_dkdv="inverted", slc_query_dq="recompute"),
     "per_query_dkdv_by_block": dict(slc_kernel="per_query", slc_dkdv="by_block", slc_block_rows=16,
                                     slc_block_chunk=8, slc_query_dq="recompute"),
     "tiled_torch_gates": dict(slc_kernel="tiled", slc_tile_rows=64, gate_kernel="torch"),
     # the paper shapes' variant: tiled dQ adding into the two ranges' dQ (ACCUMULATE), by_block's dK/dV
     "tiled_dkdv_by_block": dict(slc_kernel="tiled", slc_tile_rows=16, slc_dkdv="by_block", slc_block_rows=16,
                                 slc_block_chunk=8, slc_query_dq="recompute"),
-    # the same with tiled's dQ from by_block's stored ds, with and without the dense prefix
+    # the same with tiled's dQ from by_block's stored ds
     # (range_dq_last: the two ranges' dQ after the selected backward, added into its dq; or before it, the
     # selected dQ adding theirs into its own)
     "tiled_dq_from_ds": dict(slc_kernel="tiled", slc_tile_rows=16, slc_dkdv="by_block", slc_query_dq="ds",
@@ -516,19 +515,13 @@ CORE_VARIANTS = {  # three with the dense prefix: its dK/dV by groups (tiled_by_
     "tiled_dq_from_ds_range_dq_first": dict(slc_kernel="tiled", slc_tile_rows=16, slc_dkdv="by_block",
                                             slc_query_dq="ds", slc_block_rows=16, slc_block_chunk=8,
                                             range_dq_last=False),
-    "tiled_dq_from_ds_dense_prefix": dict(slc_kernel="tiled", slc_tile_rows=16, slc_dkdv="by_block",
-                                          slc_query_dq="ds", slc_block_rows=16, slc_block_chunk=8,
-                                          slc_dense_prefix=True),
     "per_query_dq_from_ds": dict(slc_kernel="per_query", slc_dkdv="by_block", slc_query_dq="ds", slc_block_rows=16,
                                  slc_block_chunk=8),
     "by_block_partial": dict(slc_kernel="by_block", slc_block_rows=16, slc_block_chunk=8),
     "by_block_atomic": dict(slc_kernel="by_block", slc_block_rows=16, slc_block_chunk=8, slc_dq="atomic"),
     "by_block_no_prefetch": dict(slc_kernel="by_block", slc_block_rows=16, slc_block_chunk=16,
                                  slc_block_prefetch_dims=0),
-    "tiled_by_block": dict(slc_kernel="tiled_by_block", slc_tile_rows=16, slc_block_rows=16, slc_block_chunk=8,
-                           slc_dense_prefix=True, prefix_dkdv_group_programs=1),
-    "by_block_dense_prefix": dict(slc_kernel="by_block", slc_block_rows=16, slc_block_chunk=8,
-                                  slc_dense_prefix=True),
+    "tiled_by_block": dict(slc_kernel="tiled_by_block", slc_tile_rows=16, slc_block_rows=16, slc_block_chunk=8),
     # the others run the compressed and window branches' dQ as one two-range launch (range_pair "fused", with the
     # fused gates); this one, and tiled_torch_gates (whose branches get different d o_i), apart
     "by_block_ranges_apart": dict(slc_kernel="by_block", slc_block_rows=16, slc_block_chunk=8, range_pair="apart"),
@@ -547,12 +540,11 @@ CORE_VARIANTS = {  # three with the dense prefix: its dK/dV by groups (tiled_by_
 
 
 @pytest.mark.parametrize("slot_sum, variant", [("range_dq", {}), ("pass", {}),
-                                               ("range_dq", dict(slc_dense_prefix=True)),
                                                ("range_dq", dict(range_pair="apart"))])
 def test_slot_sum_runs_in_the_range_dq_kernel_where_asked_and_possible(slot_sum, variant, monkeypatch):
     """slc_slot_sum = "range_dq": nsa::core's backward hands by_block's dQ slots to the two ranges' dQ kernel and
-    runs no slot-sum pass; it keeps the pass where that kernel is not one launch for both ranges, or with the dense
-    prefix (whose rows the range kernels add apart). The variant test above checks the values."""
+    runs no slot-sum pass; it keeps the pass where that kernel is not one launch for both ranges. The variant test
+    above checks the values."""
     cfg = NSAConfig(cmp_block=8, cmp_stride=4, sel_block=8, n_selected=3, window=8)
     x = {n: t.float().to(DEVICE).requires_grad_() for n, t in make_inputs(1, 29, 6, 2, 16, 32, cfg, seed=4).items()}
     seen = {"slot_sum_pass": 0, "range_dq_with_slots": 0}
@@ -576,11 +568,10 @@ def test_slot_sum_runs_in_the_range_dq_kernel_where_asked_and_possible(slot_sum,
     assert seen == {"slot_sum_pass": 0 if in_range else 1, "range_dq_with_slots": 1 if in_range else 0}
 
 
-@pytest.mark.parametrize("combine, variant", [("gated", {}), ("plain", {}), ("gated", dict(slc_dense_prefix=True)),
-                                             ("gated", dict(gate_kernel="torch"))])
+@pytest.mark.parametrize("combine, variant", [("gated", {}), ("plain", {}), ("gated", dict(gate_kernel="torch"))])
 def test_gates_are_summed_in_the_combine_pass_where_asked_and_possible(combine, variant, monkeypatch):
     """slc_combine = "gated": nsa::core's forward runs by_block's combine with the gated sum in its epilogue and no
-    gate pass. It keeps the gate pass with the dense prefix (whose rows no partial covers) or the torch gates.
+    gate pass. It keeps the gate pass with the torch gates.
     Either way the core's output and the selected branch's output and lse
     (what the backward reads) are those of the separate passes (exactly, in the interpreter); the variant tests
     check the gradients."""
@@ -756,43 +747,6 @@ def test_core_op_backward_matches_reference_under_every_variant(variant, monkeyp
     assert stacked_k.grad[:, :, 0].abs().max() == 0 and stacked_v.grad[:, :, 0].abs().max() == 0
 
 
-@pytest.mark.parametrize("dense_prefix", [True, False])
-def test_core_runs_queries_that_select_every_visible_block_as_dense_causal_attention(dense_prefix, monkeypatch):
-    """Queries t < n * l' see at most n blocks and select them all (NSA_SPEC.md section 4). With slc_dense_prefix
-    nsa::core gives exactly those rows to the range kernels (forward, dQ, dK/dV) and the selected kernels see them
-    with no blocks; without it, no range kernel runs over the selected keys. The variant test above checks the
-    values against the reference both ways."""
-    cfg = NSAConfig(cmp_block=8, cmp_stride=4, sel_block=8, n_selected=3, window=8)
-    B, T, H, G, Dk, Dv = 2, 37, 4, 2, 16, 16
-    x = {n: t.float().to(DEVICE).requires_grad_() for n, t in make_inputs(B, T, H, G, Dk, Dv, cfg, seed=5).items()}
-    calls, seen_blocks = [], []
-    for name in ("_range_fwd_into", "_range_dq_into", "_range_dkdv_into"):
-        def spy(*args, _name=name, _real=getattr(triton_impl, name), **kwargs):
-            if args[1].data_ptr() == x["k_slc"].data_ptr():  # the selected branch's keys
-                calls.append((_name, args[{"_range_fwd_into": 5, "_range_dq_into": 7}.get(_name, 8)]))
-            return _real(*args, **kwargs)
-        monkeypatch.setattr(triton_impl, name, spy)
-    real_index = triton_impl._selected_index
-    monkeypatch.setattr(triton_impl, "_selected_index",
-                        lambda blocks, *a: seen_blocks.append(blocks.clone()) or real_index(blocks, *a))
-    launch = triton_impl.LaunchConfig(slc_kernel="by_block", slc_block_rows=16, slc_block_chunk=8,
-                                      slc_dense_prefix=dense_prefix)
-    with triton_impl.use_launch_config(launch):
-        o, blocks = triton_impl.nsa_attention(*x.values(), cfg, scale=Dk ** -0.5, return_blocks=True)
-        o.sum().backward()
-    prefix = cfg.n_selected * cfg.sel_block  # 24 of 37
-    if dense_prefix:
-        assert sorted(calls) == [("_range_dkdv_into", prefix), ("_range_dq_into", prefix),
-                                 ("_range_fwd_into", prefix)]
-        assert (seen_blocks[-1][:, :prefix] == -1).all()
-        assert torch.equal(seen_blocks[-1][:, prefix:], blocks[:, prefix:])
-    else:
-        assert calls == []
-        assert torch.equal(seen_blocks[-1], blocks)
-    visible = torch.arange(T, device=blocks.device).view(1, T, 1, 1) // cfg.sel_block
-    assert ((blocks[:, :prefix] >= 0).sum(-1) == visible[:, :prefix, :, 0] + 1).all()  # the premise
-
-
 @pytest.mark.parametrize("gate_kernel", ["fused", "torch"])
 def test_core_bwd_with_gates_of_zero_and_one_matches_reference(gate_kernel):
     """The fused gate backward puts each gate into its branch's log-sum-exp (lse - ln g, kernels/gates.py): a gate
@@ -935,20 +889,19 @@ def test_range_variants_match_reference(range_kernel, delta_kernel, dkdv_program
 
 def test_compressed_dkdv_takes_absolute_chunks_past_one_chunk_and_within_the_grid_limit():
     """range_dkdv_q_chunk: the compressed branch's dK/dV walks absolute query chunks (aligned) only where T is
-    longer than one chunk, never for the window branch or the dense prefix, and not where its grid's second axis
+    longer than one chunk, never for the window branch, and not where its grid's second axis
     (B * H head slices) would pass CUDA's 65535; the chunk is rounded up to whole query tiles. Meta tensors: no
     kernel runs."""
-    def split(B, T, H, G, window, prefix=False):
+    def split(B, T, H, G, window):
         q = torch.empty(B, T, H, 64, device="meta")
         kv = torch.empty(B, T // 16, G, 64, device="meta")
-        return triton_impl._range_dkdv_split(q, kv, kv, T, window, prefix=prefix)
+        return triton_impl._range_dkdv_split(q, kv, kv, T, window)
 
     launch = triton_impl.LaunchConfig(range_dkdv_q_chunk=4000, range_dkdv_d64=(64, 64, 4, 3))
     with triton_impl.use_launch_config(launch):
         assert split(1, 8192, 12, 2, window=8192) == (True, 6, 4032, True)
         assert split(1, 4000, 12, 2, window=4000)[3] is False  # one chunk: the relative chunks
         assert split(1, 8192, 12, 2, window=512)[3] is False  # the window branch
-        assert split(1, 8192, 12, 2, window=8192, prefix=True)[3] is False
         assert split(5461, 8192, 12, 2, window=8192)[3] is True  # 65,532 head slices
         assert split(5462, 8192, 12, 2, window=8192)[3] is False  # 65,544
     with triton_impl.use_launch_config(triton_impl.LaunchConfig(range_dkdv_q_chunk=0)):

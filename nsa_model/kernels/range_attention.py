@@ -7,9 +7,7 @@ Key j stands at position j * key_stride + key_offset and query t sees it iff
   compressed branch: key_stride = d, key_offset = l - 1 (compressed token j ends there), window = T (no lower bound)
   window branch:     key_stride = 1, key_offset = 0, window = w
 
-Only queries t < num_queries (<= T) are computed: T is the sequence length, the pitch of the query rows. The
-selected branch runs its dense prefix (queries that select every block they can see) through these kernels with
-num_queries < T (ops/triton_impl.py, `_dense_prefix`).
+Only queries t < num_queries (<= T) are computed: T is the sequence length, the pitch of the query rows.
 
 Layouts: q [B, T, H, DK], o [B, T, H, DV], lse/delta [B, T, H] fp32, contiguous; k [B, NK, G, DK] and v [B, NK, G, DV]
 with each token's G x D values contiguous and tokens K_ROW / V_ROW elements apart (G * D when contiguous; more
@@ -141,7 +139,7 @@ def _query_rows(pid_m, pid_bh, num_queries, H: tl.constexpr, G: tl.constexpr, BL
 @triton.jit
 def _query_tile_index():
     """The query tile of a forward, dQ or selection program: the grid's first axis reversed. The GPU dispatches
-    that axis first, and in the compressed branch, the selection (and the causal dense prefix) a later tile sees
+    that axis first, and in the compressed branch and the selection a later tile sees
     more keys, so its programs start longest first and the last wave holds the shortest (longest-first
     scheduling; the selection at 125m 1 x 32k 0.739 -> 0.586 ms, v25). The window branch's tiles are all alike."""
     return tl.num_programs(0) - 1 - tl.program_id(0)
@@ -274,7 +272,7 @@ def range_attn_bwd_dq_kernel(Q, K, V, DO, QD, KD, VD, DOD, K2D, V2D, LSE, DELTA,
                              BLOCK_N: tl.constexpr, EDGE_SPLIT: tl.constexpr, ACCUMULATE: tl.constexpr,
                              TWO_RANGES: tl.constexpr, TMA: tl.constexpr, DOT_PRECISION: tl.constexpr,
                              DQ_SLOTS=None, SLOT_BLOCKS=None, N_SLOTS: tl.constexpr = 0, HEADS: tl.constexpr = 1):
-    """ACCUMULATE: add this dQ to what DQ holds (the selected branch's dense prefix adds into the core's dQ).
+    """ACCUMULATE: add this dQ to what DQ holds (the selected branch's dQ, where the range dQ runs after it).
     TWO_RANGES: dQ is the sum over two ranges (the second with its own keys, lse and delta; the same do): the
     compressed and window branches' dQ from one load of each query tile and one store.
     N_SLOTS > 0: also add the selected branch's dQ contributions, one per slot of each query's N_SLOTS
@@ -357,7 +355,7 @@ def range_attn_bwd_dkdv_kernel(Q, K, V, DO, QD, KD, VD, DOD, LSE, DELTA, DK_ACC,
     compressed branch's tiles, the first of which is seen by every query, spread over the whole GPU.
 
     The head slices are the grid's first axis, which the GPU dispatches fastest, and key tiles the second: every
-    program of tile 0 starts before any of tile 1. In the compressed branch (and the causal dense prefix) the
+    program of tile 0 starts before any of tile 1. In the compressed branch the
     early tiles see the most queries, so the longest programs start first and the last wave holds the shortest
     ones (longest-first scheduling). Tiles first, the long programs of the last head slices ran on alone at the
     end: 32.8 ms at paper 1 x 64k against 26.3 now (v25).

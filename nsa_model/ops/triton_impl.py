@@ -86,7 +86,7 @@ INDEX_BUILDS = ("auto", "count", "sort")
 
 RANGE_TILE_FIELDS = ("range_fwd", "range_dq", "range_dkdv", "range_fwd_d64", "range_dq_d64", "range_dkdv_d64")
 SELECT_FIELDS = ("select", "select_d128", "select_d64")
-BOOL_FIELDS = ("slc_dense_prefix", "side_stream", "range_dq_last")
+BOOL_FIELDS = ("side_stream", "range_dq_last")
 
 
 @dataclass(frozen=True)
@@ -165,8 +165,6 @@ class LaunchConfig:
     delta_kernel: str = "fused"  # one of DELTA_KERNELS
     window_dkdv: str = "group"  # one of WINDOW_DKDV
     range_pair: str = "fused"  # one of RANGE_PAIR (kernels-notes.md, v17)
-    slc_dense_prefix: bool = False  # selected branch: queries t < n * l' by the range kernels (_dense_prefix; v15)
-    prefix_dkdv_group_programs: int = 512  # dense prefix dK/dV: one program per group from this many programs
     side_stream: bool = True  # nsa::core's window forward and range dK/dV on a second CUDA stream (_Beside; v26)
     # nsa::core's backward under the tiled selected kernels: the selected backward first, then the two ranges' dQ
     # added into its dq, so that the selected kernels run beside the range dK/dV on the second stream and the
@@ -470,14 +468,11 @@ def _range_dq_into(q, k, v, do, lse, delta, dq, num_queries: int, key_stride: in
 _MAX_GRID_YZ = 65535  # CUDA's limit on a grid's second and third axes
 
 
-def _range_dkdv_split(q, k, v, num_queries: int, window: int,
-                      prefix: bool = False) -> tuple[bool, int, int, bool]:
+def _range_dkdv_split(q, k, v, num_queries: int, window: int) -> tuple[bool, int, int, bool]:
     """(atomic, head_split, q_chunk, aligned) of the dK/dV kernel. A key tile of the compressed branch is seen by up
     to T queries: one head per program and chunks of the query axis (atomic adds) spread that over the GPU. A window
     tile is seen by ~w queries: one program per group is enough (window_dkdv = "group"), or one per head (atomic
-    adds). The selected branch's dense prefix (prefix) is seen by up to n * l' queries: one program per group
-    where that makes at least prefix_dkdv_group_programs programs (fewer atomics: v15 measured 7.9 ms per step
-    for one per head at 16 x 2k), else as the compressed branch. aligned: the compressed branch's chunks are
+    adds). aligned: the compressed branch's chunks are
     absolute (range_dkdv_q_chunk, where T is longer than one chunk); its grid then has the B * H head slices on
     its second axis, which CUDA caps at 65535, so beyond that the relative chunks run."""
     launch = _range_launch(q, v, "dkdv")
@@ -485,10 +480,7 @@ def _range_dkdv_split(q, k, v, num_queries: int, window: int,
     B, _, H, _ = q.shape
     G = k.shape[2]
     key_tiles, query_tiles = triton.cdiv(min(k.shape[1], num_queries), bn), triton.cdiv(num_queries, bm)
-    if prefix and max(key_tiles, 1) * B * G >= _config.prefix_dkdv_group_programs:
-        head_split, q_chunk = 1, query_tiles * bm
-    elif (window >= num_queries and not prefix and 0 < _config.range_dkdv_q_chunk < num_queries
-          and B * H <= _MAX_GRID_YZ):
+    if window >= num_queries and 0 < _config.range_dkdv_q_chunk < num_queries and B * H <= _MAX_GRID_YZ:
         q_chunk = triton.cdiv(_config.range_dkdv_q_chunk, bm) * bm
         return True, H // G, q_chunk, True
     elif window >= num_queries:
@@ -502,15 +494,13 @@ def _range_dkdv_split(q, k, v, num_queries: int, window: int,
 
 
 def _range_dkdv_into(q, k, v, do, lse, delta, dk, dv, num_queries: int, num_key_rows: int, key_stride: int,
-                     key_offset: int, window: int, scale: float, prefix: bool = False) -> None:
+                     key_offset: int, window: int, scale: float) -> None:
     """dK, dV of _range_fwd from queries t < num_queries, for keys j < num_key_rows: stored into dk, dv (input
-    dtype) or, where _range_dkdv_split says atomic, added into them (float32 accumulators). prefix: the selected
-    branch's dense prefix, always added (into the selected kernels' accumulators)."""
+    dtype) or, where _range_dkdv_split says atomic, added into them (float32 accumulators)."""
     B, T, H, _ = q.shape
     num_keys, G = k.shape[1], k.shape[2]
     launch = _range_launch(q, v, "dkdv")
-    atomic, head_split, q_chunk, aligned = _range_dkdv_split(q, k, v, num_queries, window, prefix=prefix)
-    atomic = atomic or prefix
+    atomic, head_split, q_chunk, aligned = _range_dkdv_split(q, k, v, num_queries, window)
     if num_key_rows > 0 and num_queries > 0:
         grid = (B * G * head_split, triton.cdiv(num_key_rows, launch["BLOCK_N"]), triton.cdiv(num_queries, q_chunk))
         range_attn_bwd_dkdv_kernel[(grid[1], grid[0], grid[2]) if aligned else grid](
@@ -858,10 +848,8 @@ def _selected_common(q, k, v, sel_block: int, n: int) -> dict:
                 **_kv_strides(k, v))
 
 
-def _selected_fwd(q, k, v, blocks, sel_block: int, scale: float, prefix: int = 0):
-    """(o, lse, kernel, index) of the selected branch: the variant that ran and the index its backward reuses.
-    prefix: the first queries to run as dense causal attention (_dense_prefix); only for blocks from NSA's own
-    selection, where it is exact."""
+def _selected_fwd(q, k, v, blocks, sel_block: int, scale: float):
+    """(o, lse, kernel, index) of the selected branch: the variant that ran and the index its backward reuses."""
     _check_scale(scale)
     q, k, v, blocks = q.contiguous(), _kv_rows(k), _kv_rows(v), blocks.contiguous()
     B, T, H, _ = q.shape
@@ -870,7 +858,6 @@ def _selected_fwd(q, k, v, blocks, sel_block: int, scale: float, prefix: int = 0
     lse = torch.empty(B, T, H, dtype=torch.float32, device=q.device)
     common = _selected_common(q, k, v, sel_block, n)
     kernel = selected_kernel(H // G, triton.cdiv(T, sel_block), n)
-    blocks = _blocks_past_prefix(blocks, prefix)  # the selected kernels leave the prefix's rows empty
     index = _selected_index(blocks, sel_block, kernel, H // G)
     if kernel == "by_block":
         _selected_by_block_fwd(q, k, v, blocks, o, lse, index, common, scale)
@@ -880,8 +867,6 @@ def _selected_fwd(q, k, v, blocks, sel_block: int, scale: float, prefix: int = 0
                    scale)
     else:
         _per_query_fwd(q, k, v, blocks, o, lse, common, scale)
-    if prefix:  # ... and the range kernel fills them: causal attention over keys 0..t
-        _range_fwd_into(q, k, v, o, lse, prefix, *_prefix_range(T), scale)
     return o, lse, kernel, index
 
 
@@ -930,32 +915,6 @@ def _block_tiles(rows: int, common: dict, k: torch.Tensor, v: torch.Tensor) -> d
     return _tile_args(dict(BLOCK_M=rows, BLOCK_N=common["BLOCK_S"]), {}, dict(KD=k, VD=v))
 
 
-def _dense_prefix(T: int, n: int, sel_block: int) -> int:
-    """How many leading queries select every block they can see: t < n * l' sees at most n blocks, and then all of
-    them are selected (NSA_SPEC.md section 4), so its selected branch is plain causal attention over keys 0..t.
-    With slc_dense_prefix those rows run through the range kernels (FlashAttention-style tiles, no inverted
-    index, no per-slot partials) and the selected kernels see them with no blocks. At 125M's n * l' = 1024 that
-    is half the queries at T = 2048 and a third of the selected entries. Blocks given from outside (the
-    standalone selected_attention) need not follow that rule, so only nsa::core uses it.
-
-    Off by default: on the H100 it gained nothing (kernels-notes.md, v15). The selected kernels' time fell by
-    about what the range kernels took for the same rows (model step at 16 x 2k: 206.1 against 206.4 ms)."""
-    return min(T, n * sel_block) if _config.slc_dense_prefix else 0
-
-
-def _prefix_range(T: int) -> tuple[int, int, int]:
-    """(key_stride, key_offset, window) of the dense prefix: raw keys, causal, no lower bound."""
-    return 1, 0, T
-
-
-def _blocks_past_prefix(blocks: torch.Tensor, prefix: int) -> torch.Tensor:
-    """blocks with the rows t < prefix emptied (-1): what the selected kernels and their index work on."""
-    if prefix == 0:
-        return blocks
-    in_prefix = torch.arange(blocks.shape[1], device=blocks.device) < prefix
-    return torch.where(in_prefix[None, :, None, None], -1, blocks)
-
-
 def _selected_index(blocks, sel_block: int, kernel: str, hpg: int,
                     shapes_only: bool = False) -> tuple[torch.Tensor, ...]:
     """What the selected variant's forward and backward read besides the selections: by_block's work list,
@@ -969,29 +928,28 @@ def _selected_index(blocks, sel_block: int, kernel: str, hpg: int,
 
 
 def _selected_bwd(q, k, v, blocks, o, lse, index, do, sel_block: int, scale: float, kernel: str, delta=None,
-                  dq_add=None, prefix: int = 0, dq_slots: bool = False):
+                  dq_add=None, dq_slots: bool = False):
     """(dq, dk, dv) of _selected_fwd, under the launch config its forward ran with (the caller pins it); index
     is the forward's (_selected_index), possibly followed by unused empty slots; delta as in _range_bwd;
     dq_add: one or two [B,T,H,Dk] tensors added into dq (folded into by_block's dQ slot sum; the query-driven
     dQ kernels add the first in place, so it must be the caller's own scratch, and it is returned as dq).
-    dq_slots (by_block backward with dQ slots, no dense prefix): dq is by_block's per-slot contributions, for
+    dq_slots (by_block backward with dQ slots): dq is by_block's per-slot contributions, for
     the caller's range dQ kernel to sum (slc_slot_sum = "range_dq")."""
     q, k, v, blocks, do = q.contiguous(), _kv_rows(k), _kv_rows(v), blocks.contiguous(), do.contiguous()
     B, T, H, _ = q.shape
     G, n = k.shape[2], blocks.shape[-1]
     hpg, config = H // G, _config
     delta = _delta(do, o) if delta is None else delta
-    blocks = _blocks_past_prefix(blocks, prefix)  # as the forward's index was built
     common = _selected_common(q, k, v, sel_block, n)
     if kernel in BY_BLOCK_BACKWARD:
         dq, dk, dv = _selected_by_block_bwd(q, k, v, blocks, do, lse, delta, tuple(index[:4]), common, scale,
-                                            dq_add=dq_add, final_kv=not prefix, dq_slots=dq_slots)
-        return (dq, dk, dv) if not prefix else _with_prefix_bwd(q, k, v, do, lse, delta, dq, dk, dv, prefix, scale)
+                                            dq_add=dq_add, final_kv=True, dq_slots=dq_slots)
+        return dq, dk, dv
     # The first of the other branches' dQ becomes dq: the kernel adds into it (ACCUMULATE), no pass after.
     adds = list(dq_add or ())
     accumulate = bool(adds)
     dq = _dq_scratch(adds.pop(0), q) if adds else torch.empty_like(q)
-    final_kv = config.slc_dkdv == "by_block" and not prefix  # dk, dv come out final (no accumulators to cast)
+    final_kv = config.slc_dkdv == "by_block"  # dk, dv come out final (else float32 accumulators to cast)
     if config.slc_query_dq == "ds":
         ds, dk, dv = _selected_by_block_bwd(q, k, v, blocks, do, lse, delta, _by_block_index(blocks, sel_block, config),
                                             common, scale, dq_mode=3, final_kv=final_kv)
@@ -1005,7 +963,7 @@ def _selected_bwd(q, k, v, blocks, o, lse, index, do, sel_block: int, scale: flo
                 **_tile_args(dict(BLOCK_M=_pow2(hpg), BLOCK_N=common["BLOCK_S"]), {}, dict(KD=k)))
         for extra in adds:
             dq = dq.add_(extra)
-        return (dq, dk, dv) if final_kv else _with_prefix_bwd(q, k, v, do, lse, delta, dq, dk, dv, prefix, scale)
+        return dq, dk, dv
     if kernel == "tiled":
         union, count, members = index[:3]
         rows, tile_q = _selected_tile(hpg)
@@ -1026,7 +984,7 @@ def _selected_bwd(q, k, v, blocks, o, lse, index, do, sel_block: int, scale: flo
         dk, dv = _selected_dkdv(q, k, v, do, lse, delta, blocks, sel_block, scale)
     for extra in adds:
         dq = dq.add_(extra)
-    return (dq, dk, dv) if final_kv else _with_prefix_bwd(q, k, v, do, lse, delta, dq, dk, dv, prefix, scale)
+    return (dq, dk, dv) if final_kv else (dq, dk.to(k.dtype), dv.to(v.dtype))
 
 
 def _tiled_dq_from_ds(k, union_index: tuple, blocks, ds, dq, common: dict, accumulate: bool) -> None:
@@ -1051,17 +1009,6 @@ def _dq_scratch(dq: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"dq_add: expected a contiguous {q.dtype} {tuple(q.shape)} tensor to add into, got "
                          f"{dq.dtype} {tuple(dq.shape)} strides {dq.stride()}")
     return dq
-
-
-def _with_prefix_bwd(q, k, v, do, lse, delta, dq, dk_acc, dv_acc, prefix: int, scale: float):
-    """(dq, dk, dv) of the selected branch: the dense prefix's dQ added into its rows of dq and its dK/dV into the
-    float32 accumulators (atomics; the selected kernels' programs have finished), which are then cast."""
-    if prefix:
-        T = q.shape[1]
-        _range_dq_into(q, k, v, do, lse, delta, dq, prefix, *_prefix_range(T), scale, accumulate=True)
-        _range_dkdv_into(q, k, v, do, lse, delta, dk_acc, dv_acc, prefix, prefix, *_prefix_range(T), scale,
-                         prefix=True)
-    return dq, dk_acc.to(k.dtype), dv_acc.to(v.dtype)
 
 
 class _SelectedAttention(torch.autograd.Function):
@@ -1130,7 +1077,7 @@ def _selected_by_block_bwd(q, k, v, blocks, do, lse, delta, index, common, scale
                            final_kv=False, dq_slots=False):
     """(dq or None, dk, dv) of the selected branch by key blocks: one fused kernel over the blocks' choosers, then
     the dQ slot sum. dk and dv: with final_kv the gradients in k's and v's dtype, written by the kernel itself;
-    else float32 accumulators that the caller adds to and casts (the dense prefix). dq_mode 0 computes dK/dV
+    else float32 accumulators that the caller casts. dq_mode 0 computes dK/dV
     only (for the query-driven variants); 3 also stores ds, returned in dq's place as [B*T*G*n*hpg, BLOCK_S] rows
     (for the query-driven dQ from ds, _selected_bwd); None follows slc_dq. dq_add: one or two [B,T,H,Dk] tensors
     added into dq (the other branches' dQ), by the slot sum where it runs. dq_slots (with dQ slots): no slot sum; dq is
@@ -1392,16 +1339,15 @@ def _core(q: torch.Tensor, k_slc: torch.Tensor, v_slc: torch.Tensor, k_win: torc
     cfg = _core_nsa_config(cmp_block, cmp_stride, sel_block, n_selected, window, n_init_blocks, n_local_blocks)
     T = q.shape[1]
     q = q.contiguous()
-    prefix = _dense_prefix(T, n_selected, sel_block)
     (o_cmp, lse_cmp), (o_win, lse_win), win = _range_forwards(q, k_win, v_win, k_cmp, v_cmp, cmp_block, cmp_stride,
                                                               window, scale)
     blocks = select_blocks(q, k_cmp, lse_cmp, cfg, scale)
     kernel = selected_kernel(q.shape[2] // k_slc.shape[2], triton.cdiv(T, sel_block), n_selected)
-    if _gates_in_selected_fwd(prefix):
+    if _gates_in_selected_fwd():
         o, o_slc, lse_slc, index = _selected_gated_fwd(q, k_slc, v_slc, blocks, sel_block, scale, gates, o_cmp, o_win,
                                                        win, kernel)
     else:
-        o_slc, lse_slc, _, index = _selected_fwd(q, k_slc, v_slc, blocks, sel_block, scale, prefix=prefix)
+        o_slc, lse_slc, _, index = _selected_fwd(q, k_slc, v_slc, blocks, sel_block, scale)
         win.join()
         o = _gated_fwd(gates, o_cmp, o_slc, o_win)
     if recompute:
@@ -1424,11 +1370,11 @@ def _core_fake(q, k_slc, v_slc, k_win, v_win, k_cmp, v_cmp, gates, cmp_block, cm
             lse.new_empty(lse.shape), *_padded_index(index, q.device)]
 
 
-def _gates_in_selected_fwd(prefix: int) -> bool:
+def _gates_in_selected_fwd() -> bool:
     """Whether nsa::core's forward sums the gated output in the selected branch's last forward pass
     (slc_combine = "gated"): by_block's combine pass, or the epilogue of the tiled (tiled_by_block's too) or
-    per-query forward; where that pass writes every row (no dense prefix) and the gates are the fused kernel's."""
-    return _config.slc_combine == "gated" and not prefix and _config.gate_kernel == "fused"
+    per-query forward; where the gates are the fused kernel's."""
+    return _config.slc_combine == "gated" and _config.gate_kernel == "fused"
 
 
 def _selected_gated_fwd(q, k, v, blocks, sel_block: int, scale: float, gates, o_cmp, o_win, win: _Beside,
@@ -1512,12 +1458,11 @@ def _core_bwd(do: torch.Tensor, q: torch.Tensor, k_slc: torch.Tensor, v_slc: tor
     d_cmp, d_win = d_cmp.contiguous(), d_win.contiguous()
     cmp = (q, _kv_rows(k_cmp), _kv_rows(v_cmp), d_cmp, lse_cmp, delta_cmp, *_cmp_range(cmp_block, cmp_stride, T))
     win = (q, _kv_rows(k_win), _kv_rows(v_win), d_win, lse_win, delta_win, *_win_range(window, T))
-    prefix = _dense_prefix(T, blocks.shape[-1], sel_block)
     # dK/dV of the compressed and window branches feed nothing else here: beside the dQ kernels.
     dkdv = [_range_dkdv_outputs(q, r[1], r[2], r[-1]) for r in (cmp, win)]
     range_dkdv = _Beside(q.device, lambda: [_range_dkdv_into(*r[:6], dk, dv, T, r[1].shape[1], *r[6:], scale)
                                             for r, (dk, dv) in zip((cmp, win), dkdv)])
-    if _slot_sum_in_range_dq(kernel, prefix):  # by_block's dQ slots first, summed by the range dQ kernel after
+    if _slot_sum_in_range_dq(kernel):  # by_block's dQ slots first, summed by the range dQ kernel after
         dq_slots, dk_slc, dv_slc = _selected_bwd(q, k_slc, v_slc, blocks, o_slc, lse_slc, index, d_slc, sel_block,
                                                  scale, kernel, delta=delta_slc, dq_slots=True)
         dq = torch.empty_like(q)
@@ -1525,7 +1470,7 @@ def _core_bwd(do: torch.Tensor, q: torch.Tensor, k_slc: torch.Tensor, v_slc: tor
                        slots=(dq_slots, blocks.contiguous()))
     elif _config.range_dq_last and kernel == "tiled" and _range_pair_fused():
         dq, dk_slc, dv_slc = _selected_bwd(q, k_slc, v_slc, blocks, o_slc, lse_slc, index, d_slc, sel_block, scale,
-                                           kernel, delta=delta_slc, prefix=prefix)
+                                           kernel, delta=delta_slc)
         _range_dq_into(*cmp[:6], dq, T, *cmp[6:], scale, accumulate=True, second=(*win[1:3], *win[4:]))
     else:
         if _range_pair_fused():  # d_cmp = d_win = do: one dQ launch for both branches
@@ -1537,19 +1482,19 @@ def _core_bwd(do: torch.Tensor, q: torch.Tensor, k_slc: torch.Tensor, v_slc: tor
                 _range_dq_into(q, k, v, d, *rest[:2], dq_range, T, *rest[2:], scale)
         # The selected branch's backward adds the other two branches' dQ into its own (by_block: in its slot sum).
         dq, dk_slc, dv_slc = _selected_bwd(q, k_slc, v_slc, blocks, o_slc, lse_slc, index, d_slc, sel_block, scale,
-                                           kernel, delta=delta_slc, dq_add=tuple(dq_add), prefix=prefix)
+                                           kernel, delta=delta_slc, dq_add=tuple(dq_add))
     range_dkdv.join()
     (dk_cmp, dv_cmp), (dk_win, dv_win) = [(dk.to(r[1].dtype), dv.to(r[2].dtype))  # accumulators: cast
                                           for r, (dk, dv) in zip((cmp, win), dkdv)]
     return [dq, dk_slc, dv_slc, dk_win, dv_win, dk_cmp, dv_cmp, dgates]
 
 
-def _slot_sum_in_range_dq(kernel: str, prefix: int) -> bool:
+def _slot_sum_in_range_dq(kernel: str) -> bool:
     """Whether nsa::core's backward sums by_block's dQ slots in the range dQ kernel (slc_slot_sum = "range_dq"):
-    where the selected backward writes dQ slots (by_block's, no dense prefix) and the range dQ is one launch for
+    where the selected backward writes dQ slots (by_block's) and the range dQ is one launch for
     both branches."""
     return (_config.slc_slot_sum == "range_dq" and kernel in BY_BLOCK_BACKWARD and _config.slc_dq == "partial"
-            and not prefix and _range_pair_fused())
+            and _range_pair_fused())
 
 
 @_core_bwd.register_fake
