@@ -128,7 +128,7 @@ def probe(B: int, T: int, chunks: list[int]) -> dict:
         for name, edits in BACKWARD_EDITS.items():
             ti.selected_block_bwd_kernel = variant(name, edits).selected_block_bwd_kernel
             row[f"backward, dQ slots: {name}"] = bench(lambda: ti._selected_by_block_bwd(
-                q, k, v, blocks, do, lse, delta, index, common, scale, final_kv=True, dq_slots=True))
+                q, k, v, blocks, do, lse, delta, index, common, scale, dq_slots=True))
         dq = torch.empty_like(q)
         row["dQ slot sum alone"] = bench(lambda: ti.selected_dq_sum_kernel[(triton.cdiv(rows, ti._COMBINE_ROWS),)](
             o_part, blocks, dq, dq, dq, rows, H=H, G=G, DK=q.shape[-1], BLOCK_DK=common["BLOCK_DK"], N_SELECT=n,
@@ -141,7 +141,7 @@ def probe(B: int, T: int, chunks: list[int]) -> dict:
             row[f"forward: {chunk} choosers a program"] = bench(lambda: ti._selected_by_block_fwd(
                 q, k, v, blocks, o, lse, short, common, scale))
             row[f"backward: {chunk} choosers a program"] = bench(lambda: ti._selected_by_block_bwd(
-                q, k, v, blocks, do, lse, delta, short, common, scale, final_kv=True, dq_slots=True))
+                q, k, v, blocks, do, lse, delta, short, common, scale, dq_slots=True))
     return row
 
 

@@ -134,14 +134,13 @@ CASES = [
             dict(num_rows="i32"), dict(H=12, G=2, DV=64, BLOCK_DV=64, N_SELECT=16, BLOCK_R=32, GATED=gated,
                                        **({} if gated else dict.fromkeys(("GATES", "O_CMP", "O_WIN", "O_GATED")))),
             label=f"GATED={gated}") for gated in (True, False)],
-    *[c for mode, final, prefetch, wide in ((0, True, False, False), (1, True, False, False), (1, False, False, False),
-                                            (2, False, False, False), (1, True, True, False), (0, True, True, False),
-                                            (1, True, True, True), (3, True, False, False), (3, True, True, False))
+    *[c for mode, prefetch, wide in ((0, False, False), (1, False, False), (2, False, False), (1, True, False),
+                                     (0, True, False), (1, True, True), (3, False, False), (3, True, False))
       for c in _tma_cases(
         "selected_block_bwd_kernel", "selected_by_block", dict(BLOCK_INDEX, DONE="i32", **ROW_TERMS, **ACCS),
         dict(num_blocks="i32", **SLC_SCALARS),
-        dict(ROWS=64, CHUNK=512, DQ_MODE=mode, FINAL_KV=final, PREFETCH=prefetch, OFFSETS_64=wide, **SEL),
-        dict(num_warps=4, num_stages=3), f"DQ_MODE={mode},FINAL_KV={final},PREFETCH={prefetch},OFFSETS_64={wide}",
+        dict(ROWS=64, CHUNK=512, DQ_MODE=mode, PREFETCH=prefetch, OFFSETS_64=wide, **SEL),
+        dict(num_warps=4, num_stages=3), f"DQ_MODE={mode},PREFETCH={prefetch},OFFSETS_64={wide}",
         descs=dict(KD=64, VD=64))],
     *[_case("selected_dq_sum_kernel", "selected_by_block", dict(BLOCKS="i32"), dict(num_rows="i32"),
             dict(H=12, G=2, DK=64, BLOCK_DK=64, N_SELECT=16, BLOCK_R=32, NUM_ADD=adds), label=f"NUM_ADD={adds}")

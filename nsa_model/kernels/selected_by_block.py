@@ -17,7 +17,7 @@ of the three branches in its epilogue (GATED), so no gate pass follows it.
 
 Backward: one fused kernel per block slice computes dK and dV (accumulated over its choosers, then added once
 into float32 buffers where slices of one block meet, the last slice casting the sums; a block of one slice stores
-its own, FINAL_KV) and each chooser's dQ contribution ds @ K, either stored
+its own) and each chooser's dQ contribution ds @ K, either stored
 at the chooser's slot (DQ_MODE 1; `selected_dq_sum_kernel` adds the n slots) or added atomically into a float32
 dQ (DQ_MODE 2). P and dP are computed once, where the query-driven path computes them twice (dQ kernel, dK/dV
 kernel). With DQ_MODE 0 it is the dK/dV kernel of the query-driven variants (slc_dkdv = "by_block").
@@ -313,7 +313,7 @@ def selected_block_bwd_kernel(Q, K, V, KD, VD, DO, LSE, DELTA, ORDER, STARTS, WO
                               H: tl.constexpr, G: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
                               BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, SEL_BLOCK: tl.constexpr,
                               BLOCK_S: tl.constexpr, N_SELECT: tl.constexpr, ROWS: tl.constexpr,
-                              CHUNK: tl.constexpr, DQ_MODE: tl.constexpr, FINAL_KV: tl.constexpr,
+                              CHUNK: tl.constexpr, DQ_MODE: tl.constexpr,
                               TMA: tl.constexpr, DOT_PRECISION: tl.constexpr, OFFSETS_64: tl.constexpr,
                               PREFETCH: tl.constexpr = False):
     """DQ_MODE: 0 no dQ (the query-driven variants compute it), 1 store each chooser's contribution at its slot
@@ -322,11 +322,11 @@ def selected_block_bwd_kernel(Q, K, V, KD, VD, DO, LSE, DELTA, ORDER, STARTS, WO
     query-driven dQ to multiply by the keys (selected_tiled_dq_from_ds_kernel, selected_dq_from_ds_kernel): dQ
     with one product a block instead of three, and only for the queries that chose it.
 
-    FINAL_KV: the block's dK, dV end in DK_OUT, DV_OUT (their dtype) instead of staying in the float32
-    accumulators for a cast launch after (0.4 ms per training step at T = 2048, kernels-notes.md v20). The work
-    list then has an item for every segment, so every key row is written (an unchosen block's with zeros). A
-    segment of one chunk stores its block directly; in a longer one each program adds into the accumulators and
-    counts itself done (DONE [segments] int32, zeroed), and the last one casts the sums."""
+    The block's dK, dV end in DK_OUT, DV_OUT (their dtype), with no cast launch after (0.4 ms per training step
+    at T = 2048, kernels-notes.md v20). The work list has an item for every segment, so every key row is written
+    (an unchosen block's with zeros). A segment of one chunk stores its block directly; in a longer one each
+    program adds into the float32 accumulators DK_ACC, DV_ACC and counts itself done (DONE [segments] int32,
+    zeroed), and the last one casts the sums."""
     HPG: tl.constexpr = H // G
     ENTRIES: tl.constexpr = ROWS // HPG
     seg, b, g, j, _, start, end = _work_item(WORK_SEG, WORK_CHUNK, STARTS, num_blocks, G, CHUNK)
@@ -388,27 +388,23 @@ def selected_block_bwd_kernel(Q, K, V, KD, VD, DO, LSE, DELTA, ORDER, STARTS, WO
         v_rows = row_k[:, None] * DV + offs_dv[None, :]
         k_ok = s_ok[:, None] & (offs_dk < DK)[None, :]
         v_ok = s_ok[:, None] & (offs_dv < DV)[None, :]
-        if FINAL_KV:
-            count = tl.load(STARTS + seg + 1) - tl.load(STARTS + seg)
-            if count <= CHUNK:  # the segment's only program
-                tl.store(DK_OUT + k_rows, dk.to(DK_OUT.dtype.element_ty), mask=k_ok)
-                tl.store(DV_OUT + v_rows, dv.to(DV_OUT.dtype.element_ty), mask=v_ok)
-            else:
-                # The adds are relaxed (tl.atomic_add's default, acq_rel, fences each one: v51): the barrier
-                # orders every thread's adds before the count's release, which makes them visible to the program
-                # that acquires the last count (the split-K semaphore pattern)
-                tl.atomic_add(DK_ACC + k_rows, dk, mask=k_ok, sem="relaxed")
-                tl.atomic_add(DV_ACC + v_rows, dv, mask=v_ok, sem="relaxed")
-                tl.debug_barrier()  # every thread's adds are issued before the count says this program is done
-                done = tl.atomic_add(DONE + seg, 1, sem="acq_rel")
-                if done == (count + CHUNK - 1) // CHUNK - 1:  # the last: the others' adds are visible to it
-                    dk = tl.load(DK_ACC + k_rows, mask=k_ok, other=0.0, volatile=True)
-                    dv = tl.load(DV_ACC + v_rows, mask=v_ok, other=0.0, volatile=True)
-                    tl.store(DK_OUT + k_rows, dk.to(DK_OUT.dtype.element_ty), mask=k_ok)
-                    tl.store(DV_OUT + v_rows, dv.to(DV_OUT.dtype.element_ty), mask=v_ok)
-        else:  # only later kernels read the sums
+        count = tl.load(STARTS + seg + 1) - tl.load(STARTS + seg)
+        if count <= CHUNK:  # the segment's only program
+            tl.store(DK_OUT + k_rows, dk.to(DK_OUT.dtype.element_ty), mask=k_ok)
+            tl.store(DV_OUT + v_rows, dv.to(DV_OUT.dtype.element_ty), mask=v_ok)
+        else:
+            # The adds are relaxed (tl.atomic_add's default, acq_rel, fences each one: v51): the barrier
+            # orders every thread's adds before the count's release, which makes them visible to the program
+            # that acquires the last count (the split-K semaphore pattern)
             tl.atomic_add(DK_ACC + k_rows, dk, mask=k_ok, sem="relaxed")
             tl.atomic_add(DV_ACC + v_rows, dv, mask=v_ok, sem="relaxed")
+            tl.debug_barrier()  # every thread's adds are issued before the count says this program is done
+            done = tl.atomic_add(DONE + seg, 1, sem="acq_rel")
+            if done == (count + CHUNK - 1) // CHUNK - 1:  # the last: the others' adds are visible to it
+                dk = tl.load(DK_ACC + k_rows, mask=k_ok, other=0.0, volatile=True)
+                dv = tl.load(DV_ACC + v_rows, mask=v_ok, other=0.0, volatile=True)
+                tl.store(DK_OUT + k_rows, dk.to(DK_OUT.dtype.element_ty), mask=k_ok)
+                tl.store(DV_OUT + v_rows, dv.to(DV_OUT.dtype.element_ty), mask=v_ok)
 
 
 @triton.jit

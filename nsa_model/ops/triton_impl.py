@@ -943,16 +943,15 @@ def _selected_bwd(q, k, v, blocks, o, lse, index, do, sel_block: int, scale: flo
     common = _selected_common(q, k, v, sel_block, n)
     if kernel in BY_BLOCK_BACKWARD:
         dq, dk, dv = _selected_by_block_bwd(q, k, v, blocks, do, lse, delta, tuple(index[:4]), common, scale,
-                                            dq_add=dq_add, final_kv=True, dq_slots=dq_slots)
+                                            dq_add=dq_add, dq_slots=dq_slots)
         return dq, dk, dv
     # The first of the other branches' dQ becomes dq: the kernel adds into it (ACCUMULATE), no pass after.
     adds = list(dq_add or ())
     accumulate = bool(adds)
     dq = _dq_scratch(adds.pop(0), q) if adds else torch.empty_like(q)
-    final_kv = config.slc_dkdv == "by_block"  # dk, dv come out final (else float32 accumulators to cast)
     if config.slc_query_dq == "ds":
         ds, dk, dv = _selected_by_block_bwd(q, k, v, blocks, do, lse, delta, _by_block_index(blocks, sel_block, config),
-                                            common, scale, dq_mode=3, final_kv=final_kv)
+                                            common, scale, dq_mode=3)
         if kernel == "tiled":
             _tiled_dq_from_ds(k, index, blocks, ds, dq, common, accumulate)
         else:
@@ -978,13 +977,13 @@ def _selected_bwd(q, k, v, blocks, o, lse, index, do, sel_block: int, scale: flo
             ACCUMULATE=accumulate, **common, **_slc_launch(), **_block_tiles(_pow2(hpg), common, k, v))
     if config.slc_dkdv == "by_block":
         block_index = _by_block_index(blocks, sel_block, config)
-        _, dk, dv = _selected_by_block_bwd(q, k, v, blocks, do, lse, delta, block_index, common, scale, dq_mode=0,
-                                           final_kv=final_kv)
-    else:
+        _, dk, dv = _selected_by_block_bwd(q, k, v, blocks, do, lse, delta, block_index, common, scale, dq_mode=0)
+    else:  # float32 accumulators
         dk, dv = _selected_dkdv(q, k, v, do, lse, delta, blocks, sel_block, scale)
+        dk, dv = dk.to(k.dtype), dv.to(v.dtype)
     for extra in adds:
         dq = dq.add_(extra)
-    return (dq, dk, dv) if final_kv else (dq, dk.to(k.dtype), dv.to(v.dtype))
+    return dq, dk, dv
 
 
 def _tiled_dq_from_ds(k, union_index: tuple, blocks, ds, dq, common: dict, accumulate: bool) -> None:
@@ -1074,11 +1073,10 @@ def _by_block_index(blocks, sel_block, config, shapes_only: bool = False):
 
 
 def _selected_by_block_bwd(q, k, v, blocks, do, lse, delta, index, common, scale, dq_mode=None, dq_add=None,
-                           final_kv=False, dq_slots=False):
+                           dq_slots=False):
     """(dq or None, dk, dv) of the selected branch by key blocks: one fused kernel over the blocks' choosers, then
-    the dQ slot sum. dk and dv: with final_kv the gradients in k's and v's dtype, written by the kernel itself;
-    else float32 accumulators that the caller casts. dq_mode 0 computes dK/dV
-    only (for the query-driven variants); 3 also stores ds, returned in dq's place as [B*T*G*n*hpg, BLOCK_S] rows
+    the dQ slot sum. dk and dv: the gradients in k's and v's dtype, written by the kernel itself. dq_mode 0
+    computes dK/dV only (for the query-driven variants); 3 also stores ds, returned in dq's place as [B*T*G*n*hpg, BLOCK_S] rows
     (for the query-driven dQ from ds, _selected_bwd); None follows slc_dq. dq_add: one or two [B,T,H,Dk] tensors
     added into dq (the other branches' dQ), by the slot sum where it runs. dq_slots (with dQ slots): no slot sum; dq is
     the slots' rows [B*T*G*n*hpg, Dk] as the kernel wrote them."""
@@ -1090,15 +1088,12 @@ def _selected_by_block_bwd(q, k, v, blocks, do, lse, delta, index, common, scale
     if dq_mode is None:
         dq_mode = 2 if c.slc_dq == "atomic" else 1
     num_segments = starts.numel() - 1
-    if final_kv:  # the accumulators and each segment's count of finished programs, zeroed by one fill
-        flat = torch.zeros(k.numel() + v.numel() + num_segments, dtype=torch.float32, device=k.device)
-        dk_acc, dv_acc = flat[:k.numel()].view(k.shape), flat[k.numel():k.numel() + v.numel()].view(v.shape)
-        done = flat[k.numel() + v.numel():].view(torch.int32)
-        dk_out = torch.empty(k.shape, dtype=k.dtype, device=k.device)  # contiguous, whatever k's layout
-        dv_out = torch.empty(v.shape, dtype=v.dtype, device=v.device)
-    else:
-        dk_acc, dv_acc = _fp32_accumulators(k, v)
-        dk_out, dv_out, done = dk_acc, dv_acc, starts  # unread
+    # the accumulators where slices of one block meet, and each segment's count of finished programs: one fill
+    flat = torch.zeros(k.numel() + v.numel() + num_segments, dtype=torch.float32, device=k.device)
+    dk_acc, dv_acc = flat[:k.numel()].view(k.shape), flat[k.numel():k.numel() + v.numel()].view(v.shape)
+    done = flat[k.numel() + v.numel():].view(torch.int32)
+    dk_out = torch.empty(k.shape, dtype=k.dtype, device=k.device)  # contiguous, whatever k's layout
+    dv_out = torch.empty(v.shape, dtype=v.dtype, device=v.device)
     if dq_mode == 2:  # the atomics add into the other branches' dQ, summed in float32 (no zero fill, no add after)
         dq_out = (dq_add[0].to(torch.float32, copy=True) if dq_add else
                   torch.zeros(q.shape, dtype=torch.float32, device=q.device))
@@ -1115,7 +1110,7 @@ def _selected_by_block_bwd(q, k, v, blocks, do, lse, delta, index, common, scale
         q, k, v, DO=do, LSE=lse, DELTA=delta, ORDER=order, STARTS=starts, WORK_SEG=work_seg, WORK_CHUNK=work_chunk,
         DK_ACC=dk_acc, DV_ACC=dv_acc, DQ_OUT=dq_out, DK_OUT=dk_out, DV_OUT=dv_out, DONE=done, T=T,
         num_blocks=num_blocks, scale=scale, ROWS=_block_rows(hpg, c), CHUNK=c.slc_block_chunk, DQ_MODE=dq_mode,
-        FINAL_KV=final_kv, PREFETCH=_block_prefetch(q, v),
+        PREFETCH=_block_prefetch(q, v),
         OFFSETS_64=_offsets_64(q, k, v, do, dk_acc, dv_acc, dq_out, dk_out, dv_out), **common,
         num_warps=c.slc_block_warps,
         num_stages=c.slc_block_stages,
