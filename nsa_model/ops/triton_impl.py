@@ -472,9 +472,9 @@ def _range_dkdv_split(q, k, v, num_queries: int, window: int) -> tuple[bool, int
     """(atomic, head_split, q_chunk, aligned) of the dK/dV kernel. A key tile of the compressed branch is seen by up
     to T queries: one head per program and chunks of the query axis (atomic adds) spread that over the GPU. A window
     tile is seen by ~w queries: one program per group is enough (window_dkdv = "group"), or one per head (atomic
-    adds). aligned: the compressed branch's chunks are
-    absolute (range_dkdv_q_chunk, where T is longer than one chunk); its grid then has the B * H head slices on
-    its second axis, which CUDA caps at 65535, so beyond that the relative chunks run."""
+    adds). aligned: the compressed branch's chunks are absolute (range_dkdv_q_chunk, where T is longer than one
+    chunk); its grid then has the B * H head slices on its second axis, which CUDA caps at 65535, so beyond that
+    the relative chunks run."""
     launch = _range_launch(q, v, "dkdv")
     bm, bn = launch["BLOCK_M"], launch["BLOCK_N"]
     B, _, H, _ = q.shape
@@ -933,8 +933,8 @@ def _selected_bwd(q, k, v, blocks, o, lse, index, do, sel_block: int, scale: flo
     is the forward's (_selected_index), possibly followed by unused empty slots; delta as in _range_bwd;
     dq_add: one or two [B,T,H,Dk] tensors added into dq (folded into by_block's dQ slot sum; the query-driven
     dQ kernels add the first in place, so it must be the caller's own scratch, and it is returned as dq).
-    dq_slots (by_block backward with dQ slots): dq is by_block's per-slot contributions, for
-    the caller's range dQ kernel to sum (slc_slot_sum = "range_dq")."""
+    dq_slots (by_block backward with dQ slots): dq is by_block's per-slot contributions, for the caller's range
+    dQ kernel to sum (slc_slot_sum = "range_dq")."""
     q, k, v, blocks, do = q.contiguous(), _kv_rows(k), _kv_rows(v), blocks.contiguous(), do.contiguous()
     B, T, H, _ = q.shape
     G, n = k.shape[2], blocks.shape[-1]
