@@ -6,6 +6,7 @@ session must not do before test_triton_kernels.py imports the interpreted one.
 """
 
 import importlib.util
+import itertools
 import os
 
 import pytest
@@ -79,17 +80,20 @@ def test_attention_recompute_keeps_less_by_what_it_recomputes_and_gives_the_same
     backward drops by at least q, the six K/V sets and the compressed and window outputs (48 MiB), the output is
     bit for bit that of the layer that keeps them, and the gradients are too up to the order of atomic adds (the
     dK/dV kernels of the compressed and window branches add across programs, and a gradient element that lands
-    on the other side of a bf16 rounding moves by an ulp): within one bf16 ulp (2^-8) relative to the gradient's
-    norm, or within three times the difference between two runs of the layer that keeps them, where the order
-    alone moves a gradient more (phi's biases, sums over every compressed token of such elements). Two runs can
-    also agree bit for bit and the recomputing one still move by 1.6e-3 (phi_k.pos_emb on an H100, 2026-11-26)."""
+    on the other side of a bf16 rounding moves by an ulp). Each gradient may move by two bf16 ulps (2^-7) relative
+    to its norm, or by three times the largest difference among three runs of the layer that keeps them. The
+    floor is measured (bench/results/probe-recompute-noise-h200-2026-11-30-v65a.md, five runs each way): the order
+    alone moves phi_k.fc2.bias, a sum over every compressed token whose terms nearly cancel (norm 5e-10), by up to
+    4.1e-3 between kept runs and 4.5e-3 against a recomputing one, past one ulp (3.9e-3); with a single pair of
+    kept runs as the yardstick that failed once in 18 full-file runs (kernels-notes v64). A recompute that gets a
+    gradient wrong moves it by its own size."""
     from nsa_model import get_preset
     from nsa_model.attention import NSAAttention
 
     cfg, T = get_preset("nsa-125m").replace(max_seq_len=8192), 8192
     x = torch.randn(1, T, cfg.dim, device="cuda", generator=torch.Generator("cuda").manual_seed(0))
     results = []
-    for recompute in (False, False, True):
+    for recompute in (False, False, False, True):
         torch.manual_seed(0)
         layer = NSAAttention(cfg, recompute=recompute).cuda()
         torch.cuda.synchronize()
@@ -100,7 +104,8 @@ def test_attention_recompute_keeps_less_by_what_it_recomputes_and_gives_the_same
         held = torch.cuda.memory_allocated() - before
         out.float().square().mean().backward()
         results.append((held, out.detach(), {n: p.grad for n, p in layer.named_parameters()}))
-    (held_kept, out_kept, grads_kept), (_, _, grads_again), (held_less, out_less, grads_less) = results
+    (held_kept, out_kept, grads_kept), *again, (held_less, out_less, grads_less) = results
+    kept_runs = [grads_kept] + [grads for _, _, grads in again]
     H, G, D = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
     assert held_kept - held_less >= T * (3 * H + 6 * G) * D * 2, (held_kept, held_less)
     assert torch.equal(out_kept, out_less), f"outputs differ by up to {(out_kept - out_less).abs().max().item():.2e}"
@@ -108,9 +113,9 @@ def test_attention_recompute_keeps_less_by_what_it_recomputes_and_gives_the_same
     def rel(a, b):
         return ((a - b).norm() / a.norm()).item()
     for name, grad in grads_kept.items():
-        noise = rel(grad, grads_again[name])
+        noise = max(rel(a[name], b[name]) for a, b in itertools.combinations(kept_runs, 2))
         moved = rel(grad, grads_less[name])
-        assert moved <= max(2 ** -8, 3 * noise), f"{name}: moved {moved:.2e} by recompute, {noise:.2e} between runs"
+        assert moved <= max(2 ** -7, 3 * noise), f"{name}: moved {moved:.2e} by recompute, {noise:.2e} between runs"
 
 
 @pytest.mark.parametrize("slc_kernel", ["auto", "tiled"])  # auto runs per_query at this T
