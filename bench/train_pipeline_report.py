@@ -29,8 +29,14 @@ SCALING_TARGET, DATA_WAIT_TARGET = 0.9, 0.02
 
 def histories(mlruns: str, experiment: str) -> dict[str, dict[str, dict[int, float]]]:
     """{run name: {metric: {step: value}}} of the experiment's runs named in RUNS (the latest run per name)."""
+    import os
+
     from mlflow.tracking import MlflowClient
 
+    # The GPU scripts log to a file store (their hosts lack sqlalchemy), which MLflow 3 refuses to open unless
+    # opted in: this reads only the store it is pointed at, so it opts in itself (a call at stop 68 lost its
+    # report to a shell without the scripts' export)
+    os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
     client = MlflowClient(f"file:{Path(mlruns).resolve()}")
     exp = client.get_experiment_by_name(experiment)
     if exp is None:
@@ -54,6 +60,9 @@ def steady(h: dict[str, dict[int, float]], starts: list[int], skip: int) -> dict
     for s in starts:
         excluded |= set([x for x in steps if x > s][:skip])
     kept = [s for s in steps if s not in excluded]
+    if not kept:
+        raise SystemExit(f"steps {steps} starting at {starts}: leaving out the first {skip} reports after each start "
+                         "leaves none to measure; lower --skip or run longer")
     prev = {s: p for p, s in zip([0] + steps, steps)}
     n = {s: s - prev[s] for s in kept}
     seconds = sum(n[s] * h["step_time_s"][s] for s in kept)

@@ -2,6 +2,9 @@
 
 import importlib.util
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -72,3 +75,24 @@ def test_the_quality_plot_needs_the_dense_run(store, tmp_path):
                                            20: {**interval(0.8, 5000, 0.0, 2.2), "val_loss": 2.4}})
     run_report(mlruns, tmp_path / "out", "-t2")
     assert [p.name[-16:] for p in (tmp_path / "out").glob("*.png")] == ["-t2-val-loss.png"]
+
+
+def test_the_report_opens_the_file_store_without_the_callers_opt_in(store, tmp_path):
+    """MLflow 3 refuses a file store unless MLFLOW_ALLOW_FILE_STORE is set; the GPU scripts export it for their runs,
+    but the report is run after them from a plain shell (stop 68's call lost its report so). In a fresh process:
+    this one's MLflow caches the store the fixture opened, which would hide a missing opt-in."""
+    mlruns, _, _ = store
+    env = {k: v for k, v in os.environ.items() if k != "MLFLOW_ALLOW_FILE_STORE"}
+    script = Path(__file__).resolve().parent.parent / "bench" / "train_pipeline_report.py"
+    done = subprocess.run([sys.executable, str(script), "--mlruns", str(mlruns), "--device", "test", "--commit",
+                           "abc", "--resume-step", "10", "--skip", "1", "--out", str(tmp_path / "out"), "--tag=-t3"],
+                          env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert list((tmp_path / "out").glob("*-t3.json"))
+
+
+def test_too_few_reports_for_the_skip_is_a_clear_error(store, tmp_path):
+    mlruns, _, _ = store
+    with pytest.raises(SystemExit, match="leaves none to measure"):
+        report.main(["--mlruns", str(mlruns), "--device", "test", "--commit", "abc", "--resume-step", "10",
+                     "--skip", "2", "--out", str(tmp_path / "out")])
