@@ -15,6 +15,8 @@
 # mlflow-skinny, then py_spy, virtualenv, distlib, platformdirs and python_discovery left out to fit a call's 64 MiB
 # (with mlflow-skinny 3.17 also cryptography, cffi, pycparser, gitpython, gitdb, smmap, tzdata and tensorboardx:
 # none is imported by ray.init with the dashboard, Ray Data or MLflow's file store; stop 38 ran it so on 2 H100s).
+# The call's 64 MiB counts files by disk blocks: at stop 68 the tree took 12 MB so, and the wheels fit only with
+# ray/rllib/, ray/llm/ and the dashboard's *.js.map also dropped from ray's wheel (and from its RECORD): 54.6 MB.
 # Read back with bench/train_pipeline_report.py --resume-step 20.
 set -u
 export MLFLOW_ALLOW_FILE_STORE=true  # MLflow 3.x file store opt-in; the GPU host has no sqlalchemy for sqlite
