@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -29,8 +30,6 @@ SCALING_TARGET, DATA_WAIT_TARGET = 0.9, 0.02
 
 def histories(mlruns: str, experiment: str) -> dict[str, dict[str, dict[int, float]]]:
     """{run name: {metric: {step: value}}} of the experiment's runs named in RUNS (the latest run per name)."""
-    import os
-
     from mlflow.tracking import MlflowClient
 
     # The GPU scripts log to a file store (their hosts lack sqlalchemy), which MLflow 3 refuses to open unless

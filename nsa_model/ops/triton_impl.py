@@ -978,9 +978,8 @@ def _selected_bwd(q, k, v, blocks, o, lse, index, do, sel_block: int, scale: flo
     if config.slc_dkdv == "by_block":
         block_index = _by_block_index(blocks, sel_block, config)
         _, dk, dv = _selected_by_block_bwd(q, k, v, blocks, do, lse, delta, block_index, common, scale, dq_mode=0)
-    else:  # float32 accumulators
+    else:
         dk, dv = _selected_dkdv(q, k, v, do, lse, delta, blocks, sel_block, scale)
-        dk, dv = dk.to(k.dtype), dv.to(v.dtype)
     for extra in adds:
         dq = dq.add_(extra)
     return dq, dk, dv
@@ -1076,10 +1075,10 @@ def _selected_by_block_bwd(q, k, v, blocks, do, lse, delta, index, common, scale
                            dq_slots=False):
     """(dq or None, dk, dv) of the selected branch by key blocks: one fused kernel over the blocks' choosers, then
     the dQ slot sum. dk and dv: the gradients in k's and v's dtype, written by the kernel itself. dq_mode 0
-    computes dK/dV only (for the query-driven variants); 3 also stores ds, returned in dq's place as [B*T*G*n*hpg, BLOCK_S] rows
-    (for the query-driven dQ from ds, _selected_bwd); None follows slc_dq. dq_add: one or two [B,T,H,Dk] tensors
-    added into dq (the other branches' dQ), by the slot sum where it runs. dq_slots (with dQ slots): no slot sum; dq is
-    the slots' rows [B*T*G*n*hpg, Dk] as the kernel wrote them."""
+    computes dK/dV only (for the query-driven variants); 3 also stores ds, returned in dq's place as
+    [B*T*G*n*hpg, BLOCK_S] rows (for the query-driven dQ from ds, _selected_bwd); None follows slc_dq. dq_add: one
+    or two [B,T,H,Dk] tensors added into dq (the other branches' dQ), by the slot sum where it runs. dq_slots (with
+    dQ slots): no slot sum; dq is the slots' rows [B*T*G*n*hpg, Dk] as the kernel wrote them."""
     order, starts, work_seg, work_chunk = index
     B, T, H, dk_dim = q.shape
     G, n = k.shape[2], blocks.shape[-1]
@@ -1140,8 +1139,8 @@ def _selected_by_block_bwd(q, k, v, blocks, do, lse, delta, index, common, scale
 
 
 def _selected_dkdv(q, k, v, do, lse, delta, blocks, sel_block, scale):
-    """dK, dV of the selected branch as float32 accumulators: one program per key block over its choosers
-    (inverted index)."""
+    """dK, dV of the selected branch in k's and v's dtype: one program per key block over its choosers (inverted
+    index), adding into float32 accumulators that are cast once at the end."""
     B, T, H, _ = q.shape
     G = k.shape[2]
     hpg = H // G
@@ -1158,7 +1157,7 @@ def _selected_dkdv(q, k, v, do, lse, delta, blocks, sel_block, scale):
         q, k, v, do, lse, delta, query_of_entry, starts, dk_acc, dv_acc, T, num_blocks, scale, H=H, G=G,
         SEL_BLOCK=sel_block, BLOCK_S=_pow2(sel_block), HEADS_PAD=heads_pad, ENTRIES=entries, CHUNK=chunk,
         **dims, **_kv_strides(k, v), num_warps=_config.dkdv_warps)
-    return dk_acc, dv_acc
+    return dk_acc.to(k.dtype), dv_acc.to(v.dtype)
 
 
 def selected_attention(q, k, v, blocks, cfg: NSAConfig, scale: float):
