@@ -863,24 +863,18 @@ SQUARE_16 = {"fwd": (16, 16), "dq": (16, 16), "dkdv": (16, 16)}
 MIXED_TILES = {"fwd": (32, 16), "dq": (16, 32), "dkdv": (32, 16)}  # each kernel its own tiles, none square
 
 
-KEYS_WIDE = {"fwd": (32, 16), "dq": (16, 32), "dkdv": (16, 32)}  # dK/dV: more keys than queries a tile
-
-
-@pytest.mark.parametrize("range_kernel,delta_kernel,dkdv_programs,window_dkdv,tiles,q_chunk,keys_rows", [
-    ("masked", "torch", 1, "group", SQUARE_16, 0, False), ("split", "fused", 1, "head", MIXED_TILES, 0, False),
-    ("split", "fused", 2048, "group", SQUARE_16, 0, False), ("split", "fused", 2048, "group", MIXED_TILES, 0, False),
-    ("split", "fused", 1, "group", MIXED_TILES, 48, False), ("masked", "fused", 1, "group", KEYS_WIDE, 0, True),
-    ("split", "fused", 1, "head", KEYS_WIDE, 48, True), ("split", "fused", 2048, "group", MIXED_TILES, 0, True)])
-def test_range_variants_match_reference(range_kernel, delta_kernel, dkdv_programs, window_dkdv, tiles, q_chunk,
-                                        keys_rows):
+@pytest.mark.parametrize("range_kernel,delta_kernel,dkdv_programs,window_dkdv,tiles,q_chunk", [
+    ("masked", "torch", 1, "group", SQUARE_16, 0), ("split", "fused", 1, "head", MIXED_TILES, 0),
+    ("split", "fused", 2048, "group", SQUARE_16, 0), ("split", "fused", 2048, "group", MIXED_TILES, 0),
+    ("split", "fused", 1, "group", MIXED_TILES, 48)])
+def test_range_variants_match_reference(range_kernel, delta_kernel, dkdv_programs, window_dkdv, tiles, q_chunk):
     """Compressed and window branches, output, lse and all three gradients, with 16- and 32-wide tiles so that
     query tiles have full key tiles between their edges (the split kernels' unmasked runs), T not a multiple of a
     tile, a padded head dim, and queries that see no compressed token; the compressed dK/dV in one program per key
     tile and head, split into query chunks counted from each tile's first query (dkdv_programs = 2048), or into
     absolute chunks (q_chunk 48, rounded up to two 32-row tiles: chunks that cut a key tile's queries, start
     before its first query or end before it); the window dK/dV per group or per head; the forward, dQ and dK/dV
-    kernels on the same tiles or each on its own; the dK/dV from S^T = K Q^T (keys_rows), on tiles of more keys
-    than queries and of fewer."""
+    kernels on the same tiles or each on its own."""
     cfg = NSAConfig(cmp_block=8, cmp_stride=4, sel_block=8, n_selected=3, window=40)
     B, T, H, G, Dk, Dv = 1, 150, 2, 1, 16, 24  # two heads share the group's keys: their dK/dV add up
     x = make_inputs(B, T, H, G, Dk, Dv, cfg, seed=15)
@@ -889,7 +883,7 @@ def test_range_variants_match_reference(range_kernel, delta_kernel, dkdv_program
     launch = triton_impl.LaunchConfig(**{f"range_{k}_d64": (*t, 4, 2) for k, t in tiles.items()},
                                       range_kernel=range_kernel, delta_kernel=delta_kernel,
                                       range_dkdv_programs=dkdv_programs, window_dkdv=window_dkdv,
-                                      range_dkdv_q_chunk=q_chunk, range_dkdv_keys_rows=keys_rows)
+                                      range_dkdv_q_chunk=q_chunk)
     check_range_branches(x, cfg, scale, launch, grad_seed=16)
 
 

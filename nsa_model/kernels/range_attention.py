@@ -342,47 +342,12 @@ def _dkdv_tiles(dk, dv, k, v, Q, DO, QD, DOD, LSE, DELTA, b, h, offs_n, n_ok, st
 
 
 @triton.jit
-def _dkdv_tiles_keys_rows(dk, dv, k, v, Q, DO, QD, DOD, LSE, DELTA, b, h, offs_n, n_ok, start, stop, T, num_queries,
-                          qk_scale, key_stride, key_offset, window, H: tl.constexpr, DK: tl.constexpr,
-                          DV: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr,
-                          MASKED: tl.constexpr, TMA: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """_dkdv_tiles from S^T = K Q^T: P^T and dS^T come out a key per row, the left operands of dV += P^T dO and
-    dK += dS^T Q as they stand, with no transpose through shared memory (KEYS_AS_ROWS)."""
-    for start_m in range(start, stop, BLOCK_M):
-        offs_m = start_m + tl.arange(0, BLOCK_M)
-        m_ok = offs_m < num_queries
-        row_q = (b * T + offs_m).to(tl.int64) * H + h
-        q = _query_tile(Q, QD, row_q, m_ok, b, h, T, start_m, DK, BLOCK_DK, MASKED, TMA)
-        do = _query_tile(DO, DOD, row_q, m_ok, b, h, T, start_m, DV, BLOCK_DV, MASKED, TMA)
-        if MASKED:
-            lse2 = tl.load(LSE + row_q, mask=m_ok, other=0.0) * LOG2E
-            delta = tl.load(DELTA + row_q, mask=m_ok, other=0.0)
-        else:
-            lse2 = tl.load(LSE + row_q) * LOG2E
-            delta = tl.load(DELTA + row_q)
-        st = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION) * qk_scale
-        if MASKED:
-            lse2 = tl.where(lse2 == float("-inf"), 0.0, lse2)
-            rel = offs_m[None, :] - (offs_n[:, None] * key_stride + key_offset)
-            vis = (rel >= 0) & (rel < window) & n_ok[:, None] & m_ok[None, :]
-            pt = tl.where(vis, tl.exp2(st - lse2[None, :]), 0.0)
-        else:
-            pt = tl.exp2(st - lse2[None, :])
-        dv += tl.dot(pt.to(do.dtype), do, input_precision=DOT_PRECISION)
-        dpt = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
-        dst = pt * (dpt - delta[None, :])
-        dk += tl.dot(dst.to(q.dtype), q, input_precision=DOT_PRECISION)
-    return dk, dv
-
-
-@triton.jit
 def range_attn_bwd_dkdv_kernel(Q, K, V, DO, QD, KD, VD, DOD, LSE, DELTA, DK_ACC, DV_ACC, T, num_queries, num_keys,
                                scale, key_stride, key_offset, window, q_chunk, K_ROW, V_ROW, H: tl.constexpr,
                                G: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BLOCK_DK: tl.constexpr,
                                BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                                HEAD_SPLIT: tl.constexpr, EDGE_SPLIT: tl.constexpr, ATOMIC: tl.constexpr,
-                               TMA: tl.constexpr, DOT_PRECISION: tl.constexpr, ALIGNED_CHUNKS: tl.constexpr = False,
-                               KEYS_AS_ROWS: tl.constexpr = False):
+                               TMA: tl.constexpr, DOT_PRECISION: tl.constexpr, ALIGNED_CHUNKS: tl.constexpr = False):
     """One program per (slice of HPG / HEAD_SPLIT heads of a group, key tile, chunk of q_chunk of the queries
     that see the tile). HEAD_SPLIT = 1 and one chunk: the program loops over the whole group and stores (exact,
     deterministic; right for the window branch, whose tiles see few queries). Otherwise (ATOMIC) the programs of
@@ -451,26 +416,15 @@ def range_attn_bwd_dkdv_kernel(Q, K, V, DO, QD, KD, VD, DOD, LSE, DELTA, DK_ACC,
     dv = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
     for head in range(HEADS):
         h = first_head + head
-        if KEYS_AS_ROWS:
-            dk, dv = _dkdv_tiles_keys_rows(dk, dv, k, v, Q, DO, QD, DOD, LSE, DELTA, b, h, offs_n, n_ok, t_lo,
-                                           full_lo, T, num_queries, qk_scale, key_stride, key_offset, window, H, DK,
-                                           DV, BLOCK_DK, BLOCK_DV, BLOCK_M, True, TMA, DOT_PRECISION)
-            dk, dv = _dkdv_tiles_keys_rows(dk, dv, k, v, Q, DO, QD, DOD, LSE, DELTA, b, h, offs_n, n_ok, full_lo,
-                                           full_hi, T, num_queries, qk_scale, key_stride, key_offset, window, H, DK,
-                                           DV, BLOCK_DK, BLOCK_DV, BLOCK_M, False, TMA, DOT_PRECISION)
-            dk, dv = _dkdv_tiles_keys_rows(dk, dv, k, v, Q, DO, QD, DOD, LSE, DELTA, b, h, offs_n, n_ok, full_hi,
-                                           t_hi, T, num_queries, qk_scale, key_stride, key_offset, window, H, DK,
-                                           DV, BLOCK_DK, BLOCK_DV, BLOCK_M, True, TMA, DOT_PRECISION)
-        else:
-            dk, dv = _dkdv_tiles(dk, dv, k, v, Q, DO, QD, DOD, LSE, DELTA, b, h, offs_n, n_ok, t_lo, full_lo, T,
-                                 num_queries, qk_scale, key_stride, key_offset, window, H, DK, DV, BLOCK_DK,
-                                 BLOCK_DV, BLOCK_M, True, TMA, DOT_PRECISION)
-            dk, dv = _dkdv_tiles(dk, dv, k, v, Q, DO, QD, DOD, LSE, DELTA, b, h, offs_n, n_ok, full_lo, full_hi, T,
-                                 num_queries, qk_scale, key_stride, key_offset, window, H, DK, DV, BLOCK_DK,
-                                 BLOCK_DV, BLOCK_M, False, TMA, DOT_PRECISION)
-            dk, dv = _dkdv_tiles(dk, dv, k, v, Q, DO, QD, DOD, LSE, DELTA, b, h, offs_n, n_ok, full_hi, t_hi, T,
-                                 num_queries, qk_scale, key_stride, key_offset, window, H, DK, DV, BLOCK_DK,
-                                 BLOCK_DV, BLOCK_M, True, TMA, DOT_PRECISION)
+        dk, dv = _dkdv_tiles(dk, dv, k, v, Q, DO, QD, DOD, LSE, DELTA, b, h, offs_n, n_ok, t_lo, full_lo, T,
+                             num_queries, qk_scale, key_stride, key_offset, window, H, DK, DV, BLOCK_DK, BLOCK_DV,
+                             BLOCK_M, True, TMA, DOT_PRECISION)
+        dk, dv = _dkdv_tiles(dk, dv, k, v, Q, DO, QD, DOD, LSE, DELTA, b, h, offs_n, n_ok, full_lo, full_hi, T,
+                             num_queries, qk_scale, key_stride, key_offset, window, H, DK, DV, BLOCK_DK, BLOCK_DV,
+                             BLOCK_M, False, TMA, DOT_PRECISION)
+        dk, dv = _dkdv_tiles(dk, dv, k, v, Q, DO, QD, DOD, LSE, DELTA, b, h, offs_n, n_ok, full_hi, t_hi, T,
+                             num_queries, qk_scale, key_stride, key_offset, window, H, DK, DV, BLOCK_DK, BLOCK_DV,
+                             BLOCK_M, True, TMA, DOT_PRECISION)
     dk = dk * scale
     dk_ptrs = DK_ACC + row_k[:, None] * DK + offs_dk[None, :]
     dv_ptrs = DV_ACC + row_k[:, None] * DV + offs_dv[None, :]
