@@ -25,6 +25,14 @@ def test_bpe_training_round_trip(bpe_path):
     assert again.sha256 == tok.sha256 and len(tok.sha256) == 64
 
 
+def test_byte_tokenizer_decodes_its_ids_and_eos_as_a_line_break():
+    tok = ByteTokenizer()
+    ids = tok.encode_batch(TEXTS[-1:])[0]
+    assert tok.decode(ids) == TEXTS[-1]
+    assert tok.decode([104, 105, tok.eos_id, 33]) == "hi\n!"
+    assert tok.decode(ids[:1]) == "\N{REPLACEMENT CHARACTER}"  # "Ü" cut after its first byte
+
+
 def test_training_is_deterministic(bpe_path, tmp_path):
     other = train_bpe(iter(TEXTS), 400, tmp_path / "tokenizer.json")
     assert other.read_text() == bpe_path.read_text()

@@ -90,6 +90,14 @@ def test_pretrain_script_end_to_end(tmp_path):
     assert train["fragments_read"] == 2
     assert train["documents_read"] + train["documents_other_split"] == sum(pq.ParquetFile(f).metadata.num_rows
                                                                           for f in files)
+    # jobs/sample.py reads the run's latest checkpoint (written through DDP) and the config and tokenizer it names
+    proc = subprocess.run([sys.executable, "jobs/sample.py", str(tmp_path / "ray_results" / "script"), "--prompt",
+                           "The", "--max-new-tokens", "5", "--samples", "2", "--device", "cpu"], cwd=REPO,
+                          env=env_without_ray_address(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert f"model: {tmp_path / 'ray_results' / 'script' / 'checkpoint_step_00000004'}" in proc.stdout
+    assert f"tokenizer: {REPO / 'outputs' / 'tokenizer' / 'tokenizer.json'}" in proc.stdout
+    assert proc.stdout.count("--- sample ") == 2 and "--- sample 2 of 2 ---\nThe" in proc.stdout
 
 
 def test_pretrain_script_refuses_a_bad_config_before_starting():

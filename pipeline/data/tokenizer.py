@@ -36,6 +36,10 @@ class Tokenizer:
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         raise NotImplementedError
 
+    def decode(self, ids: list[int]) -> str:
+        """Text of token ids (jobs/sample.py); EOS and other special tokens come out as their text."""
+        raise NotImplementedError
+
     def encode_docs(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
         """Token stream of `texts` with one EOS after each, and each document's token count (no EOS)."""
         ids = self.encode_batch(texts)
@@ -79,6 +83,10 @@ class ByteTokenizer(Tokenizer):
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         return [list(t.encode("utf-8", errors="replace")) for t in texts]
 
+    def decode(self, ids: list[int]) -> str:
+        # EOS as a line break: the byte stream has no text for it; a byte sequence cut mid-character shows as U+FFFD
+        return b"".join(b"\n" if i == self.eos_id else bytes([i]) for i in ids).decode("utf-8", errors="replace")
+
     def encode_docs(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
         eos = bytes([0])  # placeholder byte, replaced below by position
         raw = [t.encode("utf-8", errors="replace") for t in texts]
@@ -110,6 +118,9 @@ class TiktokenTokenizer(Tokenizer):
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         return self._enc.encode_ordinary_batch(texts)
+
+    def decode(self, ids: list[int]) -> str:
+        return self._enc.decode(ids)
 
 
 def _find_eos(token_to_id, eos_token: str | None, name: str) -> int:

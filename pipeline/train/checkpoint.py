@@ -26,6 +26,8 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
 
 TRAIN_STATE = "train_state.pt"
 CONFIG_FILE = "config.yaml"
+MODEL_FILE = "model.pt"  # the final weights alone, as the run logs them to MLflow (its `model` artifact)
+CHECKPOINT_PREFIX = "checkpoint_step_"  # + the step, 8 digits: a run directory's checkpoints sort by step
 FORMAT_VERSION = 2  # 2: per-rank data shares (rank_blocks, world_size); 1 held one global next_block
 
 
@@ -112,3 +114,31 @@ def load(directory: Path, *, rank: int, world_size: int, model: nn.Module, optim
 def load_model_weights(directory: Path) -> dict[str, torch.Tensor]:
     """The model state dict of a checkpoint (for evaluation or export), without unpickling objects."""
     return torch.load(Path(directory) / TRAIN_STATE, map_location="cpu", weights_only=True)["model"]
+
+
+def trained_model_dir(source: Path) -> Path:
+    """The directory holding a trained model's weights and config.yaml: `source` itself when it is a checkpoint
+    (train_state.pt) or a logged final model (model.pt, the MLflow `model` artifact), else the latest
+    checkpoint of `source` as a run directory (its checkpoint_step_* folders)."""
+    source = Path(source)
+    if not source.is_dir():
+        raise FileNotFoundError(f"{source}: no such directory (expected a checkpoint, a run directory or a "
+                                f"model directory holding {MODEL_FILE})")
+    if (source / TRAIN_STATE).exists() or (source / MODEL_FILE).exists():
+        directory = source
+    else:
+        checkpoints = sorted(p for p in source.glob(CHECKPOINT_PREFIX + "*") if p.is_dir())
+        if not checkpoints:
+            raise FileNotFoundError(f"{source}: holds neither {TRAIN_STATE}, {MODEL_FILE} nor any "
+                                    f"{CHECKPOINT_PREFIX}* checkpoint")
+        directory = checkpoints[-1]
+    if not (directory / CONFIG_FILE).exists():
+        raise FileNotFoundError(f"{directory}: has no {CONFIG_FILE}, so the model it holds cannot be rebuilt")
+    return directory
+
+
+def load_trained_weights(directory: Path) -> dict[str, torch.Tensor]:
+    """The model state dict in a directory that trained_model_dir returned, without unpickling objects."""
+    if (directory / TRAIN_STATE).exists():
+        return load_model_weights(directory)
+    return torch.load(directory / MODEL_FILE, map_location="cpu", weights_only=True)

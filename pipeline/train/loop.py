@@ -544,7 +544,7 @@ def _report(metrics, with_checkpoint, rank, model, optimizer, scheduler, guard, 
         if logger is not None:
             logger.log_checkpoint(tmp, done)
         ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(tmp),
-                         checkpoint_dir_name=f"checkpoint_step_{done:08d}")
+                         checkpoint_dir_name=f"{ckpt.CHECKPOINT_PREFIX}{done:08d}")
 
 
 def _log_final_model(logger, bare, job) -> None:
@@ -552,8 +552,8 @@ def _log_final_model(logger, bare, job) -> None:
 
     state = get_model_state_dict(bare, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     with tempfile.TemporaryDirectory(prefix="nsa-model-") as tmp:
-        torch.save(state, Path(tmp) / "model.pt")
-        (Path(tmp) / "config.yaml").write_text(job.to_yaml())
+        torch.save(state, Path(tmp) / ckpt.MODEL_FILE)
+        (Path(tmp) / ckpt.CONFIG_FILE).write_text(job.to_yaml())
         version = logger.log_final_model(tmp)
     if version is not None:
         print(f"registered model {job.tracking.registered_model_name!r} version {version}", flush=True)

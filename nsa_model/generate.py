@@ -1,0 +1,64 @@
+"""Text continuation from a trained Transformer: what a checkpoint writes, for a person to read.
+
+Every new token runs the model over the whole context again (its last max_seq_len tokens). There is no KV cache:
+NSA's decoding state (the compressed tokens, the selected blocks and the window) is not kept between steps.
+That costs one forward pass per token, which is fine for inspecting a model and wrong for serving one.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from nsa_model.model import Transformer
+
+
+def check_sampling(max_new_tokens: int, temperature: float, top_k: int | None) -> None:
+    """Refuse settings that cannot sample, before a model is loaded."""
+    if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens: must be an int >= 0, got {max_new_tokens!r}")
+    if not temperature >= 0:  # also refuses NaN
+        raise ValueError(f"temperature: must be >= 0 (0: always the most likely token), got {temperature!r}")
+    if top_k is not None and (not isinstance(top_k, int) or top_k < 1):
+        raise ValueError(f"top_k: must be an int >= 1 or None (every token), got {top_k!r}")
+
+
+@torch.no_grad()
+def generate(model: Transformer, prompt: list[int], max_new_tokens: int, *, temperature: float = 1.0,
+             top_k: int | None = None, stop_id: int | None = None, vocab_size: int | None = None,
+             generator: torch.Generator | None = None) -> list[int]:
+    """The tokens that follow `prompt` (not repeated), at most max_new_tokens of them, ending early after stop_id.
+
+    temperature 0 takes the most likely token every step; otherwise the next token is drawn from the softmax of
+    the logits divided by temperature, restricted to the top_k most likely tokens when top_k is given. Only ids
+    below vocab_size (default: the model's) come out: a model's vocabulary is often padded past its tokenizer's
+    (nsa-125m: 50304 rows for GPT-2's 50257 tokens), and a padded row has no text. generator (on the model's
+    device) makes the draws repeatable."""
+    check_sampling(max_new_tokens, temperature, top_k)
+    vocab = model.cfg.vocab_size
+    if vocab_size is not None and not 0 < vocab_size <= vocab:
+        raise ValueError(f"vocab_size: must be in 1..{vocab} (the model's vocabulary), got {vocab_size}")
+    vocab = vocab_size or vocab
+    if not prompt:
+        raise ValueError("prompt: needs at least one token (a document's start is the EOS token before it)")
+    bad = [t for t in prompt if not 0 <= t < vocab]
+    if bad:
+        raise ValueError(f"prompt: token ids {bad[:5]} are outside the model's vocabulary of {vocab}")
+    device = next(model.parameters()).device
+    tokens = torch.tensor([prompt], dtype=torch.long, device=device)
+    new: list[int] = []
+    for _ in range(max_new_tokens):
+        logits, _ = model(tokens[:, -model.cfg.max_seq_len:])
+        logits = logits[0, -1, :vocab].float()
+        if temperature == 0:
+            next_id = int(logits.argmax())
+        else:
+            logits = logits / temperature
+            if top_k is not None and top_k < vocab:
+                kth = torch.topk(logits, top_k).values[-1]
+                logits = logits.masked_fill(logits < kth, float("-inf"))
+            next_id = int(torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=generator))
+        new.append(next_id)
+        if next_id == stop_id:
+            break
+        tokens = torch.cat([tokens, tokens.new_tensor([[next_id]])], dim=1)
+    return new

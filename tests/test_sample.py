@@ -1,0 +1,183 @@
+"""Sampling from a trained model (nsa_model/generate.py, jobs/sample.py) and finding its weights
+(pipeline/train/checkpoint.py): greedy steps against one forward pass, the context window, seeds, the stop token,
+refused settings, and the job on checkpoint, run and model directories. jobs/sample.py on a real DDP run's
+checkpoint is tested in tests/test_job_pretrain.py."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from nsa_model.generate import generate
+from nsa_model.model import Transformer
+from pipeline.config import load_job_config
+from pipeline.train import checkpoint as ckpt
+from test_train_support import REPO
+
+# the byte tokenizer (257 ids) needs no training; a small NSA model over it
+JOB = ["model.dim=32", "model.n_layers=2", "model.n_heads=2", "model.n_kv_heads=1", "model.head_dim=16",
+       "model.vocab_size=260", "model.max_seq_len=32", "model.nsa.cmp_block=8", "model.nsa.cmp_stride=4",
+       "model.nsa.sel_block=8", "model.nsa.n_selected=3", "model.nsa.window=8", "data.seq_len=32",
+       "data.tokenizer=bytes"]
+
+
+def small_job(seed: int = 0):
+    """A small NSA model with every weight drawn at scale 0.3: as initialized (small weights, tied embeddings) it
+    only repeats its last token, which would make a wrong context invisible."""
+    job = load_job_config(None, JOB)
+    torch.manual_seed(seed)
+    model = Transformer(job.model).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.3)
+    return job, model
+
+
+def test_greedy_steps_are_the_most_likely_tokens_of_one_forward_pass():
+    """Causal model: the logits at position p of one pass over prompt + continuation are what step p saw."""
+    _, model = small_job()
+    prompt = [256, 72, 105, 33]
+    new = generate(model, prompt, 12, temperature=0)
+    assert len(new) == 12
+    logits, _ = model(torch.tensor([prompt + new]))
+    expected = logits[0, len(prompt) - 1:-1].argmax(-1).tolist()
+    assert new == expected
+
+
+def test_top_k_of_one_is_greedy_at_any_temperature():
+    _, model = small_job(1)
+    prompt = [256, 65]
+    assert generate(model, prompt, 10, temperature=5.0, top_k=1) == generate(model, prompt, 10, temperature=0)
+
+
+def test_a_context_past_max_seq_len_keeps_its_last_max_seq_len_tokens():
+    _, model = small_job(2)
+    prompt = [(7 * i) % 256 for i in range(29)]  # reaches max_seq_len = 32 at the fourth new token
+    seen = []
+    model.register_forward_pre_hook(lambda module, args: seen.append(args[0][0].tolist()))
+    new = generate(model, prompt, 8, temperature=0)
+    context = prompt + new
+    assert seen == [context[:n][-32:] for n in range(len(prompt), len(context))]
+
+
+def test_draws_repeat_with_a_seed_and_stop_after_the_stop_token():
+    _, model = small_job(3)
+    prompt = [256, 104, 105]
+
+    def draw(seed, **kw):
+        return generate(model, prompt, 20, temperature=1.0, generator=torch.Generator().manual_seed(seed), **kw)
+    assert draw(0) == draw(0)
+    assert draw(0) != draw(1)  # 20 draws from near-uniform logits over 260 tokens
+    stop = draw(0)[4]
+    stopped = draw(0, stop_id=stop)
+    assert stopped[-1] == stop and stop not in stopped[:-1] and len(stopped) <= 5
+
+
+def test_only_ids_of_the_tokenizer_come_out_of_a_padded_vocabulary():
+    """The model has 260 rows, the byte tokenizer 257 ids: rows 257-259, made the most likely, never come out."""
+    _, model = small_job(7)
+
+    def padded_rows_win(module, inputs, logits):
+        return logits + torch.cat([logits.new_zeros(257), logits.new_full((3,), 1e4)])
+    model.lm_head.register_forward_hook(padded_rows_win)
+    prompt = [256, 65, 66]
+    assert min(generate(model, prompt, 8, temperature=0)) >= 257  # without the limit
+    for kw in (dict(temperature=0), dict(temperature=1.0, generator=torch.Generator().manual_seed(0))):
+        assert max(generate(model, prompt, 8, vocab_size=257, **kw)) < 257
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(max_new_tokens=-1), "max_new_tokens: must be an int >= 0"),
+    (dict(temperature=-0.5), "temperature: must be >= 0"),
+    (dict(temperature=float("nan")), "temperature: must be >= 0"),
+    (dict(top_k=0), "top_k: must be an int >= 1 or None"),
+    (dict(prompt=[]), "prompt: needs at least one token"),
+    (dict(prompt=[256, 300]), "prompt: token ids [300] are outside the model's vocabulary of 260"),
+    (dict(vocab_size=261), "vocab_size: must be in 1..260")])
+def test_settings_that_cannot_sample_are_refused(kwargs, message):
+    _, model = small_job()
+    args = dict(prompt=[256], max_new_tokens=3, temperature=1.0, top_k=None, vocab_size=None) | kwargs
+    with pytest.raises(ValueError) as err:
+        generate(model, args.pop("prompt"), args.pop("max_new_tokens"), **args)
+    assert message in str(err.value)
+
+
+def save_checkpoint(directory: Path, job, model, step: int) -> None:
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    ckpt.save(directory, rank=0, model=model, optimizer=opt, scheduler=sched,
+              position=ckpt.TrainingPosition(step=step, rank_blocks=step, world_size=1, guard={}),
+              config_yaml=job.to_yaml())
+
+
+def test_a_run_directory_gives_its_latest_checkpoint_and_a_model_directory_its_weights(tmp_path):
+    job, early = small_job(4)
+    _, late = small_job(5)
+    save_checkpoint(tmp_path / "run" / "checkpoint_step_00000009", job, early, 9)
+    save_checkpoint(tmp_path / "run" / "checkpoint_step_00000010", job, late, 10)  # sorts after step 9
+    directory = ckpt.trained_model_dir(tmp_path / "run")
+    assert directory.name == "checkpoint_step_00000010"
+    assert ckpt.trained_model_dir(directory) == directory
+    weights = ckpt.load_trained_weights(directory)
+    assert all(torch.equal(weights[k], v) for k, v in late.state_dict().items())
+    model_dir = tmp_path / "model"  # as the run logs its final model to MLflow
+    model_dir.mkdir()
+    torch.save(late.state_dict(), model_dir / ckpt.MODEL_FILE)
+    (model_dir / ckpt.CONFIG_FILE).write_text(job.to_yaml())
+    assert ckpt.trained_model_dir(model_dir) == model_dir
+    assert all(torch.equal(ckpt.load_trained_weights(model_dir)[k], v) for k, v in late.state_dict().items())
+
+
+@pytest.mark.parametrize("layout,message", [
+    ("missing", "no such directory"), ("empty", "holds neither train_state.pt, model.pt nor any checkpoint_step_"),
+    ("no_config", "has no config.yaml")])
+def test_a_directory_without_a_model_is_refused(tmp_path, layout, message):
+    source = tmp_path / "src"
+    if layout != "missing":
+        source.mkdir()
+    if layout == "no_config":
+        torch.save({}, source / ckpt.MODEL_FILE)
+    with pytest.raises(FileNotFoundError, match=message):
+        ckpt.trained_model_dir(source)
+
+
+def run_sample(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "jobs/sample.py", *args], cwd=REPO, capture_output=True, text=True,
+                          timeout=300)
+
+
+def test_sample_job_continues_a_prompt_from_a_checkpoint(tmp_path):
+    job, model = small_job(6)
+    with torch.no_grad():  # the 3 rows past the byte tokenizer's 257 would win most steps (their text: none)
+        model.lm_head.weight[257:] *= 100
+    save_checkpoint(tmp_path / "checkpoint_step_00000003", job, model, 3)
+    proc = run_sample(str(tmp_path), "--prompt", "Hi", "--max-new-tokens", "6", "--temperature", "0",
+                      "--samples", "2", "--device", "cpu")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    out = proc.stdout
+    assert f"model: {tmp_path / 'checkpoint_step_00000003'}" in out and "tokenizer: bytes" in out
+    new = generate(model, [256, 72, 105], 6, temperature=0, stop_id=256, vocab_size=257)  # EOS, then "Hi"
+    assert new != generate(model, [72, 105], 6, temperature=0, stop_id=256, vocab_size=257)  # EOS first matters
+    text = bytes(i for i in new if i < 256).decode("utf-8", errors="replace")
+    ending = "[end of document]" if new[-1] == 256 else f"[{len(new)} tokens]"
+    samples = out.split("--- sample ")[1:]
+    assert len(samples) == 2
+    for i, sample in enumerate(samples):  # greedy: both the same, and what generate gives in this process
+        assert sample == f"{i + 1} of 2 ---\nHi{text} {ending}\n"
+
+
+def test_sample_job_refuses_what_it_cannot_run_before_loading(tmp_path):
+    proc = run_sample(str(tmp_path), "--temperature", "-1")
+    assert proc.returncode == 2 and "temperature: must be >= 0" in proc.stderr
+    proc = run_sample(str(tmp_path / "nowhere"))
+    assert proc.returncode == 2 and "no such directory" in proc.stderr
+    job, model = small_job()
+    big = load_job_config(None, [*JOB[:5], "model.vocab_size=200", *JOB[6:]])  # fewer ids than the byte tokenizer
+    torch.manual_seed(0)
+    save_checkpoint(tmp_path / "small", big, Transformer(big.model), 1)
+    proc = run_sample(str(tmp_path / "small"), "--device", "cpu")
+    assert proc.returncode == 2 and "has 257 tokens, more than the model's 200" in proc.stderr
