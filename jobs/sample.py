@@ -1,7 +1,7 @@
 """Continue a prompt with a model that jobs/pretrain.py trained: read what a checkpoint writes.
 
-    python jobs/sample.py outputs/ray_results/tiny-nsa                       # the run's latest checkpoint
-    python jobs/sample.py outputs/ray_results/tiny-nsa/checkpoint_step_00000250 --prompt "The module" --samples 3
+    python jobs/sample.py outputs/ray_results/tiny                       # the run's latest checkpoint
+    python jobs/sample.py outputs/ray_results/tiny/checkpoint_step_00000250 --prompt "The module" --samples 3
     mlflow artifacts download -u models:/nsa-tiny/1 -d /tmp/nsa-tiny && python jobs/sample.py /tmp/nsa-tiny
 
 SOURCE is a checkpoint directory, a run directory (its latest checkpoint) or a final model as the run logs it to
