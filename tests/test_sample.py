@@ -133,7 +133,7 @@ def test_a_run_directory_gives_its_latest_checkpoint_and_a_model_directory_its_w
 
 
 @pytest.mark.parametrize("layout,message", [
-    ("missing", "no such directory"), ("empty", "holds neither train_state.pt, model.pt nor any checkpoint_step_"),
+    ("missing", "not a directory"), ("empty", "holds neither train_state.pt, model.pt nor any checkpoint_step_"),
     ("no_config", "has no config.yaml")])
 def test_a_directory_without_a_model_is_refused(tmp_path, layout, message):
     source = tmp_path / "src"
@@ -174,7 +174,7 @@ def test_sample_job_refuses_what_it_cannot_run_before_loading(tmp_path):
     proc = run_sample(str(tmp_path), "--temperature", "-1")
     assert proc.returncode == 2 and "temperature: must be >= 0" in proc.stderr
     proc = run_sample(str(tmp_path / "nowhere"))
-    assert proc.returncode == 2 and "no such directory" in proc.stderr
+    assert proc.returncode == 2 and "not a directory" in proc.stderr
     job, model = small_job()
     big = load_job_config(None, [*JOB[:5], "model.vocab_size=200", *JOB[6:]])  # fewer ids than the byte tokenizer
     torch.manual_seed(0)

@@ -122,7 +122,7 @@ def trained_model_dir(source: Path) -> Path:
     checkpoint of `source` as a run directory (its checkpoint_step_* folders)."""
     source = Path(source)
     if not source.is_dir():
-        raise FileNotFoundError(f"{source}: no such directory (expected a checkpoint, a run directory or a "
+        raise FileNotFoundError(f"{source}: not a directory (expected a checkpoint, a run directory or a "
                                 f"model directory holding {MODEL_FILE})")
     if (source / TRAIN_STATE).exists() or (source / MODEL_FILE).exists():
         directory = source
