@@ -35,8 +35,25 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def load_model(source: Path, device):
+def resolve_device(text: str) -> str:
+    """auto: cuda when present, else cpu; cuda[:N] refused where that GPU is absent."""
+    import torch
+
+    if text == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    kind, _, index = text.partition(":")
+    if text == "cpu" or (kind == "cuda" and (not index or index.isdigit())):
+        count = torch.cuda.device_count() if kind == "cuda" else 0
+        if kind == "cuda" and int(index or 0) >= count:
+            raise ValueError(f"--device {text}: this machine has {count} CUDA device(s)")
+        return text
+    raise ValueError(f"--device: expected auto, cpu, cuda or cuda:N, got {text!r}")
+
+
+def load_model(source: Path, device: str):
     """(job config, Transformer in eval mode on device) from a checkpoint, run or model directory."""
+    import pickle
+
     import torch
 
     from nsa_model.model import Transformer
@@ -46,10 +63,56 @@ def load_model(source: Path, device):
     directory = ckpt.trained_model_dir(source)
     job = load_job_config(directory / ckpt.CONFIG_FILE)
     model = Transformer(job.model)
-    model.load_state_dict(ckpt.load_trained_weights(directory), strict=True)
+    try:
+        model.load_state_dict(ckpt.load_trained_weights(directory), strict=True)
+    except (RuntimeError, pickle.UnpicklingError, EOFError) as e:  # a torn file, or weights of another model
+        raise ValueError(f"{directory}: its weights do not load into the model its config.yaml describes: {e}")
     print(f"model: {directory} ({model.num_params() / 1e6:.2f}M parameters, attention {job.model.attention})",
           flush=True)
     return job, model.to(device=torch.device(device)).eval()
+
+
+def load_run_tokenizer(job, tokenizer_file: str | None):
+    """--tokenizer, else the tokenizer the run's config names. Never trains one: the embedded BPE must already be
+    where training left it (a tokenizer trained here on another corpus would give other ids for the same text)."""
+    from pipeline.data.config import EMBEDDED
+    from pipeline.data.tokenizer import embedded_tokenizer_path, load_tokenizer, load_tokenizer_file
+
+    if tokenizer_file is not None:
+        tokenizer = load_tokenizer_file(Path(tokenizer_file), job.data.eos_token)
+    elif job.data.tokenizer == EMBEDDED:
+        path = embedded_tokenizer_path(job.data)
+        if not path.exists():
+            raise FileNotFoundError(f"the run's tokenizer is not at {path}, where its training built it: pass its "
+                                    f"copy with --tokenizer (the run's MLflow artifact tokenizer/tokenizer.json)")
+        tokenizer = load_tokenizer_file(path, job.data.eos_token)
+    else:
+        tokenizer = load_tokenizer(job.data)
+    if tokenizer.vocab_size > job.model.vocab_size:
+        raise ValueError(f"tokenizer {tokenizer.name!r} has {tokenizer.vocab_size} tokens, more than the model's "
+                         f"{job.model.vocab_size}: not the tokenizer it was trained with")
+    # the run's MLflow params hold the sha256 of the tokenizer it trained with (tokenizer.sha256)
+    print(f"tokenizer: {tokenizer.name} (sha256 {tokenizer.sha256[:12]})", flush=True)
+    return tokenizer
+
+
+def print_samples(args, model, tokenizer, device: str) -> None:
+    import torch
+
+    from nsa_model.generate import generate
+
+    prompt = [tokenizer.eos_id] + tokenizer.encode_batch([args.prompt])[0]
+    generator = torch.Generator(device=device).manual_seed(args.seed)
+    for i in range(args.samples):
+        # bf16 on GPUs, where the Triton kernels run; fp32 on CPUs
+        with torch.autocast("cuda", dtype=torch.bfloat16) if device.startswith("cuda") else contextlib.nullcontext():
+            ids = generate(model, prompt, args.max_new_tokens, temperature=args.temperature,
+                           top_k=args.top_k or None, stop_id=tokenizer.eos_id, vocab_size=tokenizer.vocab_size,
+                           generator=generator)
+        ended = ids[-1:] == [tokenizer.eos_id]
+        text = tokenizer.decode(ids[:-1] if ended else ids)
+        print(f"--- sample {i + 1} of {args.samples} ---\n{args.prompt}{text} "
+              f"{'[end of document]' if ended else f'[{len(ids)} tokens]'}", flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -59,41 +122,13 @@ def main(argv: list[str] | None = None) -> int:
         check_sampling(args.max_new_tokens, args.temperature, args.top_k or None)
         if args.samples < 1:
             raise ValueError(f"--samples: must be >= 1, got {args.samples}")
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-
-    import torch
-
-    from nsa_model.generate import generate
-    from pipeline.data.tokenizer import load_tokenizer, load_tokenizer_file
-
-    device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
-    try:
+        device = resolve_device(args.device)
         job, model = load_model(Path(args.source), device)
-        tokenizer = (load_tokenizer_file(Path(args.tokenizer), job.data.eos_token) if args.tokenizer
-                     else load_tokenizer(job.data))
+        tokenizer = load_run_tokenizer(job, args.tokenizer)
     except (FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    if tokenizer.vocab_size > job.model.vocab_size:
-        print(f"error: tokenizer {tokenizer.name!r} has {tokenizer.vocab_size} tokens, more than the model's "
-              f"{job.model.vocab_size}: not the tokenizer it was trained with", file=sys.stderr)
-        return 2
-    print(f"tokenizer: {tokenizer.name} (sha256 {tokenizer.sha256[:12]})", flush=True)
-
-    prompt = [tokenizer.eos_id] + tokenizer.encode_batch([args.prompt])[0]
-    generator = torch.Generator(device=device).manual_seed(args.seed)
-    # bf16 on GPUs, where the Triton kernels run; fp32 on CPUs
-    on_gpu = device.startswith("cuda")
-    for i in range(args.samples):
-        with torch.autocast("cuda", dtype=torch.bfloat16) if on_gpu else contextlib.nullcontext():
-            ids = generate(model, prompt, args.max_new_tokens, temperature=args.temperature,
-                           top_k=args.top_k or None, stop_id=tokenizer.eos_id, vocab_size=tokenizer.vocab_size,
-                           generator=generator)
-        ended = "[end of document]" if ids and ids[-1] == tokenizer.eos_id else f"[{len(ids)} tokens]"
-        text = tokenizer.decode(ids[:-1] if ids and ids[-1] == tokenizer.eos_id else ids)
-        print(f"--- sample {i + 1} of {args.samples} ---\n{args.prompt}{text} {ended}", flush=True)
+    print_samples(args, model, tokenizer, device)
     return 0
 
 

@@ -7,6 +7,8 @@ That costs one forward pass per token, which is fine for inspecting a model and 
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from nsa_model.model import Transformer
@@ -14,12 +16,27 @@ from nsa_model.model import Transformer
 
 def check_sampling(max_new_tokens: int, temperature: float, top_k: int | None) -> None:
     """Refuse settings that cannot sample, before a model is loaded."""
-    if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
+    if type(max_new_tokens) is not int or max_new_tokens < 0:
         raise ValueError(f"max_new_tokens: must be an int >= 0, got {max_new_tokens!r}")
-    if not temperature >= 0:  # also refuses NaN
-        raise ValueError(f"temperature: must be >= 0 (0: always the most likely token), got {temperature!r}")
-    if top_k is not None and (not isinstance(top_k, int) or top_k < 1):
+    if not (isinstance(temperature, (int, float)) and math.isfinite(temperature) and temperature >= 0):
+        raise ValueError(f"temperature: must be a finite number >= 0 (0: always the most likely token), "
+                         f"got {temperature!r}")
+    if top_k is not None and (type(top_k) is not int or top_k < 1):
         raise ValueError(f"top_k: must be an int >= 1 or None (every token), got {top_k!r}")
+
+
+def next_token(logits: torch.Tensor, temperature: float, top_k: int | None,
+               generator: torch.Generator | None) -> int:
+    """One id from a step's logits [vocab]: the largest at temperature 0, else a draw from softmax(logits / T) over
+    the top_k largest (and any tied with the k-th)."""
+    if temperature == 0:
+        return int(logits.argmax())
+    # shifted by the max first: a tiny temperature then sends the others to -inf instead of the max to +inf (NaN)
+    logits = (logits - logits.max()) / temperature
+    if top_k is not None and top_k < logits.numel():
+        kth = torch.topk(logits, top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    return int(torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=generator))
 
 
 @torch.no_grad()
@@ -28,37 +45,24 @@ def generate(model: Transformer, prompt: list[int], max_new_tokens: int, *, temp
              generator: torch.Generator | None = None) -> list[int]:
     """The tokens that follow `prompt` (not repeated), at most max_new_tokens of them, ending early after stop_id.
 
-    temperature 0 takes the most likely token every step; otherwise the next token is drawn from the softmax of
-    the logits divided by temperature, restricted to the top_k most likely tokens when top_k is given. Only ids
-    below vocab_size (default: the model's) come out: a model's vocabulary is often padded past its tokenizer's
-    (nsa-125m: 50304 rows for GPT-2's 50257 tokens), and a padded row has no text. generator (on the model's
-    device) makes the draws repeatable."""
+    Each step's token comes from next_token. Only ids below vocab_size (default: the model's) come out: a model's
+    vocabulary is often padded past its tokenizer's (nsa-125m: 50304 rows for GPT-2's 50257 tokens), and a padded
+    row has no text. generator (on the model's device) makes the draws repeatable."""
     check_sampling(max_new_tokens, temperature, top_k)
-    vocab = model.cfg.vocab_size
-    if vocab_size is not None and not 0 < vocab_size <= vocab:
-        raise ValueError(f"vocab_size: must be in 1..{vocab} (the model's vocabulary), got {vocab_size}")
-    vocab = vocab_size or vocab
+    rows = model.cfg.vocab_size
+    if vocab_size is not None and not 0 < vocab_size <= rows:
+        raise ValueError(f"vocab_size: must be in 1..{rows} (the model's vocabulary), got {vocab_size}")
     if not prompt:
         raise ValueError("prompt: needs at least one token (a document's start is the EOS token before it)")
-    bad = [t for t in prompt if not 0 <= t < vocab]
+    bad = [t for t in prompt if not 0 <= t < rows]
     if bad:
-        raise ValueError(f"prompt: token ids {bad[:5]} are outside the model's vocabulary of {vocab}")
-    device = next(model.parameters()).device
-    tokens = torch.tensor([prompt], dtype=torch.long, device=device)
+        raise ValueError(f"prompt: token ids {bad[:5]} are outside the model's vocabulary of {rows}")
+    tokens = torch.tensor([prompt], dtype=torch.long, device=next(model.parameters()).device)
     new: list[int] = []
     for _ in range(max_new_tokens):
         logits, _ = model(tokens[:, -model.cfg.max_seq_len:])
-        logits = logits[0, -1, :vocab].float()
-        if temperature == 0:
-            next_id = int(logits.argmax())
-        else:
-            logits = logits / temperature
-            if top_k is not None and top_k < vocab:
-                kth = torch.topk(logits, top_k).values[-1]
-                logits = logits.masked_fill(logits < kth, float("-inf"))
-            next_id = int(torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=generator))
-        new.append(next_id)
-        if next_id == stop_id:
+        new.append(next_token(logits[0, -1, :vocab_size or rows].float(), temperature, top_k, generator))
+        if new[-1] == stop_id:
             break
-        tokens = torch.cat([tokens, tokens.new_tensor([[next_id]])], dim=1)
+        tokens = torch.cat([tokens, tokens.new_tensor([new[-1:]])], dim=1)
     return new

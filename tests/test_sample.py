@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from nsa_model.generate import generate
+from nsa_model.generate import generate, next_token
 from nsa_model.model import Transformer
 from pipeline.config import load_job_config
 from pipeline.train import checkpoint as ckpt
@@ -90,10 +90,28 @@ def test_only_ids_of_the_tokenizer_come_out_of_a_padded_vocabulary():
         assert max(generate(model, prompt, 8, vocab_size=257, **kw)) < 257
 
 
+def test_draws_keep_to_the_top_k_and_follow_the_temperature():
+    logits = torch.randn(100, generator=torch.Generator().manual_seed(8)) * 3
+    top5 = set(torch.topk(logits, 5).indices.tolist())
+    gen = torch.Generator().manual_seed(9)
+
+    def draws(temperature, top_k=None, n=300):
+        return [next_token(logits, temperature, top_k, gen) for _ in range(n)]
+    in_top5 = draws(1.0, top_k=5)
+    assert set(in_top5) <= top5 and len(set(in_top5)) >= 3
+    argmax = int(logits.argmax())
+    cold, hot = draws(0.05), draws(20.0)
+    assert cold.count(argmax) == len(cold)  # the top logit leads the next by more than 0.05 x 20
+    assert len(set(hot)) > 40 and hot.count(argmax) < 30  # near uniform over 100 ids
+    assert draws(1e-40, n=5) == [argmax] * 5  # no overflow to NaN
+
+
 @pytest.mark.parametrize("kwargs,message", [
     (dict(max_new_tokens=-1), "max_new_tokens: must be an int >= 0"),
-    (dict(temperature=-0.5), "temperature: must be >= 0"),
-    (dict(temperature=float("nan")), "temperature: must be >= 0"),
+    (dict(temperature=-0.5), "temperature: must be a finite number >= 0"),
+    (dict(temperature=float("nan")), "temperature: must be a finite number >= 0"),
+    (dict(temperature=float("inf")), "temperature: must be a finite number >= 0"),
+    (dict(top_k=True), "top_k: must be an int >= 1 or None"),
     (dict(top_k=0), "top_k: must be an int >= 1 or None"),
     (dict(prompt=[]), "prompt: needs at least one token"),
     (dict(prompt=[256, 300]), "prompt: token ids [300] are outside the model's vocabulary of 260"),
@@ -172,7 +190,7 @@ def test_sample_job_continues_a_prompt_from_a_checkpoint(tmp_path):
 
 def test_sample_job_refuses_what_it_cannot_run_before_loading(tmp_path):
     proc = run_sample(str(tmp_path), "--temperature", "-1")
-    assert proc.returncode == 2 and "temperature: must be >= 0" in proc.stderr
+    assert proc.returncode == 2 and "temperature: must be a finite number >= 0" in proc.stderr
     proc = run_sample(str(tmp_path / "nowhere"))
     assert proc.returncode == 2 and "not a directory" in proc.stderr
     job, model = small_job()
@@ -181,3 +199,69 @@ def test_sample_job_refuses_what_it_cannot_run_before_loading(tmp_path):
     save_checkpoint(tmp_path / "small", big, Transformer(big.model), 1)
     proc = run_sample(str(tmp_path / "small"), "--device", "cpu")
     assert proc.returncode == 2 and "has 257 tokens, more than the model's 200" in proc.stderr
+
+
+def sample_main():
+    """jobs/sample.py's main, imported from its path (jobs/ is no package)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("nsa_sample_job", REPO / "jobs" / "sample.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.main
+
+
+def test_sample_job_draws_repeat_with_its_seed(tmp_path, capsys):
+    job, model = small_job(10)
+    save_checkpoint(tmp_path / "ckpt", job, model, 1)
+    main = sample_main()
+
+    def texts(seed):
+        assert main([str(tmp_path / "ckpt"), "--max-new-tokens", "12", "--temperature", "1", "--samples", "2",
+                     "--seed", str(seed), "--device", "cpu"]) == 0
+        return capsys.readouterr().out.split("--- sample ")[1:]
+    first = texts(5)
+    assert first == texts(5) and first != texts(6)
+    assert first[0] != first[1]  # the samples of one run draw on
+
+
+def test_sample_job_never_trains_a_tokenizer_and_takes_one_given(tmp_path, capsys):
+    """A run on the embedded tokenizer whose file is not where training left it (a checkpoint copied elsewhere):
+    refused, with the way out; --tokenizer then gives the file."""
+    from pipeline.data.tokenizer import train_bpe
+
+    job = load_job_config(None, [*JOB[:5], "model.vocab_size=300", *JOB[6:-1], "data.tokenizer=embedded",
+                                 f"data.output_dir={tmp_path / 'outputs'}"])
+    torch.manual_seed(0)
+    save_checkpoint(tmp_path / "ckpt", job, Transformer(job.model), 1)
+    main = sample_main()
+    assert main([str(tmp_path / "ckpt"), "--device", "cpu"]) == 2
+    err = capsys.readouterr().err
+    assert f"the run's tokenizer is not at {tmp_path / 'outputs' / 'tokenizer'}" in err and "--tokenizer" in err
+    assert not (tmp_path / "outputs").exists()  # nothing was trained
+    bpe = train_bpe(iter(["hello world, hello tokenizer"] * 20), 300, tmp_path / "tok" / "tokenizer.json")
+    assert main([str(tmp_path / "ckpt"), "--tokenizer", str(bpe), "--prompt", "hello", "--max-new-tokens", "4",
+                 "--device", "cpu"]) == 0
+    assert f"tokenizer: {bpe}" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("case,message", [
+    ("device_word", "--device: expected auto, cpu, cuda or cuda:N, got 'gpu'"),
+    ("device_absent", "--device cuda:7: this machine has"),
+    ("torn_latest", "checkpoint_step_00000002: the latest checkpoint of"),
+    ("torn_weights", "its weights do not load into the model its config.yaml describes"),
+    ("other_model", "its weights do not load into the model its config.yaml describes")])
+def test_sample_job_refuses_a_device_or_weights_it_cannot_use(tmp_path, capsys, case, message):
+    job, model = small_job()
+    save_checkpoint(tmp_path / "checkpoint_step_00000001", job, model, 1)
+    device = {"device_word": "gpu", "device_absent": "cuda:7"}.get(case, "cpu")
+    if case == "torn_latest":  # a copy cut short: its config came, its weights did not
+        (tmp_path / "checkpoint_step_00000002").mkdir()
+        (tmp_path / "checkpoint_step_00000002" / ckpt.CONFIG_FILE).write_text(job.to_yaml())
+    if case == "torn_weights":
+        (tmp_path / "checkpoint_step_00000001" / ckpt.TRAIN_STATE).write_bytes(b"not a torch file")
+    if case == "other_model":
+        other = load_job_config(None, [*JOB, "model.n_layers=3"])
+        (tmp_path / "checkpoint_step_00000001" / ckpt.CONFIG_FILE).write_text(other.to_yaml())
+    assert sample_main()([str(tmp_path), "--device", device]) == 2
+    assert message in capsys.readouterr().err

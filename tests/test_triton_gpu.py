@@ -156,7 +156,7 @@ def test_greedy_sampling_on_the_gpu_follows_the_float32_model():
     """jobs/sample.py's path on a GPU: nsa_model/generate.py with the Triton kernels under bf16 autocast, on a
     context that grows a token at a time from 8 tokens (under one compressed block) past two selection blocks.
     Every token it picks must be the float32 model's most likely one on the CPU, up to bf16 noise: within 2% of
-    the logits' range of the top (a wrong attention picks tokens far down the list)."""
+    the logits' range of the top (a wrong attention picks tokens far down the list). Seeded draws repeat."""
     from nsa_model import get_preset
     from nsa_model.generate import generate
     from nsa_model.model import Transformer
@@ -176,3 +176,8 @@ def test_greedy_sampling_on_the_gpu_follows_the_float32_model():
     gap = (steps.max(1).values - chosen) / (steps.max(1).values - steps.min(1).values)
     assert len(set(new)) >= 5, new  # not one token repeated: the context moves the choice
     assert gap.max().item() <= 0.02, (gap.max().item(), int(gap.argmax()))
+    # draws on the GPU's own generator repeat with its seed (jobs/sample.py --seed)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        drawn = [generate(model.cuda(), prompt, 30, temperature=1.0, top_k=50,
+                          generator=torch.Generator("cuda").manual_seed(seed)) for seed in (3, 3, 4)]
+    assert drawn[0] == drawn[1] != drawn[2]

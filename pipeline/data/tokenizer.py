@@ -37,7 +37,8 @@ class Tokenizer:
         raise NotImplementedError
 
     def decode(self, ids: list[int]) -> str:
-        """Text of token ids (jobs/sample.py); EOS and other special tokens come out as their text."""
+        """Text of token ids (jobs/sample.py); special tokens come out as their text (the byte tokenizer's EOS,
+        which has none, as a line break)."""
         raise NotImplementedError
 
     def encode_docs(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:

@@ -132,6 +132,8 @@ def trained_model_dir(source: Path) -> Path:
             raise FileNotFoundError(f"{source}: holds neither {TRAIN_STATE}, {MODEL_FILE} nor any "
                                     f"{CHECKPOINT_PREFIX}* checkpoint")
         directory = checkpoints[-1]
+        if not (directory / TRAIN_STATE).exists():  # e.g. a copy cut short
+            raise FileNotFoundError(f"{directory}: the latest checkpoint of {source} has no {TRAIN_STATE}")
     if not (directory / CONFIG_FILE).exists():
         raise FileNotFoundError(f"{directory}: has no {CONFIG_FILE}, so the model it holds cannot be rebuilt")
     return directory
