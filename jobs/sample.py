@@ -41,13 +41,14 @@ def resolve_device(text: str) -> str:
 
     if text == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
-    kind, _, index = text.partition(":")
-    if text == "cpu" or (kind == "cuda" and (not index or index.isdigit())):
-        count = torch.cuda.device_count() if kind == "cuda" else 0
-        if kind == "cuda" and int(index or 0) >= count:
-            raise ValueError(f"--device {text}: this machine has {count} CUDA device(s)")
+    if text == "cpu":
         return text
-    raise ValueError(f"--device: expected auto, cpu, cuda or cuda:N, got {text!r}")
+    kind, _, index = text.partition(":")
+    if kind != "cuda" or not (index == "" or index.isdigit()):
+        raise ValueError(f"--device: expected auto, cpu, cuda or cuda:N, got {text!r}")
+    if int(index or 0) >= torch.cuda.device_count():
+        raise ValueError(f"--device {text}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    return text
 
 
 def load_model(source: Path, device: str):
