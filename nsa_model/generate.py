@@ -30,12 +30,13 @@ def next_token(logits: torch.Tensor, temperature: float, top_k: int | None,
     """One id from a step's logits [vocab]: the largest at temperature 0, else a draw from softmax(logits / T) over
     the top_k largest (and any tied with the k-th)."""
     if temperature == 0:
-        return int(logits.argmax())
+        return int(logits.argmax())  # ok-host-sync: the id decides the stop and is the next step's input
     # shifted by the max first: a tiny temperature then sends the others to -inf instead of the max to +inf (NaN)
     logits = (logits - logits.max()) / temperature
     if top_k is not None and top_k < logits.numel():
         kth = torch.topk(logits, top_k).values[-1]
         logits = logits.masked_fill(logits < kth, float("-inf"))
+    # ok-host-sync: one per generated token, outside any forward/backward (decoding, not training)
     return int(torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=generator))
 
 
