@@ -7,8 +7,9 @@
 SOURCE is a checkpoint directory, a run directory (its latest checkpoint) or a final model as the run logs it to
 MLflow (model.pt + config.yaml). The model is rebuilt from the config.yaml saved beside its weights; the tokenizer
 is --tokenizer, else the one that config names (data.tokenizer, as training loaded it). Each sample starts a new
-document (the EOS token, then the prompt) and stops at the next EOS or after --max-new-tokens. Every token reruns
-the model over the whole context (nsa_model/generate.py): fine for reading samples, slow for long ones.
+document (the EOS token, then the prompt) and stops at the next EOS or after --max-new-tokens. The prompt runs
+through the model once; each new token is then one decoding step over the layers' caches (nsa_model/generate.py;
+--no-cache reruns the whole context for every token instead, the slow reference).
 """
 
 from __future__ import annotations
@@ -32,6 +33,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default="auto", help="auto (cuda when present), cpu or cuda[:N]")
     parser.add_argument("--tokenizer", default=None, help="a tokenizer.json to use instead of the run's")
+    parser.add_argument("--no-cache", action="store_true",
+                        help="run the whole context for every token instead of a decoding step (slow; a check)")
     return parser.parse_args(argv)
 
 
@@ -109,7 +112,7 @@ def print_samples(args, model, tokenizer, device: str) -> None:
         with torch.autocast("cuda", dtype=torch.bfloat16) if device.startswith("cuda") else contextlib.nullcontext():
             ids = generate(model, prompt, args.max_new_tokens, temperature=args.temperature,
                            top_k=args.top_k or None, stop_id=tokenizer.eos_id, vocab_size=tokenizer.vocab_size,
-                           generator=generator)
+                           generator=generator, use_cache=not args.no_cache)
         ended = ids[-1:] == [tokenizer.eos_id]
         text = tokenizer.decode(ids[:-1] if ended else ids)
         print(f"--- sample {i + 1} of {args.samples} ---\n{args.prompt}{text} "

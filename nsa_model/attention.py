@@ -13,7 +13,9 @@ from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from nsa_model import ops
+from nsa_model.cache import LayerCache
 from nsa_model.config import ModelConfig, NSAConfig
+from nsa_model.ops.decode import nsa_decode_step
 from nsa_model.rope import RotaryEmbedding
 
 BRANCHES = ("cmp", "slc", "win")  # order of the gates and of the per-branch K/V projections
@@ -26,9 +28,11 @@ def check_backend(backend: str) -> str:
 
 
 def project_qkv(x: torch.Tensor, wq: nn.Linear, wk: nn.Linear, wv: nn.Linear, rope: RotaryEmbedding,
-                cfg: ModelConfig, sets: int, backend: str, gate: nn.Linear | None = None) -> list[torch.Tensor]:
+                cfg: ModelConfig, sets: int, backend: str, gate: nn.Linear | None = None,
+                position: int = 0) -> list[torch.Tensor]:
     """[q, k_0 .. k_{sets-1}, v_0 .. v_{sets-1}] for x [B, T, dim]: q [B, T, H, Dk] and the key sets rotated by
-    RoPE, the value sets [B, T, G, Dv] as they are, each a tensor of its own (attention keeps them for its
+    RoPE as positions position .. position + T - 1 (0 .. T - 1 except after a cached context), the value sets
+    [B, T, G, Dv] as they are, each a tensor of its own (attention keeps them for its
     backward; a view would keep the whole projection output alive, +860 MiB reserved for NSA at 32k tokens per
     micro-batch, kernels-notes.md v16). With `gate`, its output gate(x) [B, T, gate.out_features] follows.
 
@@ -45,7 +49,7 @@ def project_qkv(x: torch.Tensor, wq: nn.Linear, wk: nn.Linear, wv: nn.Linear, ro
              (wv, [G] * sets, [Dv] * sets, [False] * sets)]
     if not cfg.fused_qkv:
         outs = [t for w, heads, dims, rotate in parts for t in rotate_and_split(w(x), rope, heads, dims, rotate,
-                                                                                 backend)]
+                                                                                 backend, position)]
         return outs if gate is None else outs + [gate(x)]
     weights = [wq.weight, wk.weight, wv.weight]
     heads, dims, rotate = (sum((p[i] for p in parts), []) for i in (1, 2, 3))
@@ -55,7 +59,7 @@ def project_qkv(x: torch.Tensor, wq: nn.Linear, wk: nn.Linear, wv: nn.Linear, ro
         width = -(-(base + n) // 64) * 64 - base  # the gate's columns, n of them real
         weights += [gate.weight, gate.weight.new_zeros(width - n, gate.in_features)]
         heads, dims, rotate = heads + [1], dims + [width], rotate + [False]
-    outs = rotate_and_split(F.linear(x, torch.cat(weights)), rope, heads, dims, rotate, backend)
+    outs = rotate_and_split(F.linear(x, torch.cat(weights)), rope, heads, dims, rotate, backend, position)
     if fuse_gate:
         logits = outs[-1][:, :, 0, :n]
         return outs[:-1] + [logits + gate.bias.to(logits.dtype)]  # the dtype Linear gives under autocast
@@ -63,17 +67,19 @@ def project_qkv(x: torch.Tensor, wq: nn.Linear, wk: nn.Linear, wv: nn.Linear, ro
 
 
 def rotate_and_split(y: torch.Tensor, rope: RotaryEmbedding, heads: list[int], head_dims: list[int],
-                     rotate: list[bool], backend: str) -> list[torch.Tensor]:
+                     rotate: list[bool], backend: str, position: int = 0) -> list[torch.Tensor]:
     """y [B, T, width] split into parts [B, T, heads_i, head_dims_i] (columns in order), each its own tensor,
-    part i rotated by RoPE where rotate_i. The triton backend runs it as one Triton op (nsa::rope_split); the
-    others in PyTorch, where under torch.compile inductor builds the backward's concatenation of the parts'
-    gradients from the RoPE backward of each half (kernels-notes.md, v18)."""
+    part i rotated by RoPE (rows at positions position ..) where rotate_i. The triton backend runs it as one
+    Triton op (nsa::rope_split); the others in PyTorch, where under torch.compile inductor builds the backward's
+    concatenation of the parts' gradients from the RoPE backward of each half (kernels-notes.md, v18)."""
     if ops.resolve_backend(backend, y) == "triton":
-        return ops.backend_module("triton", y).rope_split(y, rope.cos, rope.sin, heads, head_dims, rotate)
+        rope.check_positions(position, y.shape[1])
+        return ops.backend_module("triton", y).rope_split(y, rope.cos[position:], rope.sin[position:], heads,
+                                                          head_dims, rotate)
     parts, start = [], 0
     for h, d, r in zip(heads, head_dims, rotate):
         part = y[:, :, start:start + h * d].unflatten(-1, (h, d))
-        parts.append(rope(part) if r else part.contiguous())
+        parts.append(rope(part, position) if r else part.contiguous())
         start += h * d
     return parts
 
@@ -214,22 +220,58 @@ class NSAAttention(nn.Module):
 
     def _attend(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(o [B, T, H, Dv], gates [B, T, H, 3], blocks) for x [B, T, dim]."""
-        B, T, _ = x.shape
-        # RoPE on the raw keys first: compression and selection work on rotated keys (spec).
-        q, *kv, gate_logits = project_qkv(x, self.wq, self.wk, self.wv, self.rope, self.cfg, self.kv_sets,
-                                          self.backend, gate=self.gate)
-        k_cmp, k_slc, k_win = kv[:3] if self.kv_sets > 1 else kv[:1] * 3
-        v_cmp, v_slc, v_win = kv[3:] if self.kv_sets > 1 else kv[1:] * 3
-        gates = torch.sigmoid(gate_logits).view(B, T, self.cfg.n_heads, len(BRANCHES))
-        own_checkpoint = not self.recompute
-        if self.phi_k.pairs_with(self.phi_v, k_cmp, v_cmp):
-            k_cmp, v_cmp = self.phi_k.pair(self.phi_v, k_cmp, v_cmp)
-        else:
-            k_cmp, v_cmp = self.phi_k(k_cmp, own_checkpoint), self.phi_v(v_cmp, own_checkpoint)
+        q, kv, gates = self._project(x)
+        (k_cmp, k_slc, k_win), (v_cmp, v_slc, v_win) = self._branch_sets(kv)
+        k_cmp, v_cmp = self._compress(k_cmp, v_cmp, own_checkpoint=not self.recompute)
         # On the triton backend the core is one custom op (nsa::core): torch.compile traces through it.
         o, blocks = ops.nsa_attention(q, k_slc, v_slc, k_win, v_win, k_cmp, v_cmp, gates, self.nsa,
                                       backend=self.backend, return_blocks=True, recompute=self.recompute)
         return o, gates, blocks
+
+    def _project(self, x: torch.Tensor, position: int = 0):
+        """(q [B, T, H, Dk], the raw key sets then value sets [B, T, G, D], gates [B, T, H, 3]) of x [B, T, dim]
+        at positions position ..; RoPE on the raw keys first: compression and selection work on rotated keys."""
+        B, T, _ = x.shape
+        q, *kv, gate_logits = project_qkv(x, self.wq, self.wk, self.wv, self.rope, self.cfg, self.kv_sets,
+                                          self.backend, gate=self.gate, position=position)
+        return q, kv, torch.sigmoid(gate_logits).view(B, T, self.cfg.n_heads, len(BRANCHES))
+
+    def _branch_sets(self, kv: list[torch.Tensor]):
+        """((k_cmp, k_slc, k_win), (v_cmp, v_slc, v_win)) of the raw sets: one each, or one shared by all three."""
+        keys, values = kv[:self.kv_sets], kv[self.kv_sets:]
+        return (tuple(keys) if self.kv_sets > 1 else (keys[0],) * 3), \
+            (tuple(values) if self.kv_sets > 1 else (values[0],) * 3)
+
+    def _compress(self, k_cmp: torch.Tensor, v_cmp: torch.Tensor, own_checkpoint: bool):
+        """phi of the raw compression keys and values: [B, T, G, D] -> [B, Tc(T), G, D] each."""
+        if self.phi_k.pairs_with(self.phi_v, k_cmp, v_cmp):
+            return self.phi_k.pair(self.phi_v, k_cmp, v_cmp)
+        return self.phi_k(k_cmp, own_checkpoint), self.phi_v(v_cmp, own_checkpoint)
+
+    @torch.no_grad()
+    def forward_cached(self, x: torch.Tensor, cache: LayerCache) -> torch.Tensor:
+        """This layer on x [B, T, dim] at the positions after what `cache` holds, keeping in it what later
+        positions read (nsa_model/cache.py): a prompt into an empty cache runs the full core; then each token
+        runs one decoding step (ops/decode.py), which reads the cache instead of the whole context again."""
+        B, T, _ = x.shape
+        position = cache.room_for(T)
+        q, kv, gates = self._project(x, position)
+        if position == 0:
+            (k_cmp, k_slc, k_win), (v_cmp, v_slc, v_win) = self._branch_sets(kv)
+            compressed = list(self._compress(k_cmp, v_cmp, own_checkpoint=False))
+            cache.fill(kv, compressed, self.nsa.num_cmp_tokens(cache.capacity))
+            o = ops.nsa_attention(q, k_slc, v_slc, k_win, v_win, *compressed, gates, self.nsa, backend=self.backend)
+        else:
+            (k_cmp, k_slc, k_win), (v_cmp, v_slc, v_win) = self._branch_sets(cache.append(kv))
+            l, d = self.nsa.cmp_block, self.nsa.cmp_stride
+            if position + 1 >= l and (position + 1 - l) % d == 0:  # a compressed token ends at this position
+                span = slice(position + 1 - l, position + 1)
+                cache.append_compressed(list(self._compress(k_cmp[:, span].contiguous(), v_cmp[:, span].contiguous(),
+                                                            own_checkpoint=False)))
+            o, _ = nsa_decode_step(q[:, 0], k_slc, v_slc, k_win, v_win, *cache.compressed_so_far(), gates[:, 0],
+                                   self.nsa)
+            o = o[:, None]
+        return self.wo(o.reshape(B, T, self.cfg.n_heads * self.cfg.dv))
 
     @torch.no_grad()
     def _record_stats(self, gates: torch.Tensor, blocks: torch.Tensor) -> None:
@@ -284,6 +326,22 @@ class DenseAttention(nn.Module):
         q, k, v = (t.transpose(1, 2) for t in project_qkv(x, self.wq, self.wk, self.wv, self.rope, self.cfg, 1,
                                                            self.backend))
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=G != H)
+
+    @torch.no_grad()
+    def forward_cached(self, x: torch.Tensor, cache: LayerCache) -> torch.Tensor:
+        """This layer on x [B, T, dim] after what `cache` holds (a prompt, then one token a call), keeping each
+        position's key and value."""
+        B, T, _ = x.shape
+        H, G = self.cfg.n_heads, self.cfg.n_kv_heads
+        position = cache.room_for(T)
+        q, k, v = project_qkv(x, self.wq, self.wk, self.wv, self.rope, self.cfg, 1, self.backend, position=position)
+        if position == 0:
+            cache.fill([k, v], [])
+        else:
+            k, v = cache.append([k, v])  # one query, after every cached key: nothing to mask
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=position == 0, enable_gqa=G != H)
+        return self.wo(o.transpose(1, 2).reshape(B, T, H * self.cfg.dv))
 
 
 def build_attention(cfg: ModelConfig, backend: str = "auto", recompute: bool = False) -> nn.Module:

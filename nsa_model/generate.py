@@ -1,8 +1,11 @@
 """Text continuation from a trained Transformer: what a checkpoint writes, for a person to read.
 
-Every new token runs the model over the whole context again (its last max_seq_len tokens). There is no KV cache:
-NSA's decoding state (the compressed tokens, the selected blocks and the window) is not kept between steps.
-That costs one forward pass per token, which is fine for inspecting a model and wrong for serving one.
+The context is the last max_seq_len tokens. With use_cache (the default), the prompt runs through the model once
+and each new token after it is one decoding step over the layers' caches (Transformer.forward_cached: for NSA the
+raw keys and values, the compressed tokens, and a step that reads Tc + n*l' + w keys a head). Once the context is
+full, each step drops its oldest token, which moves every position: the step then runs the model over the
+cropped context again, as without the cache. use_cache=False runs the whole context every step (the reference
+the cached path is tested against).
 """
 
 from __future__ import annotations
@@ -43,12 +46,13 @@ def next_token(logits: torch.Tensor, temperature: float, top_k: int | None,
 @torch.no_grad()
 def generate(model: Transformer, prompt: list[int], max_new_tokens: int, *, temperature: float = 1.0,
              top_k: int | None = None, stop_id: int | None = None, vocab_size: int | None = None,
-             generator: torch.Generator | None = None) -> list[int]:
+             generator: torch.Generator | None = None, use_cache: bool = True) -> list[int]:
     """The tokens that follow `prompt` (not repeated), at most max_new_tokens of them, ending early after stop_id.
 
     Each step's token comes from next_token. Only ids below vocab_size (default: the model's) come out: a model's
     vocabulary is often padded past its tokenizer's (nsa-125m: 50304 rows for GPT-2's 50257 tokens), and a padded
-    row has no text. generator (on the model's device) makes the draws repeatable."""
+    row has no text. generator (on the model's device) makes the draws repeatable. use_cache: see the module's
+    docstring; the same tokens either way, up to rounding."""
     check_sampling(max_new_tokens, temperature, top_k)
     rows = model.cfg.vocab_size
     if vocab_size is not None and not 0 < vocab_size <= rows:
@@ -59,9 +63,17 @@ def generate(model: Transformer, prompt: list[int], max_new_tokens: int, *, temp
     if bad:
         raise ValueError(f"prompt: token ids {bad[:5]} are outside the model's vocabulary of {rows}")
     tokens = torch.tensor([prompt], dtype=torch.long, device=next(model.parameters()).device)
+    context = model.cfg.max_seq_len
     new: list[int] = []
+    cache = None
     for _ in range(max_new_tokens):
-        logits, _ = model(tokens[:, -model.cfg.max_seq_len:])
+        if not use_cache:
+            logits, _ = model(tokens[:, -context:])
+        elif cache is not None and cache[0].length < context:
+            logits = model.forward_cached(tokens[:, -1:], cache)  # one decoding step
+        else:  # the first step, or a full context that has just moved by one token: run it whole
+            cache = model.new_cache()
+            logits = model.forward_cached(tokens[:, -context:], cache)
         new.append(next_token(logits[0, -1, :vocab_size or rows].float(), temperature, top_k, generator))
         if new[-1] == stop_id:
             break

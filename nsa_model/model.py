@@ -16,6 +16,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from nsa_model.attention import Compressor, NSAAttention, build_attention
+from nsa_model.cache import LayerCache
 from nsa_model.config import ModelConfig
 
 
@@ -40,6 +41,10 @@ class Block(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.attn_norm(x))
+        return x + self.ffn(self.ffn_norm(x))
+
+    def forward_cached(self, x: torch.Tensor, cache: LayerCache) -> torch.Tensor:
+        x = x + self.attn.forward_cached(self.attn_norm(x), cache)
         return x + self.ffn(self.ffn_norm(x))
 
 
@@ -88,6 +93,25 @@ class Transformer(nn.Module):
             raise ValueError(f"targets: expected shape {tuple(tokens.shape)}, got {tuple(targets.shape)}")
         x = self._run_blocks(self.tok_emb(tokens))
         return self._head(x, targets)
+
+    def new_cache(self) -> list[LayerCache]:
+        """An empty decoding state for forward_cached: one LayerCache a layer, for max_seq_len positions."""
+        return [LayerCache(self.cfg.max_seq_len) for _ in self.blocks]
+
+    @torch.no_grad()
+    def forward_cached(self, tokens: torch.Tensor, cache: list[LayerCache]) -> torch.Tensor:
+        """Logits [B, T, vocab] of tokens [B, T] at the positions after what `cache` (new_cache()) holds, which
+        it then holds too: first a prompt (the model's usual forward, keeping each layer's keys, values and
+        compressed tokens), then one token a call, each a decoding step over the cache (ops/decode.py) instead of
+        a pass over the whole context. The same logits as forward() over the whole context, up to rounding."""
+        if tokens.dim() != 2:
+            raise ValueError(f"tokens: expected [B, T], got shape {tuple(tokens.shape)}")
+        if len(cache) != len(self.blocks):
+            raise ValueError(f"cache: expected one LayerCache per layer ({len(self.blocks)}), got {len(cache)}")
+        x = self.tok_emb(tokens)
+        for block, layer_cache in zip(self.blocks, cache):
+            x = block.forward_cached(x, layer_cache)
+        return self.lm_head(self.norm(x))
 
     # The decoder stack and the head are separate methods for torch.compile. The whole model traces as one graph
     # (the Triton core is the custom op nsa::core); should a layer ever graph-break, a break inside the layer loop

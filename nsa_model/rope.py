@@ -24,12 +24,20 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("sin", angles.sin().float(), persistent=False)
         self.max_seq_len = max_seq_len
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def check_positions(self, position: int, T: int) -> None:
+        if position < 0:
+            raise ValueError(f"RoPE: position must be >= 0, got {position}")
+        if position + T > self.max_seq_len:
+            raise ValueError(f"RoPE: sequence length {T} from position {position} exceeds max_seq_len "
+                             f"{self.max_seq_len}")
+
+    def forward(self, x: torch.Tensor, position: int = 0) -> torch.Tensor:
+        """x's rows rotated as positions position .. position + T - 1 (position > 0: tokens after a cached
+        context, Transformer.forward_cached)."""
         T = x.shape[1]
-        if T > self.max_seq_len:
-            raise ValueError(f"RoPE: sequence length {T} exceeds max_seq_len {self.max_seq_len}")
-        cos = self.cos[:T, None, :]
-        sin = self.sin[:T, None, :]
+        self.check_positions(position, T)
+        cos = self.cos[position:position + T, None, :]
+        sin = self.sin[position:position + T, None, :]
         # float32 at least (bf16 angles lose positions), float64 stays float64
         x1, x2 = x.to(torch.promote_types(x.dtype, torch.float32)).chunk(2, dim=-1)
         rotated = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)

@@ -59,9 +59,50 @@ def test_a_context_past_max_seq_len_keeps_its_last_max_seq_len_tokens():
     prompt = [(7 * i) % 256 for i in range(29)]  # reaches max_seq_len = 32 at the fourth new token
     seen = []
     model.register_forward_pre_hook(lambda module, args: seen.append(args[0][0].tolist()))
-    new = generate(model, prompt, 8, temperature=0)
+    new = generate(model, prompt, 8, temperature=0, use_cache=False)
     context = prompt + new
     assert seen == [context[:n][-32:] for n in range(len(prompt), len(context))]
+
+
+def test_with_the_cache_each_step_sees_the_same_context(monkeypatch):
+    """The cached path's calls: the prompt, then one token a call while the context has room, then the cropped
+    context whole at every step (dropping the oldest token moves every position)."""
+    _, model = small_job(2)
+    prompt = [(7 * i) % 256 for i in range(29)]
+    calls, cached = [], model.forward_cached
+
+    def record(tokens, cache):
+        calls.append((cache[0].length, tokens[0].tolist()))
+        return cached(tokens, cache)
+    monkeypatch.setattr(model, "forward_cached", record)
+    new = generate(model, prompt, 8, temperature=0)
+    context = prompt + new
+    assert [held for held, _ in calls] == [0, 29, 30, 31, 0, 0, 0, 0]
+    seen, view = [], []
+    for held, tokens in calls:
+        view = view + tokens if held else tokens
+        seen.append(view)
+    assert seen == [context[:n][-32:] for n in range(len(prompt), len(context))]
+
+
+@pytest.mark.parametrize("attention", ["nsa", "dense"])
+def test_the_cache_gives_the_tokens_of_the_whole_context_pass(attention):
+    """Greedy and seeded draws, in float64 (no near-ties between the two paths' roundings), past max_seq_len."""
+    job = load_job_config(None, JOB + [f"model.attention={attention}"])
+    torch.manual_seed(5)
+    model = Transformer(job.model).double().eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.3)
+    prompt = [256, 84, 104, 101]
+    greedy = generate(model, prompt, 40, temperature=0)
+    assert len(set(greedy)) >= 5
+    assert greedy == generate(model, prompt, 40, temperature=0, use_cache=False)
+
+    def draw(use_cache):
+        return generate(model, prompt, 40, temperature=1.0, top_k=20, use_cache=use_cache,
+                        generator=torch.Generator().manual_seed(7))
+    assert draw(True) == draw(False)
 
 
 def test_draws_repeat_with_a_seed_and_stop_after_the_stop_token():
@@ -216,13 +257,14 @@ def test_sample_job_draws_repeat_with_its_seed(tmp_path, capsys):
     save_checkpoint(tmp_path / "ckpt", job, model, 1)
     main = sample_main()
 
-    def texts(seed):
+    def texts(seed, *more):
         assert main([str(tmp_path / "ckpt"), "--max-new-tokens", "12", "--temperature", "1", "--samples", "2",
-                     "--seed", str(seed), "--device", "cpu"]) == 0
+                     "--seed", str(seed), "--device", "cpu", *more]) == 0
         return capsys.readouterr().out.split("--- sample ")[1:]
     first = texts(5)
     assert first == texts(5) and first != texts(6)
     assert first[0] != first[1]  # the samples of one run draw on
+    assert texts(5, "--no-cache") == first  # the whole context a token: the same draws
 
 
 def test_sample_job_never_trains_a_tokenizer_and_takes_one_given(tmp_path, capsys):

@@ -1634,3 +1634,28 @@ def test_nsa_statistics_on_the_triton_backend_are_the_torch_backends(monkeypatch
         stats[backend] = layer.stats.clone()
     assert torch.allclose(stats["triton"], stats["torch"], rtol=1e-5, atol=1e-6), stats
     assert (stats["triton"][:3] > 0).all() and stats["triton"][3] > 1 and stats["triton"][4] > 0
+
+
+def test_cached_decoding_through_the_triton_backend_gives_its_full_forward(monkeypatch):
+    """Transformer.forward_cached on backend="triton": the prompt through nsa::core and nsa::rope_split, then each
+    step's RoPE through rope_split at its position (its tables sliced there) and each new compressed token through
+    nsa::phi_mlp, with the decoding step in PyTorch: the logits of the model's full forward."""
+    from nsa_model import ModelConfig, Transformer
+
+    if not ON_GPU:
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    cfg = ModelConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, max_seq_len=24,
+                      attention="nsa", nsa=NSAConfig(cmp_block=4, cmp_stride=2, sel_block=4, n_selected=3, window=6))
+    torch.manual_seed(0)
+    model = Transformer(cfg, backend="triton").to(DEVICE).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.3)
+    tokens = torch.randint(0, 64, (2, 24), generator=torch.Generator().manual_seed(0)).to(DEVICE)
+    with torch.no_grad():
+        full, _ = model(tokens)
+        cache = model.new_cache()
+        parts = [model.forward_cached(tokens[:, :9], cache)]
+        parts += [model.forward_cached(tokens[:, t:t + 1], cache) for t in range(9, 24)]
+    error = (torch.cat(parts, dim=1) - full).abs().max() / (full.max() - full.min())
+    assert error <= (1e-2 if ON_GPU else 1e-5), error

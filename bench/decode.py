@@ -1,0 +1,172 @@
+"""Decoding speed: new tokens a second with the layers' caches (Transformer.forward_cached) against running the
+whole context for every token (the path before the cache), same model, prompt and device, in one run.
+
+    python bench/decode.py                                   # CPU: tiny (NSA and dense), 1024-token prompt
+    python bench/decode.py --preset nsa-125m --device cuda --prompt-len 8192 --new-tokens 64 --out DIR --commit SHA
+
+Checked before it is timed: the logits of a prompt and of --check-steps cached steps after it against one forward
+pass over the same tokens, as a fraction of the logits' range per position. On CPU the check runs a float64 copy of
+the model (every position within 1e-9: in float32 a near-tie between two blocks' importance can fall either way
+when the full pass's shapes differ, and so can the full pass's own logits at T and T + 8). On a GPU it runs under
+bf16 autocast, where the Triton core runs the prompt and the decoding steps run in PyTorch: the median position
+within 1e-2, the positions past 3e-2 (near-ties) counted in the results. Then each path generates --new-tokens greedy
+tokens after the prompt (the first one comes from the prompt's pass), timed end to end, --repeats times; the
+median counts. The model's max_seq_len is prompt + new tokens, so no step crops the context. NSA's decoding step
+reads Tc + n*l' + w keys a head where the full pass reads every position, so the ratio grows with the prompt.
+Writes DIR/decode-<device>-<date><suffix>.md and .json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import statistics
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from bench.provenance import file_suffix, git_commit, result_file, result_stem  # noqa: E402
+
+PRESETS = {"tiny": ("tiny", "tiny-dense"), "nsa-125m": ("nsa-125m", "nsa-125m-dense")}
+
+
+def positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: must be an integer >= 1")
+    return value
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--preset", choices=sorted(PRESETS), default="tiny", help="the NSA preset and its dense twin")
+    ap.add_argument("--device", default="cpu", help="cpu or cuda")
+    ap.add_argument("--prompt-len", type=positive, default=1024)
+    ap.add_argument("--new-tokens", type=positive, default=64)
+    ap.add_argument("--check-steps", type=positive, default=8)
+    ap.add_argument("--repeats", type=positive, default=2)
+    ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results"))
+    ap.add_argument("--suffix", type=file_suffix, default="")
+    ap.add_argument("--commit", default="")
+    args = ap.parse_args(argv)
+    if args.device not in ("cpu", "cuda"):
+        ap.error(f"--device: expected cpu or cuda, got {args.device!r}")
+    return args
+
+
+def build_model(preset: str, max_seq_len: int, device: str):
+    import torch
+
+    from nsa_model import Transformer, get_preset
+
+    cfg = get_preset(preset).replace(max_seq_len=max_seq_len)
+    torch.manual_seed(0)
+    model = Transformer(cfg).eval()
+    with torch.no_grad():  # as initialized a model barely looks past its own token; these weights make it look
+        for p in model.parameters():
+            p.normal_(0.0, 0.05)
+    return model.to(device)
+
+
+def autocast(device: str):
+    import torch
+
+    return torch.autocast("cuda", dtype=torch.bfloat16) if device == "cuda" else contextlib.nullcontext()
+
+
+def check(model, prompt, steps: int, device: str) -> dict:
+    """Per-position |cached - full| logit error, as a fraction of the logits' range, over the prompt and `steps`
+    cached tokens (see the module's docstring); raises where it is past the tolerance."""
+    import copy
+
+    import torch
+
+    if device == "cpu":
+        model = copy.deepcopy(model).double()
+    tokens = torch.cat([prompt, torch.randint(0, model.cfg.vocab_size, (1, steps), device=device)], dim=1)
+    with torch.no_grad(), autocast(device):
+        full, _ = model(tokens)
+        cache = model.new_cache()
+        parts = [model.forward_cached(tokens[:, :prompt.shape[1]], cache)]
+        parts += [model.forward_cached(tokens[:, t:t + 1], cache) for t in range(prompt.shape[1], tokens.shape[1])]
+    full, cached = full[0].double(), torch.cat(parts, dim=1)[0].double()
+    error = (cached - full).abs().amax(dim=-1) / (full.amax(dim=-1) - full.amin(dim=-1))
+    result = {"max": error.max().item(), "median": error.median().item(),
+              "positions_past_3e-2": int((error > 3e-2).sum()), "positions": error.numel()}
+    bad = result["max"] > 1e-9 if device == "cpu" else result["median"] > 1e-2
+    if bad:
+        raise AssertionError(f"{model.cfg.attention}: cached logits off the full pass's: {result}")
+    return result
+
+
+def time_generate(model, prompt: list[int], new_tokens: int, use_cache: bool, device: str) -> tuple[float, list]:
+    import torch
+
+    from nsa_model.generate import generate
+
+    if device == "cuda":
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    with autocast(device):
+        out = generate(model, prompt, new_tokens, temperature=0, use_cache=use_cache)
+    if device == "cuda":
+        torch.cuda.synchronize()
+    return time.perf_counter() - start, out
+
+
+def measure(preset: str, args) -> dict:
+    import torch
+
+    model = build_model(preset, args.prompt_len + args.new_tokens, args.device)
+    prompt = torch.randint(0, model.cfg.vocab_size, (1, args.prompt_len), device=args.device,
+                           generator=torch.Generator(args.device).manual_seed(1))
+    checked = check(model, prompt, args.check_steps, args.device)
+    ids = prompt[0].tolist()
+    for use_cache in (True, False):  # warm-up at the prompt's length: every kernel compiled before timing
+        time_generate(model, ids, 2, use_cache, args.device)
+    row = {"preset": preset, "attention": model.cfg.attention, "check": checked}
+    for name, use_cache in (("cached", True), ("full", False)):
+        runs = [time_generate(model, ids, args.new_tokens, use_cache, args.device) for _ in range(args.repeats)]
+        seconds = statistics.median(r[0] for r in runs)
+        row[name] = {"seconds": seconds, "seconds_all": [r[0] for r in runs], "tokens_per_s": args.new_tokens / seconds}
+        row[f"{name}_tokens"] = runs[0][1]
+    row["speedup"] = row["full"]["seconds"] / row["cached"]["seconds"]
+    row["same_tokens"] = row.pop("cached_tokens") == row.pop("full_tokens")
+    return row
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    import torch
+
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: no CUDA device here")
+    rows = [measure(preset, args) for preset in PRESETS[args.preset]]
+    stem, meta = result_stem(args.out, "decode", args.suffix, args.commit or git_commit())
+    meta.update({"prompt_len": args.prompt_len, "new_tokens": args.new_tokens, "repeats": args.repeats,
+                 "threads": torch.get_num_threads(), "rows": rows})
+    lines = ["| model | cached tokens/s | full-context tokens/s | cached / full | same greedy tokens | "
+             "check: max / median error, positions past 3e-2 |", "|---|---|---|---|---|---|"]
+    for r in rows:
+        c = r["check"]
+        lines.append(f"| {r['preset']} | {r['cached']['tokens_per_s']:.1f} | {r['full']['tokens_per_s']:.1f} | "
+                     f"{r['speedup']:.2f}x | {'yes' if r['same_tokens'] else 'no'} | {c['max']:.1e} / "
+                     f"{c['median']:.1e}, {c['positions_past_3e-2']} of {c['positions']} |")
+    table = "\n".join(lines)
+    os.makedirs(args.out, exist_ok=True)
+    result_file(stem, ".json").write_text(json.dumps(meta, indent=2) + "\n")
+    result_file(stem, ".md").write_text(
+        f"# Decoding: cached steps against the whole context a token\n\n{meta['device']}, {meta['date']}, commit "
+        f"{meta['commit']}, torch {meta['torch']}; prompt {args.prompt_len} tokens, {args.new_tokens} greedy new "
+        f"tokens, median of {args.repeats} (each timed end to end, prompt included); {meta['threads']} CPU "
+        f"threads.\n\n{table}\n")
+    print(table)
+    print(f"wrote {result_file(stem, '.md')}")
+
+
+if __name__ == "__main__":
+    main()

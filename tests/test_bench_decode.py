@@ -1,0 +1,41 @@
+"""bench/decode.py: checks the cached logits before it times anything, and writes its result files."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from bench import decode
+
+
+def test_decode_bench_checks_then_times_both_paths(tmp_path):
+    decode.main(["--prompt-len", "40", "--new-tokens", "3", "--check-steps", "2", "--repeats", "1",
+                 "--out", str(tmp_path), "--commit", "abc1234"])
+    (md,) = tmp_path.glob("decode-cpu-*.md")
+    result = json.loads(md.with_suffix(".json").read_text())
+    assert result["commit"] == "abc1234" and result["prompt_len"] == 40
+    assert [r["preset"] for r in result["rows"]] == ["tiny", "tiny-dense"]
+    for row in result["rows"]:
+        assert row["check"]["max"] <= 1e-9 and row["check"]["positions"] == 42
+        assert row["same_tokens"] and row["cached"]["tokens_per_s"] > 0 and row["full"]["tokens_per_s"] > 0
+    assert "| tiny | " in md.read_text()
+
+
+def test_decode_bench_refuses_cached_logits_that_are_off(tmp_path, monkeypatch):
+    from nsa_model.model import Transformer
+
+    cached = Transformer.forward_cached
+
+    def off_by_a_little(self, tokens, cache):
+        return cached(self, tokens, cache) * (1 + 1e-6)
+    monkeypatch.setattr(Transformer, "forward_cached", off_by_a_little)
+    with pytest.raises(AssertionError, match="cached logits off the full pass's"):
+        decode.main(["--prompt-len", "20", "--new-tokens", "2", "--check-steps", "1", "--out", str(tmp_path)])
+    assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("argv", [["--prompt-len", "0"], ["--device", "tpu"], ["--suffix", "a,b"]])
+def test_decode_bench_refuses_bad_arguments(argv):
+    with pytest.raises(SystemExit):
+        decode.parse_args(argv)

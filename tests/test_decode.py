@@ -1,0 +1,156 @@
+"""Decoding with a cache: the one-query NSA step (nsa_model/ops/decode.py) against the float64 reference at every
+position, Transformer.forward_cached against the model's full forward, RoPE at an offset, and the cache's
+refusals. generate() with and without the cache is compared in tests/test_sample.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from nsa_model.cache import LayerCache
+from nsa_model.config import NSAConfig, get_preset
+from nsa_model.model import Transformer
+from nsa_model.ops import reference
+from nsa_model.ops.decode import nsa_decode_step
+from nsa_model.rope import RotaryEmbedding
+
+CFG = NSAConfig(cmp_block=8, cmp_stride=4, sel_block=8, n_selected=3, window=6)
+
+
+def core_inputs(B, T, H, G, Dk, Dv, cfg, seed=0, dtype=torch.float64, zero_cmp=False):
+    torch.manual_seed(seed)
+    q = torch.randn(B, T, H, Dk, dtype=dtype)
+    kv = [torch.randn(B, T, G, d, dtype=dtype) for d in (Dk, Dv, Dk, Dv)]
+    tc = cfg.num_cmp_tokens(T)
+    k_cmp = torch.zeros(B, tc, G, Dk, dtype=dtype) if zero_cmp else torch.randn(B, tc, G, Dk, dtype=dtype)
+    v_cmp = torch.randn(B, tc, G, Dv, dtype=dtype)
+    gates = torch.rand(B, T, H, 3, dtype=dtype)
+    return q, *kv, k_cmp, v_cmp, gates
+
+
+def steps_against_reference(inputs, cfg):
+    """(largest |o step - o reference| over every position, positions whose blocks differ)."""
+    q, k_slc, v_slc, k_win, v_win, k_cmp, v_cmp, gates = inputs
+    o_ref, blocks_ref = reference.nsa_attention(*inputs, cfg, scale=q.shape[-1] ** -0.5, return_blocks=True)
+    worst, differ = 0.0, []
+    for t in range(q.shape[1]):
+        P, tc = t + 1, cfg.num_cmp_tokens(t + 1)
+        o, blocks = nsa_decode_step(q[:, t], k_slc[:, :P], v_slc[:, :P], k_win[:, :P], v_win[:, :P],
+                                    k_cmp[:, :tc], v_cmp[:, :tc], gates[:, t], cfg)
+        worst = max(worst, (o - o_ref[:, t]).abs().max().item())
+        if not torch.equal(blocks, blocks_ref[:, t]):
+            differ.append(t)
+    return worst, differ
+
+
+@pytest.mark.parametrize("B,T,H,G,Dk,Dv,cfg", [
+    (2, 37, 6, 1, 8, 6, CFG),  # 6 heads a group, Dk != Dv, T not a multiple of any block size
+    (1, 5, 4, 2, 8, 8, CFG),  # T < l: no compressed token, every block a candidate
+    (1, 70, 4, 2, 8, 8, NSAConfig(cmp_block=8, cmp_stride=4, sel_block=16, n_selected=3, window=20,
+                                  n_init_blocks=1, n_local_blocks=1)),
+    (2, 41, 2, 2, 4, 4, NSAConfig(cmp_block=4, cmp_stride=4, sel_block=4, n_selected=5, window=64)),
+])
+def test_the_decoding_step_is_the_reference_at_every_position(B, T, H, G, Dk, Dv, cfg):
+    worst, differ = steps_against_reference(core_inputs(B, T, H, G, Dk, Dv, cfg), cfg)
+    assert worst <= 1e-12
+    assert differ == []
+
+
+def test_the_decoding_step_breaks_importance_ties_toward_the_lower_block():
+    """Compressed keys all zero: every visible token is equally likely, so blocks covered alike tie, and two of
+    the five slots are free for them."""
+    cfg = NSAConfig(cmp_block=8, cmp_stride=4, sel_block=8, n_selected=5, window=6)
+    inputs = core_inputs(1, 60, 2, 1, 8, 8, cfg, zero_cmp=True)
+    worst, differ = steps_against_reference(inputs, cfg)
+    assert worst <= 1e-12 and differ == []
+
+
+def test_the_decoding_step_in_float32_is_within_the_spec_tolerance():
+    inputs = core_inputs(2, 40, 4, 2, 8, 8, CFG, dtype=torch.float32)
+    q = inputs[0]
+    o_ref = reference.nsa_attention(*(x.double() for x in inputs), CFG, scale=q.shape[-1] ** -0.5)
+    t = 39
+    o, _ = nsa_decode_step(q[:, t], *(x[:, :t + 1] for x in inputs[1:5]), inputs[5][:, :CFG.num_cmp_tokens(40)],
+                           inputs[6][:, :CFG.num_cmp_tokens(40)], inputs[7][:, t], CFG)
+    assert o.dtype == torch.float32
+    assert (o.double() - o_ref[:, t]).abs().max() <= 2e-5 * o_ref[:, t].abs().max()
+
+
+def test_the_decoding_step_refuses_inputs_that_do_not_fit_and_names_them():
+    q, k_slc, v_slc, k_win, v_win, k_cmp, v_cmp, gates = core_inputs(1, 20, 2, 1, 8, 8, CFG)
+    with pytest.raises(ValueError, match=r"k_cmp: expected shape \(1, 4, 1, 8\) \(P = 20 cached positions"):
+        nsa_decode_step(q[:, -1], k_slc, v_slc, k_win, v_win, k_cmp[:, :3], v_cmp[:, :3], gates[:, -1], CFG)
+    with pytest.raises(ValueError, match=r"q: expected \[B, H, Dk\]"):
+        nsa_decode_step(q, k_slc, v_slc, k_win, v_win, k_cmp, v_cmp, gates[:, -1], CFG)
+
+
+def random_model(attention="nsa", seed=0, **changes):
+    cfg = get_preset("tiny").replace(attention=attention, max_seq_len=80, **changes)
+    torch.manual_seed(seed)
+    model = Transformer(cfg).double().eval()
+    with torch.no_grad():  # as initialized, the model barely looks at other positions
+        for p in model.parameters():
+            p.normal_(0.0, 0.2)
+    return model
+
+
+@pytest.mark.parametrize("attention,changes", [
+    ("nsa", {}),  # phi = mlp, one K/V set per branch, fused projections
+    ("nsa", {"shared_kv": True, "phi": "avg", "fused_qkv": False}),
+    ("nsa", {"n_kv_heads": 1, "v_head_dim": 32}),
+    ("dense", {}),
+])
+def test_forward_cached_gives_the_full_forward_s_logits(attention, changes):
+    """A prompt of 5 tokens (under one compressed block of 16), then one token a call past max_seq_len's 80: the
+    steps cross compressed-token ends, selection blocks and the window's start."""
+    model = random_model(attention, **changes)
+    tokens = torch.randint(0, model.cfg.vocab_size, (2, 80), generator=torch.Generator().manual_seed(1))
+    full, _ = model(tokens)
+    cache = model.new_cache()
+    steps = [model.forward_cached(tokens[:, :5], cache)]
+    steps += [model.forward_cached(tokens[:, t:t + 1], cache) for t in range(5, 80)]
+    assert cache[0].length == 80
+    assert (torch.cat(steps, dim=1) - full).abs().max() <= 1e-10 * full.abs().max()
+
+
+def test_forward_cached_prefills_a_whole_prompt_and_each_step_is_the_next_position():
+    model = random_model()
+    tokens = torch.randint(0, model.cfg.vocab_size, (1, 70), generator=torch.Generator().manual_seed(2))
+    full, _ = model(tokens)
+    cache = model.new_cache()
+    prompt = model.forward_cached(tokens[:, :64], cache)
+    step = model.forward_cached(tokens[:, 64:65], cache)
+    assert (prompt - full[:, :64]).abs().max() <= 1e-10 * full.abs().max()
+    assert (step - full[:, 64:65]).abs().max() <= 1e-10 * full.abs().max()
+    # a step that saw the wrong position (its token at 63 again) gives other logits: the test can tell
+    other = model.new_cache()
+    model.forward_cached(tokens[:, :63], other)
+    assert (model.forward_cached(tokens[:, 64:65], other) - full[:, 64:65]).abs().max() > 1e-3
+
+
+def test_forward_cached_refuses_what_the_cache_cannot_take():
+    model = random_model("dense")
+    cache = model.new_cache()
+    with pytest.raises(ValueError, match="one LayerCache per layer"):
+        model.forward_cached(torch.zeros(1, 3, dtype=torch.long), cache[:1])
+    model.forward_cached(torch.zeros(1, 78, dtype=torch.long), cache)
+    with pytest.raises(ValueError, match="takes one token a call, got 2"):
+        model.forward_cached(torch.zeros(1, 2, dtype=torch.long), cache)
+    model.forward_cached(torch.zeros(1, 1, dtype=torch.long), cache)
+    model.forward_cached(torch.zeros(1, 1, dtype=torch.long), cache)
+    with pytest.raises(ValueError, match="80 cached \\+ 1 new positions exceed the cache's 80"):
+        model.forward_cached(torch.zeros(1, 1, dtype=torch.long), cache)
+    with pytest.raises(ValueError, match="at least one token"):
+        LayerCache(4).room_for(0)
+    with pytest.raises(ValueError, match="capacity: must be >= 1"):
+        LayerCache(0)
+
+
+def test_rope_at_an_offset_rotates_as_those_positions_of_the_whole_sequence():
+    rope = RotaryEmbedding(8, 16, 10000.0)
+    x = torch.randn(2, 16, 3, 8, dtype=torch.float64)
+    assert torch.equal(rope(x[:, 5:9], position=5), rope(x)[:, 5:9])
+    with pytest.raises(ValueError, match="sequence length 2 from position 15 exceeds max_seq_len 16"):
+        rope(x[:, :2], position=15)
+    with pytest.raises(ValueError, match="position must be >= 0"):
+        rope(x[:, :2], position=-1)
