@@ -15,7 +15,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 from nsa_model import ops
 from nsa_model.cache import LayerCache
 from nsa_model.config import ModelConfig, NSAConfig
-from nsa_model.ops.decode import nsa_decode_step
+from nsa_model.ops.decode import attend_one, nsa_decode_step
 from nsa_model.rope import RotaryEmbedding
 
 BRANCHES = ("cmp", "slc", "win")  # order of the gates and of the per-branch K/V projections
@@ -73,9 +73,8 @@ def rotate_and_split(y: torch.Tensor, rope: RotaryEmbedding, heads: list[int], h
     Triton op (nsa::rope_split); the others in PyTorch, where under torch.compile inductor builds the backward's
     concatenation of the parts' gradients from the RoPE backward of each half (kernels-notes.md, v18)."""
     if ops.resolve_backend(backend, y) == "triton":
-        rope.check_positions(position, y.shape[1])
-        return ops.backend_module("triton", y).rope_split(y, rope.cos[position:], rope.sin[position:], heads,
-                                                          head_dims, rotate)
+        cos, sin = rope.tables(position, y.shape[1])
+        return ops.backend_module("triton", y).rope_split(y, cos, sin, heads, head_dims, rotate)
     parts, start = [], 0
     for h, d, r in zip(heads, head_dims, rotate):
         part = y[:, :, start:start + h * d].unflatten(-1, (h, d))
@@ -249,29 +248,37 @@ class NSAAttention(nn.Module):
         return self.phi_k(k_cmp, own_checkpoint), self.phi_v(v_cmp, own_checkpoint)
 
     @torch.no_grad()
-    def forward_cached(self, x: torch.Tensor, cache: LayerCache) -> torch.Tensor:
-        """This layer on x [B, T, dim] at the positions after what `cache` holds, keeping in it what later
-        positions read (nsa_model/cache.py): a prompt into an empty cache runs the full core; then each token
-        runs one decoding step (ops/decode.py), which reads the cache instead of the whole context again."""
+    def prefill(self, x: torch.Tensor, cache: LayerCache, capacity: int) -> torch.Tensor:
+        """This layer on a prompt x [B, T, dim] (positions 0 .. T - 1), as forward(), keeping in `cache` what
+        decoding steps read: the raw key and value sets and the compressed tokens, in buffers of `capacity`
+        positions (nsa_model/cache.py)."""
         B, T, _ = x.shape
-        position = cache.room_for(T)
-        q, kv, gates = self._project(x, position)
-        if position == 0:
-            (k_cmp, k_slc, k_win), (v_cmp, v_slc, v_win) = self._branch_sets(kv)
-            compressed = list(self._compress(k_cmp, v_cmp, own_checkpoint=False))
-            cache.fill(kv, compressed, self.nsa.num_cmp_tokens(cache.capacity))
-            o = ops.nsa_attention(q, k_slc, v_slc, k_win, v_win, *compressed, gates, self.nsa, backend=self.backend)
-        else:
-            (k_cmp, k_slc, k_win), (v_cmp, v_slc, v_win) = self._branch_sets(cache.append(kv))
-            l, d = self.nsa.cmp_block, self.nsa.cmp_stride
-            if position + 1 >= l and (position + 1 - l) % d == 0:  # a compressed token ends at this position
-                span = slice(position + 1 - l, position + 1)
-                cache.append_compressed(list(self._compress(k_cmp[:, span].contiguous(), v_cmp[:, span].contiguous(),
-                                                            own_checkpoint=False)))
-            o, _ = nsa_decode_step(q[:, 0], k_slc, v_slc, k_win, v_win, *cache.compressed_so_far(), gates[:, 0],
-                                   self.nsa)
-            o = o[:, None]
+        q, kv, gates = self._project(x)
+        (k_cmp, k_slc, k_win), (v_cmp, v_slc, v_win) = self._branch_sets(kv)
+        compressed = list(self._compress(k_cmp, v_cmp, own_checkpoint=False))
+        cache.fill(kv, compressed, capacity, self.nsa.num_cmp_tokens(capacity) + 1)
+        o = ops.nsa_attention(q, k_slc, v_slc, k_win, v_win, *compressed, gates, self.nsa, backend=self.backend)
         return self.wo(o.reshape(B, T, self.cfg.n_heads * self.cfg.dv))
+
+    @torch.no_grad()
+    def decode(self, x: torch.Tensor, cache: LayerCache, position: torch.Tensor) -> torch.Tensor:
+        """This layer on one token x [B, 1, dim] at `position` (a 1-element tensor on the device) after what
+        `cache` holds, written into it first: one NSA decoding step (ops/decode.py) over the buffers. Its shapes do
+        not depend on the position, so a CUDA graph of it serves every step."""
+        B = x.shape[0]
+        q, kv, gates = self._project(x, position)
+        (k_cmp, k_slc, k_win), (v_cmp, v_slc, v_win) = self._branch_sets(cache.write(kv, position))
+        # The compressed token that ends at this position, where one does (spec section 1): computed every step
+        # from the last l raw positions, and stored in its slot, or in the spare slot where none ends here.
+        l, d = self.nsa.cmp_block, self.nsa.cmp_stride
+        start = position + 1 - l
+        span = (start + torch.arange(l, device=x.device)).clamp(min=0)
+        tokens = self._compress(k_cmp.index_select(1, span), v_cmp.index_select(1, span), own_checkpoint=False)
+        spare = cache.compressed[0].shape[1] - 1
+        slot = torch.where((start >= 0) & (start % d == 0), start.div(d, rounding_mode="floor"), spare)
+        k_cmp, v_cmp = cache.write_compressed(list(tokens), slot)
+        o, _ = nsa_decode_step(q[:, 0], k_slc, v_slc, k_win, v_win, k_cmp, v_cmp, gates[:, 0], position, self.nsa)
+        return self.wo(o.reshape(B, 1, self.cfg.n_heads * self.cfg.dv))
 
     @torch.no_grad()
     def _record_stats(self, gates: torch.Tensor, blocks: torch.Tensor) -> None:
@@ -328,20 +335,28 @@ class DenseAttention(nn.Module):
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=G != H)
 
     @torch.no_grad()
-    def forward_cached(self, x: torch.Tensor, cache: LayerCache) -> torch.Tensor:
-        """This layer on x [B, T, dim] after what `cache` holds (a prompt, then one token a call), keeping each
-        position's key and value."""
+    def prefill(self, x: torch.Tensor, cache: LayerCache, capacity: int) -> torch.Tensor:
+        """This layer on a prompt x [B, T, dim], as forward(), keeping its keys and values in `cache`."""
         B, T, _ = x.shape
         H, G = self.cfg.n_heads, self.cfg.n_kv_heads
-        position = cache.room_for(T)
-        q, k, v = project_qkv(x, self.wq, self.wk, self.wv, self.rope, self.cfg, 1, self.backend, position=position)
-        if position == 0:
-            cache.fill([k, v], [])
-        else:
-            k, v = cache.append([k, v])  # one query, after every cached key: nothing to mask
-        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-        o = F.scaled_dot_product_attention(q, k, v, is_causal=position == 0, enable_gqa=G != H)
+        q, k, v = project_qkv(x, self.wq, self.wk, self.wv, self.rope, self.cfg, 1, self.backend)
+        cache.fill([k, v], [], capacity)
+        o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
+                                           enable_gqa=G != H)
         return self.wo(o.transpose(1, 2).reshape(B, T, H * self.cfg.dv))
+
+    @torch.no_grad()
+    def decode(self, x: torch.Tensor, cache: LayerCache, position: torch.Tensor) -> torch.Tensor:
+        """One token x [B, 1, dim] at `position` over every cached key up to it (shapes independent of it)."""
+        B = x.shape[0]
+        H, G, Dk = self.cfg.n_heads, self.cfg.n_kv_heads, self.cfg.head_dim
+        q, k, v = project_qkv(x, self.wq, self.wk, self.wv, self.rope, self.cfg, 1, self.backend, position=position)
+        keys, values = cache.write([k, v], position)
+        visible = torch.arange(keys.shape[1], device=x.device) <= position
+        work = torch.promote_types(q.dtype, torch.float32)
+        o, _ = attend_one(q.reshape(B, G, H // G, Dk).to(work), keys.transpose(1, 2).to(work),
+                          values.transpose(1, 2).to(work), visible[None, None, :], Dk ** -0.5)
+        return self.wo(o.reshape(B, 1, H * self.cfg.dv).to(v.dtype))
 
 
 def build_attention(cfg: ModelConfig, backend: str = "auto", recompute: bool = False) -> nn.Module:

@@ -10,6 +10,7 @@ the cached path is tested against).
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -43,6 +44,48 @@ def next_token(logits: torch.Tensor, temperature: float, top_k: int | None,
     return int(torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=generator))
 
 
+class DecodingSteps:
+    """A model's decoding steps over one cache (Transformer.forward_cached after its prompt). On a GPU, the first
+    step runs eagerly (it compiles every kernel) and is then captured as a CUDA graph that every later step
+    replays: a step is a few hundred small kernels, whose launches from Python cost more than their work (v67:
+    about 50 ms a token at nsa-125m on an H200, eagerly). The graph reads the token and position tensors that
+    each call sets, and writes the cache's buffers in place."""
+
+    def __init__(self, model: Transformer) -> None:
+        self.model, self.cache = model, model.new_cache()
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.token = self.logits = None
+
+    def __call__(self, token: torch.Tensor) -> torch.Tensor:
+        """Logits [1, 1, vocab] of token [1, 1] at the next position."""
+        if not token.is_cuda:
+            return self.model.forward_cached(token, self.cache)
+        self.cache.room_for(1)
+        if self.graph is None:  # the first step, on a side stream as CUDA graphs want their warm-up
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                logits = self.model.forward_cached(token, self.cache)
+            torch.cuda.current_stream().wait_stream(side)
+            self._capture(token)
+            return logits
+        self.token.copy_(token)
+        self.cache.position.fill_(self.cache.length)
+        self.graph.replay()
+        self.cache.length += 1
+        return self.logits
+
+    def _capture(self, token: torch.Tensor) -> None:
+        self.token = token.clone()
+        self.graph = torch.cuda.CUDAGraph()
+        # autocast's cache of cast weights would hand the graph tensors that leave with the autocast context
+        autocast = (torch.autocast("cuda", dtype=torch.get_autocast_dtype("cuda"), cache_enabled=False)
+                    if torch.is_autocast_enabled("cuda") else contextlib.nullcontext())
+        torch.cuda.synchronize()  # ok-host-sync: once a cache, before its capture
+        with autocast, torch.cuda.graph(self.graph):  # recorded, not run: the cache is not written here
+            self.logits = self.model.decode_step(self.token, self.cache)
+
+
 @torch.no_grad()
 def generate(model: Transformer, prompt: list[int], max_new_tokens: int, *, temperature: float = 1.0,
              top_k: int | None = None, stop_id: int | None = None, vocab_size: int | None = None,
@@ -65,15 +108,15 @@ def generate(model: Transformer, prompt: list[int], max_new_tokens: int, *, temp
     tokens = torch.tensor([prompt], dtype=torch.long, device=next(model.parameters()).device)
     context = model.cfg.max_seq_len
     new: list[int] = []
-    cache = None
+    steps = None
     for _ in range(max_new_tokens):
         if not use_cache:
             logits, _ = model(tokens[:, -context:])
-        elif cache is not None and cache[0].length < context:
-            logits = model.forward_cached(tokens[:, -1:], cache)  # one decoding step
+        elif steps is not None and steps.cache.length < context:
+            logits = steps(tokens[:, -1:])  # one decoding step
         else:  # the first step, or a full context that has just moved by one token: run it whole
-            cache = model.new_cache()
-            logits = model.forward_cached(tokens[:, -context:], cache)
+            steps = DecodingSteps(model)
+            logits = model.forward_cached(tokens[:, -context:], steps.cache)
         new.append(next_token(logits[0, -1, :vocab_size or rows].float(), temperature, top_k, generator))
         if new[-1] == stop_id:
             break

@@ -16,7 +16,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from nsa_model.attention import Compressor, NSAAttention, build_attention
-from nsa_model.cache import LayerCache
+from nsa_model.cache import LayerCache, ModelCache
 from nsa_model.config import ModelConfig
 
 
@@ -43,8 +43,12 @@ class Block(nn.Module):
         x = x + self.attn(self.attn_norm(x))
         return x + self.ffn(self.ffn_norm(x))
 
-    def forward_cached(self, x: torch.Tensor, cache: LayerCache) -> torch.Tensor:
-        x = x + self.attn.forward_cached(self.attn_norm(x), cache)
+    def prefill(self, x: torch.Tensor, cache: LayerCache, capacity: int) -> torch.Tensor:
+        x = x + self.attn.prefill(self.attn_norm(x), cache, capacity)
+        return x + self.ffn(self.ffn_norm(x))
+
+    def decode(self, x: torch.Tensor, cache: LayerCache, position: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn.decode(self.attn_norm(x), cache, position)
         return x + self.ffn(self.ffn_norm(x))
 
 
@@ -94,23 +98,38 @@ class Transformer(nn.Module):
         x = self._run_blocks(self.tok_emb(tokens))
         return self._head(x, targets)
 
-    def new_cache(self) -> list[LayerCache]:
-        """An empty decoding state for forward_cached: one LayerCache a layer, for max_seq_len positions."""
-        return [LayerCache(self.cfg.max_seq_len) for _ in self.blocks]
+    def new_cache(self) -> ModelCache:
+        """An empty decoding state for forward_cached, for max_seq_len positions on the model's device."""
+        return ModelCache(len(self.blocks), self.cfg.max_seq_len, self.tok_emb.weight.device)
 
     @torch.no_grad()
-    def forward_cached(self, tokens: torch.Tensor, cache: list[LayerCache]) -> torch.Tensor:
+    def forward_cached(self, tokens: torch.Tensor, cache: ModelCache) -> torch.Tensor:
         """Logits [B, T, vocab] of tokens [B, T] at the positions after what `cache` (new_cache()) holds, which
         it then holds too: first a prompt (the model's usual forward, keeping each layer's keys, values and
-        compressed tokens), then one token a call, each a decoding step over the cache (ops/decode.py) instead of
-        a pass over the whole context. The same logits as forward() over the whole context, up to rounding."""
+        compressed tokens), then one token a call, each a decoding step (decode_step) over the cache instead of a
+        pass over the whole context. The same logits as forward() over the whole context, up to rounding."""
         if tokens.dim() != 2:
             raise ValueError(f"tokens: expected [B, T], got shape {tuple(tokens.shape)}")
-        if len(cache) != len(self.blocks):
-            raise ValueError(f"cache: expected one LayerCache per layer ({len(self.blocks)}), got {len(cache)}")
-        x = self.tok_emb(tokens)
-        for block, layer_cache in zip(self.blocks, cache):
-            x = block.forward_cached(x, layer_cache)
+        cache.room_for(tokens.shape[1])
+        if cache.length == 0:
+            x = self.tok_emb(tokens)
+            for block, layer in zip(self.blocks, cache.layers, strict=True):
+                x = block.prefill(x, layer, cache.capacity)
+            logits = self.lm_head(self.norm(x))
+        else:
+            cache.position.fill_(cache.length)
+            logits = self.decode_step(tokens, cache)
+        cache.length += tokens.shape[1]
+        return logits
+
+    @torch.no_grad()
+    def decode_step(self, token: torch.Tensor, cache: ModelCache) -> torch.Tensor:
+        """Logits [B, 1, vocab] of token [B, 1] at cache.position (a tensor the caller sets; forward_cached does),
+        written into the cache. Nothing here depends on the position on the host: a CUDA graph of one call,
+        replayed after the caller sets the token and position tensors, is every later step."""
+        x = self.tok_emb(token)
+        for block, layer in zip(self.blocks, cache.layers, strict=True):
+            x = block.decode(x, layer, cache.position)
         return self.lm_head(self.norm(x))
 
     # The decoder stack and the head are separate methods for torch.compile. The whole model traces as one graph

@@ -31,13 +31,20 @@ class RotaryEmbedding(nn.Module):
             raise ValueError(f"RoPE: sequence length {T} from position {position} exceeds max_seq_len "
                              f"{self.max_seq_len}")
 
-    def forward(self, x: torch.Tensor, position: int = 0) -> torch.Tensor:
+    def tables(self, position: int | torch.Tensor, T: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin) [T, D/2] of positions position .. position + T - 1. A tensor position (a decoding step's,
+        on the device) is read by an index, not by the host: its caller keeps it in range (LayerCache)."""
+        if isinstance(position, torch.Tensor):
+            rows = position.reshape(1) + torch.arange(T, device=position.device)
+            return self.cos.index_select(0, rows), self.sin.index_select(0, rows)
+        self.check_positions(position, T)
+        return self.cos[position:position + T], self.sin[position:position + T]
+
+    def forward(self, x: torch.Tensor, position: int | torch.Tensor = 0) -> torch.Tensor:
         """x's rows rotated as positions position .. position + T - 1 (position > 0: tokens after a cached
         context, Transformer.forward_cached)."""
-        T = x.shape[1]
-        self.check_positions(position, T)
-        cos = self.cos[position:position + T, None, :]
-        sin = self.sin[position:position + T, None, :]
+        cos, sin = self.tables(position, x.shape[1])
+        cos, sin = cos[:, None, :], sin[:, None, :]
         # float32 at least (bf16 angles lose positions), float64 stays float64
         x1, x2 = x.to(torch.promote_types(x.dtype, torch.float32)).chunk(2, dim=-1)
         rotated = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)

@@ -17,7 +17,8 @@ def test_decode_bench_checks_then_times_both_paths(tmp_path):
     assert result["commit"] == "abc1234" and result["prompt_len"] == 40
     assert [r["preset"] for r in result["rows"]] == ["tiny", "tiny-dense"]
     for row in result["rows"]:
-        assert row["check"]["max"] <= 1e-9 and row["check"]["positions"] == 42
+        assert row["check"]["steps_max"] <= 1e-9 and row["check"]["prompt_max"] <= 1e-9
+        assert row["check"]["steps"] == 2
         assert row["same_tokens"] and row["cached"]["tokens_per_s"] > 0 and row["full"]["tokens_per_s"] > 0
     assert "| tiny | " in md.read_text()
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nsa_model.cache import LayerCache
+from nsa_model.cache import ModelCache
 from nsa_model.config import NSAConfig, get_preset
 from nsa_model.model import Transformer
 from nsa_model.ops import reference
@@ -28,15 +28,15 @@ def core_inputs(B, T, H, G, Dk, Dv, cfg, seed=0, dtype=torch.float64, zero_cmp=F
     return q, *kv, k_cmp, v_cmp, gates
 
 
-def steps_against_reference(inputs, cfg):
-    """(largest |o step - o reference| over every position, positions whose blocks differ)."""
+def steps_against_reference(inputs, cfg, position_as_tensor=True):
+    """(largest |o step - o reference| over every position, positions whose blocks differ). Each step gets the
+    whole sequence's buffers: what lies past its position must not reach its result."""
     q, k_slc, v_slc, k_win, v_win, k_cmp, v_cmp, gates = inputs
     o_ref, blocks_ref = reference.nsa_attention(*inputs, cfg, scale=q.shape[-1] ** -0.5, return_blocks=True)
     worst, differ = 0.0, []
     for t in range(q.shape[1]):
-        P, tc = t + 1, cfg.num_cmp_tokens(t + 1)
-        o, blocks = nsa_decode_step(q[:, t], k_slc[:, :P], v_slc[:, :P], k_win[:, :P], v_win[:, :P],
-                                    k_cmp[:, :tc], v_cmp[:, :tc], gates[:, t], cfg)
+        position = torch.tensor([t]) if position_as_tensor else t
+        o, blocks = nsa_decode_step(q[:, t], k_slc, v_slc, k_win, v_win, k_cmp, v_cmp, gates[:, t], position, cfg)
         worst = max(worst, (o - o_ref[:, t]).abs().max().item())
         if not torch.equal(blocks, blocks_ref[:, t]):
             differ.append(t)
@@ -67,21 +67,30 @@ def test_the_decoding_step_breaks_importance_ties_toward_the_lower_block():
 
 def test_the_decoding_step_in_float32_is_within_the_spec_tolerance():
     inputs = core_inputs(2, 40, 4, 2, 8, 8, CFG, dtype=torch.float32)
-    q = inputs[0]
-    o_ref = reference.nsa_attention(*(x.double() for x in inputs), CFG, scale=q.shape[-1] ** -0.5)
-    t = 39
-    o, _ = nsa_decode_step(q[:, t], *(x[:, :t + 1] for x in inputs[1:5]), inputs[5][:, :CFG.num_cmp_tokens(40)],
-                           inputs[6][:, :CFG.num_cmp_tokens(40)], inputs[7][:, t], CFG)
+    o_ref = reference.nsa_attention(*(x.double() for x in inputs), CFG, scale=8 ** -0.5)
+    o, _ = nsa_decode_step(inputs[0][:, 33], *inputs[1:7], inputs[7][:, 33], 33, CFG)
     assert o.dtype == torch.float32
-    assert (o.double() - o_ref[:, t]).abs().max() <= 2e-5 * o_ref[:, t].abs().max()
+    assert (o.double() - o_ref[:, 33]).abs().max() <= 2e-5 * o_ref[:, 33].abs().max()
+
+
+def test_the_decoding_step_takes_buffers_longer_than_the_sequence():
+    """Buffers of 64 positions and 20 compressed slots holding a sequence of 37: the rest is never read."""
+    inputs = core_inputs(2, 37, 4, 2, 8, 8, CFG)
+    longer = core_inputs(2, 64, 4, 2, 8, 8, CFG, seed=9)
+    for x, y in zip(inputs[1:7], longer[1:7]):
+        y[:, :x.shape[1]] = x
+    o_ref = reference.nsa_attention(*inputs, CFG, scale=8 ** -0.5)
+    for t in (0, 7, 36):
+        o, _ = nsa_decode_step(inputs[0][:, t], *longer[1:7], inputs[7][:, t], torch.tensor([t]), CFG)
+        assert (o - o_ref[:, t]).abs().max() <= 1e-12
 
 
 def test_the_decoding_step_refuses_inputs_that_do_not_fit_and_names_them():
     q, k_slc, v_slc, k_win, v_win, k_cmp, v_cmp, gates = core_inputs(1, 20, 2, 1, 8, 8, CFG)
-    with pytest.raises(ValueError, match=r"k_cmp: expected shape \(1, 4, 1, 8\) \(P = 20 cached positions"):
-        nsa_decode_step(q[:, -1], k_slc, v_slc, k_win, v_win, k_cmp[:, :3], v_cmp[:, :3], gates[:, -1], CFG)
+    with pytest.raises(ValueError, match=r"v_cmp: expected shape \(1, 4, 1, 8\) \(buffers of L = 20 positions"):
+        nsa_decode_step(q[:, -1], k_slc, v_slc, k_win, v_win, k_cmp, v_cmp[:, :3], gates[:, -1], 19, CFG)
     with pytest.raises(ValueError, match=r"q: expected \[B, H, Dk\]"):
-        nsa_decode_step(q, k_slc, v_slc, k_win, v_win, k_cmp, v_cmp, gates[:, -1], CFG)
+        nsa_decode_step(q, k_slc, v_slc, k_win, v_win, k_cmp, v_cmp, gates[:, -1], 19, CFG)
 
 
 def random_model(attention="nsa", seed=0, **changes):
@@ -109,7 +118,7 @@ def test_forward_cached_gives_the_full_forward_s_logits(attention, changes):
     cache = model.new_cache()
     steps = [model.forward_cached(tokens[:, :5], cache)]
     steps += [model.forward_cached(tokens[:, t:t + 1], cache) for t in range(5, 80)]
-    assert cache[0].length == 80
+    assert cache.length == 80
     assert (torch.cat(steps, dim=1) - full).abs().max() <= 1e-10 * full.abs().max()
 
 
@@ -131,8 +140,6 @@ def test_forward_cached_prefills_a_whole_prompt_and_each_step_is_the_next_positi
 def test_forward_cached_refuses_what_the_cache_cannot_take():
     model = random_model("dense")
     cache = model.new_cache()
-    with pytest.raises(ValueError, match="one LayerCache per layer"):
-        model.forward_cached(torch.zeros(1, 3, dtype=torch.long), cache[:1])
     model.forward_cached(torch.zeros(1, 78, dtype=torch.long), cache)
     with pytest.raises(ValueError, match="takes one token a call, got 2"):
         model.forward_cached(torch.zeros(1, 2, dtype=torch.long), cache)
@@ -140,16 +147,18 @@ def test_forward_cached_refuses_what_the_cache_cannot_take():
     model.forward_cached(torch.zeros(1, 1, dtype=torch.long), cache)
     with pytest.raises(ValueError, match="80 cached \\+ 1 new positions exceed the cache's 80"):
         model.forward_cached(torch.zeros(1, 1, dtype=torch.long), cache)
+    assert cache.length == 80
     with pytest.raises(ValueError, match="at least one token"):
-        LayerCache(4).room_for(0)
+        model.forward_cached(torch.zeros(1, 0, dtype=torch.long), model.new_cache())
     with pytest.raises(ValueError, match="capacity: must be >= 1"):
-        LayerCache(0)
+        ModelCache(2, 0, torch.device("cpu"))
 
 
 def test_rope_at_an_offset_rotates_as_those_positions_of_the_whole_sequence():
     rope = RotaryEmbedding(8, 16, 10000.0)
     x = torch.randn(2, 16, 3, 8, dtype=torch.float64)
     assert torch.equal(rope(x[:, 5:9], position=5), rope(x)[:, 5:9])
+    assert torch.equal(rope(x[:, 5:6], position=torch.tensor([5])), rope(x)[:, 5:6])  # a decoding step's
     with pytest.raises(ValueError, match="sequence length 2 from position 15 exceeds max_seq_len 16"):
         rope(x[:, :2], position=15)
     with pytest.raises(ValueError, match="position must be >= 0"):

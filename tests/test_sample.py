@@ -72,7 +72,7 @@ def test_with_the_cache_each_step_sees_the_same_context(monkeypatch):
     calls, cached = [], model.forward_cached
 
     def record(tokens, cache):
-        calls.append((cache[0].length, tokens[0].tolist()))
+        calls.append((cache.length, tokens[0].tolist()))
         return cached(tokens, cache)
     monkeypatch.setattr(model, "forward_cached", record)
     new = generate(model, prompt, 8, temperature=0)

@@ -1,18 +1,22 @@
-"""NSA for one new query over cached keys: the decoding step (NSA_SPEC.md, sections 1-7, at the last position).
+"""NSA for one new query over cached keys: the decoding step (NSA_SPEC.md, sections 1-7, at the query's position).
 
-    o, blocks = nsa_decode_step(q, k_slc, v_slc, k_win, v_win, k_cmp, v_cmp, gates, cfg, scale=None)
+    o, blocks = nsa_decode_step(q, k_slc, v_slc, k_win, v_win, k_cmp, v_cmp, gates, position, cfg, scale=None)
 
-    q      [B, H, Dk]        the query at position p = P - 1
-    k_slc  [B, P, G, Dk] ... the raw keys and values of positions 0 .. p (the cache, new token included)
-    k_cmp  [B, Tc(P), G, Dk] the compressed tokens that exist at p: exactly those query p sees (spec section 1)
-    gates  [B, H, 3]
-    o      [B, H, Dv];  blocks [B, G, n] int32, ascending, -1 padded
+    q        [B, H, Dk]          the query, at position p
+    k_slc .. [B, L, G, D]        raw key and value buffers: positions 0 .. p hold the sequence (p's own included);
+                                 what lies past p is never read into the result (a buffer of L >= p + 1 slots)
+    k_cmp    [B, S, G, D]        compressed-token buffers: slots 0 .. Nc(p) - 1 hold the tokens query p sees
+                                 (spec section 1), S >= Nc(p); later slots are masked
+    gates    [B, H, 3]
+    position int or 0-d integer tensor (on the buffers' device)
+    o        [B, H, Dv];  blocks [B, G, n] int32, -1 where fewer than n blocks exist
 
-This is the same function as the full core's row p, in the work a decoder needs per token: Tc(P) compressed
-scores, n*l' selected keys and w window keys per head, where running the model over its whole context again
-costs P times that. It is a fixed set of batched tensor ops (no loop over tokens or blocks, no host sync; P is
-the cache's length, a host integer). The selection reuses the vectorized PyTorch path's ordering keys and stable
-sort, so ties go to the lower block index as the spec says. Low-precision inputs are computed in float32 and the
+The same function as the full core's row p, in the work a decoder needs per token: S compressed scores, n*l'
+selected keys and w window keys a head, where running the model over its whole context again costs p times that.
+Every shape depends on the buffers' sizes alone, never on p: p is read from a tensor by masks and gathers, so one
+CUDA graph of a model's decoding step serves every position (nsa_model/generate.py). A fixed set of batched ops,
+no loop over tokens or blocks, no host sync. Forced blocks first and importance ties to the lower block index, by
+a stable descending sort as in the vectorized PyTorch path. Low-precision inputs are computed in float32 and the
 output cast back; float64 stays float64.
 """
 
@@ -21,43 +25,50 @@ from __future__ import annotations
 import torch
 
 from nsa_model.config import NSAConfig
-from nsa_model.ops.torch_impl import _masked_softmax, _selection_keys, _work_dtype, overlap_weights
+from nsa_model.ops.torch_impl import _masked_softmax, _work_dtype, overlap_weights
 
 
-def _attend(qg: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, visible: torch.Tensor | None,
-            scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(o [B, G, h, Dv], p [B, G, h, K]) of qg [B, G, h, Dk] over keys/values [B, G, K, D]; visible [B, G, K]."""
+def attend_one(qg: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, visible: torch.Tensor,
+               scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(o [B, G, h, Dv], p [B, G, h, K]) of qg [B, G, h, Dk] over keys/values [B, G, K, D] where visible
+    [B or 1, G or 1, K]; a head with nothing visible gives zeros."""
     scores = scale * torch.einsum("bghd,bgkd->bghk", qg, keys)
-    mask = torch.ones_like(scores, dtype=torch.bool) if visible is None else visible[:, :, None, :].expand_as(scores)
-    p, _ = _masked_softmax(scores, mask)
+    p, _ = _masked_softmax(scores, visible[:, :, None, :].expand_as(scores))
     return torch.einsum("bghk,bgkd->bghd", p, values), p
 
 
-def select_for_query(p_cmp: torch.Tensor, position: int, cfg: NSAConfig) -> torch.Tensor:
-    """blocks [B, G, n] int32 (spec section 4) of the query at `position`, from its compressed probabilities
-    p_cmp [B, G, h, Tc] (Tc = 0 when it sees no compressed token: every importance is then 0)."""
-    num_blocks = position // cfg.sel_block + 1  # the candidates: every block that starts at or before p
+def gather_positions(x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """x [B, L, G, D] at positions [B, G, K] (each in 0 .. L - 1) -> [B, G, K, D]."""
+    B, G = positions.shape[:2]
+    b_idx = torch.arange(B, device=x.device)[:, None, None]
+    g_idx = torch.arange(G, device=x.device)[None, :, None]
+    return x[b_idx, positions, g_idx]
+
+
+def visible_compressed(position: torch.Tensor, slots: int, cfg: NSAConfig) -> torch.Tensor:
+    """[slots] bool: slot i holds a token query `position` sees, i*d + l - 1 <= p (spec section 1)."""
+    i = torch.arange(slots, device=position.device)
+    return i * cfg.cmp_stride + cfg.cmp_block - 1 <= position
+
+
+def select_for_query(p_cmp: torch.Tensor, position: torch.Tensor, num_blocks: int, cfg: NSAConfig) -> torch.Tensor:
+    """blocks [B, G, n] int32 (spec section 4) of the query at `position` among blocks 0 .. num_blocks - 1, from its
+    compressed probabilities p_cmp [B, G, h, S] (zero where a slot is not visible)."""
     W = overlap_weights(p_cmp.shape[-1], num_blocks, cfg, p_cmp.device, p_cmp.dtype)
     importance = p_cmp.sum(dim=2) @ W  # over the heads of a group (Eq. 10), then Eq. 9: [B, G, Nb]
-    keys = _selection_keys(importance[:, None], position, position + 1, cfg)[:, 0]
+    j = torch.arange(num_blocks, device=p_cmp.device)
+    candidate = j * cfg.sel_block <= position
+    # j > floor(p / l') - n_local  <=>  (j + n_local) * l' > p
+    forced = candidate & ((j < cfg.n_init_blocks) | ((j + cfg.n_local_blocks) * cfg.sel_block > position))
+    # Python scalars, not host tensors: a CUDA graph capture refuses a copy from the host
+    keys = torch.where(forced, float("inf"), torch.where(candidate, importance, float("-inf")))
     # stable and descending: forced blocks first, importance ties to the lower index (as the full path sorts)
     sorted_keys, order = torch.sort(keys, dim=-1, descending=True, stable=True)
     take = min(cfg.n_selected, num_blocks)
     ids = torch.where(sorted_keys[..., :take] > float("-inf"), order[..., :take], num_blocks)
-    ids = torch.sort(ids, dim=-1).values
+    ids = torch.sort(ids, dim=-1).values  # ascending, the padding (num_blocks) last: the core's order
     ids = torch.where(ids == num_blocks, -1, ids).to(torch.int32)
     return torch.nn.functional.pad(ids, (0, cfg.n_selected - take), value=-1)
-
-
-def _gather_blocks(x: torch.Tensor, blocks: torch.Tensor, sel_block: int, position: int):
-    """(rows [B, G, n*l', D], valid [B, G, n*l']): the positions of each group's chosen blocks read from
-    x [B, P, G, D]; padding blocks (-1) and positions after the query are not valid."""
-    B, G = blocks.shape[:2]
-    pos = (blocks.long()[..., None] * sel_block + torch.arange(sel_block, device=x.device)).flatten(-2)
-    valid = (pos >= 0) & (pos <= position)
-    b_idx = torch.arange(B, device=x.device)[:, None, None]
-    g_idx = torch.arange(G, device=x.device)[None, :, None]
-    return x[b_idx, pos.clamp(0, position), g_idx], valid
 
 
 def check_step_shapes(q, k_slc, v_slc, k_win, v_win, k_cmp, v_cmp, gates, cfg: NSAConfig) -> None:
@@ -65,28 +76,27 @@ def check_step_shapes(q, k_slc, v_slc, k_win, v_win, k_cmp, v_cmp, gates, cfg: N
     if q.dim() != 3:
         raise ValueError(f"q: expected [B, H, Dk] (one query a row), got shape {tuple(q.shape)}")
     B, H, Dk = q.shape
-    if k_slc.dim() != 4 or k_slc.shape[1] < 1 or H % k_slc.shape[2]:
-        raise ValueError(f"k_slc: expected [B, P >= 1, G, Dk] with G dividing H={H}, got {tuple(k_slc.shape)}")
-    P, G, Dv = k_slc.shape[1], k_slc.shape[2], v_slc.shape[-1]
-    tc = cfg.num_cmp_tokens(P)
-    expected = {"k_slc": (B, P, G, Dk), "v_slc": (B, P, G, Dv), "k_win": (B, P, G, Dk), "v_win": (B, P, G, Dv),
-                "k_cmp": (B, tc, G, Dk), "v_cmp": (B, tc, G, Dv), "gates": (B, H, 3)}
+    if k_slc.dim() != 4 or H % k_slc.shape[2]:
+        raise ValueError(f"k_slc: expected [B, L, G, Dk] with G dividing H={H}, got {tuple(k_slc.shape)}")
+    L, G, Dv, S = k_slc.shape[1], k_slc.shape[2], v_slc.shape[-1], k_cmp.shape[1]
+    expected = {"k_slc": (B, L, G, Dk), "v_slc": (B, L, G, Dv), "k_win": (B, L, G, Dk), "v_win": (B, L, G, Dv),
+                "k_cmp": (B, S, G, Dk), "v_cmp": (B, S, G, Dv), "gates": (B, H, 3)}
     given = {"k_slc": k_slc, "v_slc": v_slc, "k_win": k_win, "v_win": v_win, "k_cmp": k_cmp, "v_cmp": v_cmp,
              "gates": gates}
     for name, want in expected.items():
         if tuple(given[name].shape) != want:
-            raise ValueError(f"{name}: expected shape {want} (P = {P} cached positions, Tc(P) = {tc}), "
-                             f"got {tuple(given[name].shape)}")
+            raise ValueError(f"{name}: expected shape {want} (buffers of L = {L} positions and S = {S} compressed "
+                             f"slots), got {tuple(given[name].shape)}")
 
 
 @torch.no_grad()
-def nsa_decode_step(q, k_slc, v_slc, k_win, v_win, k_cmp, v_cmp, gates, cfg: NSAConfig, *,
+def nsa_decode_step(q, k_slc, v_slc, k_win, v_win, k_cmp, v_cmp, gates, position, cfg: NSAConfig, *,
                     scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(o [B, H, Dv], blocks [B, G, n]) of the query at position P - 1 (see the module's docstring)."""
+    """(o [B, H, Dv], blocks [B, G, n]) of the query at `position` (see the module's docstring)."""
     check_step_shapes(q, k_slc, v_slc, k_win, v_win, k_cmp, v_cmp, gates, cfg)
     B, H, Dk = q.shape
-    P, G, Dv = k_slc.shape[1], k_slc.shape[2], v_slc.shape[-1]
-    position = P - 1
+    L, G, Dv = k_slc.shape[1], k_slc.shape[2], v_slc.shape[-1]
+    position = torch.as_tensor(position, device=q.device)
     scale = Dk ** -0.5 if scale is None else float(scale)
     work = _work_dtype(q.dtype)
     qg = q.reshape(B, G, H // G, Dk).to(work)
@@ -95,18 +105,27 @@ def nsa_decode_step(q, k_slc, v_slc, k_win, v_win, k_cmp, v_cmp, gates, cfg: NSA
         return x.to(work).transpose(1, 2)
 
     if k_cmp.shape[1] > 0:
-        o_cmp, p_cmp = _attend(qg, by_group(k_cmp), by_group(v_cmp), None, scale)
-    else:  # nothing compressed is visible yet: the branch gives 0 and every importance is 0
-        o_cmp = qg.new_zeros(B, G, H // G, Dv)
-        p_cmp = qg.new_zeros(B, G, H // G, 0)
-    blocks = select_for_query(p_cmp, position, cfg)
+        cmp_visible = visible_compressed(position, k_cmp.shape[1], cfg)[None, None, :]
+        o_cmp, p_cmp = attend_one(qg, by_group(k_cmp), by_group(v_cmp), cmp_visible, scale)
+    else:  # buffers without a slot (a sequence shorter than l): nothing compressed, every importance 0
+        o_cmp, p_cmp = qg.new_zeros(B, G, H // G, Dv), qg.new_zeros(B, G, H // G, 0)
+    blocks = select_for_query(p_cmp, position, -(-L // cfg.sel_block), cfg)
 
-    k_sel, valid = _gather_blocks(k_slc, blocks, cfg.sel_block, position)
-    v_sel, _ = _gather_blocks(v_slc, blocks, cfg.sel_block, position)
-    o_slc, _ = _attend(qg, k_sel.to(work), v_sel.to(work), valid, scale)
+    # the chosen blocks' positions, cut at p; padding blocks (-1) are not visible
+    offsets = torch.arange(cfg.sel_block, device=q.device)
+    sel_pos = (blocks.long()[..., None] * cfg.sel_block + offsets).flatten(-2)  # [B, G, n * l']
+    sel_visible = (sel_pos >= 0) & (sel_pos <= position)
+    sel_pos = sel_pos.clamp(0, L - 1)
+    o_slc, _ = attend_one(qg, gather_positions(k_slc, sel_pos).to(work), gather_positions(v_slc, sel_pos).to(work),
+                          sel_visible, scale)
 
-    first = max(0, P - cfg.window)  # the window: positions max(0, p - w + 1) .. p
-    o_win, _ = _attend(qg, by_group(k_win[:, first:]), by_group(v_win[:, first:]), None, scale)
+    # the window: positions p - w + 1 .. p that exist
+    span = min(cfg.window, L)
+    win_pos = position - span + 1 + torch.arange(span, device=q.device)
+    win_visible = (win_pos >= 0)[None, None, :]
+    win_pos = win_pos.clamp(min=0)[None, None, :].expand(B, G, span)
+    o_win, _ = attend_one(qg, gather_positions(k_win, win_pos).to(work), gather_positions(v_win, win_pos).to(work),
+                          win_visible, scale)
 
     g = gates.to(work).reshape(B, G, H // G, 3, 1)
     o = g[..., 0, :] * o_cmp + g[..., 1, :] * o_slc + g[..., 2, :] * o_win
