@@ -354,8 +354,9 @@ class DenseAttention(nn.Module):
         keys, values = cache.write([k, v], position)
         visible = torch.arange(keys.shape[1], device=x.device) <= position
         work = torch.promote_types(q.dtype, torch.float32)
-        o, _ = attend_one(q.reshape(B, G, H // G, Dk).to(work), keys.transpose(1, 2).to(work),
-                          values.transpose(1, 2).to(work), visible[None, None, :], Dk ** -0.5)
+        with torch.autocast(x.device.type, enabled=False):  # scores in fp32, as SDPA's kernels keep them
+            o, _ = attend_one(q.reshape(B, G, H // G, Dk).to(work), keys.transpose(1, 2).to(work),
+                              values.transpose(1, 2).to(work), visible[None, None, :], Dk ** -0.5)
         return self.wo(o.reshape(B, 1, H * self.cfg.dv).to(v.dtype))
 
 
