@@ -11,8 +11,10 @@ when the full pass's shapes differ, and so can the full pass's own logits at T a
 bf16 autocast, where the Triton core runs the prompt and the decoding steps run in PyTorch: the median step
 within 1e-2, the steps past 3e-2 (near-ties) counted in the results. Then each path generates --new-tokens greedy
 tokens after the prompt (the first one comes from the prompt's pass; on a GPU the cached path's later steps replay
-one CUDA graph of the step, as generate() does), timed end to end, --repeats times; the median counts. The model's max_seq_len is prompt + new tokens, so no step crops the context. NSA's decoding step
-reads Tc + n*l' + w keys a head where the full pass reads every position, so the ratio grows with the prompt.
+one CUDA graph of the step, as generate() does), timed end to end, --repeats times; the median counts. The
+model's max_seq_len is prompt + new tokens, so no step crops the context. NSA's decoding step reads Tc + n*l' + w
+keys a head where the full pass reads every position, so the ratio grows with the prompt. --profile (GPU) adds the
+step's own times (eager, and replayed from its graph) and an eager step's kernels by GPU time.
 Writes DIR/decode-<device>-<date><suffix>.md and .json.
 """
 
@@ -49,6 +51,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--new-tokens", type=positive, default=64)
     ap.add_argument("--check-steps", type=positive, default=8)
     ap.add_argument("--repeats", type=positive, default=2)
+    ap.add_argument("--profile", action="store_true",
+                    help="also time the cached step alone and list the kernels of one eager step (GPU)")
     ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results"))
     ap.add_argument("--suffix", type=file_suffix, default="")
     ap.add_argument("--commit", default="")
@@ -120,6 +124,37 @@ def time_generate(model, prompt: list[int], new_tokens: int, use_cache: bool, de
     return time.perf_counter() - start, out
 
 
+def profile_step(model, prompt) -> dict:
+    """Milliseconds of the prompt's pass, of one eager decoding step and of one replay of the captured step (32
+    in a row, one sync), and the kernels of an eager step by GPU time."""
+    import torch
+
+    from nsa_model.generate import DecodingSteps
+
+    def timed(fn, repeat=1):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(repeat):
+            fn()
+        torch.cuda.synchronize()
+        return (time.perf_counter() - start) * 1e3 / repeat
+
+    token = prompt[:, -1:]
+    with torch.no_grad(), autocast("cuda"):
+        steps = DecodingSteps(model)
+        prefill_ms = timed(lambda: model.forward_cached(prompt, steps.cache))
+        steps(token)  # eager, then captured
+        eager = model.new_cache()
+        model.forward_cached(prompt, eager)
+        eager_ms = timed(lambda: model.forward_cached(token, eager))
+        replay_ms = timed(lambda: steps(token), repeat=32)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            model.forward_cached(token, eager)
+            torch.cuda.synchronize()
+    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=15)
+    return {"prefill_ms": prefill_ms, "eager_step_ms": eager_ms, "graph_step_ms": replay_ms, "kernels": table}
+
+
 def measure(preset: str, args) -> dict:
     import torch
 
@@ -137,6 +172,8 @@ def measure(preset: str, args) -> dict:
         row[name] = {"seconds": seconds, "seconds_all": [r[0] for r in runs], "tokens_per_s": args.new_tokens / seconds}
         row[f"{name}_tokens"] = runs[0][1]
     row["speedup"] = row["full"]["seconds"] / row["cached"]["seconds"]
+    if args.profile and args.device == "cuda":
+        row["profile"] = profile_step(model, prompt)
     row["same_tokens"] = row.pop("cached_tokens") == row.pop("full_tokens")
     return row
 
@@ -159,6 +196,11 @@ def main(argv=None) -> None:
                      f"{r['speedup']:.2f}x | {'yes' if r['same_tokens'] else 'no'} | {c['prompt_max']:.1e}; "
                      f"{c['steps_max']:.1e} / {c['steps_median']:.1e}, {c['steps_past_3e-2']} of {c['steps']} |")
     table = "\n".join(lines)
+    for r in rows:
+        if "profile" in r:
+            p = r["profile"]
+            table += (f"\n\n{r['preset']}: prompt pass {p['prefill_ms']:.1f} ms, eager step "
+                      f"{p['eager_step_ms']:.2f} ms, graph step {p['graph_step_ms']:.2f} ms; an eager step's kernels:\n\n```\n{p['kernels']}\n```")
     os.makedirs(args.out, exist_ok=True)
     result_file(stem, ".json").write_text(json.dumps(meta, indent=2) + "\n")
     result_file(stem, ".md").write_text(
