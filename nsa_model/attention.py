@@ -15,7 +15,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 from nsa_model import ops
 from nsa_model.cache import LayerCache
 from nsa_model.config import ModelConfig, NSAConfig
-from nsa_model.ops.decode import attend_one, nsa_decode_step
+from nsa_model.ops.decode import nsa_decode_step
 from nsa_model.rope import RotaryEmbedding
 
 BRANCHES = ("cmp", "slc", "win")  # order of the gates and of the per-branch K/V projections
@@ -349,15 +349,13 @@ class DenseAttention(nn.Module):
     def decode(self, x: torch.Tensor, cache: LayerCache, position: torch.Tensor) -> torch.Tensor:
         """One token x [B, 1, dim] at `position` over every cached key up to it (shapes independent of it)."""
         B = x.shape[0]
-        H, G, Dk = self.cfg.n_heads, self.cfg.n_kv_heads, self.cfg.head_dim
+        H, G = self.cfg.n_heads, self.cfg.n_kv_heads
         q, k, v = project_qkv(x, self.wq, self.wk, self.wv, self.rope, self.cfg, 1, self.backend, position=position)
         keys, values = cache.write([k, v], position)
         visible = torch.arange(keys.shape[1], device=x.device) <= position
-        work = torch.promote_types(q.dtype, torch.float32)
-        with torch.autocast(x.device.type, enabled=False):  # scores in fp32, as SDPA's kernels keep them
-            o, _ = attend_one(q.reshape(B, G, H // G, Dk).to(work), keys.transpose(1, 2).to(work),
-                              values.transpose(1, 2).to(work), visible[None, None, :], Dk ** -0.5)
-        return self.wo(o.reshape(B, 1, H * self.cfg.dv).to(v.dtype))
+        o = F.scaled_dot_product_attention(q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
+                                           attn_mask=visible[None, None, None, :], enable_gqa=G != H)
+        return self.wo(o.transpose(1, 2).reshape(B, 1, H * self.cfg.dv))
 
 
 def build_attention(cfg: ModelConfig, backend: str = "auto", recompute: bool = False) -> nn.Module:

@@ -93,6 +93,19 @@ def test_the_decoding_step_refuses_inputs_that_do_not_fit_and_names_them():
         nsa_decode_step(q, k_slc, v_slc, k_win, v_win, k_cmp, v_cmp, gates[:, -1], 19, CFG)
 
 
+@pytest.mark.parametrize("cfg", [CFG, NSAConfig(cmp_block=32, cmp_stride=16, sel_block=64, n_selected=16, window=512),
+                                 NSAConfig(cmp_block=4, cmp_stride=4, sel_block=4, n_selected=5, window=64),
+                                 NSAConfig(cmp_block=8, cmp_stride=2, sel_block=16, n_selected=3, window=6)])
+@pytest.mark.parametrize("slots,num_blocks", [(1, 1), (9, 3), (40, 7), (40, 30), (129, 33)])
+def test_block_importance_is_the_overlap_weights_product(cfg, slots, num_blocks):
+    from nsa_model.ops.decode import block_importance
+    from nsa_model.ops.torch_impl import overlap_weights
+
+    p = torch.rand(2, 3, slots, dtype=torch.float64)
+    W = overlap_weights(slots, num_blocks, cfg, "cpu", torch.float64)
+    assert torch.allclose(block_importance(p, num_blocks, cfg), p @ W, rtol=1e-12, atol=1e-12)
+
+
 def random_model(attention="nsa", seed=0, **changes):
     cfg = get_preset("tiny").replace(attention=attention, max_seq_len=80, **changes)
     torch.manual_seed(seed)

@@ -28,7 +28,7 @@ from __future__ import annotations
 import torch
 
 from nsa_model.config import NSAConfig
-from nsa_model.ops.torch_impl import _masked_softmax, _work_dtype, overlap_weights
+from nsa_model.ops.torch_impl import _masked_softmax, _work_dtype
 
 
 def attend_one(qg: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, visible: torch.Tensor,
@@ -54,11 +54,28 @@ def visible_compressed(position: torch.Tensor, slots: int, cfg: NSAConfig) -> to
     return i * cfg.cmp_stride + cfg.cmp_block - 1 <= position
 
 
+def block_importance(p: torch.Tensor, num_blocks: int, cfg: NSAConfig) -> torch.Tensor:
+    """[B, G, num_blocks]: sum over compressed tokens i of p[..., i] * W[i, j] (spec section 3), without W. W is
+    banded: token i starts at piece i (pieces are d long) and covers l/d <= l'/d pieces, so it overlaps the block it
+    starts in and at most the next; the tokens starting in one block are a reshape away (d divides l', validated).
+    A [slots, blocks] W would be 67 MB a layer at 128k positions; this is a few small ops, deterministic."""
+    B, G, S = p.shape
+    per_block, per_token = cfg.sel_block // cfg.cmp_stride, cfg.cmp_block // cfg.cmp_stride
+    starts = -(-S // per_block)  # blocks in which some slot's token starts
+    p = torch.nn.functional.pad(p, (0, starts * per_block - S)).view(B, G, starts, per_block)
+    piece = torch.arange(per_block, device=p.device)  # where in its block a token starts
+    own = (p * torch.clamp(per_block - piece, max=per_token).to(p.dtype)).sum(-1)
+    spill = (p * torch.clamp(piece + per_token - per_block, min=0).to(p.dtype)).sum(-1)
+    importance = torch.nn.functional.pad(own, (0, 1)) + torch.nn.functional.pad(spill, (1, 0))  # [B, G, starts + 1]
+    if starts + 1 >= num_blocks:  # blocks past the last one hold only tokens no query at p sees (p = 0 there)
+        return importance[..., :num_blocks]
+    return torch.nn.functional.pad(importance, (0, num_blocks - starts - 1))
+
+
 def select_for_query(p_cmp: torch.Tensor, position: torch.Tensor, num_blocks: int, cfg: NSAConfig) -> torch.Tensor:
     """blocks [B, G, n] int32 (spec section 4) of the query at `position` among blocks 0 .. num_blocks - 1, from its
     compressed probabilities p_cmp [B, G, h, S] (zero where a slot is not visible)."""
-    W = overlap_weights(p_cmp.shape[-1], num_blocks, cfg, p_cmp.device, p_cmp.dtype)
-    importance = p_cmp.sum(dim=2) @ W  # over the heads of a group (Eq. 10), then Eq. 9: [B, G, Nb]
+    importance = block_importance(p_cmp.sum(dim=2), num_blocks, cfg)  # over the group's heads (Eq. 10), Eq. 9
     j = torch.arange(num_blocks, device=p_cmp.device)
     candidate = j * cfg.sel_block <= position
     # j > floor(p / l') - n_local  <=>  (j + n_local) * l' > p
