@@ -277,7 +277,8 @@ class NSAAttention(nn.Module):
         spare = cache.compressed[0].shape[1] - 1
         slot = torch.where((start >= 0) & (start % d == 0), start.div(d, rounding_mode="floor"), spare)
         k_cmp, v_cmp = cache.write_compressed(list(tokens), slot)
-        o, _ = nsa_decode_step(q[:, 0], k_slc, v_slc, k_win, v_win, k_cmp, v_cmp, gates[:, 0], position, self.nsa)
+        o, _ = nsa_decode_step(q[:, 0], k_slc, v_slc, k_win, v_win, k_cmp, v_cmp, gates[:, 0], position, self.nsa,
+                               backend=self.backend)
         return self.wo(o.reshape(B, 1, self.cfg.n_heads * self.cfg.dv))
 
     @torch.no_grad()

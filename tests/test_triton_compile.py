@@ -184,6 +184,13 @@ CASES = [
           dict(PHI, L=32, STRIDE=16, BLOCK_R=64), PHI_RUN),
     _case("phi_bwd_x_kernel", "compress", {}, dict(T="i32", TC="i32", NCH="i32", NUM_ROWS="i32"),  # W1 in bf16
           dict(PHI, STRIDE=16, PIECES=2, BLOCK_R=64, OFFSETS=16), PHI_RUN),
+    # the decoding step (outside the core), nsa-125m at 8k positions: 6 heads a group padded to 8 rows
+    _case("nsa_decode_kernel", "decode", dict(POS="i64", BLOCKS="i32", SCRATCH="fp32"),
+          dict(**{name: "i32" for name in ("sqb", "sqh", "skb", "skt", "skg", "svb", "svt", "svg", "swkb", "swkt",
+                                            "swkg", "swvb", "swvt", "swvg", "scb", "sct", "scg", "svcb", "svct",
+                                            "svcg", "sgb", "sgh", "num_blocks")}, qk_scale="fp32"),
+          dict(G=2, HPG=6, HP=8, DK=64, DV=64, BLOCK_DK=64, BLOCK_DV=64, BLOCK_N=16, CMP_BLOCK=32, CMP_STRIDE=16,
+               SEL_BLOCK=64, N_SEL=16, N_PAD=16, N_INIT=1, N_LOCAL=2, WINDOW=512, NB_PAD=256, TILE_BLOCKS=4)),
 ]
 
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import torch
 
+from nsa_model import ops
 from nsa_model.config import NSAConfig
 from nsa_model.ops.torch_impl import _masked_softmax, _work_dtype
 
@@ -111,9 +112,17 @@ def check_step_shapes(q, k_slc, v_slc, k_win, v_win, k_cmp, v_cmp, gates, cfg: N
 
 @torch.no_grad()
 def nsa_decode_step(q, k_slc, v_slc, k_win, v_win, k_cmp, v_cmp, gates, position, cfg: NSAConfig, *,
-                    scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(o [B, H, Dv], blocks [B, G, n]) of the query at `position` (see the module's docstring)."""
+                    scale: float | None = None, backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+    """(o [B, H, Dv], blocks [B, G, n]) of the query at `position` (see the module's docstring). The triton
+    backend (CUDA's default) runs it as one kernel (kernels/decode.py) where its config allows (l'/d a power of
+    two; triton_impl.decode_supports), the others as the PyTorch ops below."""
     check_step_shapes(q, k_slc, v_slc, k_win, v_win, k_cmp, v_cmp, gates, cfg)
+    if ops.resolve_backend(backend, q) == "triton":
+        triton_impl = ops.backend_module("triton", q)
+        if triton_impl.decode_supports(cfg):
+            position = torch.as_tensor(position, device=q.device).reshape(1).to(torch.int64)
+            return triton_impl.decode_step(q, k_slc, v_slc, k_win, v_win, k_cmp, v_cmp, gates, position, cfg,
+                                           q.shape[-1] ** -0.5 if scale is None else float(scale))
     with torch.autocast(q.device.type, enabled=False):  # in the work dtype, as the kernels keep scores in fp32
         return _step(q, k_slc, v_slc, k_win, v_win, k_cmp, v_cmp, gates, position, cfg, scale)
 
