@@ -56,6 +56,25 @@ def _tma_cases(name, module, pointers, scalars, constexprs, options=WARPS4, labe
             for tma, ptrs in ((True, with_desc), (False, pointers))]
 
 
+DECODE = dict(G=2, HPG=6, HP=8)
+DECODE_DIMS = dict(DK=64, BLOCK_DK=64, CMP_BLOCK=32, CMP_STRIDE=16)
+Q_STRIDES = ("sqb", "sqh")
+CMP_STRIDES = ("scb", "sct", "scg")
+DECODE_CASES = [  # (kernel, pointer dtypes, stride names, other scalars, constexprs)
+    ("nsa_decode_cmp_kernel", dict(POS="i64", PM="fp32", PL="fp32", PACC="fp32"),
+     Q_STRIDES + CMP_STRIDES + ("svcb", "svct", "svcg"), dict(qk_scale="fp32"),
+     dict(DECODE_DIMS, DV=64, BLOCK_DV=64, BLOCK_N=16, CHUNK=128)),
+    ("nsa_decode_importance_kernel", dict(POS="i64", PM="fp32", PL="fp32", IMP="fp32"), Q_STRIDES + CMP_STRIDES,
+     dict(qk_scale="fp32"), dict(DECODE_DIMS, CHUNK=128, SEL_BLOCK=64, NB_PAD=256, TILE_BLOCKS=4)),
+    ("nsa_decode_attend_kernel", dict(POS="i64", IMP="fp32", BLOCKS="i32", PM="fp32", PL="fp32", PACC="fp32"),
+     Q_STRIDES + tuple(f"{p}{d}" for p in ("sk", "sv", "swk", "swv") for d in "btg"),
+     dict(num_blocks="i32", qk_scale="fp32"),
+     dict(DECODE_DIMS, DV=64, BLOCK_DV=64, BLOCK_N=16, SEL_BLOCK=64, N_SEL=16, N_PAD=16, N_INIT=1, N_LOCAL=2,
+          WINDOW=512, WIN_TILE=128, NB_PAD=256)),
+    ("nsa_decode_combine_kernel", dict(CM="fp32", CL="fp32", CACC="fp32", SM="fp32", SL="fp32", SACC="fp32"),
+     ("sgb", "sgh"), dict(chunks="i32"), dict(DV=64, BLOCK_DV=64, N_SEL=16, WIN_TILES=4)),
+]
+
 CASES = [
     *_tma_cases("select_blocks_kernel", "selection", dict(LSE="fp32", BLOCKS="i32"),
                 dict(T="i32", num_cmp="i32", scale="fp32"),
@@ -185,12 +204,8 @@ CASES = [
     _case("phi_bwd_x_kernel", "compress", {}, dict(T="i32", TC="i32", NCH="i32", NUM_ROWS="i32"),  # W1 in bf16
           dict(PHI, STRIDE=16, PIECES=2, BLOCK_R=64, OFFSETS=16), PHI_RUN),
     # the decoding step (outside the core), nsa-125m at 8k positions: 6 heads a group padded to 8 rows
-    _case("nsa_decode_kernel", "decode", dict(POS="i64", BLOCKS="i32", SCRATCH="fp32"),
-          dict(**{name: "i32" for name in ("sqb", "sqh", "skb", "skt", "skg", "svb", "svt", "svg", "swkb", "swkt",
-                                            "swkg", "swvb", "swvt", "swvg", "scb", "sct", "scg", "svcb", "svct",
-                                            "svcg", "sgb", "sgh", "num_blocks")}, qk_scale="fp32"),
-          dict(G=2, HPG=6, HP=8, DK=64, DV=64, BLOCK_DK=64, BLOCK_DV=64, BLOCK_N=16, CMP_BLOCK=32, CMP_STRIDE=16,
-               SEL_BLOCK=64, N_SEL=16, N_PAD=16, N_INIT=1, N_LOCAL=2, WINDOW=512, NB_PAD=256, TILE_BLOCKS=4)),
+    *[_case(name, "decode", pointers, {**{s: "i32" for s in strides}, **scalars}, dict(DECODE, **constexprs))
+      for name, pointers, strides, scalars, constexprs in DECODE_CASES],
 ]
 
 

@@ -1669,12 +1669,15 @@ def test_cached_decoding_through_the_triton_backend_gives_its_full_forward(monke
     (1, 60, 2, 1, 8, 8, NSAConfig(cmp_block=8, cmp_stride=4, sel_block=8, n_selected=5, window=6),
      [5, 19, 31, 44, 59]),  # with k_cmp all zero: importance ties, which go to the lower block
 ])
-def test_decoding_kernel_matches_reference(B, T, H, G, Dk, Dv, cfg, positions, monkeypatch):
-    """nsa_decode_kernel (one program per batch row and kv group) against the float64 reference's row at each
-    position, given the whole sequence's buffers (what lies past the position must not reach the result):
-    output within fp32 rounding, the same blocks."""
+def test_decoding_kernels_match_reference(B, T, H, G, Dk, Dv, cfg, positions, monkeypatch, chunk=None):
+    """The decoding kernels (kernels/decode.py: compressed partials, importance, top-n with one selected block or
+    window tile a program, combine) against the float64 reference's row at each position, given the whole
+    sequence's buffers (what lies past the position must not reach the result): output within fp32 rounding, the
+    same blocks."""
     from nsa_model.ops.decode import nsa_decode_step
 
+    if chunk is not None:
+        monkeypatch.setattr(triton_impl, "_DECODE_CHUNK", chunk)
     if not ON_GPU:
         monkeypatch.setenv("TRITON_INTERPRET", "1")
     x = make_inputs(B, T, H, G, Dk, Dv, cfg, seed=5, dtype=torch.float64)
@@ -1689,3 +1692,11 @@ def test_decoding_kernel_matches_reference(B, T, H, G, Dk, Dv, cfg, positions, m
                                     backend="triton")
         assert torch.equal(blocks.cpu(), blocks_ref[:, t]), t
         assert (o.double().cpu() - o_ref[:, t]).abs().max() <= 1e-5 * o_ref[:, t].abs().max(), t
+
+
+def test_decoding_kernels_split_over_many_programs_match_reference(monkeypatch):
+    """Four compressed chunks and three window tiles a (batch, group): every merge of partials runs. Six heads a
+    group and 6 of 8 blocks free: a head's lse merged wrong moves its share of the importance, and the choice."""
+    cfg = NSAConfig(cmp_block=8, cmp_stride=4, sel_block=16, n_selected=8, window=40, n_local_blocks=1)
+    test_decoding_kernels_match_reference(1, 200, 12, 2, 8, 8, cfg, [3, 40, 63, 64, 130, 160, 180, 199],
+                                          monkeypatch, chunk=4)

@@ -16,6 +16,9 @@
                          ways (outside the NSA core: the attention modules' nsa::rope_split op)
   stats.py               the sums behind NSAAttention's per-call statistics (gates, blocks chosen, their distance),
                          one pass (outside the core: nsa::attention_stat_sums)
+  decode.py              a decoding step: one new query over a model's cached buffers, as four small launches
+                         (compressed partials, importance, top-n with a selected block or window tile a program,
+                         combine); outside the training core: NSAAttention.decode through ops/decode.py
 
 The kernels run on CUDA, or on CPU under Triton's own interpreter (TRITON_INTERPRET=1 set before this package is
 imported: triton.jit reads it when a kernel is defined).

@@ -25,7 +25,8 @@ from nsa_model.config import NSAConfig
 from nsa_model.kernels.block_index import (block_work_kernel, segment_ids_kernel, segment_offsets_kernel,
                                            segment_starts_kernel, tile_histogram_kernel, tile_scatter_kernel,
                                            tile_union_kernel)
-from nsa_model.kernels.decode import nsa_decode_kernel
+from nsa_model.kernels.decode import (nsa_decode_attend_kernel, nsa_decode_cmp_kernel, nsa_decode_combine_kernel,
+                                      nsa_decode_importance_kernel)
 from nsa_model.kernels.compress import phi_bwd_rows_kernel, phi_bwd_w1_kernel, phi_bwd_x_kernel, phi_fwd_kernel
 from nsa_model.kernels.delta import row_dot_kernel
 from nsa_model.kernels.gates import gated_sum_bwd_kernel, gated_sum_fwd_kernel
@@ -1638,6 +1639,9 @@ def decode_supports(cfg: NSAConfig) -> bool:
     return per_block & (per_block - 1) == 0
 
 
+_DECODE_CHUNK = 128  # compressed slots, or window keys, a decoding program
+
+
 def _prev_pow2(n: int) -> int:
     return 1 << (max(n, 1).bit_length() - 1)
 
@@ -1645,34 +1649,56 @@ def _prev_pow2(n: int) -> int:
 def decode_step(q, k_slc, v_slc, k_win, v_win, k_cmp, v_cmp, gates, position: torch.Tensor, cfg: NSAConfig,
                 scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(o [B, H, Dv], blocks [B, G, n]) of one query a row at `position` (a 1-element int64 tensor), as
-    ops/decode.py's nsa_decode_step (shapes checked there): one launch, a program per (batch, kv group)."""
+    ops/decode.py's nsa_decode_step (shapes checked there): four launches (kernels/decode.py)."""
     _check_inputs(q=q, k_slc=k_slc, v_slc=v_slc, k_win=k_win, v_win=v_win, k_cmp=k_cmp, v_cmp=v_cmp, gates=gates)
     if not decode_supports(cfg):
         raise ValueError(f"decode_step: l'/d = {cfg.sel_block}/{cfg.cmp_stride} is not a power of two")
     for name, x in (("q", q), ("k_slc", k_slc), ("v_slc", v_slc), ("k_win", k_win), ("v_win", v_win),
                     ("k_cmp", k_cmp), ("v_cmp", v_cmp), ("gates", gates)):
         if x.stride(-1) != 1:
-            raise ValueError(f"{name}: the decoding kernel reads rows with a contiguous last dim, got strides "
+            raise ValueError(f"{name}: the decoding kernels read rows with a contiguous last dim, got strides "
                              f"{x.stride()}")
     B, H, Dk = q.shape
-    L, G, Dv = k_slc.shape[1], k_slc.shape[2], v_slc.shape[-1]
+    L, G, Dv, S = k_slc.shape[1], k_slc.shape[2], v_slc.shape[-1], k_cmp.shape[1]
     num_blocks = triton.cdiv(L, cfg.sel_block)
     per_block = cfg.sel_block // cfg.cmp_stride
     hp, block_dk, block_dv = _pow2(H // G, 2), _pow2(Dk, 16), _pow2(Dv, 16)
     block_n = min(16, _prev_pow2(8192 // (hp * max(block_dk, block_dv))))  # [HP, BLOCK_N, D] products: 64 regs
+    tile_blocks = max(1, block_n // per_block)
+    chunk = max(_DECODE_CHUNK, tile_blocks * per_block)  # whole blocks of compressed slots a program
+    chunks = max(1, triton.cdiv(S, chunk))
+    win_tile = max(_DECODE_CHUNK, block_n)
+    win_tiles = triton.cdiv(min(cfg.window, L), win_tile)
     nb_pad, n_pad = _pow2(num_blocks + 1, 16), _pow2(cfg.n_selected, 2)
+    rows, parts = B * G, cfg.n_selected + win_tiles
+    f32 = dict(dtype=torch.float32, device=q.device)
+    cmp_m, cmp_l = torch.empty(rows, chunks, hp, **f32), torch.empty(rows, chunks, hp, **f32)
+    cmp_acc = torch.empty(rows, chunks, hp, block_dv, **f32)
+    att_m, att_l = torch.empty(rows, parts, hp, **f32), torch.empty(rows, parts, hp, **f32)
+    att_acc = torch.empty(rows, parts, hp, block_dv, **f32)
+    importance = torch.empty(rows, 2, nb_pad, **f32)
     o = torch.empty(B, H, Dv, dtype=v_slc.dtype, device=q.device)
     blocks = torch.empty(B, G, cfg.n_selected, dtype=torch.int32, device=q.device)
-    scratch = torch.empty(B * G, 2, nb_pad, dtype=torch.float32, device=q.device)
-    nsa_decode_kernel[(B * G,)](
-        q, k_slc, v_slc, k_win, v_win, k_cmp, v_cmp, gates, position, o, blocks, scratch,
-        q.stride(0), q.stride(1), *k_slc.stride()[:3], *v_slc.stride()[:3], *k_win.stride()[:3],
-        *v_win.stride()[:3], *k_cmp.stride()[:3], *v_cmp.stride()[:3], gates.stride(0), gates.stride(1),
-        num_blocks, scale * math.log2(math.e),
-        G=G, HPG=H // G, HP=hp, DK=Dk, DV=Dv, BLOCK_DK=block_dk, BLOCK_DV=block_dv, BLOCK_N=block_n,
+    qk_scale = scale * math.log2(math.e)
+    heads = dict(G=G, HPG=H // G, HP=hp)
+    nsa_decode_cmp_kernel[(rows, chunks)](
+        q, k_cmp, v_cmp, position, cmp_m, cmp_l, cmp_acc, q.stride(0), q.stride(1), *k_cmp.stride()[:3],
+        *v_cmp.stride()[:3], qk_scale, **heads, DK=Dk, DV=Dv, BLOCK_DK=block_dk, BLOCK_DV=block_dv, BLOCK_N=block_n,
+        CHUNK=chunk, CMP_BLOCK=cfg.cmp_block, CMP_STRIDE=cfg.cmp_stride, num_warps=4)
+    nsa_decode_importance_kernel[(rows, chunks)](
+        q, k_cmp, position, cmp_m, cmp_l, importance, q.stride(0), q.stride(1), *k_cmp.stride()[:3], qk_scale,
+        **heads, DK=Dk, BLOCK_DK=block_dk, CHUNK=chunk, CMP_BLOCK=cfg.cmp_block, CMP_STRIDE=cfg.cmp_stride,
+        SEL_BLOCK=cfg.sel_block, NB_PAD=nb_pad, TILE_BLOCKS=tile_blocks, num_warps=4)
+    nsa_decode_attend_kernel[(rows, parts)](
+        q, k_slc, v_slc, k_win, v_win, position, importance, blocks, att_m, att_l, att_acc,
+        q.stride(0), q.stride(1), *k_slc.stride()[:3], *v_slc.stride()[:3], *k_win.stride()[:3], *v_win.stride()[:3],
+        num_blocks, qk_scale, **heads, DK=Dk, DV=Dv, BLOCK_DK=block_dk, BLOCK_DV=block_dv, BLOCK_N=block_n,
         CMP_BLOCK=cfg.cmp_block, CMP_STRIDE=cfg.cmp_stride, SEL_BLOCK=cfg.sel_block, N_SEL=cfg.n_selected,
-        N_PAD=n_pad, N_INIT=cfg.n_init_blocks, N_LOCAL=cfg.n_local_blocks, WINDOW=cfg.window, NB_PAD=nb_pad,
-        TILE_BLOCKS=max(1, block_n // per_block), num_warps=4)
+        N_PAD=n_pad, N_INIT=cfg.n_init_blocks, N_LOCAL=cfg.n_local_blocks, WINDOW=cfg.window, WIN_TILE=win_tile,
+        NB_PAD=nb_pad, num_warps=4)
+    nsa_decode_combine_kernel[(rows,)](
+        cmp_m, cmp_l, cmp_acc, att_m, att_l, att_acc, gates, o, chunks, gates.stride(0), gates.stride(1), **heads,
+        DV=Dv, BLOCK_DV=block_dv, N_SEL=cfg.n_selected, WIN_TILES=win_tiles, num_warps=4)
     return o, blocks
 
 
