@@ -51,6 +51,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--new-tokens", type=positive, default=64)
     ap.add_argument("--check-steps", type=positive, default=8)
     ap.add_argument("--repeats", type=positive, default=2)
+    ap.add_argument("--decode-kernel", choices=("torch", "triton"), default=None,
+                    help="a CUDA decoding step's NSA: PyTorch ops or kernels/decode.py (default: the launch config's)")
     ap.add_argument("--profile", action="store_true",
                     help="also time the cached step alone and list the kernels of one eager step (GPU)")
     ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results"))
@@ -184,9 +186,16 @@ def main(argv=None) -> None:
 
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda: no CUDA device here")
+    if args.decode_kernel is not None and args.device == "cuda":
+        import dataclasses
+
+        from nsa_model.ops import triton_impl
+
+        triton_impl.set_launch_config(dataclasses.replace(triton_impl.launch_config(),
+                                                          decode_kernel=args.decode_kernel))
     rows = [measure(preset, args) for preset in PRESETS[args.preset]]
     stem, meta = result_stem(args.out, "decode", args.suffix, args.commit or git_commit())
-    meta.update({"prompt_len": args.prompt_len, "new_tokens": args.new_tokens, "repeats": args.repeats,
+    meta.update({"decode_kernel": args.decode_kernel or "default", "prompt_len": args.prompt_len, "new_tokens": args.new_tokens, "repeats": args.repeats,
                  "threads": torch.get_num_threads(), "rows": rows})
     lines = ["| model | cached tokens/s | full-context tokens/s | cached / full | same greedy tokens | "
              "check: prompt max; steps max / median, past 3e-2 |", "|---|---|---|---|---|---|"]

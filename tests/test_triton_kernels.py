@@ -1636,14 +1636,18 @@ def test_nsa_statistics_on_the_triton_backend_are_the_torch_backends(monkeypatch
     assert (stats["triton"][:3] > 0).all() and stats["triton"][3] > 1 and stats["triton"][4] > 0
 
 
-def test_cached_decoding_through_the_triton_backend_gives_its_full_forward(monkeypatch):
+@pytest.mark.parametrize("decode_kernel", ["torch", "triton"])
+def test_cached_decoding_through_the_triton_backend_gives_its_full_forward(decode_kernel, monkeypatch):
     """Transformer.forward_cached on backend="triton": the prompt through nsa::core and nsa::rope_split, then each
-    step's RoPE through rope_split at its position (its tables sliced there) and each new compressed token through
-    nsa::phi_mlp, with the decoding step in PyTorch: the logits of the model's full forward."""
+    step's RoPE through rope_split at its position (its tables read at a device position) and each new compressed
+    token through nsa::phi_mlp, with the decoding step's NSA in PyTorch or in kernels/decode.py: the logits of the
+    model's full forward."""
     from nsa_model import ModelConfig, Transformer
 
     if not ON_GPU:
         monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(triton_impl, "_config", dataclasses.replace(triton_impl.launch_config(),
+                                                                    decode_kernel=decode_kernel))
     cfg = ModelConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, max_seq_len=24,
                       attention="nsa", nsa=NSAConfig(cmp_block=4, cmp_stride=2, sel_block=4, n_selected=3, window=6))
     torch.manual_seed(0)
@@ -1674,8 +1678,8 @@ def test_decoding_kernels_match_reference(B, T, H, G, Dk, Dv, cfg, positions, mo
     window tile a program, combine) against the float64 reference's row at each position, given the whole
     sequence's buffers (what lies past the position must not reach the result): output within fp32 rounding, the
     same blocks."""
-    from nsa_model.ops.decode import nsa_decode_step
-
+    monkeypatch.setattr(triton_impl, "_config", dataclasses.replace(triton_impl.launch_config(),
+                                                                    decode_kernel="triton"))
     if chunk is not None:
         monkeypatch.setattr(triton_impl, "_DECODE_CHUNK", chunk)
     if not ON_GPU:
@@ -1686,10 +1690,10 @@ def test_decoding_kernels_match_reference(B, T, H, G, Dk, Dv, cfg, positions, mo
     names = ("q", "k_slc", "v_slc", "k_win", "v_win", "k_cmp", "v_cmp", "gates")
     o_ref, blocks_ref = reference.nsa_attention(*(x[k] for k in names), cfg, scale=Dk ** -0.5, return_blocks=True)
     inputs = [x[k].float().to(DEVICE) for k in names]
+    q, *buffers, gates = inputs
     for t in positions:
-        q, *buffers, gates = inputs
-        o, blocks = nsa_decode_step(q[:, t], *buffers, gates[:, t], torch.tensor([t], device=DEVICE), cfg,
-                                    backend="triton")
+        o, blocks = triton_impl.decode_step(q[:, t], *buffers, gates[:, t], torch.tensor([t], device=DEVICE), cfg,
+                                            Dk ** -0.5)
         assert torch.equal(blocks.cpu(), blocks_ref[:, t]), t
         assert (o.double().cpu() - o_ref[:, t]).abs().max() <= 1e-5 * o_ref[:, t].abs().max(), t
 
@@ -1700,3 +1704,24 @@ def test_decoding_kernels_split_over_many_programs_match_reference(monkeypatch):
     cfg = NSAConfig(cmp_block=8, cmp_stride=4, sel_block=16, n_selected=8, window=40, n_local_blocks=1)
     test_decoding_kernels_match_reference(1, 200, 12, 2, 8, 8, cfg, [3, 40, 63, 64, 130, 160, 180, 199],
                                           monkeypatch, chunk=4)
+
+
+@pytest.mark.parametrize("decode_kernel", ["torch", "triton"])
+def test_the_decoding_step_runs_the_kernels_the_launch_config_names(decode_kernel, monkeypatch):
+    """ops/decode.py on the triton backend: kernels/decode.py where LaunchConfig.decode_kernel says "triton", its
+    PyTorch ops where it says "torch"; the same output either way."""
+    from nsa_model.ops.decode import nsa_decode_step
+
+    if not ON_GPU:
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(triton_impl, "_config", dataclasses.replace(triton_impl.launch_config(),
+                                                                    decode_kernel=decode_kernel))
+    calls, launch = [], triton_impl.decode_step
+    monkeypatch.setattr(triton_impl, "decode_step", lambda *args: calls.append(1) or launch(*args))
+    cfg = NSAConfig(cmp_block=8, cmp_stride=4, sel_block=8, n_selected=4, window=6)
+    x = make_inputs(1, 30, 4, 2, 8, 8, cfg, seed=6, dtype=torch.float32)
+    q, *buffers, gates = (v.to(DEVICE) for v in x.values())
+    o, _ = nsa_decode_step(q[:, 29], *buffers, gates[:, 29], torch.tensor([29], device=DEVICE), cfg, backend="triton")
+    assert len(calls) == (decode_kernel == "triton")
+    o_ref = reference.nsa_attention(*(v.double() for v in x.values()), cfg, scale=8 ** -0.5)[:, 29]
+    assert (o.double().cpu() - o_ref).abs().max() <= 1e-5 * o_ref.abs().max()

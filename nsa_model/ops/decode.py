@@ -113,9 +113,9 @@ def check_step_shapes(q, k_slc, v_slc, k_win, v_win, k_cmp, v_cmp, gates, cfg: N
 @torch.no_grad()
 def nsa_decode_step(q, k_slc, v_slc, k_win, v_win, k_cmp, v_cmp, gates, position, cfg: NSAConfig, *,
                     scale: float | None = None, backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
-    """(o [B, H, Dv], blocks [B, G, n]) of the query at `position` (see the module's docstring). The triton
-    backend (CUDA's default) runs it as one kernel (kernels/decode.py) where its config allows (l'/d a power of
-    two; triton_impl.decode_supports), the others as the PyTorch ops below."""
+    """(o [B, H, Dv], blocks [B, G, n]) of the query at `position` (see the module's docstring). On the triton
+    backend (CUDA's default) the step runs as kernels/decode.py's launches where its launch config asks for them
+    and cfg allows (triton_impl.decode_supports); otherwise, and on the other backends, as the PyTorch ops below."""
     check_step_shapes(q, k_slc, v_slc, k_win, v_win, k_cmp, v_cmp, gates, cfg)
     if ops.resolve_backend(backend, q) == "triton":
         triton_impl = ops.backend_module("triton", q)

@@ -84,6 +84,7 @@ SLC_COMBINES = ("plain", "gated")
 # launches), or PyTorch's stable radix sort of every slot's segment key (kernels/block_index.py); auto: count where
 # its prefix-sum program has at most _COUNT_AUTO_CELLS (block, tile) counts, sort beyond (kernels-notes.md v47)
 INDEX_BUILDS = ("auto", "count", "sort")
+DECODE_KERNELS = ("torch", "triton")  # LaunchConfig.decode_kernel: a decoding step's NSA
 
 
 RANGE_TILE_FIELDS = ("range_fwd", "range_dq", "range_dkdv", "range_fwd_d64", "range_dq_d64", "range_dkdv_d64")
@@ -178,13 +179,19 @@ class LaunchConfig:
     slc_combine: str = "gated"  # one of SLC_COMBINES
     phi_rows: int = 32  # compressed tokens per program of phi's forward and its row backward (v29: 64 lost)
     index_build: str = "auto"  # one of INDEX_BUILDS
+    # A decoding step's NSA (outside the core; ops/decode.py): "torch", its PyTorch ops (replayed from a CUDA graph
+    # by generate(): 6.9 ms a token at nsa-125m, 32k positions, on an H200, v67), or "triton", kernels/decode.py.
+    # Their first, one-program-per-group form was correct on the H200 and slower (15.7 ms: 1.1 ms a layer on two
+    # programs); the split form passes the interpreter's tests and compiles for sm_90 but was not yet timed on a GPU.
+    decode_kernel: str = "torch"  # one of DECODE_KERNELS
 
     def __post_init__(self) -> None:
         choices = {"slc_kernel": SELECTED_KERNELS, "gate_kernel": GATE_KERNELS, "range_kernel": RANGE_KERNELS,
                    "delta_kernel": DELTA_KERNELS, "window_dkdv": WINDOW_DKDV, "slc_partial": PARTIAL_DTYPES,
                    "slc_dq": SELECTED_DQ, "slc_dkdv": SELECTED_DKDV, "slc_query_dq": QUERY_DQ, "range_pair": RANGE_PAIR,
                    "range_loads": RANGE_LOADS, "phi_kernel": PHI_KERNELS,
-                   "slc_slot_sum": SLOT_SUMS, "slc_combine": SLC_COMBINES, "index_build": INDEX_BUILDS}
+                   "slc_slot_sum": SLOT_SUMS, "slc_combine": SLC_COMBINES, "index_build": INDEX_BUILDS,
+                   "decode_kernel": DECODE_KERNELS}
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise ValueError(f"LaunchConfig.{name}: must be one of {allowed}, got {getattr(self, name)!r}")
@@ -1633,8 +1640,11 @@ def rope_split(y: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: lis
 # --- the decoding step (outside the training core: NSAAttention.decode through ops/decode.py; kernels/decode.py) --
 
 def decode_supports(cfg: NSAConfig) -> bool:
-    """Whether nsa_decode_kernel takes cfg: the tokens starting in a selection block, l'/d, are a power of two (its
-    banded importance is a reshape); ops/decode.py runs the PyTorch step otherwise."""
+    """Whether the decoding kernels run cfg's step: LaunchConfig.decode_kernel is "triton" and the tokens starting
+    in a selection block, l'/d, are a power of two (the banded importance is a reshape). ops/decode.py runs the
+    PyTorch step otherwise."""
+    if _config.decode_kernel != "triton":
+        return False
     per_block = cfg.sel_block // cfg.cmp_stride
     return per_block & (per_block - 1) == 0
 
@@ -1652,7 +1662,8 @@ def decode_step(q, k_slc, v_slc, k_win, v_win, k_cmp, v_cmp, gates, position: to
     ops/decode.py's nsa_decode_step (shapes checked there): four launches (kernels/decode.py)."""
     _check_inputs(q=q, k_slc=k_slc, v_slc=v_slc, k_win=k_win, v_win=v_win, k_cmp=k_cmp, v_cmp=v_cmp, gates=gates)
     if not decode_supports(cfg):
-        raise ValueError(f"decode_step: l'/d = {cfg.sel_block}/{cfg.cmp_stride} is not a power of two")
+        raise ValueError(f"decode_step: needs LaunchConfig.decode_kernel='triton' and l'/d a power of two, got "
+                         f"{_config.decode_kernel!r} and {cfg.sel_block}/{cfg.cmp_stride}")
     for name, x in (("q", q), ("k_slc", k_slc), ("v_slc", v_slc), ("k_win", k_win), ("v_win", v_win),
                     ("k_cmp", k_cmp), ("v_cmp", v_cmp), ("gates", gates)):
         if x.stride(-1) != 1:
