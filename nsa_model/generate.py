@@ -3,10 +3,9 @@
 The context is the last max_seq_len tokens. With use_cache (the default), the prompt runs through the model once
 and each new token after it is one decoding step over the layers' caches (Transformer.forward_cached: for NSA the
 raw keys and values, the compressed tokens, and a step that reads Tc + n*l' + w keys a head; on a GPU each step
-is one CUDA graph replayed, DecodingSteps). Once the context is
-full, each step drops its oldest token, which moves every position: the step then runs the model over the
-cropped context again, as without the cache. use_cache=False runs the whole context every step (the reference
-the cached path is tested against).
+is one CUDA graph replayed, DecodingSteps). Once the context is full, each step drops its oldest token, which
+moves every position: the step then runs the model over the cropped context again, as without the cache.
+use_cache=False runs the whole context every step (the reference the cached path is tested against).
 """
 
 from __future__ import annotations
