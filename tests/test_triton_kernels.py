@@ -1571,8 +1571,8 @@ def test_attention_on_the_triton_backend_splits_and_rotates_q_k_v_as_the_torch_p
     for split_backend in ("triton", "torch"):
         if split_backend == "torch":  # the second layer's parts from the torch path, its core still on triton
             monkeypatch.setattr(attn_module, "rotate_and_split",
-                                lambda y, rope, heads, dims, rotate, backend: real(y, rope, heads, dims, rotate,
-                                                                                   "torch"))
+                                lambda y, rope, heads, dims, rotate, backend, position=0: real(
+                                    y, rope, heads, dims, rotate, "torch", position))
         torch.manual_seed(0)
         layer = build_attention(cfg, backend="triton").to(DEVICE)
         out = layer(x)
