@@ -8,15 +8,17 @@
     k_cmp    [B, S, G, D]        compressed-token buffers: slots 0 .. Nc(p) - 1 hold the tokens query p sees
                                  (spec section 1), S >= Nc(p); later slots are masked
     gates    [B, H, 3]
-    position int or 0-d integer tensor (on the buffers' device)
+    position int, or a 1-element integer tensor on the buffers' device
     o        [B, H, Dv];  blocks [B, G, n] int32, -1 where fewer than n blocks exist
 
 The same function as the full core's row p, in the work a decoder needs per token: S compressed scores, n*l'
 selected keys and w window keys a head, where running the model over its whole context again costs p times that.
 Every shape depends on the buffers' sizes alone, never on p: p is read from a tensor by masks and gathers, so one
 CUDA graph of a model's decoding step serves every position (nsa_model/generate.py). A fixed set of batched ops,
-no loop over tokens or blocks, no host sync. Forced blocks first and importance ties to the lower block index, by
-a stable descending sort as in the vectorized PyTorch path. Low-precision inputs are computed in float32 and the
+no loop over tokens or blocks, no host sync. Block importance by the banded overlap (block_importance), forced
+blocks first and importance ties to the lower block index by a stable descending sort, as in the vectorized
+PyTorch path. On the triton backend, LaunchConfig.decode_kernel="triton" runs the step as kernels/decode.py's
+four launches instead. Low-precision inputs are computed in float32 and the
 output cast back; float64 stays float64. Autocast is off inside: under bf16 autocast the einsums would round every
 score to bf16 before the softmax (about 2% of a probability at a score of 5), where the Triton kernels keep scores
 and probabilities in fp32; over 12 layers that put the steps' logits 5% of their range off the full pass's at
