@@ -11,10 +11,10 @@ when the full pass's shapes differ, and so can the full pass's own logits at T a
 bf16 autocast, where the Triton core runs the prompt and the decoding steps run in PyTorch: the median step
 within 1e-2, the steps past 3e-2 (near-ties) counted in the results. Then each path generates --new-tokens greedy
 tokens after the prompt (the first one comes from the prompt's pass; on a GPU the cached path's later steps replay
-one CUDA graph of the step, as generate() does), timed end to end, --repeats times; the median counts. The
-model's max_seq_len is prompt + new tokens, so no step crops the context. NSA's decoding step reads Tc + n*l' + w
-keys a head where the full pass reads every position, so the ratio grows with the prompt. --profile (GPU) adds the
-step's own times (eager, and replayed from its graph) and an eager step's kernels by GPU time.
+one CUDA graph of the step, as generate() does), timed end to end, --repeats times; the median counts. The model's
+max_seq_len leaves room for every step after the prompt, so no step crops the context. NSA's decoding step reads Tc
++ n*l' + w keys a head where the full pass reads every position, so the ratio grows with the prompt. --profile (GPU)
+adds the step's own times (eager, and replayed from its graph) and an eager step's kernels by GPU time.
 Writes DIR/decode-<device>-<date><suffix>.md and .json.
 """
 
@@ -160,7 +160,9 @@ def profile_step(model, prompt) -> dict:
 def measure(preset: str, args) -> dict:
     import torch
 
-    model = build_model(preset, args.prompt_len + args.new_tokens, args.device)
+    # room for the timed tokens, the check's steps and the profile's 1 + 32 steps after the prompt
+    room = max(args.new_tokens, args.check_steps, 34 if args.profile else 0)
+    model = build_model(preset, args.prompt_len + room, args.device)
     prompt = torch.randint(0, model.cfg.vocab_size, (1, args.prompt_len), device=args.device,
                            generator=torch.Generator(args.device).manual_seed(1))
     checked = check(model, prompt, args.check_steps, args.device)
@@ -195,8 +197,9 @@ def main(argv=None) -> None:
                                                           decode_kernel=args.decode_kernel))
     rows = [measure(preset, args) for preset in PRESETS[args.preset]]
     stem, meta = result_stem(args.out, "decode", args.suffix, args.commit or git_commit())
-    meta.update({"decode_kernel": args.decode_kernel or "default", "prompt_len": args.prompt_len, "new_tokens": args.new_tokens, "repeats": args.repeats,
-                 "threads": torch.get_num_threads(), "rows": rows})
+    meta.update({"decode_kernel": args.decode_kernel or "default", "prompt_len": args.prompt_len,
+                 "new_tokens": args.new_tokens, "repeats": args.repeats, "threads": torch.get_num_threads(),
+                 "rows": rows})
     lines = ["| model | cached tokens/s | full-context tokens/s | cached / full | same greedy tokens | "
              "check: prompt max; steps max / median, past 3e-2 |", "|---|---|---|---|---|---|"]
     for r in rows:
@@ -209,7 +212,8 @@ def main(argv=None) -> None:
         if "profile" in r:
             p = r["profile"]
             table += (f"\n\n{r['preset']}: prompt pass {p['prefill_ms']:.1f} ms, eager step "
-                      f"{p['eager_step_ms']:.2f} ms, graph step {p['graph_step_ms']:.2f} ms; an eager step's kernels:\n\n```\n{p['kernels']}\n```")
+                      f"{p['eager_step_ms']:.2f} ms, graph step {p['graph_step_ms']:.2f} ms; an eager step's "
+                      f"kernels:\n\n```\n{p['kernels']}\n```")
     os.makedirs(args.out, exist_ok=True)
     result_file(stem, ".json").write_text(json.dumps(meta, indent=2) + "\n")
     result_file(stem, ".md").write_text(

@@ -47,9 +47,10 @@ def _buffer(x: torch.Tensor, size: int) -> torch.Tensor:
 
 
 class ModelCache:
-    """A model's decoding state: one LayerCache a layer, `length` positions held (on the host: what decides
-    whether a token fits), and `position`, the next token's position as a 1-element int64 tensor on the model's
-    device, which a decoding step reads (and a CUDA graph of it, replayed, reads anew)."""
+    """A model's decoding state: one LayerCache a layer, `length` positions held and the prompt's `batch` rows (on
+    the host: what decides whether a token fits), and `position`, a 1-element int64 tensor on the model's device:
+    the position the next decoding step writes and reads. Transformer.forward_cached sets it to `length` before
+    each step (DecodingSteps before each replay of its graph, which reads it anew)."""
 
     def __init__(self, num_layers: int, capacity: int, device: torch.device) -> None:
         if capacity < 1:
@@ -57,13 +58,17 @@ class ModelCache:
         self.layers = [LayerCache() for _ in range(num_layers)]
         self.capacity = capacity
         self.length = 0
+        self.batch = 0
         self.position = torch.zeros(1, dtype=torch.long, device=device)
 
-    def room_for(self, new: int) -> None:
-        """Refuse what this cache cannot take: a prompt goes into an empty cache, then one token a call, up to
-        capacity positions."""
+    def room_for(self, new: int, batch: int | None = None) -> None:
+        """Refuse what this cache cannot take: a prompt goes into an empty cache, then one token a call for each of
+        the prompt's rows, up to capacity positions."""
         if new < 1:
             raise ValueError(f"forward_cached: needs at least one token, got {new}")
+        if self.length and batch is not None and batch != self.batch:
+            raise ValueError(f"forward_cached: the cache holds {self.batch} rows (its prompt's batch), got a step "
+                             f"of {batch}")
         if self.length and new != 1:
             raise ValueError(f"forward_cached: a cache holding {self.length} positions takes one token a call, "
                              f"got {new} (start a new cache for a new prompt)")

@@ -73,17 +73,18 @@ class DecodingSteps:
         self.cache.position.fill_(self.cache.length)
         self.graph.replay()
         self.cache.length += 1
-        return self.logits
+        return self.logits.clone()  # the graph's output tensor is rewritten by the next replay
 
     def _capture(self, token: torch.Tensor) -> None:
         self.token = token.clone()
-        self.graph = torch.cuda.CUDAGraph()
+        graph = torch.cuda.CUDAGraph()
         # autocast's cache of cast weights would hand the graph tensors that leave with the autocast context
         autocast = (torch.autocast("cuda", dtype=torch.get_autocast_dtype("cuda"), cache_enabled=False)
                     if torch.is_autocast_enabled("cuda") else contextlib.nullcontext())
         torch.cuda.synchronize()  # ok-host-sync: once a cache, before its capture
-        with autocast, torch.cuda.graph(self.graph):  # recorded, not run: the cache is not written here
+        with autocast, torch.cuda.graph(graph):  # recorded, not run: the cache is not written here
             self.logits = self.model.decode_step(self.token, self.cache)
+        self.graph = graph  # only a whole capture is ever replayed
 
 
 @torch.no_grad()

@@ -110,8 +110,9 @@ class Transformer(nn.Module):
         pass over the whole context. The same logits as forward() over the whole context, up to rounding."""
         if tokens.dim() != 2:
             raise ValueError(f"tokens: expected [B, T], got shape {tuple(tokens.shape)}")
-        cache.room_for(tokens.shape[1])
+        cache.room_for(tokens.shape[1], tokens.shape[0])
         if cache.length == 0:
+            cache.batch = tokens.shape[0]
             x = self.tok_emb(tokens)
             for block, layer in zip(self.blocks, cache.layers, strict=True):
                 x = block.prefill(x, layer, cache.capacity)
@@ -127,6 +128,8 @@ class Transformer(nn.Module):
         """Logits [B, 1, vocab] of token [B, 1] at cache.position (a tensor the caller sets; forward_cached does),
         written into the cache. Nothing here depends on the position on the host: a CUDA graph of one call,
         replayed after the caller sets the token and position tensors, is every later step."""
+        if cache.length == 0:
+            raise ValueError("decode_step: the cache holds no prompt yet; run forward_cached on one first")
         x = self.tok_emb(token)
         for block, layer in zip(self.blocks, cache.layers, strict=True):
             x = block.decode(x, layer, cache.position)

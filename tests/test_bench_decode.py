@@ -23,6 +23,13 @@ def test_decode_bench_checks_then_times_both_paths(tmp_path):
     assert "| tiny | " in md.read_text()
 
 
+def test_decode_bench_leaves_room_for_more_checked_steps_than_timed_ones(tmp_path):
+    decode.main(["--prompt-len", "10", "--new-tokens", "1", "--check-steps", "6", "--repeats", "1",
+                 "--out", str(tmp_path)])
+    (md,) = tmp_path.glob("decode-cpu-*.json")
+    assert all(row["check"]["steps"] == 6 for row in json.loads(md.read_text())["rows"])
+
+
 def test_decode_bench_refuses_cached_logits_that_are_off(tmp_path, monkeypatch):
     from nsa_model.model import Transformer
 

@@ -163,6 +163,12 @@ def test_forward_cached_refuses_what_the_cache_cannot_take():
     assert cache.length == 80
     with pytest.raises(ValueError, match="at least one token"):
         model.forward_cached(torch.zeros(1, 0, dtype=torch.long), model.new_cache())
+    two_rows = model.new_cache()
+    model.forward_cached(torch.zeros(2, 5, dtype=torch.long), two_rows)
+    with pytest.raises(ValueError, match="the cache holds 2 rows \\(its prompt's batch\\), got a step of 1"):
+        model.forward_cached(torch.zeros(1, 1, dtype=torch.long), two_rows)
+    with pytest.raises(ValueError, match="decode_step: the cache holds no prompt yet"):
+        model.decode_step(torch.zeros(1, 1, dtype=torch.long), model.new_cache())
     with pytest.raises(ValueError, match="capacity: must be >= 1"):
         ModelCache(2, 0, torch.device("cpu"))
 
