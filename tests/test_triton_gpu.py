@@ -152,7 +152,17 @@ def test_query_dq_from_stored_ds_past_int32_offsets_equals_recompute(slc_kernel)
     assert tail_err <= 1e-2, tail_err
 
 
-def test_greedy_sampling_on_the_gpu_follows_the_float32_model():
+def _decode_kernel(name):
+    """A launch config with LaunchConfig.decode_kernel = name, for a `with` block."""
+    import dataclasses
+
+    from nsa_model.ops import triton_impl
+
+    return triton_impl.use_launch_config(dataclasses.replace(triton_impl.launch_config(), decode_kernel=name))
+
+
+@pytest.mark.parametrize("decode_kernel", ["torch", "triton"])
+def test_greedy_sampling_on_the_gpu_follows_the_float32_model(decode_kernel):
     """jobs/sample.py's path on a GPU: nsa_model/generate.py with the Triton kernels under bf16 autocast, on a
     context that grows a token at a time from 8 tokens (under one compressed block) past two selection blocks.
     Every token it picks must be the float32 model's most likely one on the CPU, up to bf16 noise: within 2% of
@@ -168,7 +178,7 @@ def test_greedy_sampling_on_the_gpu_follows_the_float32_model():
         for p in model.parameters():
             p.normal_(0.0, 0.05)
     prompt = torch.randint(0, cfg.vocab_size, (8,), generator=torch.Generator().manual_seed(1)).tolist()
-    with torch.autocast("cuda", dtype=torch.bfloat16):
+    with torch.autocast("cuda", dtype=torch.bfloat16), _decode_kernel(decode_kernel):
         new = generate(model.cuda(), prompt, 140, temperature=0)
     logits, _ = model.cpu()(torch.tensor([prompt + new]))
     steps = logits[0, len(prompt) - 1:-1].double()
@@ -177,13 +187,14 @@ def test_greedy_sampling_on_the_gpu_follows_the_float32_model():
     assert len(set(new)) >= 5, new  # not one token repeated: the context moves the choice
     assert gap.max().item() <= 0.02, (gap.max().item(), int(gap.argmax()))
     # draws on the GPU's own generator repeat with its seed (jobs/sample.py --seed)
-    with torch.autocast("cuda", dtype=torch.bfloat16):
+    with torch.autocast("cuda", dtype=torch.bfloat16), _decode_kernel(decode_kernel):
         drawn = [generate(model.cuda(), prompt, 30, temperature=1.0, top_k=50,
                           generator=torch.Generator("cuda").manual_seed(seed)) for seed in (3, 3, 4)]
     assert drawn[0] == drawn[1] != drawn[2]
 
 
-def test_nsa_decoding_steps_on_the_gpu_give_the_layer_s_full_pass():
+@pytest.mark.parametrize("decode_kernel", ["torch", "triton"])
+def test_nsa_decoding_steps_on_the_gpu_give_the_layer_s_full_pass(decode_kernel):
     """NSAAttention.prefill + decode under bf16 on the GPU: a 600-token prompt through the Triton core (past
     w = 512 and nine selection blocks), then 100 decoding steps (ops/decode.py, phi and RoPE through our kernels)
     over the layer's cache, against one forward over all 700 positions. Per position, the error as a fraction of
@@ -201,7 +212,7 @@ def test_nsa_decoding_steps_on_the_gpu_give_the_layer_s_full_pass():
             p.normal_(0.0, 0.05)
     x = torch.randn(1, 700, cfg.dim, device="cuda", generator=torch.Generator("cuda").manual_seed(1))
     cache = LayerCache()
-    with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
+    with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16), _decode_kernel(decode_kernel):
         full = layer(x)[0].double()
         layer.prefill(x[:, :600], cache, capacity=1024)
         steps = torch.cat([layer.decode(x[:, t:t + 1], cache, torch.tensor([t], device="cuda"))
@@ -211,7 +222,8 @@ def test_nsa_decoding_steps_on_the_gpu_give_the_layer_s_full_pass():
     assert (error > 5e-2).sum() <= 5, error.tolist()
 
 
-def test_decoding_steps_replayed_from_a_cuda_graph_are_the_eager_steps():
+@pytest.mark.parametrize("decode_kernel", ["torch", "triton"])
+def test_decoding_steps_replayed_from_a_cuda_graph_are_the_eager_steps(decode_kernel):
     """generate()'s DecodingSteps on the GPU: the first step eager, then one captured CUDA graph replayed with
     each step's token and position. Its logits against eager forward_cached steps on a second cache, same
     tokens: the same kernels on the same data, so equal up to the order of floating-point sums."""
@@ -226,7 +238,7 @@ def test_decoding_steps_replayed_from_a_cuda_graph_are_the_eager_steps():
         for p in model.parameters():
             p.normal_(0.0, 0.05)
     tokens = torch.randint(0, cfg.vocab_size, (1, 700), device="cuda", generator=torch.Generator("cuda").manual_seed(1))
-    with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
+    with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16), _decode_kernel(decode_kernel):
         graphed, eager = DecodingSteps(model), model.new_cache()
         model.forward_cached(tokens[:, :600], graphed.cache)
         model.forward_cached(tokens[:, :600], eager)
