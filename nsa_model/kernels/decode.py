@@ -1,28 +1,32 @@
 """NSA's decoding step as four small Triton launches a layer: one new query per (batch, kv group) over a model's
-cached buffers, split over programs as FlashDecoding splits a long context.
+cached buffers, split over many programs as FlashDecoding splits a long context.
 
 The same function as ops/decode.py's PyTorch step (NSA_SPEC.md sections 1-7 at the query's position p), which a
-decoding step otherwise runs as about a hundred small kernels a layer; their launches, not their work, were the
-step's time on an H200 (v67: 5.5 ms of GPU time a token at nsa-125m, 12 layers). One program per (batch, group)
-walking the whole step in order was slower still (1.1 ms a layer at 32k positions: two programs on the GPU). So:
+decoding step otherwise runs as about a hundred small kernels a layer. A step's work is tiny (nsa-125m at 32k
+positions reads about 0.6 MB a layer), so its time is latency: launches, dependent loads, reductions in series.
+Hence every program does one or two tiles of BLOCK_N keys, and there are as many programs as tiles:
 
-  nsa_decode_cmp_kernel     grid (B*G, chunks): the compressed branch over CHUNK visible slots (i < Nc(p)) a
-                            program, as online-softmax partials (m, l, acc) per head
-  nsa_decode_importance_kernel  grid (B*G, chunks): each head's lse from the partials, then its chunk's
-                            p_cmp = exp(s - lse) summed over the heads, folded into block importance by the banded
-                            overlap (a token starts in one block and spills into at most the next; PER_BLOCK = l'/d
-                            tokens start in each block, a power of two) and written as own[j], spill[j]
-  nsa_decode_attend_kernel  grid (B*G, n + window tiles): top-n from importance[j] = own[j] + spill[j - 1] (forced
-                            blocks +inf, non-candidates -inf; n rounds of "largest key, lowest index among equals",
-                            the spec's tie rule), then one chosen block's keys up to p, or one tile of the window's
-                            last w keys, as partials
+  nsa_decode_cmp_kernel     grid (B*G, chunks + window tiles): the compressed branch over CHUNK visible slots
+                            (i < Nc(p)) a program, or one tile of the window's last w keys (which needs nothing
+                            else, so it runs beside the compressed branch), as online-softmax partials (m, l, acc)
+  nsa_decode_importance_kernel  grid (B*G, chunks): each head's lse from the compressed partials (one load of all
+                            chunks' rows), then its chunk's p_cmp = exp(s - lse) summed over the heads, folded into
+                            block importance by the banded overlap (a token starts in one block and spills into at
+                            most the next; PER_BLOCK = l'/d tokens start in each block, a power of two) and written
+                            as own[j], spill[j]
+  nsa_decode_attend_kernel  grid (B*G, n): top-n from importance[j] = own[j] + spill[j - 1] (forced blocks first,
+                            non-candidates never), then the program's chosen block's keys up to p, as partials
   nsa_decode_combine_kernel grid (B*G,): each branch's partials merged, the gated sum stored
 
-Scores are products summed in fp32 registers ([HP, BLOCK_N, D] at a time, no tl.dot: a decoding step's rows are
-few), exponentials exp2 of log2-scaled scores. The position is read from a tensor, so a CUDA graph of the step
-serves every position. Buffers: [B, L, G, D] raw keys/values and [B, S, G, D] compressed slots, each with the
-last dim contiguous (strides passed); q [B, H, Dk] and gates [B, H, 3] with their last dim contiguous; partials
-[B*G, parts, HP] (m, l) and [B*G, parts, HP, BLOCK_DV] (acc), fp32.
+Top-n: importance >= 0, so its float bits order like the values; packed above the bits of (NB_PAD - 1 - j) into
+one int64 key per block, n rounds of one max each give "largest importance, lowest index among equals", the
+spec's tie rule, with forced blocks as +inf and non-candidates negative. Scores are tl.dot products of the heads
+of a group (padded to HP >= 16 rows) with a tile of keys, fp32 accumulated; probabilities are cast to the inputs'
+dtype for the values' product, as in the training kernels. fp32 inputs take exact fp32 products (DOT_PRECISION).
+The position is read from a tensor, so a CUDA graph of the step serves every position. Buffers: [B, L, G, D] raw
+keys/values and [B, S, G, D] compressed slots, each with the last dim contiguous (strides passed); q [B, H, Dk]
+and gates [B, H, 3] with their last dim contiguous; partials [B*G, parts, HP] (m, l) and
+[B*G, parts, HP, BLOCK_DV] (acc), fp32, in the log2 domain.
 """
 
 import triton
@@ -31,36 +35,52 @@ import triton.language as tl
 
 @triton.jit
 def _rows(X, b, t, g, sb, st, sg, ok, D: tl.constexpr, BLOCK_D: tl.constexpr):
-    """[len(t), BLOCK_D] fp32 rows of buffer X at positions t of (b, g); zeros where not ok."""
+    """[len(t), BLOCK_D] rows of buffer X at positions t of (b, g), in X's dtype; zeros where not ok."""
     d = tl.arange(0, BLOCK_D)
     ptrs = X + b.to(tl.int64) * sb + t.to(tl.int64)[:, None] * st + g * sg + d[None, :]
-    return tl.load(ptrs, mask=ok[:, None] & (d < D)[None, :], other=0.0).to(tl.float32)
+    return tl.load(ptrs, mask=ok[:, None] & (d < D)[None, :], other=0.0)
 
 
 @triton.jit
 def _query(Q, b, g, sqb, sqh, HPG: tl.constexpr, HP: tl.constexpr, DK: tl.constexpr, BLOCK_DK: tl.constexpr):
+    """[HP, BLOCK_DK]: the group's HPG heads of the query, zero rows below."""
     rows = tl.arange(0, HP)
     dk = tl.arange(0, BLOCK_DK)
     ptrs = Q + b.to(tl.int64) * sqb + (g * HPG + rows)[:, None] * sqh + dk[None, :]
-    return tl.load(ptrs, mask=(rows < HPG)[:, None] & (dk < DK)[None, :], other=0.0).to(tl.float32)
+    return tl.load(ptrs, mask=(rows < HPG)[:, None] & (dk < DK)[None, :], other=0.0)
 
 
 @triton.jit
-def _scores(q, k, ok, qk_scale):
+def _scores(q, k, ok, qk_scale, DOT_PRECISION: tl.constexpr):
     """[HP, BLOCK_N] log2-scaled scores of q [HP, D] against k [BLOCK_N, D]; -inf where not ok."""
-    s = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * qk_scale
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
     return tl.where(ok[None, :], s, float("-inf"))
 
 
 @triton.jit
-def _online(acc, m, l, s, v):
+def _online(acc, m, l, s, v, DOT_PRECISION: tl.constexpr):
     """One online-softmax step: scores s [HP, BLOCK_N] (log2 domain, -inf where hidden), values v [BLOCK_N, DV]."""
     m_new = tl.maximum(m, tl.max(s, axis=1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing visible yet stays zeros
     p = tl.exp2(s - m_safe[:, None])
     alpha = tl.exp2(m - m_safe)
-    acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     return acc, m_new, l * alpha + tl.sum(p, axis=1)
+
+
+@triton.jit
+def _attend_span(acc, m, l, q, K, V, b, g, skb, skt, skg, svb, svt, svg, lo, hi, qk_scale,
+                 DK: tl.constexpr, DV: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
+                 BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """The online softmax over rows lo .. hi - 1 of K, V (both loaded before the scores: one round trip a tile)."""
+    offs = tl.arange(0, BLOCK_N)
+    for t0 in range(lo, hi, BLOCK_N):
+        t = t0 + offs
+        ok = t < hi
+        k = _rows(K, b, t, g, skb, skt, skg, ok, DK, BLOCK_DK)
+        v = _rows(V, b, t, g, svb, svt, svg, ok, DV, BLOCK_DV)
+        acc, m, l = _online(acc, m, l, _scores(q, k, ok, qk_scale, DOT_PRECISION), v, DOT_PRECISION)
+    return acc, m, l
 
 
 @triton.jit
@@ -80,74 +100,81 @@ def _store_partial(PM, PL, PACC, row, acc, m, l, HP: tl.constexpr, BLOCK_DV: tl.
 
 
 @triton.jit
-def _merge(PM, PL, PACC, first, count, HP: tl.constexpr, BLOCK_DV: tl.constexpr):
-    """(o [HP, BLOCK_DV], m, l) of partials first .. first + count - 1 merged; o is 0 where nothing was visible."""
+def _merge(acc, m, l, PM, PL, PACC, first, count, HP: tl.constexpr, BLOCK_DV: tl.constexpr, ROWS: tl.constexpr):
+    """(acc, m, l) with partials first .. first + count - 1 merged in, ROWS partials a load (independent loads,
+    not one round trip each)."""
+    r = tl.arange(0, ROWS)
     h = tl.arange(0, HP)
     dv = tl.arange(0, BLOCK_DV)
-    acc = tl.zeros([HP, BLOCK_DV], tl.float32)
-    m = tl.full([HP], float("-inf"), tl.float32)
-    l = tl.zeros([HP], tl.float32)
-    for i in range(count):
-        row = first + i
-        m_i = tl.load(PM + row * HP + h)
-        m_new = tl.maximum(m, m_i)
+    for r0 in range(0, count, ROWS):
+        ok = r0 + r < count
+        rows = (first + r0 + r)[:, None] * HP + h[None, :]  # [ROWS, HP]
+        m_i = tl.load(PM + rows, mask=ok[:, None], other=float("-inf"))
+        l_i = tl.load(PL + rows, mask=ok[:, None], other=0.0)
+        acc_i = tl.load(PACC + rows[:, :, None] * BLOCK_DV + dv[None, None, :], mask=ok[:, None, None], other=0.0)
+        m_new = tl.maximum(m, tl.max(m_i, axis=0))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha, beta = tl.exp2(m - m_safe), tl.exp2(m_i - m_safe)
-        acc = acc * alpha[:, None] + tl.load(PACC + (row * HP + h)[:, None] * BLOCK_DV + dv[None, :]) * beta[:, None]
-        l = l * alpha + tl.load(PL + row * HP + h) * beta
+        alpha, beta = tl.exp2(m - m_safe), tl.exp2(m_i - m_safe[None, :])  # [HP], [ROWS, HP]
+        acc = acc * alpha[:, None] + tl.sum(acc_i * beta[:, :, None], axis=0)
+        l = l * alpha + tl.sum(l_i * beta, axis=0)
         m = m_new
-    return acc / tl.where(l > 0, l, 1.0)[:, None], m, l
+    return acc, m, l
 
 
 @triton.jit
-def nsa_decode_cmp_kernel(Q, KC, VC, POS, PM, PL, PACC, sqb, sqh, scb, sct, scg, svcb, svct, svcg, qk_scale,
+def nsa_decode_cmp_kernel(Q, KC, VC, KW, VW, POS, PM, PL, PACC, WM, WL, WACC, sqb, sqh, scb, sct, scg,
+                          svcb, svct, svcg, swkb, swkt, swkg, swvb, swvt, swvg, qk_scale,
                           G: tl.constexpr, HPG: tl.constexpr, HP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
                           BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr,
-                          CHUNK: tl.constexpr, CMP_BLOCK: tl.constexpr, CMP_STRIDE: tl.constexpr):
+                          CHUNK: tl.constexpr, CHUNKS: tl.constexpr, WIN_TILES: tl.constexpr,
+                          CMP_BLOCK: tl.constexpr, CMP_STRIDE: tl.constexpr, WINDOW: tl.constexpr,
+                          DOT_PRECISION: tl.constexpr):
     pid, c = tl.program_id(0), tl.program_id(1)
     b, g = pid // G, pid % G
-    nc = _visible_slots(tl.load(POS), CMP_BLOCK, CMP_STRIDE)
+    pos = tl.load(POS)
     q = _query(Q, b, g, sqb, sqh, HPG, HP, DK, BLOCK_DK)
     acc = tl.zeros([HP, BLOCK_DV], tl.float32)
     m = tl.full([HP], float("-inf"), tl.float32)
     l = tl.zeros([HP], tl.float32)
-    offs = tl.arange(0, BLOCK_N)
-    for s0 in range(c * CHUNK, tl.minimum(c * CHUNK + CHUNK, nc), BLOCK_N):
-        t = s0 + offs
-        ok = t < nc
-        s = _scores(q, _rows(KC, b, t, g, scb, sct, scg, ok, DK, BLOCK_DK), ok, qk_scale)
-        acc, m, l = _online(acc, m, l, s, _rows(VC, b, t, g, svcb, svct, svcg, ok, DV, BLOCK_DV))
-    _store_partial(PM, PL, PACC, pid.to(tl.int64) * tl.num_programs(1) + c, acc, m, l, HP, BLOCK_DV)
+    if c < CHUNKS:  # compressed slots c*CHUNK .. that query p sees
+        hi = tl.minimum(c * CHUNK + CHUNK, _visible_slots(pos, CMP_BLOCK, CMP_STRIDE))
+        acc, m, l = _attend_span(acc, m, l, q, KC, VC, b, g, scb, sct, scg, svcb, svct, svcg, c * CHUNK, hi,
+                                 qk_scale, DK, DV, BLOCK_DK, BLOCK_DV, BLOCK_N, DOT_PRECISION)
+        _store_partial(PM, PL, PACC, pid.to(tl.int64) * CHUNKS + c, acc, m, l, HP, BLOCK_DV)
+    else:  # one CHUNK-key tile of the window, positions max(p - w + 1, 0) .. p
+        lo = tl.maximum(pos - WINDOW + 1, 0) + (c - CHUNKS) * CHUNK
+        acc, m, l = _attend_span(acc, m, l, q, KW, VW, b, g, swkb, swkt, swkg, swvb, swvt, swvg, lo,
+                                 tl.minimum(lo + CHUNK, pos + 1), qk_scale, DK, DV, BLOCK_DK, BLOCK_DV, BLOCK_N,
+                                 DOT_PRECISION)
+        _store_partial(WM, WL, WACC, pid.to(tl.int64) * WIN_TILES + c - CHUNKS, acc, m, l, HP, BLOCK_DV)
 
 
 @triton.jit
 def nsa_decode_importance_kernel(Q, KC, POS, PM, PL, IMP, sqb, sqh, scb, sct, scg, qk_scale,
                                  G: tl.constexpr, HPG: tl.constexpr, HP: tl.constexpr, DK: tl.constexpr,
-                                 BLOCK_DK: tl.constexpr, CHUNK: tl.constexpr, CMP_BLOCK: tl.constexpr,
+                                 BLOCK_DK: tl.constexpr, CHUNK: tl.constexpr, CHUNKS: tl.constexpr,
+                                 CHUNKS_PAD: tl.constexpr, TOKENS: tl.constexpr, CMP_BLOCK: tl.constexpr,
                                  CMP_STRIDE: tl.constexpr, SEL_BLOCK: tl.constexpr, NB_PAD: tl.constexpr,
-                                 TILE_BLOCKS: tl.constexpr):
+                                 DOT_PRECISION: tl.constexpr):
     pid, c = tl.program_id(0), tl.program_id(1)
     b, g = pid // G, pid % G
     nc = _visible_slots(tl.load(POS), CMP_BLOCK, CMP_STRIDE)
     if c * CHUNK >= nc:
         return
-    # each head's log2-domain lse, from the compressed partials of every chunk
+    # each head's log2-domain lse over every chunk's partial, in one load
     h = tl.arange(0, HP)
-    m = tl.full([HP], float("-inf"), tl.float32)
-    l = tl.zeros([HP], tl.float32)
-    for i in range(tl.num_programs(1)):
-        row = pid.to(tl.int64) * tl.num_programs(1) + i
-        m_i = tl.load(PM + row * HP + h)
-        m_new = tl.maximum(m, m_i)
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        l = l * tl.exp2(m - m_safe) + tl.load(PL + row * HP + h) * tl.exp2(m_i - m_safe)
-        m = m_new
+    r = tl.arange(0, CHUNKS_PAD)
+    rows = (pid.to(tl.int64) * CHUNKS + r)[:, None] * HP + h[None, :]
+    m_i = tl.load(PM + rows, mask=(r < CHUNKS)[:, None], other=float("-inf"))
+    m = tl.max(m_i, axis=0)
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    l = tl.sum(tl.load(PL + rows, mask=(r < CHUNKS)[:, None], other=0.0) * tl.exp2(m_i - m_safe[None, :]), axis=0)
     row_ok = (h < HPG) & (l > 0)
-    lse2 = tl.where(row_ok, m + tl.log2(tl.where(l > 0, l, 1.0)), 0.0)
+    lse2 = tl.where(row_ok, m_safe + tl.log2(tl.where(l > 0, l, 1.0)), 0.0)
     q = _query(Q, b, g, sqb, sqh, HPG, HP, DK, BLOCK_DK)
     PER_BLOCK: tl.constexpr = SEL_BLOCK // CMP_STRIDE
     PER_TOKEN: tl.constexpr = CMP_BLOCK // CMP_STRIDE
-    TOKENS: tl.constexpr = TILE_BLOCKS * PER_BLOCK
+    TILE_BLOCKS: tl.constexpr = TOKENS // PER_BLOCK
     start = tl.arange(0, PER_BLOCK)  # where in its block a token starts
     w_own = tl.minimum(PER_BLOCK - start, PER_TOKEN).to(tl.float32)
     w_spill = tl.maximum(start + PER_TOKEN - PER_BLOCK, 0).to(tl.float32)
@@ -156,7 +183,7 @@ def nsa_decode_importance_kernel(Q, KC, POS, PM, PL, IMP, sqb, sqh, scb, sct, sc
     for t0 in range(c * CHUNK, tl.minimum(c * CHUNK + CHUNK, nc), TOKENS):  # CHUNK: whole blocks of tokens
         t = t0 + tok
         ok = t < nc
-        s = _scores(q, _rows(KC, b, t, g, scb, sct, scg, ok, DK, BLOCK_DK), ok, qk_scale)
+        s = _scores(q, _rows(KC, b, t, g, scb, sct, scg, ok, DK, BLOCK_DK), ok, qk_scale, DOT_PRECISION)
         p = tl.where(row_ok[:, None] & ok[None, :], tl.exp2(s - lse2[:, None]), 0.0)
         p3 = tl.reshape(tl.sum(p, axis=0), [TILE_BLOCKS, PER_BLOCK])
         blk = t0 // PER_BLOCK + tl.arange(0, TILE_BLOCKS)
@@ -165,69 +192,67 @@ def nsa_decode_importance_kernel(Q, KC, POS, PM, PL, IMP, sqb, sqh, scb, sct, sc
 
 
 @triton.jit
-def nsa_decode_attend_kernel(Q, KS, VS, KW, VW, POS, IMP, BLOCKS, PM, PL, PACC,
-                             sqb, sqh, skb, skt, skg, svb, svt, svg, swkb, swkt, swkg, swvb, swvt, swvg,
-                             num_blocks, qk_scale,
+def nsa_decode_attend_kernel(Q, KS, VS, POS, IMP, BLOCKS, PM, PL, PACC,
+                             sqb, sqh, skb, skt, skg, svb, svt, svg, num_blocks, qk_scale,
                              G: tl.constexpr, HPG: tl.constexpr, HP: tl.constexpr, DK: tl.constexpr,
-                             DV: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr,
+                             DV: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, SEL_TILE: tl.constexpr,
                              CMP_BLOCK: tl.constexpr, CMP_STRIDE: tl.constexpr, SEL_BLOCK: tl.constexpr,
                              N_SEL: tl.constexpr, N_PAD: tl.constexpr, N_INIT: tl.constexpr, N_LOCAL: tl.constexpr,
-                             WINDOW: tl.constexpr, WIN_TILE: tl.constexpr, NB_PAD: tl.constexpr):
+                             NB_PAD: tl.constexpr, DOT_PRECISION: tl.constexpr):
     pid, part = tl.program_id(0), tl.program_id(1)
     b, g = pid // G, pid % G
     pos = tl.load(POS)
     q = _query(Q, b, g, sqb, sqh, HPG, HP, DK, BLOCK_DK)
+    # top-n in every program (n reductions over the blocks, no second launch to wait for)
+    touched = tl.cdiv(_visible_slots(pos, CMP_BLOCK, CMP_STRIDE), SEL_BLOCK // CMP_STRIDE)
+    j = tl.arange(0, NB_PAD)
+    imp = IMP + pid.to(tl.int64) * 2 * NB_PAD
+    importance = tl.load(imp + j, mask=j < touched, other=0.0)
+    importance += tl.load(imp + NB_PAD + j - 1, mask=(j >= 1) & (j - 1 < touched), other=0.0)
+    candidate = (j < num_blocks) & (j * SEL_BLOCK <= pos)
+    forced = candidate & ((j < N_INIT) | ((j + N_LOCAL) * SEL_BLOCK > pos))
+    bits = tl.where(forced, 0x7F800000, tl.where(candidate, importance.to(tl.int32, bitcast=True), -1))
+    key = (bits.to(tl.int64) << 32) | (NB_PAD - 1 - j).to(tl.int64)
+    slot = tl.arange(0, N_PAD)
+    chosen = tl.full([N_PAD], -1, tl.int32)
+    for i in tl.static_range(N_SEL):
+        top = tl.max(key, axis=0)
+        first = (NB_PAD - 1 - (top - ((top >> 32) << 32))).to(tl.int32)  # from the low 32 bits
+        chosen = tl.where(slot == i, tl.where(top >= 0, first, -1), chosen)
+        key = tl.where(key == top, -(2 ** 63) + 1, key)
+    if part == 0:  # the step's blocks, ascending, -1 padded
+        ascending = tl.sort(tl.where(chosen < 0, NB_PAD, chosen), dim=0)
+        tl.store(BLOCKS + pid.to(tl.int64) * N_SEL + slot, tl.where(ascending == NB_PAD, -1, ascending),
+                 mask=slot < N_SEL)
+    block = tl.sum(tl.where(slot == part, chosen, 0), axis=0)
     acc = tl.zeros([HP, BLOCK_DV], tl.float32)
     m = tl.full([HP], float("-inf"), tl.float32)
     l = tl.zeros([HP], tl.float32)
-    offs = tl.arange(0, BLOCK_N)
-    if part < N_SEL:
-        # top-n, in every program of the selected branch (a few reductions over the blocks' importance)
-        touched = tl.cdiv(_visible_slots(pos, CMP_BLOCK, CMP_STRIDE), SEL_BLOCK // CMP_STRIDE)
-        j = tl.arange(0, NB_PAD)
-        imp = IMP + pid.to(tl.int64) * 2 * NB_PAD
-        importance = tl.load(imp + j, mask=j < touched, other=0.0)
-        importance += tl.load(imp + NB_PAD + j - 1, mask=(j >= 1) & (j - 1 < touched), other=0.0)
-        candidate = (j < num_blocks) & (j * SEL_BLOCK <= pos)
-        forced = candidate & ((j < N_INIT) | ((j + N_LOCAL) * SEL_BLOCK > pos))
-        key = tl.where(forced, float("inf"), tl.where(candidate, importance, float("-inf")))
-        slot = tl.arange(0, N_PAD)
-        chosen = tl.full([N_PAD], -1, tl.int32)
-        for i in tl.static_range(N_SEL):
-            top = tl.max(key, axis=0)
-            first = tl.min(tl.where(key == top, j, NB_PAD), axis=0)
-            chosen = tl.where(slot == i, tl.where(top > float("-inf"), first, -1), chosen)
-            key = tl.where(j == first, float("-inf"), key)
-        if part == 0:  # the step's blocks, ascending, -1 padded
-            ascending = tl.sort(tl.where(chosen < 0, NB_PAD, chosen), dim=0)
-            tl.store(BLOCKS + pid.to(tl.int64) * N_SEL + slot, tl.where(ascending == NB_PAD, -1, ascending),
-                     mask=slot < N_SEL)
-        block = tl.sum(tl.where(slot == part, chosen, 0), axis=0)
-        for k0 in range(0, SEL_BLOCK, BLOCK_N):
-            t = block * SEL_BLOCK + k0 + offs
-            ok = (block >= 0) & (k0 + offs < SEL_BLOCK) & (t <= pos)
-            s = _scores(q, _rows(KS, b, t, g, skb, skt, skg, ok, DK, BLOCK_DK), ok, qk_scale)
-            acc, m, l = _online(acc, m, l, s, _rows(VS, b, t, g, svb, svt, svg, ok, DV, BLOCK_DV))
-    else:  # one tile of the window, positions max(p - w + 1, 0) .. p
-        lo = tl.maximum(pos - WINDOW + 1, 0) + (part - N_SEL) * WIN_TILE
-        for t0 in range(lo, tl.minimum(lo + WIN_TILE, pos + 1), BLOCK_N):
-            t = t0 + offs
-            ok = t <= pos
-            s = _scores(q, _rows(KW, b, t, g, swkb, swkt, swkg, ok, DK, BLOCK_DK), ok, qk_scale)
-            acc, m, l = _online(acc, m, l, s, _rows(VW, b, t, g, swvb, swvt, swvg, ok, DV, BLOCK_DV))
-    _store_partial(PM, PL, PACC, pid.to(tl.int64) * tl.num_programs(1) + part, acc, m, l, HP, BLOCK_DV)
+    if block >= 0:  # its keys up to p
+        lo = block * SEL_BLOCK
+        acc, m, l = _attend_span(acc, m, l, q, KS, VS, b, g, skb, skt, skg, svb, svt, svg, lo,
+                                 tl.minimum(lo + SEL_BLOCK, pos + 1), qk_scale, DK, DV, BLOCK_DK, BLOCK_DV, SEL_TILE,
+                                 DOT_PRECISION)
+    _store_partial(PM, PL, PACC, pid.to(tl.int64) * N_SEL + part, acc, m, l, HP, BLOCK_DV)
 
 
 @triton.jit
-def nsa_decode_combine_kernel(CM, CL, CACC, SM, SL, SACC, GATES, O, chunks, sgb, sgh,
+def _branch(PM, PL, PACC, pid, count, HP: tl.constexpr, BLOCK_DV: tl.constexpr, MERGE_ROWS: tl.constexpr):
+    """[HP, BLOCK_DV]: one branch's output from its `count` partials of (batch, group) pid; 0 where nothing was
+    visible."""
+    acc, _, l = _merge(tl.zeros([HP, BLOCK_DV], tl.float32), tl.full([HP], float("-inf"), tl.float32),
+                       tl.zeros([HP], tl.float32), PM, PL, PACC, pid.to(tl.int64) * count, count, HP, BLOCK_DV,
+                       MERGE_ROWS)
+    return acc / tl.where(l > 0, l, 1.0)[:, None]
+
+
+@triton.jit
+def nsa_decode_combine_kernel(CM, CL, CACC, SM, SL, SACC, WM, WL, WACC, GATES, O, sgb, sgh,
                               G: tl.constexpr, HPG: tl.constexpr, HP: tl.constexpr, DV: tl.constexpr,
-                              BLOCK_DV: tl.constexpr, N_SEL: tl.constexpr, WIN_TILES: tl.constexpr):
+                              BLOCK_DV: tl.constexpr, CHUNKS: tl.constexpr, N_SEL: tl.constexpr,
+                              WIN_TILES: tl.constexpr, MERGE_ROWS: tl.constexpr):
     pid = tl.program_id(0)
     b, g = pid // G, pid % G
-    parts = N_SEL + WIN_TILES
-    o_cmp, _, _ = _merge(CM, CL, CACC, pid.to(tl.int64) * chunks, chunks, HP, BLOCK_DV)
-    o_slc, _, _ = _merge(SM, SL, SACC, pid.to(tl.int64) * parts, N_SEL, HP, BLOCK_DV)
-    o_win, _, _ = _merge(SM, SL, SACC, pid.to(tl.int64) * parts + N_SEL, WIN_TILES, HP, BLOCK_DV)
     rows = tl.arange(0, HP)
     row_ok = rows < HPG
     heads = g * HPG + rows
@@ -235,7 +260,9 @@ def nsa_decode_combine_kernel(CM, CL, CACC, SM, SL, SACC, GATES, O, chunks, sgb,
     g_cmp = tl.load(gate_ptrs, mask=row_ok, other=0.0).to(tl.float32)
     g_slc = tl.load(gate_ptrs + 1, mask=row_ok, other=0.0).to(tl.float32)
     g_win = tl.load(gate_ptrs + 2, mask=row_ok, other=0.0).to(tl.float32)
-    o = g_cmp[:, None] * o_cmp + g_slc[:, None] * o_slc + g_win[:, None] * o_win
+    o = g_cmp[:, None] * _branch(CM, CL, CACC, pid, CHUNKS, HP, BLOCK_DV, MERGE_ROWS)
+    o += g_slc[:, None] * _branch(SM, SL, SACC, pid, N_SEL, HP, BLOCK_DV, MERGE_ROWS)
+    o += g_win[:, None] * _branch(WM, WL, WACC, pid, WIN_TILES, HP, BLOCK_DV, MERGE_ROWS)
     dv = tl.arange(0, BLOCK_DV)
     o_ptrs = O + (b.to(tl.int64) * G * HPG + heads)[:, None] * DV + dv[None, :]
     tl.store(o_ptrs, o.to(O.dtype.element_ty), mask=row_ok[:, None] & (dv < DV)[None, :])

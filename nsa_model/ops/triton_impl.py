@@ -1649,11 +1649,8 @@ def decode_supports(cfg: NSAConfig) -> bool:
     return per_block & (per_block - 1) == 0
 
 
-_DECODE_CHUNK = 128  # compressed slots, or window keys, a decoding program
-
-
-def _prev_pow2(n: int) -> int:
-    return 1 << (max(n, 1).bit_length() - 1)
+_DECODE_CHUNK = 64  # compressed slots, or window keys, a decoding program: a power of two >= 16
+_DECODE_MERGE_ROWS = 8  # partials a load when the combine kernel merges them
 
 
 def decode_step(q, k_slc, v_slc, k_win, v_win, k_cmp, v_cmp, gates, position: torch.Tensor, cfg: NSAConfig,
@@ -1673,43 +1670,43 @@ def decode_step(q, k_slc, v_slc, k_win, v_win, k_cmp, v_cmp, gates, position: to
     L, G, Dv, S = k_slc.shape[1], k_slc.shape[2], v_slc.shape[-1], k_cmp.shape[1]
     num_blocks = triton.cdiv(L, cfg.sel_block)
     per_block = cfg.sel_block // cfg.cmp_stride
-    hp, block_dk, block_dv = _pow2(H // G, 2), _pow2(Dk, 16), _pow2(Dv, 16)
-    block_n = min(16, _prev_pow2(8192 // (hp * max(block_dk, block_dv))))  # [HP, BLOCK_N, D] products: 64 regs
-    tile_blocks = max(1, block_n // per_block)
-    chunk = max(_DECODE_CHUNK, tile_blocks * per_block)  # whole blocks of compressed slots a program
+    chunk = max(_DECODE_CHUNK, per_block)  # whole blocks of compressed slots a program (both powers of two)
+    block_n = min(64, chunk)
     chunks = max(1, triton.cdiv(S, chunk))
-    win_tile = max(_DECODE_CHUNK, block_n)
-    win_tiles = triton.cdiv(min(cfg.window, L), win_tile)
-    nb_pad, n_pad = _pow2(num_blocks + 1, 16), _pow2(cfg.n_selected, 2)
-    rows, parts = B * G, cfg.n_selected + win_tiles
+    win_tiles = triton.cdiv(min(cfg.window, L), chunk)
+    nb_pad, n_pad = _pow2(num_blocks + 1), _pow2(cfg.n_selected, 2)
+    rows = B * G
+    hp, block_dk, block_dv = _pow2(H // G), _pow2(Dk), _pow2(Dv)  # heads padded to tl.dot's 16 rows
     f32 = dict(dtype=torch.float32, device=q.device)
-    cmp_m, cmp_l = torch.empty(rows, chunks, hp, **f32), torch.empty(rows, chunks, hp, **f32)
-    cmp_acc = torch.empty(rows, chunks, hp, block_dv, **f32)
-    att_m, att_l = torch.empty(rows, parts, hp, **f32), torch.empty(rows, parts, hp, **f32)
-    att_acc = torch.empty(rows, parts, hp, block_dv, **f32)
+
+    def partials(count):  # (m, l, acc) of `count` online softmaxes a (batch, group)
+        return (torch.empty(rows, count, hp, **f32), torch.empty(rows, count, hp, **f32),
+                torch.empty(rows, count, hp, block_dv, **f32))
+
+    cmp, slc, win = partials(chunks), partials(cfg.n_selected), partials(win_tiles)
     importance = torch.empty(rows, 2, nb_pad, **f32)
     o = torch.empty(B, H, Dv, dtype=v_slc.dtype, device=q.device)
     blocks = torch.empty(B, G, cfg.n_selected, dtype=torch.int32, device=q.device)
     qk_scale = scale * math.log2(math.e)
-    heads = dict(G=G, HPG=H // G, HP=hp)
-    nsa_decode_cmp_kernel[(rows, chunks)](
-        q, k_cmp, v_cmp, position, cmp_m, cmp_l, cmp_acc, q.stride(0), q.stride(1), *k_cmp.stride()[:3],
-        *v_cmp.stride()[:3], qk_scale, **heads, DK=Dk, DV=Dv, BLOCK_DK=block_dk, BLOCK_DV=block_dv, BLOCK_N=block_n,
-        CHUNK=chunk, CMP_BLOCK=cfg.cmp_block, CMP_STRIDE=cfg.cmp_stride, num_warps=4)
+    common = dict(G=G, HPG=H // G, HP=hp, DK=Dk, BLOCK_DK=block_dk, CMP_BLOCK=cfg.cmp_block,
+                  CMP_STRIDE=cfg.cmp_stride, DOT_PRECISION=_dot_precision(q.dtype), num_warps=4)
+    nsa_decode_cmp_kernel[(rows, chunks + win_tiles)](
+        q, k_cmp, v_cmp, k_win, v_win, position, *cmp, *win, q.stride(0), q.stride(1), *k_cmp.stride()[:3],
+        *v_cmp.stride()[:3], *k_win.stride()[:3], *v_win.stride()[:3], qk_scale, DV=Dv, BLOCK_DV=block_dv,
+        BLOCK_N=block_n, CHUNK=chunk, CHUNKS=chunks, WIN_TILES=win_tiles, WINDOW=cfg.window, **common)
     nsa_decode_importance_kernel[(rows, chunks)](
-        q, k_cmp, position, cmp_m, cmp_l, importance, q.stride(0), q.stride(1), *k_cmp.stride()[:3], qk_scale,
-        **heads, DK=Dk, BLOCK_DK=block_dk, CHUNK=chunk, CMP_BLOCK=cfg.cmp_block, CMP_STRIDE=cfg.cmp_stride,
-        SEL_BLOCK=cfg.sel_block, NB_PAD=nb_pad, TILE_BLOCKS=tile_blocks, num_warps=4)
-    nsa_decode_attend_kernel[(rows, parts)](
-        q, k_slc, v_slc, k_win, v_win, position, importance, blocks, att_m, att_l, att_acc,
-        q.stride(0), q.stride(1), *k_slc.stride()[:3], *v_slc.stride()[:3], *k_win.stride()[:3], *v_win.stride()[:3],
-        num_blocks, qk_scale, **heads, DK=Dk, DV=Dv, BLOCK_DK=block_dk, BLOCK_DV=block_dv, BLOCK_N=block_n,
-        CMP_BLOCK=cfg.cmp_block, CMP_STRIDE=cfg.cmp_stride, SEL_BLOCK=cfg.sel_block, N_SEL=cfg.n_selected,
-        N_PAD=n_pad, N_INIT=cfg.n_init_blocks, N_LOCAL=cfg.n_local_blocks, WINDOW=cfg.window, WIN_TILE=win_tile,
-        NB_PAD=nb_pad, num_warps=4)
+        q, k_cmp, position, cmp[0], cmp[1], importance, q.stride(0), q.stride(1), *k_cmp.stride()[:3], qk_scale,
+        CHUNK=chunk, CHUNKS=chunks, CHUNKS_PAD=_pow2(chunks, 1), TOKENS=max(block_n, per_block),
+        SEL_BLOCK=cfg.sel_block, NB_PAD=nb_pad, **common)
+    nsa_decode_attend_kernel[(rows, cfg.n_selected)](
+        q, k_slc, v_slc, position, importance, blocks, *slc, q.stride(0), q.stride(1), *k_slc.stride()[:3],
+        *v_slc.stride()[:3], num_blocks, qk_scale, DV=Dv, BLOCK_DV=block_dv,
+        SEL_TILE=min(block_n, _pow2(cfg.sel_block)), SEL_BLOCK=cfg.sel_block, N_SEL=cfg.n_selected, N_PAD=n_pad,
+        N_INIT=cfg.n_init_blocks, N_LOCAL=cfg.n_local_blocks, NB_PAD=nb_pad, **common)
     nsa_decode_combine_kernel[(rows,)](
-        cmp_m, cmp_l, cmp_acc, att_m, att_l, att_acc, gates, o, chunks, gates.stride(0), gates.stride(1), **heads,
-        DV=Dv, BLOCK_DV=block_dv, N_SEL=cfg.n_selected, WIN_TILES=win_tiles, num_warps=4)
+        *cmp, *slc, *win, gates, o, gates.stride(0), gates.stride(1), G=G, HPG=H // G, HP=hp, DV=Dv,
+        BLOCK_DV=block_dv, CHUNKS=chunks, N_SEL=cfg.n_selected, WIN_TILES=win_tiles,
+        MERGE_ROWS=_DECODE_MERGE_ROWS, num_warps=4)
     return o, blocks
 
 
