@@ -16,7 +16,7 @@ Hence every program does one or two tiles of BLOCK_N keys, and there are as many
                             as own[j], spill[j]
   nsa_decode_attend_kernel  grid (B*G, n): top-n from importance[j] = own[j] + spill[j - 1] (forced blocks first,
                             non-candidates never), then the program's chosen block's keys up to p, as partials
-  nsa_decode_combine_kernel grid (B*G,): each branch's partials merged, the gated sum stored
+  nsa_decode_combine_kernel grid (B*H,): a head's partials of each branch merged, the gated sum stored
 
 Top-n: importance >= 0, so its float bits order like the values; packed above the bits of (NB_PAD - 1 - j) into
 one int64 key per block, n rounds of one max each give "largest importance, lowest index among equals", the
@@ -97,28 +97,6 @@ def _store_partial(PM, PL, PACC, row, acc, m, l, HP: tl.constexpr, BLOCK_DV: tl.
     tl.store(PM + row * HP + h, m)
     tl.store(PL + row * HP + h, l)
     tl.store(PACC + (row * HP + h)[:, None] * BLOCK_DV + dv[None, :], acc)
-
-
-@triton.jit
-def _merge(acc, m, l, PM, PL, PACC, first, count, HP: tl.constexpr, BLOCK_DV: tl.constexpr, ROWS: tl.constexpr):
-    """(acc, m, l) with partials first .. first + count - 1 merged in, ROWS partials a load (independent loads,
-    not one round trip each)."""
-    r = tl.arange(0, ROWS)
-    h = tl.arange(0, HP)
-    dv = tl.arange(0, BLOCK_DV)
-    for r0 in range(0, count, ROWS):
-        ok = r0 + r < count
-        rows = (first + r0 + r)[:, None] * HP + h[None, :]  # [ROWS, HP]
-        m_i = tl.load(PM + rows, mask=ok[:, None], other=float("-inf"))
-        l_i = tl.load(PL + rows, mask=ok[:, None], other=0.0)
-        acc_i = tl.load(PACC + rows[:, :, None] * BLOCK_DV + dv[None, None, :], mask=ok[:, None, None], other=0.0)
-        m_new = tl.maximum(m, tl.max(m_i, axis=0))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha, beta = tl.exp2(m - m_safe), tl.exp2(m_i - m_safe[None, :])  # [HP], [ROWS, HP]
-        acc = acc * alpha[:, None] + tl.sum(acc_i * beta[:, :, None], axis=0)
-        l = l * alpha + tl.sum(l_i * beta, axis=0)
-        m = m_new
-    return acc, m, l
 
 
 @triton.jit
@@ -237,13 +215,26 @@ def nsa_decode_attend_kernel(Q, KS, VS, POS, IMP, BLOCKS, PM, PL, PACC,
 
 
 @triton.jit
-def _branch(PM, PL, PACC, pid, count, HP: tl.constexpr, BLOCK_DV: tl.constexpr, MERGE_ROWS: tl.constexpr):
-    """[HP, BLOCK_DV]: one branch's output from its `count` partials of (batch, group) pid; 0 where nothing was
-    visible."""
-    acc, _, l = _merge(tl.zeros([HP, BLOCK_DV], tl.float32), tl.full([HP], float("-inf"), tl.float32),
-                       tl.zeros([HP], tl.float32), PM, PL, PACC, pid.to(tl.int64) * count, count, HP, BLOCK_DV,
-                       MERGE_ROWS)
-    return acc / tl.where(l > 0, l, 1.0)[:, None]
+def _branch(PM, PL, PACC, first, count, h, HP: tl.constexpr, BLOCK_DV: tl.constexpr, MERGE_ROWS: tl.constexpr):
+    """[BLOCK_DV]: head h's output of one branch, its `count` partials from row `first` (int64) merged MERGE_ROWS
+    a load (independent loads, not a round trip each); 0 where nothing was visible."""
+    r = tl.arange(0, MERGE_ROWS)
+    dv = tl.arange(0, BLOCK_DV)
+    acc = tl.zeros([BLOCK_DV], tl.float32)
+    m = tl.full([], float("-inf"), tl.float32)
+    l = tl.zeros([], tl.float32)
+    for r0 in range(0, count, MERGE_ROWS):
+        ok = r0 + r < count
+        rows = (first + r0 + r) * HP + h  # [MERGE_ROWS]
+        m_i = tl.load(PM + rows, mask=ok, other=float("-inf"))
+        acc_i = tl.load(PACC + rows[:, None] * BLOCK_DV + dv[None, :], mask=ok[:, None], other=0.0)
+        m_new = tl.maximum(m, tl.max(m_i, axis=0))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha, beta = tl.exp2(m - m_safe), tl.exp2(m_i - m_safe)
+        acc = acc * alpha + tl.sum(acc_i * beta[:, None], axis=0)
+        l = l * alpha + tl.sum(tl.load(PL + rows, mask=ok, other=0.0) * beta, axis=0)
+        m = m_new
+    return acc / tl.where(l > 0, l, 1.0)
 
 
 @triton.jit
@@ -251,18 +242,14 @@ def nsa_decode_combine_kernel(CM, CL, CACC, SM, SL, SACC, WM, WL, WACC, GATES, O
                               G: tl.constexpr, HPG: tl.constexpr, HP: tl.constexpr, DV: tl.constexpr,
                               BLOCK_DV: tl.constexpr, CHUNKS: tl.constexpr, N_SEL: tl.constexpr,
                               WIN_TILES: tl.constexpr, MERGE_ROWS: tl.constexpr):
-    pid = tl.program_id(0)
-    b, g = pid // G, pid % G
-    rows = tl.arange(0, HP)
-    row_ok = rows < HPG
-    heads = g * HPG + rows
-    gate_ptrs = GATES + b.to(tl.int64) * sgb + heads * sgh
-    g_cmp = tl.load(gate_ptrs, mask=row_ok, other=0.0).to(tl.float32)
-    g_slc = tl.load(gate_ptrs + 1, mask=row_ok, other=0.0).to(tl.float32)
-    g_win = tl.load(gate_ptrs + 2, mask=row_ok, other=0.0).to(tl.float32)
-    o = g_cmp[:, None] * _branch(CM, CL, CACC, pid, CHUNKS, HP, BLOCK_DV, MERGE_ROWS)
-    o += g_slc[:, None] * _branch(SM, SL, SACC, pid, N_SEL, HP, BLOCK_DV, MERGE_ROWS)
-    o += g_win[:, None] * _branch(WM, WL, WACC, pid, WIN_TILES, HP, BLOCK_DV, MERGE_ROWS)
+    pid = tl.program_id(0)  # one head of one batch row
+    bg, h = pid // HPG, pid % HPG
+    b, g = bg // G, bg % G
+    bg = bg.to(tl.int64)
+    gate = GATES + b.to(tl.int64) * sgb + (g * HPG + h) * sgh
+    o = tl.load(gate).to(tl.float32) * _branch(CM, CL, CACC, bg * CHUNKS, CHUNKS, h, HP, BLOCK_DV, MERGE_ROWS)
+    o += tl.load(gate + 1).to(tl.float32) * _branch(SM, SL, SACC, bg * N_SEL, N_SEL, h, HP, BLOCK_DV, MERGE_ROWS)
+    o += tl.load(gate + 2).to(tl.float32) * _branch(WM, WL, WACC, bg * WIN_TILES, WIN_TILES, h, HP, BLOCK_DV,
+                                                    MERGE_ROWS)
     dv = tl.arange(0, BLOCK_DV)
-    o_ptrs = O + (b.to(tl.int64) * G * HPG + heads)[:, None] * DV + dv[None, :]
-    tl.store(o_ptrs, o.to(O.dtype.element_ty), mask=row_ok[:, None] & (dv < DV)[None, :])
+    tl.store(O + (bg * HPG + h) * DV + dv, o.to(O.dtype.element_ty), mask=dv < DV)

@@ -179,11 +179,10 @@ class LaunchConfig:
     slc_combine: str = "gated"  # one of SLC_COMBINES
     phi_rows: int = 32  # compressed tokens per program of phi's forward and its row backward (v29: 64 lost)
     index_build: str = "auto"  # one of INDEX_BUILDS
-    # A decoding step's NSA (outside the core; ops/decode.py): "torch", its PyTorch ops (replayed from a CUDA graph
-    # by generate(): 6.9 ms a token at nsa-125m, 32k positions, on an H200, v67), or "triton", kernels/decode.py.
-    # Their first, one-program-per-group form was correct on the H200 and slower (15.7 ms: 1.1 ms a layer on two
-    # programs); the split form passes the interpreter's tests and compiles for sm_90 but was not yet timed on a GPU.
-    decode_kernel: str = "torch"  # one of DECODE_KERNELS
+    # A decoding step's NSA (outside the core; ops/decode.py): "triton", kernels/decode.py's four launches a layer
+    # (v68: 16 us a layer at nsa-125m, 32k positions, on an H200), or "torch", its PyTorch ops (about a hundred
+    # small kernels a layer: the graph step 6.9 ms a token against the kernels' 2.5 ms, v67/v68).
+    decode_kernel: str = "triton"  # one of DECODE_KERNELS
 
     def __post_init__(self) -> None:
         choices = {"slc_kernel": SELECTED_KERNELS, "gate_kernel": GATE_KERNELS, "range_kernel": RANGE_KERNELS,
@@ -1650,7 +1649,7 @@ def decode_supports(cfg: NSAConfig) -> bool:
 
 
 _DECODE_CHUNK = 64  # compressed slots, or window keys, a decoding program: a power of two >= 16
-_DECODE_MERGE_ROWS = 8  # partials a load when the combine kernel merges them
+_DECODE_MERGE_ROWS = 64  # partials a load when the combine kernel merges a head's (a power of two)
 
 
 def decode_step(q, k_slc, v_slc, k_win, v_win, k_cmp, v_cmp, gates, position: torch.Tensor, cfg: NSAConfig,
@@ -1703,7 +1702,7 @@ def decode_step(q, k_slc, v_slc, k_win, v_win, k_cmp, v_cmp, gates, position: to
         *v_slc.stride()[:3], num_blocks, qk_scale, DV=Dv, BLOCK_DV=block_dv,
         SEL_TILE=min(block_n, _pow2(cfg.sel_block)), SEL_BLOCK=cfg.sel_block, N_SEL=cfg.n_selected, N_PAD=n_pad,
         N_INIT=cfg.n_init_blocks, N_LOCAL=cfg.n_local_blocks, NB_PAD=nb_pad, **common)
-    nsa_decode_combine_kernel[(rows,)](
+    nsa_decode_combine_kernel[(B * H,)](
         *cmp, *slc, *win, gates, o, gates.stride(0), gates.stride(1), G=G, HPG=H // G, HP=hp, DV=Dv,
         BLOCK_DV=block_dv, CHUNKS=chunks, N_SEL=cfg.n_selected, WIN_TILES=win_tiles,
         MERGE_ROWS=_DECODE_MERGE_ROWS, num_warps=4)
