@@ -29,7 +29,7 @@ def check_backend(backend: str) -> str:
 
 def project_qkv(x: torch.Tensor, wq: nn.Linear, wk: nn.Linear, wv: nn.Linear, rope: RotaryEmbedding,
                 cfg: ModelConfig, sets: int, backend: str, gate: nn.Linear | None = None,
-                position: int = 0) -> list[torch.Tensor]:
+                position: int = 0, weight: torch.Tensor | None = None) -> list[torch.Tensor]:
     """[q, k_0 .. k_{sets-1}, v_0 .. v_{sets-1}] for x [B, T, dim]: q [B, T, H, Dk] and the key sets rotated by
     RoPE as positions position .. position + T - 1 (0 .. T - 1 except after a cached context), the value sets
     [B, T, G, Dv] as they are, each a tensor of its own (attention keeps them for its
@@ -43,7 +43,8 @@ def project_qkv(x: torch.Tensor, wq: nn.Linear, wk: nn.Linear, wv: nn.Linear, ro
     alignment and cuBLAS runs three sm80 kernels on it, 2.4 ms per step at 125M T = 2048; and a row of the
     output that is not 128 bytes long gets a padded stride from inductor, which the split op then copies away
     (1.7 ms per step; kernels-notes.md, v18). On the triton backend the rotation and the split are one op each
-    way (rope_split: each part read and written once; v18)."""
+    way (rope_split: each part read and written once; v18). `weight`: that matmul's weight as fused_qkv_weight
+    made it, where a caller keeps one (a decoding cache: the concatenation was a copy of the weights a step)."""
     H, G, Dk, Dv = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.dv
     parts = [(wq, [H], [Dk], [True]), (wk, [G] * sets, [Dk] * sets, [True] * sets),
              (wv, [G] * sets, [Dv] * sets, [False] * sets)]
@@ -51,19 +52,36 @@ def project_qkv(x: torch.Tensor, wq: nn.Linear, wk: nn.Linear, wv: nn.Linear, ro
         outs = [t for w, heads, dims, rotate in parts for t in rotate_and_split(w(x), rope, heads, dims, rotate,
                                                                                  backend, position)]
         return outs if gate is None else outs + [gate(x)]
-    weights = [wq.weight, wk.weight, wv.weight]
     heads, dims, rotate = (sum((p[i] for p in parts), []) for i in (1, 2, 3))
     fuse_gate = gate is not None and cfg.fused_gate
+    weight = fused_qkv_weight(wq, wk, wv, cfg, gate) if weight is None else weight
     if fuse_gate:
-        n, base = gate.out_features, sum(w.shape[0] for w in weights)
-        width = -(-(base + n) // 64) * 64 - base  # the gate's columns, n of them real
-        weights += [gate.weight, gate.weight.new_zeros(width - n, gate.in_features)]
+        n, width = gate.out_features, weight.shape[0] - sum(h * d for h, d in zip(heads, dims))  # padded to 64
         heads, dims, rotate = heads + [1], dims + [width], rotate + [False]
-    outs = rotate_and_split(F.linear(x, torch.cat(weights)), rope, heads, dims, rotate, backend, position)
+    outs = rotate_and_split(F.linear(x, weight), rope, heads, dims, rotate, backend, position)
     if fuse_gate:
         logits = outs[-1][:, :, 0, :n]
         return outs[:-1] + [logits + gate.bias.to(logits.dtype)]  # the dtype Linear gives under autocast
     return outs if gate is None else outs + [gate(x)]
+
+
+def fused_qkv_weight(wq: nn.Linear, wk: nn.Linear, wv: nn.Linear, cfg: ModelConfig,
+                     gate: nn.Linear | None = None) -> torch.Tensor:
+    """project_qkv's fused weight: wq, wk, wv concatenated, then with cfg.fused_gate the gate's rows and rows of
+    zeros up to a width that is a multiple of 64."""
+    weights = [wq.weight, wk.weight, wv.weight]
+    if gate is not None and cfg.fused_gate:
+        n, base = gate.out_features, sum(w.shape[0] for w in weights)
+        width = -(-(base + n) // 64) * 64 - base  # the gate's columns, n of them real
+        weights += [gate.weight, gate.weight.new_zeros(width - n, gate.in_features)]
+    return torch.cat(weights)
+
+
+def _in_matmul_dtype(weight: torch.Tensor) -> torch.Tensor:
+    """weight in the dtype F.linear computes in here: autocast's, where it is on for weight's device (then a
+    kept weight is not cast again each call)."""
+    device = weight.device.type
+    return weight.to(torch.get_autocast_dtype(device)) if torch.is_autocast_enabled(device) else weight
 
 
 def rotate_and_split(y: torch.Tensor, rope: RotaryEmbedding, heads: list[int], head_dims: list[int],
@@ -153,10 +171,17 @@ class Compressor(nn.Module):
         return (self.kind == other.kind == "mlp" and x.shape == y.shape and x.shape[1] >= self.block
                 and (self.block, self.stride) == (other.block, other.stride) and self._fused(x) and other._fused(y))
 
-    def pair(self, other: Compressor, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(self(x), other(y)) in one op; only where self.pairs_with(other, x, y)."""
-        return ops.backend_module("triton", x).phi_mlp_pair(x, y, self._mlp_weights(), other._mlp_weights(),
-                                                            self.block, self.stride)
+    def pair(self, other: Compressor, x: torch.Tensor, y: torch.Tensor,
+             stacked: tuple[torch.Tensor, ...] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(self(x), other(y)) in one op; only where self.pairs_with(other, x, y). `stacked`: pair_weights(other),
+        where a caller keeps them (a decoding cache); made here otherwise."""
+        stacked = self.pair_weights(other) if stacked is None else stacked
+        return ops.backend_module("triton", x).phi_mlp_pair(x, y, stacked, self.block, self.stride)
+
+    def pair_weights(self, other: Compressor) -> tuple[torch.Tensor, ...]:
+        """(w1, b1, w2, b2) of self and other stacked, [2, ...] each: pair's weights (b1 with the position
+        embedding folded in, _fc1_bias)."""
+        return tuple(torch.stack([a, b]) for a, b in zip(self._mlp_weights(), other._mlp_weights(), strict=True))
 
     def _mlp_weights(self) -> tuple[torch.Tensor, ...]:
         return self.fc1.weight, self._fc1_bias(), self.fc2.weight, self.fc2.bias
@@ -227,12 +252,12 @@ class NSAAttention(nn.Module):
                                       backend=self.backend, return_blocks=True, recompute=self.recompute)
         return o, gates, blocks
 
-    def _project(self, x: torch.Tensor, position: int = 0):
+    def _project(self, x: torch.Tensor, position: int = 0, weight: torch.Tensor | None = None):
         """(q [B, T, H, Dk], the raw key sets then value sets [B, T, G, D], gates [B, T, H, 3]) of x [B, T, dim]
         at positions position ..; RoPE on the raw keys first: compression and selection work on rotated keys."""
         B, T, _ = x.shape
         q, *kv, gate_logits = project_qkv(x, self.wq, self.wk, self.wv, self.rope, self.cfg, self.kv_sets,
-                                          self.backend, gate=self.gate, position=position)
+                                          self.backend, gate=self.gate, position=position, weight=weight)
         return q, kv, torch.sigmoid(gate_logits).view(B, T, self.cfg.n_heads, len(BRANCHES))
 
     def _branch_sets(self, kv: list[torch.Tensor]):
@@ -241,11 +266,22 @@ class NSAAttention(nn.Module):
         return (tuple(keys) if self.kv_sets > 1 else (keys[0],) * 3), \
             (tuple(values) if self.kv_sets > 1 else (values[0],) * 3)
 
-    def _compress(self, k_cmp: torch.Tensor, v_cmp: torch.Tensor, own_checkpoint: bool):
-        """phi of the raw compression keys and values: [B, T, G, D] -> [B, Tc(T), G, D] each."""
+    def _compress(self, k_cmp: torch.Tensor, v_cmp: torch.Tensor, own_checkpoint: bool, stacked=None):
+        """phi of the raw compression keys and values: [B, T, G, D] -> [B, Tc(T), G, D] each; `stacked`: the pair's
+        weights, where a decoding cache keeps them."""
         if self.phi_k.pairs_with(self.phi_v, k_cmp, v_cmp):
-            return self.phi_k.pair(self.phi_v, k_cmp, v_cmp)
+            return self.phi_k.pair(self.phi_v, k_cmp, v_cmp, stacked)
         return self.phi_k(k_cmp, own_checkpoint), self.phi_v(v_cmp, own_checkpoint)
+
+    def _decode_weights(self, k_cmp: torch.Tensor, v_cmp: torch.Tensor) -> dict[str, object]:
+        """What a decoding step would make from the parameters alone (LayerCache.keep_weights): the projection's
+        fused weight in the dtype its matmul runs in, and phi's stacked pair weights where phi runs as a pair."""
+        weights = {}
+        if self.cfg.fused_qkv:
+            weights["qkv"] = _in_matmul_dtype(fused_qkv_weight(self.wq, self.wk, self.wv, self.cfg, self.gate))
+        if self.phi_k.pairs_with(self.phi_v, k_cmp, v_cmp):
+            weights["phi"] = self.phi_k.pair_weights(self.phi_v)
+        return weights
 
     @torch.no_grad()
     def prefill(self, x: torch.Tensor, cache: LayerCache, capacity: int) -> torch.Tensor:
@@ -255,8 +291,10 @@ class NSAAttention(nn.Module):
         B, T, _ = x.shape
         q, kv, gates = self._project(x)
         (k_cmp, k_slc, k_win), (v_cmp, v_slc, v_win) = self._branch_sets(kv)
-        compressed = list(self._compress(k_cmp, v_cmp, own_checkpoint=False))
+        weights = self._decode_weights(k_cmp, v_cmp)
+        compressed = list(self._compress(k_cmp, v_cmp, own_checkpoint=False, stacked=weights.get("phi")))
         cache.fill(kv, compressed, capacity, self.nsa.num_cmp_tokens(capacity) + 1)
+        cache.keep_weights(weights, x.device)
         o = ops.nsa_attention(q, k_slc, v_slc, k_win, v_win, *compressed, gates, self.nsa, backend=self.backend)
         return self.wo(o.reshape(B, T, self.cfg.n_heads * self.cfg.dv))
 
@@ -266,20 +304,27 @@ class NSAAttention(nn.Module):
         `cache` holds, written into it first: one NSA decoding step (ops/decode.py) over the buffers. Its shapes do
         not depend on the position, so a CUDA graph of it serves every step."""
         B = x.shape[0]
-        q, kv, gates = self._project(x, position)
+        kept = cache.kept_weights(x.device)
+        q, kv, gates = self._project(x, position, kept.get("qkv"))
         (k_cmp, k_slc, k_win), (v_cmp, v_slc, v_win) = self._branch_sets(cache.write(kv, position))
         # The compressed token that ends at this position, where one does (spec section 1): computed every step
         # from the last l raw positions, and stored in its slot, or in the spare slot where none ends here.
-        l, d = self.nsa.cmp_block, self.nsa.cmp_stride
-        start = position + 1 - l
-        span = (start + torch.arange(l, device=x.device)).clamp(min=0)
-        tokens = self._compress(k_cmp.index_select(1, span), v_cmp.index_select(1, span), own_checkpoint=False)
-        spare = cache.compressed[0].shape[1] - 1
-        slot = torch.where((start >= 0) & (start % d == 0), start.div(d, rounding_mode="floor"), spare)
+        span, slot = cache.for_step("newest compressed token", lambda: self._newest_compressed(position, cache))
+        tokens = self._compress(k_cmp.index_select(1, span), v_cmp.index_select(1, span), own_checkpoint=False,
+                                stacked=kept.get("phi"))
         k_cmp, v_cmp = cache.write_compressed(list(tokens), slot)
         o, _ = nsa_decode_step(q[:, 0], k_slc, v_slc, k_win, v_win, k_cmp, v_cmp, gates[:, 0], position, self.nsa,
                                backend=self.backend)
         return self.wo(o.reshape(B, 1, self.cfg.n_heads * self.cfg.dv))
+
+    def _newest_compressed(self, position: torch.Tensor, cache: LayerCache) -> tuple[torch.Tensor, torch.Tensor]:
+        """(span [l], slot [1]): the raw positions p - l + 1 .. p (clamped at 0) of the compressed token that ends
+        at p, and its slot: (p - l + 1) / d where that is a whole slot, the buffers' spare slot otherwise."""
+        l, d = self.nsa.cmp_block, self.nsa.cmp_stride
+        start = position + 1 - l
+        span = (start + torch.arange(l, device=position.device)).clamp(min=0)
+        spare = cache.compressed[0].shape[1] - 1
+        return span, torch.where((start >= 0) & (start % d == 0), start.div(d, rounding_mode="floor"), spare)
 
     @torch.no_grad()
     def _record_stats(self, gates: torch.Tensor, blocks: torch.Tensor) -> None:
@@ -342,6 +387,9 @@ class DenseAttention(nn.Module):
         H, G = self.cfg.n_heads, self.cfg.n_kv_heads
         q, k, v = project_qkv(x, self.wq, self.wk, self.wv, self.rope, self.cfg, 1, self.backend)
         cache.fill([k, v], [], capacity)
+        if self.cfg.fused_qkv:  # the fused weight, made once (LayerCache.keep_weights)
+            cache.keep_weights({"qkv": _in_matmul_dtype(fused_qkv_weight(self.wq, self.wk, self.wv, self.cfg))},
+                               x.device)
         o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
                                            enable_gqa=G != H)
         return self.wo(o.transpose(1, 2).reshape(B, T, H * self.cfg.dv))
@@ -351,7 +399,8 @@ class DenseAttention(nn.Module):
         """One token x [B, 1, dim] at `position` over every cached key up to it (shapes independent of it)."""
         B = x.shape[0]
         H, G = self.cfg.n_heads, self.cfg.n_kv_heads
-        q, k, v = project_qkv(x, self.wq, self.wk, self.wv, self.rope, self.cfg, 1, self.backend, position=position)
+        q, k, v = project_qkv(x, self.wq, self.wk, self.wv, self.rope, self.cfg, 1, self.backend, position=position,
+                              weight=cache.kept_weights(x.device).get("qkv"))
         keys, values = cache.write([k, v], position)
         visible = torch.arange(keys.shape[1], device=x.device) <= position
         o = F.scaled_dot_product_attention(q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),

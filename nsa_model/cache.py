@@ -18,9 +18,34 @@ class LayerCache:
     `compressed` [B, slots, G, D] (compressed keys, then values): Tc(capacity) slots and one spare, where a step
     that ends no compressed token writes the one it computes anyway (no query ever sees that slot)."""
 
-    def __init__(self) -> None:
+    def __init__(self, step: dict | None = None) -> None:
         self.raw: list[torch.Tensor] = []
         self.compressed: list[torch.Tensor] = []
+        self._step = step  # ModelCache's tensors of the current step, shared by its layers; None: none shared
+        self._weights: dict[str, object] = {}
+        self._weights_autocast: tuple | None = None
+
+    def for_step(self, key: str, make):
+        """make() of this step's position, made once a step for all the model's layers (they share the step's
+        position and the NSA config): a dozen small kernels a layer, v68. Made every call for a LayerCache of its
+        own (no ModelCache to clear it between steps)."""
+        if self._step is None:
+            return make()
+        if key not in self._step:
+            self._step[key] = make()
+        return self._step[key]
+
+    def keep_weights(self, weights: dict[str, object], device: torch.device) -> None:
+        """Keep tensors made from the layer's parameters alone that every step would otherwise make again (at
+        nsa-125m a concatenated projection weight, phi's stacked weights and its folded bias: eight kernels a layer,
+        about a sixth of a step's GPU time, v68), with the autocast state they were made under. They are the
+        parameters as of the prompt, as the cached keys and values are."""
+        self._weights, self._weights_autocast = weights, _autocast_state(device)
+
+    def kept_weights(self, device: torch.device) -> dict[str, object]:
+        """What keep_weights kept, where the autocast state is the same now (their dtypes follow it); else {}: the
+        step makes its own."""
+        return self._weights if self._weights_autocast == _autocast_state(device) else {}
 
     def fill(self, raw: list[torch.Tensor], compressed: list[torch.Tensor], capacity: int, slots: int = 0) -> None:
         """New buffers holding a prompt's raw sets [B, T, G, D] and its compressed tokens [B, Tc(T), G, D]."""
@@ -40,6 +65,10 @@ class LayerCache:
         return self.compressed
 
 
+def _autocast_state(device: torch.device) -> tuple[bool, torch.dtype]:
+    return torch.is_autocast_enabled(device.type), torch.get_autocast_dtype(device.type)
+
+
 def _buffer(x: torch.Tensor, size: int) -> torch.Tensor:
     buffer = x.new_zeros(x.shape[0], size, *x.shape[2:])
     buffer[:, :x.shape[1]] = x
@@ -55,11 +84,16 @@ class ModelCache:
     def __init__(self, num_layers: int, capacity: int, device: torch.device) -> None:
         if capacity < 1:
             raise ValueError(f"ModelCache.capacity: must be >= 1 position, got {capacity}")
-        self.layers = [LayerCache() for _ in range(num_layers)]
+        self.step: dict[str, object] = {}  # LayerCache.for_step's tensors; cleared by new_step
+        self.layers = [LayerCache(self.step) for _ in range(num_layers)]
         self.capacity = capacity
         self.length = 0
         self.batch = 0
         self.position = torch.zeros(1, dtype=torch.long, device=device)
+
+    def new_step(self) -> None:
+        """Forget the last step's shared tensors (Transformer.decode_step, before its layers run)."""
+        self.step.clear()
 
     def room_for(self, new: int, batch: int | None = None) -> None:
         """Refuse what this cache cannot take: a prompt goes into an empty cache, then one token a call for each of

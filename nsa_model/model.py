@@ -130,6 +130,7 @@ class Transformer(nn.Module):
         replayed after the caller sets the token and position tensors, is every later step."""
         if cache.length == 0:
             raise ValueError("decode_step: the cache holds no prompt yet; run forward_cached on one first")
+        cache.new_step()
         x = self.tok_emb(token)
         for block, layer in zip(self.blocks, cache.layers, strict=True):
             x = block.decode(x, layer, cache.position)

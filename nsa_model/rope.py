@@ -34,8 +34,8 @@ class RotaryEmbedding(nn.Module):
     def tables(self, position: int | torch.Tensor, T: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(cos, sin) [T, D/2] of positions position .. position + T - 1. A tensor position (a decoding step's,
         on the device) is read by an index, not by the host: its caller keeps it in range (LayerCache)."""
-        if isinstance(position, torch.Tensor):
-            rows = position.reshape(1) + torch.arange(T, device=position.device)
+        if isinstance(position, torch.Tensor):  # a decoding step's one row needs no range built (two kernels)
+            rows = position.reshape(1) if T == 1 else position.reshape(1) + torch.arange(T, device=position.device)
             return self.cos.index_select(0, rows), self.sin.index_select(0, rows)
         self.check_positions(position, T)
         return self.cos[position:position + T], self.sin[position:position + T]

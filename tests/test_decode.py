@@ -150,6 +150,55 @@ def test_forward_cached_prefills_a_whole_prompt_and_each_step_is_the_next_positi
     assert (model.forward_cached(tokens[:, 64:65], other) - full[:, 64:65]).abs().max() > 1e-3
 
 
+@pytest.mark.parametrize("attention", ["nsa", "dense"])
+def test_decoding_steps_use_the_fused_weight_their_prompt_kept(attention, monkeypatch):
+    """The prompt makes each layer's fused projection weight once (LayerCache.keep_weights); steps under the same
+    autocast state reuse it, a step under another makes its own: bf16 kept weights in a float64 step would round
+    its logits. Both give the full forward's logits."""
+    from nsa_model import attention as attention_module
+
+    model = random_model(attention)
+    tokens = torch.randint(0, model.cfg.vocab_size, (1, 30), generator=torch.Generator().manual_seed(3))
+    full, _ = model(tokens)
+    made, fused = [], attention_module.fused_qkv_weight
+    monkeypatch.setattr(attention_module, "fused_qkv_weight", lambda *a, **k: made.append(1) or fused(*a, **k))
+    cache = model.new_cache()
+    steps = [model.forward_cached(tokens[:, :20], cache)]
+    assert len(made) == 2 * model.cfg.n_layers  # the prompt's projection, and the one kept
+    steps += [model.forward_cached(tokens[:, t:t + 1], cache) for t in range(20, 25)]
+    assert len(made) == 2 * model.cfg.n_layers  # none made again
+    assert (torch.cat(steps, dim=1) - full[:, :25]).abs().max() <= 1e-10 * full.abs().max()
+
+    bf16_cache = model.new_cache()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        model.forward_cached(tokens[:, :20], bf16_cache)
+    assert all(layer.kept_weights(torch.device("cpu")) == {} for layer in bf16_cache.layers)  # not for float64
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert all(layer.kept_weights(torch.device("cpu"))["qkv"].dtype == torch.bfloat16
+                   for layer in bf16_cache.layers)
+    made.clear()
+    step = model.forward_cached(tokens[:, 20:21], bf16_cache)  # float64: the kept bf16 weights are not used
+    assert len(made) == model.cfg.n_layers
+    assert (step - full[:, 20:21]).abs().max() <= 5e-2 * (full.max() - full.min())
+
+
+def test_a_step_makes_its_compressed_slot_once_for_all_layers(monkeypatch):
+    """The newest compressed token's span and slot depend on the position alone: made by the first layer of a
+    step and shared (LayerCache.for_step), made anew each step; the logits stay the full forward's."""
+    from nsa_model.attention import NSAAttention
+
+    model = random_model()
+    tokens = torch.randint(0, model.cfg.vocab_size, (1, 40), generator=torch.Generator().manual_seed(4))
+    full, _ = model(tokens)
+    made, newest = [], NSAAttention._newest_compressed
+    monkeypatch.setattr(NSAAttention, "_newest_compressed", lambda *a: made.append(1) or newest(*a))
+    cache = model.new_cache()
+    steps = [model.forward_cached(tokens[:, :20], cache)]
+    steps += [model.forward_cached(tokens[:, t:t + 1], cache) for t in range(20, 40)]
+    assert model.cfg.n_layers > 1 and len(made) == 20
+    assert (torch.cat(steps, dim=1) - full).abs().max() <= 1e-10 * full.abs().max()
+
+
 def test_forward_cached_refuses_what_the_cache_cannot_take():
     model = random_model("dense")
     cache = model.new_cache()

@@ -1449,7 +1449,8 @@ def test_phi_mlp_pair_is_phi_of_each_set(block, stride, T):
         k_in, v_in = ([t.clone().requires_grad_() for t in leaves] for leaves in (leaves_k, leaves_v))
         x_k, x_v = k_in[0][:, :, 1], v_in[0][:, :, 0]
         if pair:
-            y_k, y_v = triton_impl.phi_mlp_pair(x_k, x_v, k_in[1:], v_in[1:], block, stride)
+            stacked = tuple(torch.stack([a, b]) for a, b in zip(k_in[1:], v_in[1:]))
+            y_k, y_v = triton_impl.phi_mlp_pair(x_k, x_v, stacked, block, stride)
         else:
             y_k, y_v = _phi_by_torch(x_k, *k_in[1:], block, stride), _phi_by_torch(x_v, *v_in[1:], block, stride)
         ((y_k * weights[0]).sum() + (y_v * weights[1]).sum()).backward()
@@ -1471,17 +1472,18 @@ def test_phi_mlp_refuses_shapes_it_does_not_compute(bad, match):
 
 
 def test_phi_mlp_pair_refuses_sets_it_does_not_compute():
-    """Two sets run in one launch only with one shape for both inputs and for each weight; the op itself takes one
-    or two sets."""
+    """Two sets run in one launch only with one shape for both inputs and the weights stacked two deep; the op
+    itself takes one or two sets."""
     x = torch.zeros(1, 13, 2, 16, device=DEVICE)
     w = (torch.zeros(16, 8 * 16, device=DEVICE), torch.zeros(16, device=DEVICE), torch.zeros(16, 16, device=DEVICE),
          torch.zeros(16, device=DEVICE))
+    pair = tuple(torch.stack([t] * 2) for t in w)
     with pytest.raises(ValueError, match="one shape and dtype"):
-        triton_impl.phi_mlp_pair(x, torch.zeros(1, 14, 2, 16, device=DEVICE), w, w, 8, 4)
-    narrow = (torch.zeros(8, 8 * 16, device=DEVICE), torch.zeros(8, device=DEVICE), torch.zeros(16, 8, device=DEVICE),
-              w[3])
-    with pytest.raises(ValueError, match="same shapes"):
-        triton_impl.phi_mlp_pair(x, x, w, narrow, 8, 4)
+        triton_impl.phi_mlp_pair(x, torch.zeros(1, 14, 2, 16, device=DEVICE), pair, 8, 4)
+    with pytest.raises(ValueError, match=r"shape \[2, \.\.\.\]"):
+        triton_impl.phi_mlp_pair(x, x, tuple(torch.stack([t] * 3) for t in w), 8, 4)
+    with pytest.raises(ValueError, match="fc1.weight"):  # each set's weights checked as phi_mlp checks them
+        triton_impl.phi_mlp_pair(x, x, (pair[0][:, :, :-1], *pair[1:]), 8, 4)
     with pytest.raises(ValueError, match="one or two sets"):
         torch.ops.nsa.phi_mlp(x, x, *(torch.stack([t] * 3) for t in w), 8, 4)
 
@@ -1643,6 +1645,7 @@ def test_cached_decoding_through_the_triton_backend_gives_its_full_forward(decod
     token through nsa::phi_mlp, with the decoding step's NSA in PyTorch or in kernels/decode.py: the logits of the
     model's full forward."""
     from nsa_model import ModelConfig, Transformer
+    from nsa_model.attention import Compressor
 
     if not ON_GPU:
         monkeypatch.setenv("TRITON_INTERPRET", "1")
@@ -1656,13 +1659,20 @@ def test_cached_decoding_through_the_triton_backend_gives_its_full_forward(decod
         for p in model.parameters():
             p.normal_(0.0, 0.3)
     tokens = torch.randint(0, 64, (2, 24), generator=torch.Generator().manual_seed(0)).to(DEVICE)
+    stacked, pair_weights = [], Compressor.pair_weights
+    monkeypatch.setattr(Compressor, "pair_weights", lambda *a: stacked.append(1) or pair_weights(*a))
     with torch.no_grad():
         full, _ = model(tokens)
+        stacked.clear()
         cache = model.new_cache()
         parts = [model.forward_cached(tokens[:, :9], cache)]
+        made_by_prompt = len(stacked)
         parts += [model.forward_cached(tokens[:, t:t + 1], cache) for t in range(9, 24)]
     error = (torch.cat(parts, dim=1) - full).abs().max() / (full.max() - full.min())
     assert error <= (1e-2 if ON_GPU else 1e-5), error
+    # phi's stacked pair weights: made once a layer for the prompt and kept (LayerCache.keep_weights), never again
+    # by a step
+    assert made_by_prompt == cfg.n_layers and len(stacked) == made_by_prompt
 
 
 @pytest.mark.parametrize("B,T,H,G,Dk,Dv,cfg,positions", [

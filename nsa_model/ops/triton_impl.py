@@ -1900,19 +1900,20 @@ def phi_mlp(x: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor, w2: torch.Tenso
     return torch.ops.nsa.phi_mlp(x, x, w1[None], b1[None], w2[None], b2[None], block, stride)[0][0]
 
 
-def phi_mlp_pair(x_k: torch.Tensor, x_v: torch.Tensor, weights_k: tuple, weights_v: tuple, block: int,
+def phi_mlp_pair(x_k: torch.Tensor, x_v: torch.Tensor, stacked: tuple, block: int,
                  stride: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(phi_mlp(x_k, *weights_k, ...), phi_mlp(x_v, *weights_v, ...)) in the launches of one: x_k and x_v of one
-    shape, weights (w1, b1, w2, b2) of one shape each (NSA's compressed keys and values at Dk = Dv)."""
-    _check_phi(x_k, *weights_k, block, stride)
-    _check_phi(x_v, *weights_v, block, stride)
+    """(phi_mlp(x_k, w1[0], b1[0], w2[0], b2[0], ...), phi_mlp(x_v, w1[1], ...)) in the launches of one: x_k and
+    x_v of one shape, stacked = (w1, b1, w2, b2) each [2, ...], the keys' weights then the values' (NSA's
+    compressed keys and values at Dk = Dv; Compressor.pair_weights)."""
+    if len(stacked) != 4 or any(w.dim() < 2 or w.shape[0] != 2 for w in stacked):
+        raise ValueError(f"phi pair: expected stacked (w1, b1, w2, b2) of shape [2, ...] each, got "
+                         f"{[tuple(w.shape) for w in stacked]}")
+    _check_phi(x_k, *(w[0] for w in stacked), block, stride)
+    _check_phi(x_v, *(w[1] for w in stacked), block, stride)
     if x_k.shape != x_v.shape or x_k.dtype != x_v.dtype:
         raise ValueError(f"phi pair: x_k and x_v must have one shape and dtype, got {tuple(x_k.shape)} "
                          f"{x_k.dtype} and {tuple(x_v.shape)} {x_v.dtype}")
-    if any(a.shape != b.shape for a, b in zip(weights_k, weights_v)):
-        raise ValueError("phi pair: the k and v weights must have the same shapes (hidden width and head dim)")
     if x_k.stride() != x_v.stride():  # one set of strides addresses both in the kernels
         x_k, x_v = x_k.contiguous(), x_v.contiguous()
-    stacked = [torch.stack([a, b]) for a, b in zip(weights_k, weights_v)]
     y = torch.ops.nsa.phi_mlp(x_k, x_v, *stacked, block, stride)[0]
     return y[0], y[1]
