@@ -180,8 +180,8 @@ class LaunchConfig:
     phi_rows: int = 32  # compressed tokens per program of phi's forward and its row backward (v29: 64 lost)
     index_build: str = "auto"  # one of INDEX_BUILDS
     # A decoding step's NSA (outside the core; ops/decode.py): "triton", kernels/decode.py's four launches a layer
-    # (v68: 16 us a layer at nsa-125m, 32k positions, on an H200), or "torch", its PyTorch ops (about a hundred
-    # small kernels a layer: the graph step 6.9 ms a token against the kernels' 2.5 ms, v67/v68).
+    # (17 us a layer at nsa-125m, 32k positions, on an H200), or "torch", its PyTorch ops (about a hundred small
+    # kernels a layer: the graph step 6.4 ms a token against the kernels' 1.60 ms; v68).
     decode_kernel: str = "triton"  # one of DECODE_KERNELS
 
     def __post_init__(self) -> None:
