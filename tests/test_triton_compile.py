@@ -56,11 +56,29 @@ def _tma_cases(name, module, pointers, scalars, constexprs, options=WARPS4, labe
             for tma, ptrs in ((True, with_desc), (False, pointers))]
 
 
-DECODE = dict(G=2, HPG=6, HP=8)
-DECODE_DIMS = dict(DK=64, BLOCK_DK=64, CMP_BLOCK=32, CMP_STRIDE=16)
+DECODE = dict(G=2, HPG=6, HP=16)  # 6 heads a group padded to tl.dot's 16 rows
+DECODE_DIMS = dict(DK=64, BLOCK_DK=64, CMP_BLOCK=32, CMP_STRIDE=16, DOT_PRECISION="tf32")
 Q_STRIDES = ("sqb", "sqh")
 CMP_STRIDES = ("scb", "sct", "scg")
-DECODE_CASES = [  # (kernel, pointer dtypes, stride names, other scalars, constexprs)
+PARTIALS = dict(PM="fp32", PL="fp32", PACC="fp32")
+DECODE_CASES = [  # (kernel, pointer dtypes, stride names, other scalars, constexprs); 8k positions: 32 chunks
+    ("nsa_decode_cmp_kernel", dict(POS="i64", WM="fp32", WL="fp32", WACC="fp32", **PARTIALS),
+     Q_STRIDES + CMP_STRIDES + tuple(f"{p}{d}" for p in ("svc", "swk", "swv") for d in "btg"),
+     dict(qk_scale="fp32"),
+     dict(DECODE_DIMS, DV=64, BLOCK_DV=64, BLOCK_N=64, CHUNK=64, CHUNKS=32, WIN_TILES=8, WINDOW=512)),
+    ("nsa_decode_importance_kernel", dict(POS="i64", PM="fp32", PL="fp32", IMP="fp32"), Q_STRIDES + CMP_STRIDES,
+     dict(qk_scale="fp32"),
+     dict(DECODE_DIMS, CHUNK=64, CHUNKS=32, CHUNKS_PAD=32, TOKENS=64, SEL_BLOCK=64, NB_PAD=256)),
+    ("nsa_decode_attend_kernel", dict(POS="i64", IMP="fp32", BLOCKS="i32", **PARTIALS),
+     Q_STRIDES + tuple(f"{p}{d}" for p in ("sk", "sv") for d in "btg"), dict(num_blocks="i32", qk_scale="fp32"),
+     dict(DECODE_DIMS, DV=64, BLOCK_DV=64, SEL_TILE=64, SEL_BLOCK=64, N_SEL=16, N_PAD=16, N_INIT=1, N_LOCAL=2,
+          NB_PAD=256)),
+    ("nsa_decode_combine_kernel", {name: "fp32" for name in ("CM", "CL", "CACC", "SM", "SL", "SACC", "WM", "WL",
+                                                            "WACC")},
+     ("sgb", "sgh"), {}, dict(DV=64, BLOCK_DV=64, CHUNKS=32, N_SEL=16, WIN_TILES=8, MERGE_ROWS=64)),
+]
+
+CASES = [  # (kernel, pointer dtypes, stride names, other scalars, constexprs)
     ("nsa_decode_cmp_kernel", dict(POS="i64", PM="fp32", PL="fp32", PACC="fp32"),
      Q_STRIDES + CMP_STRIDES + ("svcb", "svct", "svcg"), dict(qk_scale="fp32"),
      dict(DECODE_DIMS, DV=64, BLOCK_DV=64, BLOCK_N=16, CHUNK=128)),
