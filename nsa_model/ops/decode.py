@@ -15,10 +15,11 @@ The same function as the full core's row p, in the work a decoder needs per toke
 selected keys and w window keys a head, where running the model over its whole context again costs p times that.
 Every shape depends on the buffers' sizes alone, never on p: p is read from a tensor by masks and gathers, so one
 CUDA graph of a model's decoding step serves every position (nsa_model/generate.py). A fixed set of batched ops,
-no loop over tokens or blocks, no host sync. Block importance by the banded overlap (block_importance), forced
-blocks first and importance ties to the lower block index by a stable descending sort, as in the vectorized
-PyTorch path. On the triton backend the step runs as kernels/decode.py's four launches instead
-(LaunchConfig.decode_kernel="triton", the default; 4x faster a step at nsa-125m, 32k positions, v68). Here,
+no loop over tokens or blocks, no host sync. Block importance by the banded overlap (block_importance); the
+compressed tokens' visibility, the candidates and the top-n (forced blocks first, importance ties to the lower
+block) are the vectorized PyTorch path's own functions, given the position as a tensor. On the triton backend
+the step runs as kernels/decode.py's four launches instead (LaunchConfig.decode_kernel="triton", the default; 4x
+faster a step at nsa-125m, 32k positions, v68). Here,
 low-precision inputs are computed in float32 and the output cast back; float64 stays float64. Autocast is off
 inside: under bf16 autocast the einsums would round every score to bf16 before the softmax (about 2% of a
 probability at a score of 5), where the Triton kernels keep scores and probabilities in fp32; over 12 layers that
@@ -31,7 +32,7 @@ import torch
 
 from nsa_model import ops
 from nsa_model.config import NSAConfig
-from nsa_model.ops.torch_impl import _masked_softmax, _work_dtype
+from nsa_model.ops.torch_impl import _masked_softmax, _work_dtype, block_candidates, cmp_visible, top_blocks
 
 
 def attend_one(qg: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, visible: torch.Tensor,
@@ -49,12 +50,6 @@ def gather_positions(x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     b_idx = torch.arange(B, device=x.device)[:, None, None]
     g_idx = torch.arange(G, device=x.device)[None, :, None]
     return x[b_idx, positions, g_idx]
-
-
-def visible_compressed(position: torch.Tensor, slots: int, cfg: NSAConfig) -> torch.Tensor:
-    """[slots] bool: slot i holds a token query `position` sees, i*d + l - 1 <= p (spec section 1)."""
-    i = torch.arange(slots, device=position.device)
-    return i * cfg.cmp_stride + cfg.cmp_block - 1 <= position
 
 
 def block_importance(p: torch.Tensor, num_blocks: int, cfg: NSAConfig) -> torch.Tensor:
@@ -77,21 +72,11 @@ def block_importance(p: torch.Tensor, num_blocks: int, cfg: NSAConfig) -> torch.
 
 def select_for_query(p_cmp: torch.Tensor, position: torch.Tensor, num_blocks: int, cfg: NSAConfig) -> torch.Tensor:
     """blocks [B, G, n] int32 (spec section 4) of the query at `position` among blocks 0 .. num_blocks - 1, from its
-    compressed probabilities p_cmp [B, G, h, S] (zero where a slot is not visible)."""
+    compressed probabilities p_cmp [B, G, h, S] (zero where a slot is not visible): the full path's candidates and
+    top-n (torch_impl.block_candidates, top_blocks) on the banded importance."""
     importance = block_importance(p_cmp.sum(dim=2), num_blocks, cfg)  # over the group's heads (Eq. 10), Eq. 9
-    j = torch.arange(num_blocks, device=p_cmp.device)
-    candidate = j * cfg.sel_block <= position
-    # j > floor(p / l') - n_local  <=>  (j + n_local) * l' > p
-    forced = candidate & ((j < cfg.n_init_blocks) | ((j + cfg.n_local_blocks) * cfg.sel_block > position))
-    # Python scalars, not host tensors: a CUDA graph capture refuses a copy from the host
-    keys = torch.where(forced, float("inf"), torch.where(candidate, importance, float("-inf")))
-    # stable and descending: forced blocks first, importance ties to the lower index (as the full path sorts)
-    sorted_keys, order = torch.sort(keys, dim=-1, descending=True, stable=True)
-    take = min(cfg.n_selected, num_blocks)
-    ids = torch.where(sorted_keys[..., :take] > float("-inf"), order[..., :take], num_blocks)
-    ids = torch.sort(ids, dim=-1).values  # ascending, the padding (num_blocks) last: the core's order
-    ids = torch.where(ids == num_blocks, -1, ids).to(torch.int32)
-    return torch.nn.functional.pad(ids, (0, cfg.n_selected - take), value=-1)
+    candidate, forced = block_candidates(position.reshape(1), num_blocks, cfg)  # [1, Nb]
+    return top_blocks(importance, candidate, forced, cfg.n_selected)
 
 
 def check_step_shapes(q, k_slc, v_slc, k_win, v_win, k_cmp, v_cmp, gates, cfg: NSAConfig) -> None:
@@ -141,8 +126,8 @@ def _step(q, k_slc, v_slc, k_win, v_win, k_cmp, v_cmp, gates, position, cfg: NSA
         return x.to(work).transpose(1, 2)
 
     if k_cmp.shape[1] > 0:
-        cmp_visible = visible_compressed(position, k_cmp.shape[1], cfg)[None, None, :]
-        o_cmp, p_cmp = attend_one(qg, by_group(k_cmp), by_group(v_cmp), cmp_visible, scale)
+        visible = cmp_visible(position.reshape(1), k_cmp.shape[1], cfg)  # [1, S]
+        o_cmp, p_cmp = attend_one(qg, by_group(k_cmp), by_group(v_cmp), visible[None], scale)
     else:  # buffers without a slot (a sequence shorter than l): nothing compressed, every importance 0
         o_cmp, p_cmp = qg.new_zeros(B, G, H // G, Dv), qg.new_zeros(B, G, H // G, 0)
     blocks = select_for_query(p_cmp, position, -(-L // cfg.sel_block), cfg)

@@ -58,11 +58,11 @@ def _by_group(x: torch.Tensor, G: int) -> torch.Tensor:
 
 # --- compressed branch -----------------------------------------------------------------------------------------
 
-def _cmp_visible(start: int, end: int, num_cmp: int, cfg: NSAConfig, device) -> torch.Tensor:
-    """[C, Tc]: compressed token i is visible to query t iff i*d + l - 1 <= t."""
-    t = torch.arange(start, end, device=device)
-    i = torch.arange(num_cmp, device=device)
-    return (i * cfg.cmp_stride + cfg.cmp_block - 1)[None, :] <= t[:, None]
+def cmp_visible(positions: torch.Tensor, num_cmp: int, cfg: NSAConfig) -> torch.Tensor:
+    """[..., Tc] for query positions [...] (a device tensor: a decoding step's is never read on the host):
+    compressed token i is visible to the query at t iff i*d + l - 1 <= t."""
+    i = torch.arange(num_cmp, device=positions.device)
+    return i * cfg.cmp_stride + cfg.cmp_block - 1 <= positions[..., None]
 
 
 def _cmp_scores(q_chunk: torch.Tensor, k_cmp: torch.Tensor, scale: float) -> torch.Tensor:
@@ -80,7 +80,7 @@ def compressed_attention(q, k_cmp, v_cmp, cfg: NSAConfig, scale: float):
     qg, k, v = _by_group(q, G).to(work), k_cmp.to(work), v_cmp.to(work)
     outs, lses = [], []
     for (s, e), q_chunk in zip(_chunks(T), _split_queries(qg)):
-        visible = _cmp_visible(s, e, num_cmp, cfg, q.device)[None, :, None, None, :]
+        visible = cmp_visible(torch.arange(s, e, device=q.device), num_cmp, cfg)[None, :, None, None, :]
         p, lse = _masked_softmax(_cmp_scores(q_chunk, k, scale), visible)
         outs.append(torch.einsum("bcghi,bigd->bcghd", p, v))
         lses.append(lse)
@@ -100,18 +100,30 @@ def overlap_weights(num_cmp: int, num_blocks: int, cfg: NSAConfig, device, dtype
     return (hi - lo).clamp(min=0).to(dtype) / cfg.cmp_stride
 
 
-def _selection_keys(importance: torch.Tensor, start: int, end: int, cfg: NSAConfig) -> torch.Tensor:
-    """Sort keys [B, C, G, Nb]: +inf for forced candidates, importance for other candidates, -inf otherwise."""
-    num_blocks = importance.shape[-1]
-    t = torch.arange(start, end, device=importance.device)[:, None]
-    j = torch.arange(num_blocks, device=importance.device)[None, :]
+def block_candidates(positions: torch.Tensor, num_blocks: int, cfg: NSAConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """(candidate, forced) [..., Nb] for query positions [...] (spec section 4): block j is a candidate of the
+    query at t iff j*l' <= t, and forced iff also among the first n_init or the n_local blocks ending at t's."""
+    t = positions[..., None]
+    j = torch.arange(num_blocks, device=positions.device)
     candidate = j * cfg.sel_block <= t
     # j > floor(t / l') - n_local  <=>  (j + n_local) * l' > t   (integer j; no division in the graph)
     local = (j + cfg.n_local_blocks) * cfg.sel_block > t
-    forced = candidate & ((j < cfg.n_init_blocks) | local)
-    inf = torch.tensor(float("inf"), dtype=importance.dtype, device=importance.device)
-    keys = torch.where(candidate[None, :, None, :], importance, -inf)
-    return torch.where(forced[None, :, None, :], inf, keys)
+    return candidate, candidate & ((j < cfg.n_init_blocks) | local)
+
+
+def top_blocks(importance: torch.Tensor, candidate: torch.Tensor, forced: torch.Tensor, n: int) -> torch.Tensor:
+    """blocks [..., n] int32 for importance [..., Nb] and its candidate and forced masks (broadcast to it):
+    forced blocks first, then the most important candidates, ties to the lower index; ascending, -1 padded."""
+    num_blocks = importance.shape[-1]
+    # Python scalars, not host tensors: a CUDA graph of a decoding step refuses a copy from the host
+    keys = torch.where(forced, float("inf"), torch.where(candidate, importance, float("-inf")))
+    # A stable descending sort puts forced blocks first and breaks importance ties toward the lower index.
+    sorted_keys, order = torch.sort(keys, dim=-1, descending=True, stable=True)
+    take = min(n, num_blocks)
+    ids = torch.where(sorted_keys[..., :take] > float("-inf"), order[..., :take], num_blocks)
+    ids = torch.sort(ids, dim=-1).values  # ascending, the padding (num_blocks) last
+    ids = torch.where(ids == num_blocks, -1, ids).to(torch.int32)
+    return torch.nn.functional.pad(ids, (0, n - take), value=-1)
 
 
 @torch.no_grad()
@@ -126,24 +138,17 @@ def select_blocks(q, k_cmp, lse, cfg: NSAConfig, scale: float):
     lse_g = lse.to(work).reshape(B, T, G, H // G)
     chosen = []
     for s, e in _chunks(T):
+        positions = torch.arange(s, e, device=q.device)
         if num_cmp > 0:
-            visible = _cmp_visible(s, e, num_cmp, cfg, q.device)[None, :, None, None, :]
+            visible = cmp_visible(positions, num_cmp, cfg)[None, :, None, None, :]
             p = torch.exp(_cmp_scores(qg[:, s:e], k, scale) - lse_g[:, s:e, ..., None])
             p = torch.where(visible & torch.isfinite(lse_g[:, s:e, ..., None]), p, torch.zeros_like(p))
             importance = p.sum(dim=3) @ W  # sum over the heads of the group (Eq. 10), then Eq. 9
         else:
             importance = torch.zeros(B, e - s, G, num_blocks, dtype=work, device=q.device)
-        keys = _selection_keys(importance, s, e, cfg)
-        # A stable descending sort puts forced blocks first and breaks importance ties toward the lower index.
-        sorted_keys, order = torch.sort(keys, dim=-1, descending=True, stable=True)
-        take = min(n, num_blocks)
-        ids = torch.where(sorted_keys[..., :take] > float("-inf"), order[..., :take], num_blocks)
-        ids = torch.sort(ids, dim=-1).values  # ascending, the padding (num_blocks) last
-        chosen.append(torch.where(ids == num_blocks, -1, ids))
-    blocks = torch.cat(chosen, dim=1).to(torch.int32)
-    if num_blocks < n:
-        blocks = torch.nn.functional.pad(blocks, (0, n - num_blocks), value=-1)
-    return blocks
+        candidate, forced = block_candidates(positions, num_blocks, cfg)
+        chosen.append(top_blocks(importance, candidate[None, :, None, :], forced[None, :, None, :], n))
+    return torch.cat(chosen, dim=1)
 
 
 # --- selected branch -------------------------------------------------------------------------------------------
