@@ -47,3 +47,16 @@ def test_decode_bench_refuses_cached_logits_that_are_off(tmp_path, monkeypatch):
 def test_decode_bench_refuses_bad_arguments(argv):
     with pytest.raises(SystemExit):
         decode.parse_args(argv)
+
+
+def test_relative_error_in_row_chunks_is_the_whole_computation():
+    """The check's error a few rows at a time (a 128k prompt's float64 logits would not fit at once) is the
+    per-row error computed whole, including a last chunk shorter than the others."""
+    import torch
+
+    gen = torch.Generator().manual_seed(0)
+    want = torch.randn(10, 7, generator=gen, dtype=torch.float64)
+    got = want + 1e-3 * torch.randn(10, 7, generator=gen, dtype=torch.float64)
+    whole = (got - want).abs().amax(-1) / (want.amax(-1) - want.amin(-1))
+    chunked = decode.relative_error(got, want, rows=3)
+    assert chunked.shape == (10,) and torch.equal(chunked, whole)
