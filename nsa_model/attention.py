@@ -77,11 +77,17 @@ def fused_qkv_weight(wq: nn.Linear, wk: nn.Linear, wv: nn.Linear, cfg: ModelConf
     return torch.cat(weights)
 
 
-def _in_matmul_dtype(weight: torch.Tensor) -> torch.Tensor:
-    """weight in the dtype F.linear computes in here: autocast's, where it is on for weight's device (then a
-    kept weight is not cast again each call)."""
-    device = weight.device.type
-    return weight.to(torch.get_autocast_dtype(device)) if torch.is_autocast_enabled(device) else weight
+def projection_to_keep(wq: nn.Linear, wk: nn.Linear, wv: nn.Linear, cfg: ModelConfig,
+                       gate: nn.Linear | None = None) -> dict[str, torch.Tensor]:
+    """{"qkv": the fused weight} for a decoding cache to keep (LayerCache.keep_weights), in the dtype F.linear
+    computes in here: autocast's where it is on and would cast it (then it is not cast again each call; autocast
+    leaves float64 alone); {} without fused_qkv."""
+    if not cfg.fused_qkv:
+        return {}
+    weight, device = fused_qkv_weight(wq, wk, wv, cfg, gate), wq.weight.device.type
+    if torch.is_autocast_enabled(device) and weight.dtype != torch.float64:
+        weight = weight.to(torch.get_autocast_dtype(device))
+    return {"qkv": weight}
 
 
 def rotate_and_split(y: torch.Tensor, rope: RotaryEmbedding, heads: list[int], head_dims: list[int],
@@ -273,25 +279,18 @@ class NSAAttention(nn.Module):
             return self.phi_k.pair(self.phi_v, k_cmp, v_cmp, stacked)
         return self.phi_k(k_cmp, own_checkpoint), self.phi_v(v_cmp, own_checkpoint)
 
-    def _decode_weights(self, k_cmp: torch.Tensor, v_cmp: torch.Tensor) -> dict[str, object]:
-        """What a decoding step would make from the parameters alone (LayerCache.keep_weights): the projection's
-        fused weight in the dtype its matmul runs in, and phi's stacked pair weights where phi runs as a pair."""
-        weights = {}
-        if self.cfg.fused_qkv:
-            weights["qkv"] = _in_matmul_dtype(fused_qkv_weight(self.wq, self.wk, self.wv, self.cfg, self.gate))
-        if self.phi_k.pairs_with(self.phi_v, k_cmp, v_cmp):
-            weights["phi"] = self.phi_k.pair_weights(self.phi_v)
-        return weights
-
     @torch.no_grad()
     def prefill(self, x: torch.Tensor, cache: LayerCache, capacity: int) -> torch.Tensor:
         """This layer on a prompt x [B, T, dim] (positions 0 .. T - 1), as forward(), keeping in `cache` what
         decoding steps read: the raw key and value sets and the compressed tokens, in buffers of `capacity`
         positions (nsa_model/cache.py)."""
         B, T, _ = x.shape
-        q, kv, gates = self._project(x)
+        # what every step would make from the parameters alone, made once here and used by the prompt too
+        weights = projection_to_keep(self.wq, self.wk, self.wv, self.cfg, self.gate)
+        q, kv, gates = self._project(x, weight=weights.get("qkv"))
         (k_cmp, k_slc, k_win), (v_cmp, v_slc, v_win) = self._branch_sets(kv)
-        weights = self._decode_weights(k_cmp, v_cmp)
+        if self.phi_k.pairs_with(self.phi_v, k_cmp, v_cmp):
+            weights["phi"] = self.phi_k.pair_weights(self.phi_v)
         compressed = list(self._compress(k_cmp, v_cmp, own_checkpoint=False, stacked=weights.get("phi")))
         cache.fill(kv, compressed, capacity, self.nsa.num_cmp_tokens(capacity) + 1)
         cache.keep_weights(weights, x.device)
@@ -385,11 +384,11 @@ class DenseAttention(nn.Module):
         """This layer on a prompt x [B, T, dim], as forward(), keeping its keys and values in `cache`."""
         B, T, _ = x.shape
         H, G = self.cfg.n_heads, self.cfg.n_kv_heads
-        q, k, v = project_qkv(x, self.wq, self.wk, self.wv, self.rope, self.cfg, 1, self.backend)
+        weights = projection_to_keep(self.wq, self.wk, self.wv, self.cfg)  # made once, for the prompt and steps
+        q, k, v = project_qkv(x, self.wq, self.wk, self.wv, self.rope, self.cfg, 1, self.backend,
+                              weight=weights.get("qkv"))
         cache.fill([k, v], [], capacity)
-        if self.cfg.fused_qkv:  # the fused weight, made once (LayerCache.keep_weights)
-            cache.keep_weights({"qkv": _in_matmul_dtype(fused_qkv_weight(self.wq, self.wk, self.wv, self.cfg))},
-                               x.device)
+        cache.keep_weights(weights, x.device)
         o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
                                            enable_gqa=G != H)
         return self.wo(o.transpose(1, 2).reshape(B, T, H * self.cfg.dv))

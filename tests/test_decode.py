@@ -152,9 +152,10 @@ def test_forward_cached_prefills_a_whole_prompt_and_each_step_is_the_next_positi
 
 @pytest.mark.parametrize("attention", ["nsa", "dense"])
 def test_decoding_steps_use_the_fused_weight_their_prompt_kept(attention, monkeypatch):
-    """The prompt makes each layer's fused projection weight once (LayerCache.keep_weights); steps under the same
-    autocast state reuse it, a step under another makes its own: bf16 kept weights in a float64 step would round
-    its logits. Both give the full forward's logits."""
+    """The prompt makes each layer's fused projection weight once (LayerCache.keep_weights) and uses it; steps
+    under the same autocast state reuse it, a step under another makes its own. Under autocast the kept weight
+    takes autocast's dtype where autocast would cast it, not a float64 one. All give the full forward's
+    logits."""
     from nsa_model import attention as attention_module
 
     model = random_model(attention)
@@ -164,22 +165,33 @@ def test_decoding_steps_use_the_fused_weight_their_prompt_kept(attention, monkey
     monkeypatch.setattr(attention_module, "fused_qkv_weight", lambda *a, **k: made.append(1) or fused(*a, **k))
     cache = model.new_cache()
     steps = [model.forward_cached(tokens[:, :20], cache)]
-    assert len(made) == 2 * model.cfg.n_layers  # the prompt's projection, and the one kept
+    assert len(made) == model.cfg.n_layers  # one a layer: the prompt's projection uses the one it keeps
     steps += [model.forward_cached(tokens[:, t:t + 1], cache) for t in range(20, 25)]
-    assert len(made) == 2 * model.cfg.n_layers  # none made again
+    assert len(made) == model.cfg.n_layers  # none made again
     assert (torch.cat(steps, dim=1) - full[:, :25]).abs().max() <= 1e-10 * full.abs().max()
 
-    bf16_cache = model.new_cache()
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        model.forward_cached(tokens[:, :20], bf16_cache)
-    assert all(layer.kept_weights(torch.device("cpu")) == {} for layer in bf16_cache.layers)  # not for float64
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        assert all(layer.kept_weights(torch.device("cpu"))["qkv"].dtype == torch.bfloat16
-                   for layer in bf16_cache.layers)
+    # float32 under bf16 autocast: the kept weight is bf16, reused by the steps, and not offered outside autocast
+    model32 = random_model(attention).float()
+    full32, _ = model32(tokens)
+    cpu, bf16 = torch.device("cpu"), dict(device_type="cpu", dtype=torch.bfloat16)
+    bf16_cache = model32.new_cache()
+    with torch.autocast(**bf16):
+        steps = [model32.forward_cached(tokens[:, :20], bf16_cache)]
+        assert all(layer.kept_weights(cpu)["qkv"].dtype == torch.bfloat16 for layer in bf16_cache.layers)
+        made.clear()
+        steps += [model32.forward_cached(tokens[:, t:t + 1], bf16_cache) for t in range(20, 23)]
+        assert made == []
+    assert all(layer.kept_weights(cpu) == {} for layer in bf16_cache.layers)
+    assert (torch.cat(steps, dim=1) - full32[:, :23]).abs().max() <= 5e-2 * (full32.max() - full32.min())
+    # float64 under autocast: autocast leaves float64 alone, and so does the kept weight; a step outside
+    # autocast makes its own
+    cache64 = model.new_cache()
+    with torch.autocast(**bf16):
+        steps = [model.forward_cached(tokens[:, :20], cache64), model.forward_cached(tokens[:, 20:21], cache64)]
     made.clear()
-    step = model.forward_cached(tokens[:, 20:21], bf16_cache)  # float64: the kept bf16 weights are not used
+    steps.append(model.forward_cached(tokens[:, 21:22], cache64))
     assert len(made) == model.cfg.n_layers
-    assert (step - full[:, 20:21]).abs().max() <= 5e-2 * (full.max() - full.min())
+    assert (torch.cat(steps, dim=1) - full[:, :22]).abs().max() <= 1e-10 * full.abs().max()
 
 
 def test_a_step_makes_its_compressed_slot_once_for_all_layers(monkeypatch):
