@@ -161,12 +161,17 @@ def profile_step(model, prompt) -> dict:
         eager = model.new_cache()
         model.forward_cached(prompt, eager)
         eager_ms = timed(lambda: model.forward_cached(token, eager))
+        first = steps.cache.length
         replay_ms = timed(lambda: steps(token), repeat=32)
+        profiled_compresses = model.step_compresses(eager.length)
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
             model.forward_cached(token, eager)
             torch.cuda.synchronize()
     table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=15)
-    return {"prefill_ms": prefill_ms, "eager_step_ms": eager_ms, "graph_step_ms": replay_ms, "kernels": table}
+    return {"prefill_ms": prefill_ms, "eager_step_ms": eager_ms, "graph_step_ms": replay_ms, "kernels": table,
+            # of the 32 timed steps, those that ended a compressed token (a graph of their own, with phi)
+            "graph_steps_compressing": sum(model.step_compresses(p) for p in range(first, first + 32)),
+            "profiled_step_compresses": profiled_compresses}
 
 
 def measure(preset: str, args) -> dict:
@@ -223,9 +228,11 @@ def main(argv=None) -> None:
     for r in rows:
         if "profile" in r:
             p = r["profile"]
+            kind = "one that ends a compressed token" if p["profiled_step_compresses"] else "one that ends none"
             table += (f"\n\n{r['preset']}: prompt pass {p['prefill_ms']:.1f} ms, eager step "
-                      f"{p['eager_step_ms']:.2f} ms, graph step {p['graph_step_ms']:.2f} ms; an eager step's "
-                      f"kernels:\n\n```\n{p['kernels']}\n```")
+                      f"{p['eager_step_ms']:.2f} ms, graph step {p['graph_step_ms']:.2f} ms (32 in a row, "
+                      f"{p['graph_steps_compressing']} of them ending a compressed token); an eager step's kernels "
+                      f"({kind}):\n\n```\n{p['kernels']}\n```")
     os.makedirs(args.out, exist_ok=True)
     result_file(stem, ".json").write_text(json.dumps(meta, indent=2) + "\n")
     result_file(stem, ".md").write_text(

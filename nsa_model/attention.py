@@ -29,7 +29,8 @@ def check_backend(backend: str) -> str:
 
 def project_qkv(x: torch.Tensor, wq: nn.Linear, wk: nn.Linear, wv: nn.Linear, rope: RotaryEmbedding,
                 cfg: ModelConfig, sets: int, backend: str, gate: nn.Linear | None = None,
-                position: int = 0, weight: torch.Tensor | None = None) -> list[torch.Tensor]:
+                position: int | torch.Tensor = 0, weight: torch.Tensor | None = None,
+                into: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
     """[q, k_0 .. k_{sets-1}, v_0 .. v_{sets-1}] for x [B, T, dim]: q [B, T, H, Dk] and the key sets rotated by
     RoPE as positions position .. position + T - 1 (0 .. T - 1 except after a cached context), the value sets
     [B, T, G, Dv] as they are, each a tensor of its own (attention keeps them for its
@@ -44,21 +45,24 @@ def project_qkv(x: torch.Tensor, wq: nn.Linear, wk: nn.Linear, wv: nn.Linear, ro
     output that is not 128 bytes long gets a padded stride from inductor, which the split op then copies away
     (1.7 ms per step; kernels-notes.md, v18). On the triton backend the rotation and the split are one op each
     way (rope_split: each part read and written once; v18). `weight`: that matmul's weight as fused_qkv_weight
-    made it, where a caller keeps one (a decoding cache: the concatenation was a copy of the weights a step)."""
+    made it, where a caller keeps one (a decoding cache: the concatenation was a copy of the weights a step).
+    `into` (a decoding step, position a tensor): the key sets then value sets are written into these buffers
+    [B, L, G, D] at rows position .., and returned in their place (rotate_and_split)."""
     H, G, Dk, Dv = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.dv
-    parts = [(wq, [H], [Dk], [True]), (wk, [G] * sets, [Dk] * sets, [True] * sets),
-             (wv, [G] * sets, [Dv] * sets, [False] * sets)]
+    kv_into = list(into) if into is not None else [None] * (2 * sets)
+    parts = [(wq, [H], [Dk], [True], [None]), (wk, [G] * sets, [Dk] * sets, [True] * sets, kv_into[:sets]),
+             (wv, [G] * sets, [Dv] * sets, [False] * sets, kv_into[sets:])]
     if not cfg.fused_qkv:
-        outs = [t for w, heads, dims, rotate in parts for t in rotate_and_split(w(x), rope, heads, dims, rotate,
-                                                                                 backend, position)]
+        outs = [t for w, heads, dims, rotate, buffers in parts
+                for t in rotate_and_split(w(x), rope, heads, dims, rotate, backend, position, buffers)]
         return outs if gate is None else outs + [gate(x)]
-    heads, dims, rotate = (sum((p[i] for p in parts), []) for i in (1, 2, 3))
+    heads, dims, rotate, buffers = (sum((p[i] for p in parts), []) for i in (1, 2, 3, 4))
     fuse_gate = gate is not None and cfg.fused_gate
     weight = fused_qkv_weight(wq, wk, wv, cfg, gate) if weight is None else weight
     if fuse_gate:
         n, width = gate.out_features, weight.shape[0] - sum(h * d for h, d in zip(heads, dims))  # padded to 64
-        heads, dims, rotate = heads + [1], dims + [width], rotate + [False]
-    outs = rotate_and_split(F.linear(x, weight), rope, heads, dims, rotate, backend, position)
+        heads, dims, rotate, buffers = heads + [1], dims + [width], rotate + [False], buffers + [None]
+    outs = rotate_and_split(F.linear(x, weight), rope, heads, dims, rotate, backend, position, buffers)
     if fuse_gate:
         logits = outs[-1][:, :, 0, :n]
         return outs[:-1] + [logits + gate.bias.to(logits.dtype)]  # the dtype Linear gives under autocast
@@ -91,12 +95,30 @@ def projection_to_keep(wq: nn.Linear, wk: nn.Linear, wv: nn.Linear, cfg: ModelCo
 
 
 def rotate_and_split(y: torch.Tensor, rope: RotaryEmbedding, heads: list[int], head_dims: list[int],
-                     rotate: list[bool], backend: str, position: int = 0) -> list[torch.Tensor]:
+                     rotate: list[bool], backend: str, position: int | torch.Tensor = 0,
+                     into: list[torch.Tensor | None] | None = None) -> list[torch.Tensor]:
     """y [B, T, width] split into parts [B, T, heads_i, head_dims_i] (columns in order), each its own tensor,
     part i rotated by RoPE (rows at positions position ..) where rotate_i. The triton backend runs it as one
     Triton op (nsa::rope_split); the others in PyTorch, where under torch.compile inductor builds the backward's
-    concatenation of the parts' gradients from the RoPE backward of each half (kernels-notes.md, v18)."""
-    if ops.resolve_backend(backend, y) == "triton":
+    concatenation of the parts' gradients from the RoPE backward of each half (kernels-notes.md, v18).
+
+    into (a decoding step's, with position a tensor): part i goes into the buffer into[i] [B, L, heads_i,
+    head_dims_i] at rows position .. instead, and that buffer is returned in its place (None: a tensor of its
+    own). On the triton backend the same launch writes them (rope_split_at), with no copy kernel a set."""
+    backend = ops.resolve_backend(backend, y)
+    if into is not None and any(b is not None for b in into):
+        if not isinstance(position, torch.Tensor):
+            raise ValueError("rotate_and_split: `into` writes at a decoding step's position, a tensor; got "
+                             f"{position!r}")
+        if backend == "triton":
+            return ops.backend_module("triton", y).rope_split_at(y, rope.cos, rope.sin, heads, head_dims, rotate,
+                                                                 position.reshape(1), into)
+        rows = position.reshape(1) + torch.arange(y.shape[1], device=y.device) if y.shape[1] > 1 else \
+            position.reshape(1)
+        parts = rotate_and_split(y, rope, heads, head_dims, rotate, backend, position)
+        return [part if buffer is None else buffer.index_copy_(1, rows, part.to(buffer.dtype))
+                for part, buffer in zip(parts, into, strict=True)]
+    if backend == "triton":
         cos, sin = rope.tables(position, y.shape[1])
         return ops.backend_module("triton", y).rope_split(y, cos, sin, heads, head_dims, rotate)
     parts, start = [], 0
@@ -258,12 +280,14 @@ class NSAAttention(nn.Module):
                                       backend=self.backend, return_blocks=True, recompute=self.recompute)
         return o, gates, blocks
 
-    def _project(self, x: torch.Tensor, position: int = 0, weight: torch.Tensor | None = None):
+    def _project(self, x: torch.Tensor, position: int | torch.Tensor = 0, weight: torch.Tensor | None = None,
+                 into: list[torch.Tensor] | None = None):
         """(q [B, T, H, Dk], the raw key sets then value sets [B, T, G, D], gates [B, T, H, 3]) of x [B, T, dim]
-        at positions position ..; RoPE on the raw keys first: compression and selection work on rotated keys."""
+        at positions position ..; RoPE on the raw keys first: compression and selection work on rotated keys.
+        into: a decoding cache's raw buffers, which the sets are written into and returned as (project_qkv)."""
         B, T, _ = x.shape
         q, *kv, gate_logits = project_qkv(x, self.wq, self.wk, self.wv, self.rope, self.cfg, self.kv_sets,
-                                          self.backend, gate=self.gate, position=position, weight=weight)
+                                          self.backend, gate=self.gate, position=position, weight=weight, into=into)
         return q, kv, torch.sigmoid(gate_logits).view(B, T, self.cfg.n_heads, len(BRANCHES))
 
     def _branch_sets(self, kv: list[torch.Tensor]):
@@ -292,38 +316,37 @@ class NSAAttention(nn.Module):
         if self.phi_k.pairs_with(self.phi_v, k_cmp, v_cmp):
             weights["phi"] = self.phi_k.pair_weights(self.phi_v)
         compressed = list(self._compress(k_cmp, v_cmp, own_checkpoint=False, stacked=weights.get("phi")))
-        cache.fill(kv, compressed, capacity, self.nsa.num_cmp_tokens(capacity) + 1)
+        cache.fill(kv, compressed, capacity, max(1, self.nsa.num_cmp_tokens(capacity)))  # a slot the kernels read
         cache.keep_weights(weights, x.device)
         o = ops.nsa_attention(q, k_slc, v_slc, k_win, v_win, *compressed, gates, self.nsa, backend=self.backend)
         return self.wo(o.reshape(B, T, self.cfg.n_heads * self.cfg.dv))
 
     @torch.no_grad()
-    def decode(self, x: torch.Tensor, cache: LayerCache, position: torch.Tensor) -> torch.Tensor:
+    def decode(self, x: torch.Tensor, cache: LayerCache, position: torch.Tensor, compresses: bool) -> torch.Tensor:
         """This layer on one token x [B, 1, dim] at `position` (a 1-element tensor on the device) after what
-        `cache` holds, written into it first: one NSA decoding step (ops/decode.py) over the buffers. Its shapes do
-        not depend on the position, so a CUDA graph of it serves every step."""
+        `cache` holds, written into it first: one NSA decoding step (ops/decode.py) over the buffers. `compresses`:
+        whether a compressed token ends at this position (NSAConfig.ends_cmp_token, known on the host). Its shapes
+        do not depend on the position, so a CUDA graph of each kind of step serves every step of that kind."""
         B = x.shape[0]
         kept = cache.kept_weights(x.device)
-        q, kv, gates = self._project(x, position, kept.get("qkv"))
-        (k_cmp, k_slc, k_win), (v_cmp, v_slc, v_win) = self._branch_sets(cache.write(kv, position))
-        # The compressed token that ends at this position, where one does (spec section 1): computed every step
-        # from the last l raw positions, and stored in its slot, or in the spare slot where none ends here.
-        span, slot = cache.for_step("newest compressed token", lambda: self._newest_compressed(position, cache))
-        tokens = self._compress(k_cmp.index_select(1, span), v_cmp.index_select(1, span), own_checkpoint=False,
-                                stacked=kept.get("phi"))
-        k_cmp, v_cmp = cache.write_compressed(list(tokens), slot)
+        q, kv, gates = self._project(x, position, kept.get("qkv"), into=cache.raw)  # the sets written at p
+        (k_cmp, k_slc, k_win), (v_cmp, v_slc, v_win) = self._branch_sets(kv)
+        if compresses:  # phi of the last l raw positions, into the new token's slot; the other d - 1 steps skip it
+            span, slot = cache.for_step("newest compressed token", lambda: self._newest_compressed(position))
+            tokens = self._compress(k_cmp.index_select(1, span), v_cmp.index_select(1, span), own_checkpoint=False,
+                                    stacked=kept.get("phi"))
+            k_cmp, v_cmp = cache.write_compressed(list(tokens), slot)
+        else:
+            k_cmp, v_cmp = cache.compressed
         o, _ = nsa_decode_step(q[:, 0], k_slc, v_slc, k_win, v_win, k_cmp, v_cmp, gates[:, 0], position, self.nsa,
                                backend=self.backend)
         return self.wo(o.reshape(B, 1, self.cfg.n_heads * self.cfg.dv))
 
-    def _newest_compressed(self, position: torch.Tensor, cache: LayerCache) -> tuple[torch.Tensor, torch.Tensor]:
-        """(span [l], slot [1]): the raw positions p - l + 1 .. p (clamped at 0) of the compressed token that ends
-        at p, and its slot: (p - l + 1) / d where that is a whole slot, the buffers' spare slot otherwise."""
-        l, d = self.nsa.cmp_block, self.nsa.cmp_stride
-        start = position + 1 - l
-        span = (start + torch.arange(l, device=position.device)).clamp(min=0)
-        spare = cache.compressed[0].shape[1] - 1
-        return span, torch.where((start >= 0) & (start % d == 0), start.div(d, rounding_mode="floor"), spare)
+    def _newest_compressed(self, position: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(span [l], slot [1]) of the compressed token that ends at p (a step that compresses): its raw positions
+        p - l + 1 .. p and its slot (p - l + 1) / d."""
+        start = position + 1 - self.nsa.cmp_block
+        return start + torch.arange(self.nsa.cmp_block, device=position.device), start // self.nsa.cmp_stride
 
     @torch.no_grad()
     def _record_stats(self, gates: torch.Tensor, blocks: torch.Tensor) -> None:
@@ -394,13 +417,14 @@ class DenseAttention(nn.Module):
         return self.wo(o.transpose(1, 2).reshape(B, T, H * self.cfg.dv))
 
     @torch.no_grad()
-    def decode(self, x: torch.Tensor, cache: LayerCache, position: torch.Tensor) -> torch.Tensor:
-        """One token x [B, 1, dim] at `position` over every cached key up to it (shapes independent of it)."""
+    def decode(self, x: torch.Tensor, cache: LayerCache, position: torch.Tensor, compresses: bool) -> torch.Tensor:
+        """One token x [B, 1, dim] at `position` over every cached key up to it (shapes independent of it);
+        `compresses` is NSA's (False for a dense model, Transformer.step_compresses)."""
         B = x.shape[0]
         H, G = self.cfg.n_heads, self.cfg.n_kv_heads
-        q, k, v = project_qkv(x, self.wq, self.wk, self.wv, self.rope, self.cfg, 1, self.backend, position=position,
-                              weight=cache.kept_weights(x.device).get("qkv"))
-        keys, values = cache.write([k, v], position)
+        q, keys, values = project_qkv(x, self.wq, self.wk, self.wv, self.rope, self.cfg, 1, self.backend,
+                                      position=position, weight=cache.kept_weights(x.device).get("qkv"),
+                                      into=cache.raw)  # k and v written at p; the buffers returned
         visible = torch.arange(keys.shape[1], device=x.device) <= position
         o = F.scaled_dot_product_attention(q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
                                            attn_mask=visible[None, None, None, :], enable_gqa=G != H)

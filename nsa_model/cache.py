@@ -5,7 +5,8 @@ and the compressed tokens made from them: the selected branch may pick any earli
 last w positions, and phi turns the last l raw keys and values into a new compressed token each d positions. A
 dense layer keeps its keys and values. Buffers are allocated once, at the prompt, for the model's max_seq_len
 positions, and written in place; a decoding step writes at the position the cache's `position` tensor holds, on
-the device, so that one CUDA graph serves every step (nsa_model/generate.py).
+the device, so that one CUDA graph serves every step of a kind (nsa_model/generate.py: NSA's steps that end a
+compressed token, one in d, are one kind, the others the other).
 """
 
 from __future__ import annotations
@@ -15,8 +16,8 @@ import torch
 
 class LayerCache:
     """Buffers of one layer: `raw` [B, capacity, G, D] (the layer's key sets, then its value sets) and, for NSA,
-    `compressed` [B, slots, G, D] (compressed keys, then values): Tc(capacity) slots and one spare, where a step
-    that ends no compressed token writes the one it computes anyway (no query ever sees that slot)."""
+    `compressed` [B, slots, G, D] (compressed keys, then values): Tc(capacity) slots (at least one), written by
+    the steps that end a compressed token."""
 
     def __init__(self, step: dict | None = None) -> None:
         self.raw: list[torch.Tensor] = []
@@ -51,12 +52,6 @@ class LayerCache:
         """New buffers holding a prompt's raw sets [B, T, G, D] and its compressed tokens [B, Tc(T), G, D]."""
         self.raw = [_buffer(x, capacity) for x in raw]
         self.compressed = [_buffer(x, slots) for x in compressed]
-
-    def write(self, raw: list[torch.Tensor], position: torch.Tensor) -> list[torch.Tensor]:
-        """Write one position's raw sets [B, 1, G, D] at `position` (a 1-element tensor); return the buffers."""
-        for buffer, x in zip(self.raw, raw, strict=True):
-            buffer.index_copy_(1, position, x.to(buffer.dtype))
-        return self.raw
 
     def write_compressed(self, tokens: list[torch.Tensor], slot: torch.Tensor) -> list[torch.Tensor]:
         """Write one compressed token of each set, [B, 1, G, D], at `slot` (a 1-element tensor)."""

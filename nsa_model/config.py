@@ -53,6 +53,12 @@ class NSAConfig:
             return 0
         return (seq_len - self.cmp_block) // self.cmp_stride + 1
 
+    def ends_cmp_token(self, position: int) -> bool:
+        """Whether a compressed token ends at raw position `position` (its last raw token, section 1): one
+        position in d from l - 1 on."""
+        start = position + 1 - self.cmp_block
+        return start >= 0 and start % self.cmp_stride == 0
+
     def num_sel_blocks(self, seq_len: int) -> int:
         """Number of selection blocks that hold at least one of seq_len tokens."""
         return -(-seq_len // self.sel_block)

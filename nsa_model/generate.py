@@ -3,8 +3,9 @@
 The context is the last max_seq_len tokens. With use_cache (the default), the prompt runs through the model once
 and each new token after it is one decoding step over the layers' caches (Transformer.forward_cached: for NSA the
 raw keys and values, the compressed tokens, and a step that reads Tc + n*l' + w keys a head; on a GPU each step
-is one CUDA graph replayed, DecodingSteps). Once the context is full, each step drops its oldest token, which
-moves every position: the step then runs the model over the cropped context again, as without the cache.
+is a CUDA graph replayed, one for each kind of step, DecodingSteps). Once the context is full, each step drops
+its oldest token, which moves every position: the step then runs the model over the cropped context again, as
+without the cache.
 use_cache=False runs the whole context every step (the reference the cached path is tested against).
 """
 
@@ -46,45 +47,49 @@ def next_token(logits: torch.Tensor, temperature: float, top_k: int | None,
 
 class DecodingSteps:
     """A model's decoding steps over one cache (Transformer.forward_cached after its prompt). On a GPU, the first
-    step runs eagerly (it compiles every kernel) and is then captured as a CUDA graph that every later step
-    replays: a step is a few hundred small kernels, whose launches from Python cost more than their work (v67:
-    about 50 ms a token at nsa-125m on an H200, eagerly). The graph reads the token and position tensors that
-    each call sets, and writes the cache's buffers in place."""
+    step of each kind (Transformer.step_compresses: whether it ends a compressed token) runs eagerly (it compiles
+    that kind's kernels) and is then captured as a CUDA graph that every later step of that kind replays: a step
+    is a few hundred small kernels, whose launches from Python cost more than their work (v67: about 50 ms a token
+    at nsa-125m on an H200, eagerly). A graph reads the token and position tensors that each call sets, and
+    writes the cache's buffers in place."""
 
     def __init__(self, model: Transformer) -> None:
         self.model, self.cache = model, model.new_cache()
-        self.graph: torch.cuda.CUDAGraph | None = None
-        self.token = self.logits = None
+        self.graphs: dict[bool, torch.cuda.CUDAGraph] = {}  # by step_compresses
+        self.logits: dict[bool, torch.Tensor] = {}  # each graph's output
+        self.token: torch.Tensor | None = None  # the graphs' input
 
     def __call__(self, token: torch.Tensor) -> torch.Tensor:
         """Logits [1, 1, vocab] of token [1, 1] at the next position."""
         if not token.is_cuda:
             return self.model.forward_cached(token, self.cache)
         self.cache.room_for(1)
-        if self.graph is None:  # the first step, on a side stream as CUDA graphs want their warm-up
+        kind = self.model.step_compresses(self.cache.length)
+        if kind not in self.graphs:  # its first step, on a side stream as CUDA graphs want their warm-up
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):
                 logits = self.model.forward_cached(token, self.cache)
             torch.cuda.current_stream().wait_stream(side)
-            self._capture(token)
+            self._capture(token, kind)
             return logits
         self.token.copy_(token)
         self.cache.position.fill_(self.cache.length)
-        self.graph.replay()
+        self.graphs[kind].replay()
         self.cache.length += 1
-        return self.logits.clone()  # the graph's output tensor is rewritten by the next replay
+        return self.logits[kind].clone()  # the graph's output tensor is rewritten by its next replay
 
-    def _capture(self, token: torch.Tensor) -> None:
-        self.token = token.clone()
+    def _capture(self, token: torch.Tensor, kind: bool) -> None:
+        if self.token is None:
+            self.token = token.clone()
         graph = torch.cuda.CUDAGraph()
         # autocast's cache of cast weights would hand the graph tensors that leave with the autocast context
         autocast = (torch.autocast("cuda", dtype=torch.get_autocast_dtype("cuda"), cache_enabled=False)
                     if torch.is_autocast_enabled("cuda") else contextlib.nullcontext())
-        torch.cuda.synchronize()  # ok-host-sync: once a cache, before its capture
+        torch.cuda.synchronize()  # ok-host-sync: once a kind, before its capture
         with autocast, torch.cuda.graph(graph):  # recorded, not run: the cache is not written here
-            self.logits = self.model.decode_step(self.token, self.cache)
-        self.graph = graph  # only a whole capture is ever replayed
+            self.logits[kind] = self.model.decode_step(self.token, self.cache, kind)
+        self.graphs[kind] = graph  # only a whole capture is ever replayed
 
 
 @torch.no_grad()

@@ -47,8 +47,8 @@ class Block(nn.Module):
         x = x + self.attn.prefill(self.attn_norm(x), cache, capacity)
         return x + self.ffn(self.ffn_norm(x))
 
-    def decode(self, x: torch.Tensor, cache: LayerCache, position: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn.decode(self.attn_norm(x), cache, position)
+    def decode(self, x: torch.Tensor, cache: LayerCache, position: torch.Tensor, compresses: bool) -> torch.Tensor:
+        x = x + self.attn.decode(self.attn_norm(x), cache, position, compresses)
         return x + self.ffn(self.ffn_norm(x))
 
 
@@ -119,21 +119,28 @@ class Transformer(nn.Module):
             logits = self.lm_head(self.norm(x))
         else:
             cache.position.fill_(cache.length)
-            logits = self.decode_step(tokens, cache)
+            logits = self.decode_step(tokens, cache, self.step_compresses(cache.length))
         cache.length += tokens.shape[1]
         return logits
 
+    def step_compresses(self, position: int) -> bool:
+        """Whether the decoding step at `position` ends a compressed token, for decode_step: NSA layers then run phi
+        on their last l raw keys and values and store the new token (one step in d; a dense model's, never)."""
+        return self.cfg.attention == "nsa" and self.cfg.nsa.ends_cmp_token(position)
+
     @torch.no_grad()
-    def decode_step(self, token: torch.Tensor, cache: ModelCache) -> torch.Tensor:
+    def decode_step(self, token: torch.Tensor, cache: ModelCache, compresses: bool) -> torch.Tensor:
         """Logits [B, 1, vocab] of token [B, 1] at cache.position (a tensor the caller sets; forward_cached does),
-        written into the cache. Nothing here depends on the position on the host: a CUDA graph of one call,
-        replayed after the caller sets the token and position tensors, is every later step."""
+        written into the cache; `compresses`: step_compresses of that position. Nothing else here depends on the
+        position on the host: a CUDA graph of one call of each kind, replayed after the caller sets the token and
+        position tensors, is every later step of that kind. The steps that end no compressed token (d - 1 in d)
+        skip phi: a sixth of a step's GPU time at nsa-125m (kernels-notes.md v69)."""
         if cache.length == 0:
             raise ValueError("decode_step: the cache holds no prompt yet; run forward_cached on one first")
         cache.new_step()
         x = self.tok_emb(token)
         for block, layer in zip(self.blocks, cache.layers, strict=True):
-            x = block.decode(x, layer, cache.position)
+            x = block.decode(x, layer, cache.position, compresses)
         return self.lm_head(self.norm(x))
 
     # The decoder stack and the head are separate methods for torch.compile. The whole model traces as one graph

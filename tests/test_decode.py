@@ -196,7 +196,8 @@ def test_decoding_steps_use_the_fused_weight_their_prompt_kept(attention, monkey
 
 def test_a_step_makes_its_compressed_slot_once_for_all_layers(monkeypatch):
     """The newest compressed token's span and slot depend on the position alone: made by the first layer of a
-    step and shared (LayerCache.for_step), made anew each step; the logits stay the full forward's."""
+    step that ends one and shared (LayerCache.for_step), made anew each such step; the logits stay the full
+    forward's."""
     from nsa_model.attention import NSAAttention
 
     model = random_model()
@@ -207,8 +208,37 @@ def test_a_step_makes_its_compressed_slot_once_for_all_layers(monkeypatch):
     cache = model.new_cache()
     steps = [model.forward_cached(tokens[:, :20], cache)]
     steps += [model.forward_cached(tokens[:, t:t + 1], cache) for t in range(20, 40)]
-    assert model.cfg.n_layers > 1 and len(made) == 20
+    ending = sum(model.cfg.nsa.ends_cmp_token(t) for t in range(20, 40))
+    assert model.cfg.n_layers > 1 and ending >= 2 and len(made) == ending
     assert (torch.cat(steps, dim=1) - full).abs().max() <= 1e-10 * full.abs().max()
+
+
+@pytest.mark.parametrize("changes", [{}, {"shared_kv": True, "phi": "avg", "fused_qkv": False}])
+def test_only_the_steps_that_end_a_compressed_token_run_phi(changes, monkeypatch):
+    """phi runs in a step where a compressed token ends (one in d), in every layer, and in no other step, whose
+    layers read the compressed buffers as they are; every step's logits are the full forward's."""
+    from nsa_model.attention import Compressor
+
+    model = random_model(**changes)
+    nsa = model.cfg.nsa
+    tokens = torch.randint(0, model.cfg.vocab_size, (1, 60), generator=torch.Generator().manual_seed(5))
+    full, _ = model(tokens)
+    calls, forward, pair = [], Compressor.forward, Compressor.pair
+    monkeypatch.setattr(Compressor, "forward", lambda self, *a, **k: calls.append(1) or forward(self, *a, **k))
+    monkeypatch.setattr(Compressor, "pair", lambda self, *a, **k: calls.append(2) or pair(self, *a, **k))
+    cache = model.new_cache()
+    steps = [model.forward_cached(tokens[:, :nsa.cmp_block - 3], cache)]
+    for t in range(nsa.cmp_block - 3, 60):
+        calls.clear()
+        steps.append(model.forward_cached(tokens[:, t:t + 1], cache))
+        assert len(calls) == (2 * model.cfg.n_layers if nsa.ends_cmp_token(t) else 0), (t, calls)
+    assert (torch.cat(steps, dim=1) - full).abs().max() <= 1e-10 * full.abs().max()
+
+
+def test_a_compressed_token_ends_where_the_count_of_them_grows():
+    for cfg in (CFG, NSAConfig(), NSAConfig(cmp_block=4, cmp_stride=4, sel_block=8)):
+        for p in range(300):
+            assert cfg.ends_cmp_token(p) == (cfg.num_cmp_tokens(p + 1) > cfg.num_cmp_tokens(p)), (cfg, p)
 
 
 def test_forward_cached_refuses_what_the_cache_cannot_take():
@@ -229,7 +259,7 @@ def test_forward_cached_refuses_what_the_cache_cannot_take():
     with pytest.raises(ValueError, match="the cache holds 2 rows \\(its prompt's batch\\), got a step of 1"):
         model.forward_cached(torch.zeros(1, 1, dtype=torch.long), two_rows)
     with pytest.raises(ValueError, match="decode_step: the cache holds no prompt yet"):
-        model.decode_step(torch.zeros(1, 1, dtype=torch.long), model.new_cache())
+        model.decode_step(torch.zeros(1, 1, dtype=torch.long), model.new_cache(), False)
     with pytest.raises(ValueError, match="capacity: must be >= 1"):
         ModelCache(2, 0, torch.device("cpu"))
 

@@ -69,28 +69,14 @@ DECODE_CASES = [  # (kernel, pointer dtypes, stride names, other scalars, conste
     ("nsa_decode_importance_kernel", dict(POS="i64", PM="fp32", PL="fp32", IMP="fp32"), Q_STRIDES + CMP_STRIDES,
      dict(qk_scale="fp32"),
      dict(DECODE_DIMS, CHUNK=64, CHUNKS=32, CHUNKS_PAD=32, TOKENS=64, SEL_BLOCK=64, NB_PAD=256)),
-    ("nsa_decode_attend_kernel", dict(POS="i64", IMP="fp32", BLOCKS="i32", **PARTIALS),
-     Q_STRIDES + tuple(f"{p}{d}" for p in ("sk", "sv") for d in "btg"), dict(num_blocks="i32", qk_scale="fp32"),
-     dict(DECODE_DIMS, DV=64, BLOCK_DV=64, SEL_TILE=64, SEL_BLOCK=64, N_SEL=16, N_PAD=16, N_INIT=1, N_LOCAL=2,
-          NB_PAD=256)),
+    *[("nsa_decode_attend_kernel", dict(POS="i64", IMP="fp32", BLOCKS="i32", **PARTIALS),
+       Q_STRIDES + tuple(f"{p}{d}" for p in ("sk", "sv") for d in "btg"), dict(num_blocks="i32", qk_scale="fp32"),
+       dict(DECODE_DIMS, DV=64, BLOCK_DV=64, SEL_TILE=64, SEL_BLOCK=64, N_SEL=16, N_PAD=16, N_INIT=1, N_LOCAL=2,
+            NB_PAD=nb_pad, SEGMENT=segment))
+      for nb_pad, segment in ((64, 1), (256, 4), (2048, 16))],  # one level; two at 16k and at 128k positions
     ("nsa_decode_combine_kernel", {name: "fp32" for name in ("CM", "CL", "CACC", "SM", "SL", "SACC", "WM", "WL",
                                                             "WACC")},
      ("sgb", "sgh"), {}, dict(DV=64, BLOCK_DV=64, CHUNKS=32, N_SEL=16, WIN_TILES=8, MERGE_ROWS=64)),
-]
-
-CASES = [  # (kernel, pointer dtypes, stride names, other scalars, constexprs)
-    ("nsa_decode_cmp_kernel", dict(POS="i64", PM="fp32", PL="fp32", PACC="fp32"),
-     Q_STRIDES + CMP_STRIDES + ("svcb", "svct", "svcg"), dict(qk_scale="fp32"),
-     dict(DECODE_DIMS, DV=64, BLOCK_DV=64, BLOCK_N=16, CHUNK=128)),
-    ("nsa_decode_importance_kernel", dict(POS="i64", PM="fp32", PL="fp32", IMP="fp32"), Q_STRIDES + CMP_STRIDES,
-     dict(qk_scale="fp32"), dict(DECODE_DIMS, CHUNK=128, SEL_BLOCK=64, NB_PAD=256, TILE_BLOCKS=4)),
-    ("nsa_decode_attend_kernel", dict(POS="i64", IMP="fp32", BLOCKS="i32", PM="fp32", PL="fp32", PACC="fp32"),
-     Q_STRIDES + tuple(f"{p}{d}" for p in ("sk", "sv", "swk", "swv") for d in "btg"),
-     dict(num_blocks="i32", qk_scale="fp32"),
-     dict(DECODE_DIMS, DV=64, BLOCK_DV=64, BLOCK_N=16, SEL_BLOCK=64, N_SEL=16, N_PAD=16, N_INIT=1, N_LOCAL=2,
-          WINDOW=512, WIN_TILE=128, NB_PAD=256)),
-    ("nsa_decode_combine_kernel", dict(CM="fp32", CL="fp32", CACC="fp32", SM="fp32", SL="fp32", SACC="fp32"),
-     ("sgb", "sgh"), dict(chunks="i32"), dict(DV=64, BLOCK_DV=64, N_SEL=16, WIN_TILES=4)),
 ]
 
 CASES = [
@@ -204,10 +190,11 @@ CASES = [
     _case("tile_union_kernel", "block_index", dict(BLOCKS="i32", UNION="i32", COUNT="i32", MEMBERS="i64"),
           dict(T="i32", num_tiles="i32"),
           dict(G=2, N=16, N_PAD=16, TILE_Q=10, QUERIES=16, NB_PAD=32, WIDTH=160, BLOCK_W=256)),
-    *[_case("rope_split_kernel", "rope", dict(COS="fp32", SIN="fp32", PARTS=["bf16"] * 8),
+    *[_case("rope_split_kernel", "rope", dict(COS="fp32", SIN="fp32", POS="i64", PARTS=["bf16"] * 8),
             dict(num_tokens="i32", T="i32", y_sb="i32", y_st="i32", **{f"part_s{d}": ["i32"] * 8 for d in "bth"}),
-            dict(NSA_PARTS, INVERSE=inverse, BLOCK_T=8), label=f"INVERSE={inverse}")
-      for inverse in (False, True)],
+            dict(NSA_PARTS, INVERSE=inverse, AT_POS=at_pos, TO_POS=[False] + [at_pos] * 6 + [False], BLOCK_T=8),
+            label=f"INVERSE={inverse},AT_POS={at_pos}")
+      for inverse, at_pos in ((False, False), (True, False), (False, True))],  # AT_POS: a decoding step's
     _case("attention_stats_kernel", "stats", dict(BLOCKS="i32", PARTS="fp32"),
           dict(num_tokens="i32", T="i32", tokens_per_program="i32"),
           dict(SLOTS=32, SLOTS_PAD=32, GATE_COLS=36, GATE_PAD=64, SEL_BLOCK=64, TOKENS=32)),
@@ -222,7 +209,8 @@ CASES = [
     _case("phi_bwd_x_kernel", "compress", {}, dict(T="i32", TC="i32", NCH="i32", NUM_ROWS="i32"),  # W1 in bf16
           dict(PHI, STRIDE=16, PIECES=2, BLOCK_R=64, OFFSETS=16), PHI_RUN),
     # the decoding step (outside the core), nsa-125m at 8k positions: 6 heads a group padded to 8 rows
-    *[_case(name, "decode", pointers, {**{s: "i32" for s in strides}, **scalars}, dict(DECODE, **constexprs))
+    *[_case(name, "decode", pointers, {**{s: "i32" for s in strides}, **scalars}, dict(DECODE, **constexprs),
+            label=f"NB_PAD={constexprs['NB_PAD']},SEGMENT={constexprs['SEGMENT']}" if "SEGMENT" in constexprs else "")
       for name, pointers, strides, scalars, constexprs in DECODE_CASES],
 ]
 

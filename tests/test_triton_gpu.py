@@ -224,9 +224,10 @@ def test_nsa_decoding_steps_on_the_gpu_give_the_layer_s_full_pass(decode_kernel)
 
 @pytest.mark.parametrize("decode_kernel", ["torch", "triton"])
 def test_decoding_steps_replayed_from_a_cuda_graph_are_the_eager_steps(decode_kernel):
-    """generate()'s DecodingSteps on the GPU: the first step eager, then one captured CUDA graph replayed with
-    each step's token and position. Its logits against eager forward_cached steps on a second cache, same
-    tokens: the same kernels on the same data, so equal up to the order of floating-point sums."""
+    """generate()'s DecodingSteps on the GPU: the first step of each kind eager (one that ends a compressed
+    token, one that does not), then that kind's captured CUDA graph replayed with each step's token and
+    position. Its logits against eager forward_cached steps on a second cache, same tokens: the same kernels on
+    the same data, so equal up to the order of floating-point sums."""
     from nsa_model import get_preset
     from nsa_model.generate import DecodingSteps
     from nsa_model.model import Transformer
@@ -244,6 +245,6 @@ def test_decoding_steps_replayed_from_a_cuda_graph_are_the_eager_steps(decode_ke
         model.forward_cached(tokens[:, :600], eager)
         replayed = [graphed(tokens[:, t:t + 1]).clone() for t in range(600, 700)]
         stepped = [model.forward_cached(tokens[:, t:t + 1], eager) for t in range(600, 700)]
-    assert graphed.graph is not None and graphed.cache.length == eager.length == 700
+    assert set(graphed.graphs) == {False, True} and graphed.cache.length == eager.length == 700  # both kinds
     replayed, stepped = torch.cat(replayed, 1)[0].float(), torch.cat(stepped, 1)[0].float()
     assert (replayed - stepped).abs().max() <= 1e-3 * (stepped.max() - stepped.min())

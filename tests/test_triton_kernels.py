@@ -1359,6 +1359,39 @@ def test_rope_split_matches_the_torch_rotation_and_its_gradient(transposed_grads
     assert torch.allclose(grad, ref_grad, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("T", [1, 3])
+def test_rope_split_at_a_device_position_writes_the_sets_into_their_buffers(T):
+    """A decoding step's split (rope_split_at): y's tokens at positions p .., p read from a device tensor, the
+    parts with a buffer written into it at rows p .. (bf16 buffers from fp32 y) and returned as it, the others new
+    tensors; against RotaryEmbedding at p and index_copy_. Rows outside p .. keep what they held."""
+    from nsa_model.attention import rotate_and_split
+    from nsa_model.rope import RotaryEmbedding
+
+    rope = RotaryEmbedding(16, max_seq_len=40, theta=10000.0).to(DEVICE)
+    gen = torch.Generator().manual_seed(32)
+    y = torch.randn(2, T, 3 * 16 + 3 * 16 + 3 * 8, generator=gen).to(DEVICE)
+    p = 29
+    heads, dims = ROPE_PARTS["heads"], ROPE_PARTS["head_dims"]
+    into = [None] + [torch.randn(2, 40, h, d, generator=gen).to(torch.bfloat16).to(DEVICE)
+                     for h, d in zip(heads[1:], dims[1:])]
+    before = [b.clone() if b is not None else None for b in into]
+    expected = rotate_and_split(y, rope, heads, dims, ROPE_PARTS["rotate"], "torch", p)
+    parts = triton_impl.rope_split_at(y, rope.cos, rope.sin, heads, dims, ROPE_PARTS["rotate"],
+                                      torch.tensor([p], device=DEVICE), into)
+    assert parts[0].shape == (2, T, 3, 16) and torch.allclose(parts[0], expected[0], rtol=1e-6, atol=1e-6)
+    for part, buffer, old, ref in zip(parts[1:], into[1:], before[1:], expected[1:]):
+        assert part is buffer
+        # bf16 within one ulp: the interpreter truncates where the GPU rounds
+        assert torch.allclose(buffer[:, p:p + T].float(), ref, rtol=2 ** -7, atol=1e-6)
+        assert torch.equal(buffer[:, :p], old[:, :p]) and torch.equal(buffer[:, p + T:], old[:, p + T:])
+    with pytest.raises(ValueError, match=r"into\[1\]: expected a buffer \[2, L, 1, 16\]"):
+        triton_impl.rope_split_at(y, rope.cos, rope.sin, heads, dims, ROPE_PARTS["rotate"],
+                                  torch.tensor([p], device=DEVICE), [None, into[2].transpose(2, 3)] + into[2:])
+    with pytest.raises(ValueError, match="position: expected one int64"):
+        triton_impl.rope_split_at(y, rope.cos, rope.sin, heads, dims, ROPE_PARTS["rotate"],
+                                  torch.tensor([p, p], device=DEVICE), into)
+
+
 def test_rope_split_passes_torch_library_opcheck():
     from nsa_model.rope import RotaryEmbedding
 
@@ -1683,7 +1716,8 @@ def test_cached_decoding_through_the_triton_backend_gives_its_full_forward(decod
     (1, 60, 2, 1, 8, 8, NSAConfig(cmp_block=8, cmp_stride=4, sel_block=8, n_selected=5, window=6),
      [5, 19, 31, 44, 59]),  # with k_cmp all zero: importance ties, which go to the lower block
 ])
-def test_decoding_kernels_match_reference(B, T, H, G, Dk, Dv, cfg, positions, monkeypatch, chunk=None):
+def test_decoding_kernels_match_reference(B, T, H, G, Dk, Dv, cfg, positions, monkeypatch, chunk=None,
+                                          segment=None, zero_k_cmp=None):
     """The decoding kernels (kernels/decode.py: compressed partials, importance, top-n with one selected block or
     window tile a program, combine) against the float64 reference's row at each position, given the whole
     sequence's buffers (what lies past the position must not reach the result): output within fp32 rounding, the
@@ -1692,10 +1726,12 @@ def test_decoding_kernels_match_reference(B, T, H, G, Dk, Dv, cfg, positions, mo
                                                                     decode_kernel="triton"))
     if chunk is not None:
         monkeypatch.setattr(triton_impl, "_DECODE_CHUNK", chunk)
+    if segment is not None:
+        monkeypatch.setattr(triton_impl, "_DECODE_TOPN_SEGMENT", segment)
     if not ON_GPU:
         monkeypatch.setenv("TRITON_INTERPRET", "1")
     x = make_inputs(B, T, H, G, Dk, Dv, cfg, seed=5, dtype=torch.float64)
-    if cfg.n_selected == 5:
+    if cfg.n_selected == 5 if zero_k_cmp is None else zero_k_cmp:
         x["k_cmp"].zero_()
     names = ("q", "k_slc", "v_slc", "k_win", "v_win", "k_cmp", "v_cmp", "gates")
     o_ref, blocks_ref = reference.nsa_attention(*(x[k] for k in names), cfg, scale=Dk ** -0.5, return_blocks=True)
@@ -1706,6 +1742,17 @@ def test_decoding_kernels_match_reference(B, T, H, G, Dk, Dv, cfg, positions, mo
                                             Dk ** -0.5)
         assert torch.equal(blocks.cpu(), blocks_ref[:, t]), t
         assert (o.double().cpu() - o_ref[:, t]).abs().max() <= 1e-5 * o_ref[:, t].abs().max(), t
+
+
+@pytest.mark.parametrize("segment,zero_k_cmp", [(None, False), (2, False), (8, False), (4, True)])
+def test_decoding_top_n_over_segments_picks_the_reference_blocks(segment, zero_k_cmp, monkeypatch):
+    """The attend kernel's two-level top-n (the largest segment maxima, then the keys of those segments): 75
+    blocks (NB_PAD 128), n = 3, and None: the segment _topn_segment picks (8). Positions from one block (fewer
+    candidates than n: -1 slots) to the last; k_cmp zero: every importance ties, and the lowest blocks win."""
+    cfg = NSAConfig(cmp_block=4, cmp_stride=2, sel_block=4, n_selected=3, window=8, n_local_blocks=1)
+    assert triton_impl._topn_segment(128, 4) == 8
+    test_decoding_kernels_match_reference(1, 300, 4, 1, 8, 8, cfg, [2, 9, 40, 123, 250, 299], monkeypatch,
+                                          segment=segment, zero_k_cmp=zero_k_cmp)
 
 
 def test_decoding_kernels_split_over_many_programs_match_reference(monkeypatch):

@@ -173,34 +173,62 @@ def nsa_decode_importance_kernel(Q, KC, POS, PM, PL, IMP, sqb, sqh, scb, sct, sc
 
 
 @triton.jit
+def _block_keys(imp, j, ok, touched, num_blocks, pos, SEL_BLOCK: tl.constexpr, N_INIT: tl.constexpr,
+                N_LOCAL: tl.constexpr, NB_PAD: tl.constexpr):
+    """int64 top-n keys of blocks j (any shape; only where ok): importance own[j] + spill[j - 1] as float bits
+    above NB_PAD - 1 - j, forced blocks +inf, non-candidates negative, and the least int64 but one where not ok."""
+    importance = tl.load(imp + j, mask=ok & (j < touched), other=0.0)
+    importance += tl.load(imp + NB_PAD + j - 1, mask=ok & (j >= 1) & (j - 1 < touched), other=0.0)
+    candidate = (j < num_blocks) & (j * SEL_BLOCK <= pos)
+    forced = candidate & ((j < N_INIT) | ((j + N_LOCAL) * SEL_BLOCK > pos))
+    bits = tl.where(forced, 0x7F800000, tl.where(candidate, importance.to(tl.int32, bitcast=True), -1))
+    key = (bits.to(tl.int64) << 32) | (NB_PAD - 1 - j).to(tl.int64)
+    return tl.where(ok, key, -(2 ** 63) + 1)
+
+
+@triton.jit
+def _top_n(key, slot, N_SEL: tl.constexpr, NB_PAD: tl.constexpr):
+    """[N_PAD] int32 (slot's shape): the blocks of key's N_SEL largest keys (a 1-D int64 tensor of _block_keys),
+    largest first, -1 where that key is negative (no candidate left). One max a round: keys are distinct."""
+    chosen = tl.where(slot < 0, 0, -1)
+    for i in tl.static_range(N_SEL):
+        top = tl.max(key, axis=0)
+        first = (NB_PAD - 1 - (top - ((top >> 32) << 32))).to(tl.int32)  # from the low 32 bits
+        chosen = tl.where(slot == i, tl.where(top >= 0, first, -1), chosen)
+        key = tl.where(key == top, -(2 ** 63) + 1, key)
+    return chosen
+
+
+@triton.jit
 def nsa_decode_attend_kernel(Q, KS, VS, POS, IMP, BLOCKS, PM, PL, PACC,
                              sqb, sqh, skb, skt, skg, svb, svt, svg, num_blocks, qk_scale,
                              G: tl.constexpr, HPG: tl.constexpr, HP: tl.constexpr, DK: tl.constexpr,
                              DV: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, SEL_TILE: tl.constexpr,
                              CMP_BLOCK: tl.constexpr, CMP_STRIDE: tl.constexpr, SEL_BLOCK: tl.constexpr,
                              N_SEL: tl.constexpr, N_PAD: tl.constexpr, N_INIT: tl.constexpr, N_LOCAL: tl.constexpr,
-                             NB_PAD: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                             NB_PAD: tl.constexpr, SEGMENT: tl.constexpr, DOT_PRECISION: tl.constexpr):
     pid, part = tl.program_id(0), tl.program_id(1)
     b, g = pid // G, pid % G
     pos = tl.load(POS)
     q = _query(Q, b, g, sqb, sqh, HPG, HP, DK, BLOCK_DK)
-    # top-n in every program (n reductions over the blocks, no second launch to wait for)
+    # top-n in every program (no second launch to wait for)
     touched = tl.cdiv(_visible_slots(pos, CMP_BLOCK, CMP_STRIDE), SEL_BLOCK // CMP_STRIDE)
-    j = tl.arange(0, NB_PAD)
     imp = IMP + pid.to(tl.int64) * 2 * NB_PAD
-    importance = tl.load(imp + j, mask=j < touched, other=0.0)
-    importance += tl.load(imp + NB_PAD + j - 1, mask=(j >= 1) & (j - 1 < touched), other=0.0)
-    candidate = (j < num_blocks) & (j * SEL_BLOCK <= pos)
-    forced = candidate & ((j < N_INIT) | ((j + N_LOCAL) * SEL_BLOCK > pos))
-    bits = tl.where(forced, 0x7F800000, tl.where(candidate, importance.to(tl.int32, bitcast=True), -1))
-    key = (bits.to(tl.int64) << 32) | (NB_PAD - 1 - j).to(tl.int64)
+    j = tl.arange(0, NB_PAD)
+    key = _block_keys(imp, j, j >= 0, touched, num_blocks, pos, SEL_BLOCK, N_INIT, N_LOCAL, NB_PAD)
     slot = tl.arange(0, N_PAD)
-    chosen = tl.full([N_PAD], -1, tl.int32)
-    for i in tl.static_range(N_SEL):
-        top = tl.max(key, axis=0)
-        first = (NB_PAD - 1 - (top - ((top >> 32) << 32))).to(tl.int32)  # from the low 32 bits
-        chosen = tl.where(slot == i, tl.where(top >= 0, first, -1), chosen)
-        key = tl.where(key == top, -(2 ** 63) + 1, key)
+    if SEGMENT == 1:  # n rounds over every block
+        chosen = _top_n(key, slot, N_SEL, NB_PAD)
+    else:
+        # Two levels, the same blocks: the n largest keys lie in the segments (SEGMENT blocks each) of the n
+        # largest segment maxima (a key outside them has n larger maxima above it), so n rounds over the
+        # NB_PAD / SEGMENT maxima, then n rounds over those segments' keys, in place of n rounds over every block.
+        top_segments = _top_n(tl.max(tl.reshape(key, [NB_PAD // SEGMENT, SEGMENT]), axis=1), slot, N_SEL, NB_PAD)
+        seg = tl.where(top_segments >= 0, top_segments // SEGMENT, -1)
+        jj = seg[:, None] * SEGMENT + tl.arange(0, SEGMENT)[None, :]
+        keys = _block_keys(imp, jj, (seg >= 0)[:, None] & (jj >= 0), touched, num_blocks, pos, SEL_BLOCK, N_INIT,
+                           N_LOCAL, NB_PAD)
+        chosen = _top_n(tl.reshape(keys, [N_PAD * SEGMENT]), slot, N_SEL, NB_PAD)
     if part == 0:  # the step's blocks, ascending, -1 padded
         ascending = tl.sort(tl.where(chosen < 0, NB_PAD, chosen), dim=0)
         tl.store(BLOCKS + pid.to(tl.int64) * N_SEL + slot, tl.where(ascending == NB_PAD, -1, ascending),

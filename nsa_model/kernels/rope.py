@@ -11,6 +11,11 @@ once, in place of a concatenation's masked kernel and its float32 buffers (v18).
 Layouts: Y [B, T, width] with its rows y_sb, y_st elements apart and its columns contiguous; part i
 [B, T, HEADS[i], DIMS[i]] at b * sb[i] + t * st[i] + h * sh[i] elements (the last dimension contiguous), columns
 COLS[i] .. of Y; COS, SIN [T, D/2] float32, contiguous (D: the rotated parts' head dim).
+
+AT_POS (a decoding step, forward only): token t of Y is position p + t, p read from POS (an int64 on the device,
+so that one CUDA graph serves every step): its angles are row p + t of COS, SIN (the whole tables), and the parts
+with TO_POS[i] are a decoding cache's buffers [B, L, HEADS[i], DIMS[i]], written at row p + t: the step's keys and
+values go straight into the cache, with no copy after (v69).
 """
 
 import triton
@@ -18,9 +23,9 @@ import triton.language as tl
 
 
 @triton.jit
-def _rope_part(Y, PART, COS, SIN, tok0, num_tokens, T, y_sb, y_st, p_sb, p_st, p_sh, COL: tl.constexpr,
+def _rope_part(Y, PART, COS, SIN, tok0, num_tokens, T, pos0, y_sb, y_st, p_sb, p_st, p_sh, COL: tl.constexpr,
                HEADS: tl.constexpr, HEADS_PAD: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
-               ROTATE: tl.constexpr, INVERSE: tl.constexpr, BLOCK_T: tl.constexpr):
+               ROTATE: tl.constexpr, INVERSE: tl.constexpr, TO_POS: tl.constexpr, BLOCK_T: tl.constexpr):
     rows = tl.arange(0, BLOCK_T * HEADS_PAD)
     tok = tok0 + rows // HEADS_PAD  # power-of-two divisor: a shift
     h = rows % HEADS_PAD
@@ -28,7 +33,8 @@ def _rope_part(Y, PART, COS, SIN, tok0, num_tokens, T, y_sb, y_st, p_sb, p_st, p
     t = tok % T
     b = (tok // T).to(tl.int64)
     y_row = b * y_sb + t.to(tl.int64) * y_st + COL + h * D
-    p_row = b * p_sb + t.to(tl.int64) * p_st + h.to(tl.int64) * p_sh
+    p_t = t + pos0 if TO_POS else t  # pos0 is 0 unless AT_POS
+    p_row = b * p_sb + p_t.to(tl.int64) * p_st + h.to(tl.int64) * p_sh
     if INVERSE:  # the backward: the part's gradient into Y's columns
         src, dst, OUT = PART + p_row, Y + y_row, Y
     else:
@@ -39,7 +45,7 @@ def _rope_part(Y, PART, COS, SIN, tok0, num_tokens, T, y_sb, y_st, p_sb, p_st, p
         ok = r_ok[:, None] & (offs < HALF)[None, :]
         x1 = tl.load(src[:, None] + offs[None, :], mask=ok, other=0.0).to(tl.float32)
         x2 = tl.load(src[:, None] + HALF + offs[None, :], mask=ok, other=0.0).to(tl.float32)
-        angle = t[:, None] * HALF + offs[None, :]
+        angle = (t + pos0)[:, None] * HALF + offs[None, :]
         c = tl.load(COS + angle, mask=ok, other=0.0)
         s = tl.load(SIN + angle, mask=ok, other=0.0)
         if INVERSE:
@@ -54,11 +60,13 @@ def _rope_part(Y, PART, COS, SIN, tok0, num_tokens, T, y_sb, y_st, p_sb, p_st, p
 
 
 @triton.jit
-def rope_split_kernel(Y, PARTS, COS, SIN, num_tokens, T, y_sb, y_st, part_sb, part_st, part_sh,
+def rope_split_kernel(Y, PARTS, COS, SIN, POS, num_tokens, T, y_sb, y_st, part_sb, part_st, part_sh,
                       COLS: tl.constexpr, HEADS: tl.constexpr, HEADS_PAD: tl.constexpr, DIMS: tl.constexpr,
-                      BLOCK_DIMS: tl.constexpr, ROTATE: tl.constexpr, INVERSE: tl.constexpr,
-                      BLOCK_T: tl.constexpr):
+                      BLOCK_DIMS: tl.constexpr, ROTATE: tl.constexpr, INVERSE: tl.constexpr, AT_POS: tl.constexpr,
+                      TO_POS: tl.constexpr, BLOCK_T: tl.constexpr):
     tok0 = tl.program_id(0) * BLOCK_T
+    pos0 = tl.load(POS).to(tl.int32) if AT_POS else 0
     for i in tl.static_range(len(HEADS)):
-        _rope_part(Y, PARTS[i], COS, SIN, tok0, num_tokens, T, y_sb, y_st, part_sb[i], part_st[i], part_sh[i],
-                   COLS[i], HEADS[i], HEADS_PAD[i], DIMS[i], BLOCK_DIMS[i], ROTATE[i], INVERSE, BLOCK_T)
+        _rope_part(Y, PARTS[i], COS, SIN, tok0, num_tokens, T, pos0, y_sb, y_st, part_sb[i], part_st[i],
+                   part_sh[i], COLS[i], HEADS[i], HEADS_PAD[i], DIMS[i], BLOCK_DIMS[i], ROTATE[i], INVERSE,
+                   TO_POS[i], BLOCK_T)

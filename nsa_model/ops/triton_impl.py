@@ -1550,22 +1550,26 @@ _ROPE_TOKENS = 8  # tokens per program of the RoPE kernel (every part of each)
 
 
 def _rope_launch(y: torch.Tensor, parts: list[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor,
-                 rotate: list[bool], inverse: bool) -> None:
+                 rotate: list[bool], inverse: bool, position: torch.Tensor | None = None,
+                 to_position: list[bool] | None = None) -> None:
     """One launch over every part: forward (inverse False) part i = y's columns rotated by position t's angles
     or copied; backward each part (a gradient) turned back by minus them, or copied, into its columns of y. y
     [B, T, width] with contiguous columns, parts [B, T, heads_i, D_i] with any batch, token and head strides
-    (last dimension contiguous)."""
+    (last dimension contiguous). position (forward only): y's tokens are positions p .. (p read on the device),
+    cos and sin whole tables, and the parts with to_position[i] buffers [B, L, heads_i, D_i] written at rows
+    p .. (rope_split_at)."""
     B, T = y.shape[:2]
     heads = [p.shape[2] for p in parts]
     dims = [p.shape[3] for p in parts]
     cols = [sum(h * d for h, d in zip(heads[:i], dims[:i])) for i in range(len(parts))]
+    to_position = to_position or [False] * len(parts)
     if B * T and parts:
         rope_split_kernel[(triton.cdiv(B * T, _ROPE_TOKENS),)](
-            y, tuple(parts), cos, sin, B * T, T, y.stride(0), y.stride(1), *(tuple(p.stride(i) for p in parts)
-                                                                              for i in range(3)),
+            y, tuple(parts), cos, sin, y if position is None else position, B * T, T, y.stride(0), y.stride(1),
+            *(tuple(p.stride(i) for p in parts) for i in range(3)),
             COLS=tuple(cols), HEADS=tuple(heads), HEADS_PAD=tuple(_pow2(h, floor=1) for h in heads),
             DIMS=tuple(dims), BLOCK_DIMS=tuple(_pow2(d, floor=2) for d in dims), ROTATE=tuple(rotate),
-            INVERSE=inverse, BLOCK_T=_ROPE_TOKENS)
+            INVERSE=inverse, AT_POS=position is not None, TO_POS=tuple(to_position), BLOCK_T=_ROPE_TOKENS)
 
 
 def _check_rope_parts(y, cos, sin, heads, head_dims, rotate) -> None:
@@ -1636,6 +1640,38 @@ def rope_split(y: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: lis
     return torch.ops.nsa.rope_split(y, cos, sin, list(heads), list(head_dims), list(rotate))
 
 
+@torch.no_grad()
+def rope_split_at(y: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: list[int], head_dims: list[int],
+                  rotate: list[bool], position: torch.Tensor, into: list[torch.Tensor | None]) -> list[torch.Tensor]:
+    """rope_split of a decoding step's y [B, T, width] at positions p .. p + T - 1, p the int64 in `position` (on
+    the device: a CUDA graph of the step serves every position): cos, sin the whole tables [L, D/2] (read at those
+    rows); part i written into into[i], a buffer [B, L, heads_i, head_dims_i] of a decoding cache, at rows
+    p .. (then returned in its place), or a new tensor where into[i] is None. One launch, no grad; the caller keeps
+    p + T within the tables and the buffers (ModelCache.room_for)."""
+    _check_inputs(y=y)
+    if y.dim() != 3 or y.stride(-1) != 1 or sum(h * d for h, d in zip(heads, head_dims)) != y.shape[-1]:
+        raise ValueError(f"rope_split_at: parts of {heads} heads x {head_dims} dims must tile y [B, T, width] "
+                         f"with contiguous columns, got {tuple(y.shape)} strides {y.stride()}")
+    rotated = {d // 2 for d, r in zip(head_dims, rotate) if r}
+    for name, table in (("cos", cos), ("sin", sin)):
+        if table.dim() != 2 or not table.is_contiguous() or rotated - {table.shape[1]}:
+            raise ValueError(f"{name}: expected a whole contiguous table [L, D/2] for the rotated parts' head dims "
+                             f"{sorted(2 * h for h in rotated)}, got {tuple(table.shape)}")
+    if position.numel() != 1 or position.dtype != torch.int64 or position.device != y.device:
+        raise ValueError(f"position: expected one int64 on {y.device}, got {position.dtype} {tuple(position.shape)} "
+                         f"on {position.device}")
+    parts = []
+    for i, (h, d, buffer) in enumerate(zip(heads, head_dims, into, strict=True)):
+        if buffer is not None and (buffer.dim() != 4 or buffer.shape[0] != y.shape[0] or
+                                   tuple(buffer.shape[2:]) != (h, d) or buffer.stride(-1) != 1):
+            raise ValueError(f"into[{i}]: expected a buffer [{y.shape[0]}, L, {h}, {d}] with a contiguous last dim, "
+                             f"got {tuple(buffer.shape)} strides {buffer.stride()}")
+        parts.append(y.new_empty(*y.shape[:2], h, d) if buffer is None else buffer)
+    _rope_launch(y, parts, cos, sin, rotate, inverse=False, position=position,
+                 to_position=[buffer is not None for buffer in into])
+    return parts
+
+
 # --- the decoding step (outside the training core: NSAAttention.decode through ops/decode.py; kernels/decode.py) --
 
 def decode_supports(cfg: NSAConfig) -> bool:
@@ -1650,6 +1686,18 @@ def decode_supports(cfg: NSAConfig) -> bool:
 
 _DECODE_CHUNK = 64  # compressed slots, or window keys, a decoding program: a power of two >= 16
 _DECODE_MERGE_ROWS = 64  # partials a load when the combine kernel merges a head's (a power of two)
+_DECODE_TOPN_SEGMENT: int | None = None  # blocks a segment of the attend kernel's top-n; None: _topn_segment's
+
+
+def _topn_segment(nb_pad: int, n_pad: int) -> int:
+    """Blocks a segment in the attend kernel's two-level top-n (1: one level): about sqrt(NB_PAD / N_PAD), which
+    makes its two sets of rounds (over NB_PAD / SEGMENT maxima, then N_PAD * SEGMENT keys) alike in size; one
+    level up to NB_PAD = 4 N_PAD, where two would not round less. At nsa-125m and 128k positions: 2 x 16 rounds
+    over 256 keys in place of 16 over 2,048 (v69)."""
+    if _DECODE_TOPN_SEGMENT is not None:
+        return _DECODE_TOPN_SEGMENT
+    ratio = nb_pad // n_pad
+    return 1 if ratio <= 4 else 2 ** ((ratio.bit_length()) // 2)
 
 
 def decode_step(q, k_slc, v_slc, k_win, v_win, k_cmp, v_cmp, gates, position: torch.Tensor, cfg: NSAConfig,
@@ -1673,7 +1721,8 @@ def decode_step(q, k_slc, v_slc, k_win, v_win, k_cmp, v_cmp, gates, position: to
     block_n = min(64, chunk)
     chunks = max(1, triton.cdiv(S, chunk))
     win_tiles = triton.cdiv(min(cfg.window, L), chunk)
-    nb_pad, n_pad = _pow2(num_blocks + 1), _pow2(cfg.n_selected, 2)
+    nb_pad, n_pad = _pow2(num_blocks), _pow2(cfg.n_selected, 2)
+    segment = _topn_segment(nb_pad, n_pad)
     rows = B * G
     hp, block_dk, block_dv = _pow2(H // G), _pow2(Dk), _pow2(Dv)  # heads padded to tl.dot's 16 rows
     f32 = dict(dtype=torch.float32, device=q.device)
@@ -1701,7 +1750,7 @@ def decode_step(q, k_slc, v_slc, k_win, v_win, k_cmp, v_cmp, gates, position: to
         q, k_slc, v_slc, position, importance, blocks, *slc, q.stride(0), q.stride(1), *k_slc.stride()[:3],
         *v_slc.stride()[:3], num_blocks, qk_scale, DV=Dv, BLOCK_DV=block_dv,
         SEL_TILE=min(block_n, _pow2(cfg.sel_block)), SEL_BLOCK=cfg.sel_block, N_SEL=cfg.n_selected, N_PAD=n_pad,
-        N_INIT=cfg.n_init_blocks, N_LOCAL=cfg.n_local_blocks, NB_PAD=nb_pad, **common)
+        N_INIT=cfg.n_init_blocks, N_LOCAL=cfg.n_local_blocks, NB_PAD=nb_pad, SEGMENT=segment, **common)
     nsa_decode_combine_kernel[(B * H,)](
         *cmp, *slc, *win, gates, o, gates.stride(0), gates.stride(1), G=G, HPG=H // G, HP=hp, DV=Dv,
         BLOCK_DV=block_dv, CHUNKS=chunks, N_SEL=cfg.n_selected, WIN_TILES=win_tiles,
