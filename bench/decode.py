@@ -139,8 +139,8 @@ def time_generate(model, prompt: list[int], new_tokens: int, use_cache: bool, de
 
 
 def profile_step(model, prompt) -> dict:
-    """Milliseconds of the prompt's pass, of one eager decoding step and of one replay of the captured step (32
-    in a row, one sync), and the kernels of an eager step by GPU time."""
+    """Milliseconds of the prompt's pass, of one eager decoding step and of one replay of a captured step (32 in
+    a row, one sync, after each kind of step has been captured), and the kernels of an eager step by GPU time."""
     import torch
 
     from nsa_model.generate import DecodingSteps
@@ -157,7 +157,8 @@ def profile_step(model, prompt) -> dict:
     with torch.no_grad(), autocast("cuda"):
         steps = DecodingSteps(model)
         prefill_ms = timed(lambda: model.forward_cached(prompt, steps.cache))
-        steps(token)  # eager, then captured
+        while len(steps.graphs) < (2 if model.cfg.attention == "nsa" else 1):  # each kind eager, then captured
+            steps(token)
         eager = model.new_cache()
         model.forward_cached(prompt, eager)
         eager_ms = timed(lambda: model.forward_cached(token, eager))
@@ -177,8 +178,9 @@ def profile_step(model, prompt) -> dict:
 def measure(preset: str, args) -> dict:
     import torch
 
-    # room for the timed tokens, the check's steps and the profile's 1 + 32 steps after the prompt
-    room = max(args.new_tokens, args.check_steps, 34 if args.profile else 0)
+    # room for the timed tokens, the check's steps and the profile's steps after the prompt: up to d (16) until
+    # each kind of step has its graph, then 32 timed
+    room = max(args.new_tokens, args.check_steps, 64 if args.profile else 0)
     model = build_model(preset, args.prompt_len + room, args.device)
     prompt = torch.randint(0, model.cfg.vocab_size, (1, args.prompt_len), device=args.device,
                            generator=torch.Generator(args.device).manual_seed(1))

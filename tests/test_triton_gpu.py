@@ -215,8 +215,8 @@ def test_nsa_decoding_steps_on_the_gpu_give_the_layer_s_full_pass(decode_kernel)
     with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16), _decode_kernel(decode_kernel):
         full = layer(x)[0].double()
         layer.prefill(x[:, :600], cache, capacity=1024)
-        steps = torch.cat([layer.decode(x[:, t:t + 1], cache, torch.tensor([t], device="cuda"))
-                           for t in range(600, 700)], dim=1)[0].double()
+        steps = torch.cat([layer.decode(x[:, t:t + 1], cache, torch.tensor([t], device="cuda"),
+                                        cfg.nsa.ends_cmp_token(t)) for t in range(600, 700)], dim=1)[0].double()
     error = (steps - full[600:]).abs().amax(-1) / full[600:].abs().amax(-1)
     assert error.median() <= 1e-2, error.tolist()
     assert (error > 5e-2).sum() <= 5, error.tolist()

@@ -1744,13 +1744,14 @@ def test_decoding_kernels_match_reference(B, T, H, G, Dk, Dv, cfg, positions, mo
         assert (o.double().cpu() - o_ref[:, t]).abs().max() <= 1e-5 * o_ref[:, t].abs().max(), t
 
 
-@pytest.mark.parametrize("segment,zero_k_cmp", [(None, False), (2, False), (8, False), (4, True)])
+@pytest.mark.parametrize("segment,zero_k_cmp", [(None, False), (2, False), (8, False), (16, False), (4, True)])
 def test_decoding_top_n_over_segments_picks_the_reference_blocks(segment, zero_k_cmp, monkeypatch):
-    """The attend kernel's two-level top-n (the largest segment maxima, then the keys of those segments): 75
-    blocks (NB_PAD 128), n = 3, and None: the segment _topn_segment picks (8). Positions from one block (fewer
-    candidates than n: -1 slots) to the last; k_cmp zero: every importance ties, and the lowest blocks win."""
+    """The attend kernel's two-level top-n (the largest segment maxima, then the keys of those segments) at 75
+    blocks (NB_PAD 128), n = 3, with segments of 2 to 16 blocks, and None: the one level _topn_segment picks at
+    this shape (two from NB_PAD = 128 N_PAD). Positions from one block (fewer candidates than n: -1 slots) to the
+    last; k_cmp zero: every importance ties, and the lowest blocks win."""
     cfg = NSAConfig(cmp_block=4, cmp_stride=2, sel_block=4, n_selected=3, window=8, n_local_blocks=1)
-    assert triton_impl._topn_segment(128, 4) == 8
+    assert triton_impl._topn_segment(128, 4) == 1 and triton_impl._topn_segment(4096, 16) == 16
     test_decoding_kernels_match_reference(1, 300, 4, 1, 8, 8, cfg, [2, 9, 40, 123, 250, 299], monkeypatch,
                                           segment=segment, zero_k_cmp=zero_k_cmp)
 

@@ -1691,13 +1691,14 @@ _DECODE_TOPN_SEGMENT: int | None = None  # blocks a segment of the attend kernel
 
 def _topn_segment(nb_pad: int, n_pad: int) -> int:
     """Blocks a segment in the attend kernel's two-level top-n (1: one level): about sqrt(NB_PAD / N_PAD), which
-    makes its two sets of rounds (over NB_PAD / SEGMENT maxima, then N_PAD * SEGMENT keys) alike in size; one
-    level up to NB_PAD = 4 N_PAD, where two would not round less. At nsa-125m and 128k positions: 2 x 16 rounds
-    over 256 keys in place of 16 over 2,048 (v69)."""
+    makes its two sets of rounds (over NB_PAD / SEGMENT maxima, then N_PAD * SEGMENT keys) alike in size. One
+    level up to NB_PAD = 64 N_PAD: the second level's loads and reshapes cost about 4 us, which fewer rounds repay
+    only past that (nsa-125m on an H200, v69: the attend kernel 7.5 -> 9.5 us at 32k positions with two levels,
+    17.8 -> 11.3 at 128k, where the rounds are 2 x 16 over 256 keys in place of 16 over 4,096)."""
     if _DECODE_TOPN_SEGMENT is not None:
         return _DECODE_TOPN_SEGMENT
     ratio = nb_pad // n_pad
-    return 1 if ratio <= 4 else 2 ** ((ratio.bit_length()) // 2)
+    return 1 if ratio <= 64 else 2 ** ((ratio.bit_length()) // 2)
 
 
 def decode_step(q, k_slc, v_slc, k_win, v_win, k_cmp, v_cmp, gates, position: torch.Tensor, cfg: NSAConfig,
