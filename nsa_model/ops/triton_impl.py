@@ -181,7 +181,7 @@ class LaunchConfig:
     index_build: str = "auto"  # one of INDEX_BUILDS
     # A decoding step's NSA (outside the core; ops/decode.py): "triton", kernels/decode.py's four launches a layer
     # (17 us a layer at nsa-125m, 32k positions, on an H200), or "torch", its PyTorch ops (about a hundred small
-    # kernels a layer: the graph step 6.4 ms a token against the kernels' 1.60 ms; v68).
+    # kernels a layer: the graph step 6.4 ms a token against the kernels' 1.60 ms at the time; v68).
     decode_kernel: str = "triton"  # one of DECODE_KERNELS
 
     def __post_init__(self) -> None:
