@@ -1606,8 +1606,8 @@ def test_attention_on_the_triton_backend_splits_and_rotates_q_k_v_as_the_torch_p
     for split_backend in ("triton", "torch"):
         if split_backend == "torch":  # the second layer's parts from the torch path, its core still on triton
             monkeypatch.setattr(attn_module, "rotate_and_split",
-                                lambda y, rope, heads, dims, rotate, backend, position=0: real(
-                                    y, rope, heads, dims, rotate, "torch", position))
+                                lambda y, rope, heads, dims, rotate, backend, position=0, into=None: real(
+                                    y, rope, heads, dims, rotate, "torch", position, into))
         torch.manual_seed(0)
         layer = build_attention(cfg, backend="triton").to(DEVICE)
         out = layer(x)
