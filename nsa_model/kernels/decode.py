@@ -190,7 +190,7 @@ def _block_keys(imp, j, ok, touched, num_blocks, pos, SEL_BLOCK: tl.constexpr, N
 def _top_n(key, slot, N_SEL: tl.constexpr, NB_PAD: tl.constexpr):
     """[N_PAD] int32 (slot's shape): the blocks of key's N_SEL largest keys (a 1-D int64 tensor of _block_keys),
     largest first, -1 where that key is negative (no candidate left). One max a round: keys are distinct."""
-    chosen = tl.where(slot < 0, 0, -1)
+    chosen = tl.full(slot.shape, -1, tl.int32)
     for i in tl.static_range(N_SEL):
         top = tl.max(key, axis=0)
         first = (NB_PAD - 1 - (top - ((top >> 32) << 32))).to(tl.int32)  # from the low 32 bits
