@@ -49,6 +49,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--device", default="cpu", help="cpu or cuda")
     ap.add_argument("--prompt-len", type=positive, default=1024)
     ap.add_argument("--new-tokens", type=positive, default=64)
+    ap.add_argument("--samples", type=positive, default=1,
+                    help="continuations of the prompt drawn together (generate_samples); > 1: timed against "
+                         "drawing them one at a time with the cache, instead of against the whole context")
     ap.add_argument("--check-steps", type=positive, default=8)
     ap.add_argument("--repeats", type=positive, default=2)
     ap.add_argument("--decode-kernel", choices=("torch", "triton"), default=None,
@@ -123,24 +126,31 @@ def check(model, prompt, steps: int, device: str) -> dict:
     return result
 
 
-def time_generate(model, prompt: list[int], new_tokens: int, use_cache: bool, device: str) -> tuple[float, list]:
+def time_generate(model, prompt: list[int], new_tokens: int, samples: int, way: str, device: str):
+    """(seconds, the first sample's tokens) of `samples` greedy continuations, end to end: `way` "cached" draws
+    them together (generate_samples with the cache), "one_at_a_time" one generate() call each (with the cache, as
+    jobs/sample.py did before v70), "full" together over the whole context a token."""
     import torch
 
-    from nsa_model.generate import generate
+    from nsa_model.generate import generate, generate_samples
 
     if device == "cuda":
         torch.cuda.synchronize()
     start = time.perf_counter()
     with autocast(device):
-        out = generate(model, prompt, new_tokens, temperature=0, use_cache=use_cache)
+        if way == "one_at_a_time":
+            out = [generate(model, prompt, new_tokens, temperature=0) for _ in range(samples)]
+        else:
+            out = generate_samples(model, prompt, new_tokens, samples, temperature=0, use_cache=way == "cached")
     if device == "cuda":
         torch.cuda.synchronize()
-    return time.perf_counter() - start, out
+    return time.perf_counter() - start, out[0]
 
 
-def profile_step(model, prompt) -> dict:
+def profile_step(model, prompt, samples: int) -> dict:
     """Milliseconds of the prompt's pass, of one eager decoding step and of one replay of a captured step (32 in
-    a row, one sync, after each kind of step has been captured), and the kernels of an eager step by GPU time."""
+    a row, one sync, after each kind of step has been captured), each step of `samples` rows, and the kernels of
+    an eager step by GPU time."""
     import torch
 
     from nsa_model.generate import DecodingSteps
@@ -153,15 +163,17 @@ def profile_step(model, prompt) -> dict:
         torch.cuda.synchronize()
         return (time.perf_counter() - start) * 1e3 / repeat
 
-    token = prompt[:, -1:]
+    token = prompt[:, -1:].repeat(samples, 1)
     with torch.no_grad(), autocast("cuda"):
         steps = DecodingSteps(model)
-        prefill_ms = timed(lambda: model.forward_cached(prompt, steps.cache))
+        prefill_ms = timed(lambda: steps.prompt(prompt, samples))
         while any(model.step_compresses(p) not in steps.graphs  # every kind the timed steps meet, captured
                   for p in range(steps.cache.length, steps.cache.length + 32)):
             steps(token)
-        eager = model.new_cache()
+        eager = model.new_cache()  # stepped eagerly, through forward_cached
         model.forward_cached(prompt, eager)
+        if samples > 1:
+            eager.repeat_rows(samples)
         eager_ms = timed(lambda: model.forward_cached(token, eager))
         first = steps.cache.length
         replay_ms = timed(lambda: steps(token), repeat=32)
@@ -187,18 +199,21 @@ def measure(preset: str, args) -> dict:
                            generator=torch.Generator(args.device).manual_seed(1))
     checked = check(model, prompt, args.check_steps, args.device)
     ids = prompt[0].tolist()
-    for use_cache in (True, False):  # warm-up at the prompt's length: every kernel compiled before timing
-        time_generate(model, ids, 2, use_cache, args.device)
-    row = {"preset": preset, "attention": model.cfg.attention, "check": checked}
-    for name, use_cache in (("cached", True), ("full", False)):
-        runs = [time_generate(model, ids, args.new_tokens, use_cache, args.device) for _ in range(args.repeats)]
+    baseline = "full" if args.samples == 1 else "one_at_a_time"
+    for way in ("cached", baseline):  # warm-up at the prompt's length: every kernel compiled before timing
+        time_generate(model, ids, 2, args.samples, way, args.device)
+    row = {"preset": preset, "attention": model.cfg.attention, "check": checked, "baseline": baseline}
+    tokens = args.new_tokens * args.samples
+    for way in ("cached", baseline):
+        runs = [time_generate(model, ids, args.new_tokens, args.samples, way, args.device)
+                for _ in range(args.repeats)]
         seconds = statistics.median(r[0] for r in runs)
-        row[name] = {"seconds": seconds, "seconds_all": [r[0] for r in runs], "tokens_per_s": args.new_tokens / seconds}
-        row[f"{name}_tokens"] = runs[0][1]
-    row["speedup"] = row["full"]["seconds"] / row["cached"]["seconds"]
+        row[way] = {"seconds": seconds, "seconds_all": [r[0] for r in runs], "tokens_per_s": tokens / seconds}
+        row[f"{way}_tokens"] = runs[0][1]
+    row["speedup"] = row[baseline]["seconds"] / row["cached"]["seconds"]
     if args.profile and args.device == "cuda":
-        row["profile"] = profile_step(model, prompt)
-    row["same_tokens"] = row.pop("cached_tokens") == row.pop("full_tokens")
+        row["profile"] = profile_step(model, prompt, args.samples)
+    row["same_tokens"] = row.pop("cached_tokens") == row.pop(f"{baseline}_tokens")
     return row
 
 
@@ -218,13 +233,18 @@ def main(argv=None) -> None:
     rows = [measure(preset, args) for preset in PRESETS[args.preset]]
     stem, meta = result_stem(args.out, "decode", args.suffix, args.commit or git_commit())
     meta.update({"decode_kernel": args.decode_kernel or "default", "prompt_len": args.prompt_len,
-                 "new_tokens": args.new_tokens, "repeats": args.repeats, "threads": torch.get_num_threads(),
+                 "new_tokens": args.new_tokens, "samples": args.samples, "repeats": args.repeats, "threads": torch.get_num_threads(),
                  "rows": rows})
-    lines = ["| model | cached tokens/s | full-context tokens/s | cached / full | same greedy tokens | "
-             "check: prompt max; steps max / median, past 3e-2 |", "|---|---|---|---|---|---|"]
+    if args.samples == 1:
+        heads = "| model | cached tokens/s | full-context tokens/s | cached / full |"
+    else:
+        heads = (f"| model | {args.samples} samples together, tokens/s | one sample at a time (cached), tokens/s | "
+                 "together / one at a time |")
+    lines = [heads + " same greedy tokens | check: prompt max; steps max / median, past 3e-2 |",
+             "|---|---|---|---|---|---|"]
     for r in rows:
         c = r["check"]
-        lines.append(f"| {r['preset']} | {r['cached']['tokens_per_s']:.1f} | {r['full']['tokens_per_s']:.1f} | "
+        lines.append(f"| {r['preset']} | {r['cached']['tokens_per_s']:.1f} | {r[r['baseline']]['tokens_per_s']:.1f} | "
                      f"{r['speedup']:.2f}x | {'yes' if r['same_tokens'] else 'no'} | {c['prompt_max']:.1e}; "
                      f"{c['steps_max']:.1e} / {c['steps_median']:.1e}, {c['steps_past_3e-2']} of {c['steps']} |")
     table = "\n".join(lines)
@@ -233,7 +253,8 @@ def main(argv=None) -> None:
             p = r["profile"]
             kind = "one that ends a compressed token" if p["profiled_step_compresses"] else "one that ends none"
             table += (f"\n\n{r['preset']}: prompt pass {p['prefill_ms']:.1f} ms, eager step "
-                      f"{p['eager_step_ms']:.2f} ms, graph step {p['graph_step_ms']:.2f} ms (32 in a row, "
+                      f"{p['eager_step_ms']:.2f} ms, graph step {p['graph_step_ms']:.2f} ms ({args.samples} "
+                      f"row{'s' if args.samples > 1 else ''} a step; 32 in a row, "
                       f"{p['graph_steps_compressing']} of them ending a compressed token); an eager step's kernels "
                       f"({kind}):\n\n```\n{p['kernels']}\n```")
     os.makedirs(args.out, exist_ok=True)
@@ -241,7 +262,7 @@ def main(argv=None) -> None:
     result_file(stem, ".md").write_text(
         f"# Decoding: cached steps against the whole context a token\n\n{meta['device']}, {meta['date']}, commit "
         f"{meta['commit']}, torch {meta['torch']}; prompt {args.prompt_len} tokens, {args.new_tokens} greedy new "
-        f"tokens, median of {args.repeats} (each timed end to end, prompt included); {meta['threads']} CPU "
+        f"tokens{f' in each of {args.samples} samples' if args.samples > 1 else ''}, median of {args.repeats} (each timed end to end, prompt included); {meta['threads']} CPU "
         f"threads.\n\n{table}\n")
     print(table)
     print(f"wrote {result_file(stem, '.md')}")

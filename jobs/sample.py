@@ -7,9 +7,10 @@
 SOURCE is a checkpoint directory, a run directory (its latest checkpoint) or a final model as the run logs it to
 MLflow (model.pt + config.yaml). The model is rebuilt from the config.yaml saved beside its weights; the tokenizer
 is --tokenizer, else the one that config names (data.tokenizer, as training loaded it). Each sample starts a new
-document (the EOS token, then the prompt) and stops at the next EOS or after --max-new-tokens. The prompt runs
-through the model once; each new token is then one decoding step over the layers' caches (nsa_model/generate.py;
---no-cache reruns the whole context for every token instead, the slow reference).
+document (the EOS token, then the prompt) and stops at the next EOS or after --max-new-tokens. The samples are
+drawn together, as the rows of one batch: the prompt runs through the model once, and each new token of every
+sample is then one decoding step over the layers' caches (nsa_model/generate.py; --no-cache reruns the whole
+context for every token instead, the slow reference).
 """
 
 from __future__ import annotations
@@ -103,16 +104,16 @@ def load_run_tokenizer(job, tokenizer_file: str | None):
 def print_samples(args, model, tokenizer, device: str) -> None:
     import torch
 
-    from nsa_model.generate import generate
+    from nsa_model.generate import generate_samples
 
     prompt = [tokenizer.eos_id] + tokenizer.encode_batch([args.prompt])[0]
     generator = torch.Generator(device=device).manual_seed(args.seed)
-    for i in range(args.samples):
-        # bf16 on GPUs, where the Triton kernels run; fp32 on CPUs
-        with torch.autocast("cuda", dtype=torch.bfloat16) if device.startswith("cuda") else contextlib.nullcontext():
-            ids = generate(model, prompt, args.max_new_tokens, temperature=args.temperature,
-                           top_k=args.top_k or None, stop_id=tokenizer.eos_id, vocab_size=tokenizer.vocab_size,
-                           generator=generator, use_cache=not args.no_cache)
+    # bf16 on GPUs, where the Triton kernels run; fp32 on CPUs
+    with torch.autocast("cuda", dtype=torch.bfloat16) if device.startswith("cuda") else contextlib.nullcontext():
+        samples = generate_samples(model, prompt, args.max_new_tokens, args.samples, temperature=args.temperature,
+                                   top_k=args.top_k or None, stop_id=tokenizer.eos_id,
+                                   vocab_size=tokenizer.vocab_size, generator=generator, use_cache=not args.no_cache)
+    for i, ids in enumerate(samples):
         ended = ids[-1:] == [tokenizer.eos_id]
         text = tokenizer.decode(ids[:-1] if ended else ids)
         print(f"--- sample {i + 1} of {args.samples} ---\n{args.prompt}{text} "

@@ -90,6 +90,20 @@ class ModelCache:
         """Forget the last step's shared tensors (Transformer.decode_step, before its layers run)."""
         self.step.clear()
 
+    def repeat_rows(self, rows: int) -> None:
+        """Hold `rows` copies of the one-row prompt this cache holds, each of which its own decoding steps then
+        extend: samples of one prompt (nsa_model/generate.py) run the prompt once instead of once a sample. Each
+        row gets buffers of its own, since each writes its own tokens."""
+        if type(rows) is not int or rows < 1:
+            raise ValueError(f"ModelCache.repeat_rows: rows must be an int >= 1, got {rows!r}")
+        if self.length == 0 or self.batch != 1:
+            raise ValueError(f"ModelCache.repeat_rows: needs a cache holding a one-row prompt, this one holds "
+                             f"{self.length} positions of {self.batch} rows")
+        for layer in self.layers:
+            layer.raw = [x.expand(rows, *x.shape[1:]).contiguous() for x in layer.raw]
+            layer.compressed = [x.expand(rows, *x.shape[1:]).contiguous() for x in layer.compressed]
+        self.batch = rows
+
     def room_for(self, new: int, batch: int | None = None) -> None:
         """Refuse what this cache cannot take: a prompt goes into an empty cache, then one token a call for each of
         the prompt's rows, up to capacity positions."""

@@ -30,19 +30,25 @@ def check_sampling(max_new_tokens: int, temperature: float, top_k: int | None) -
         raise ValueError(f"top_k: must be an int >= 1 or None (every token), got {top_k!r}")
 
 
-def next_token(logits: torch.Tensor, temperature: float, top_k: int | None,
-               generator: torch.Generator | None) -> int:
-    """One id from a step's logits [vocab]: the largest at temperature 0, else a draw from softmax(logits / T) over
-    the top_k largest (and any tied with the k-th)."""
+def next_tokens(logits: torch.Tensor, temperature: float, top_k: int | None,
+                generator: torch.Generator | None) -> list[int]:
+    """One id a row from a step's logits [rows, vocab]: the largest at temperature 0, else a draw from
+    softmax(logits / T) over the top_k largest (and any tied with the k-th). One host sync for all the rows."""
     if temperature == 0:
-        return int(logits.argmax())  # ok-host-sync: the id decides the stop and is the next step's input
+        return logits.argmax(-1).tolist()  # ok-host-sync: the ids decide the stop and are the next step's input
     # shifted by the max first: a tiny temperature then sends the others to -inf instead of the max to +inf (NaN)
-    logits = (logits - logits.max()) / temperature
-    if top_k is not None and top_k < logits.numel():
-        kth = torch.topk(logits, top_k).values[-1]
+    logits = (logits - logits.amax(-1, keepdim=True)) / temperature
+    if top_k is not None and top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
     # ok-host-sync: one per generated token, outside any forward/backward (decoding, not training)
-    return int(torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=generator))
+    return torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=generator)[:, 0].tolist()
+
+
+def next_token(logits: torch.Tensor, temperature: float, top_k: int | None,
+               generator: torch.Generator | None) -> int:
+    """next_tokens of one row of logits [vocab]."""
+    return next_tokens(logits[None], temperature, top_k, generator)[0]
 
 
 class DecodingSteps:
@@ -59,8 +65,18 @@ class DecodingSteps:
         self.logits: dict[bool, torch.Tensor] = {}  # each graph's output
         self.token: torch.Tensor | None = None  # the graphs' input
 
+    def prompt(self, tokens: torch.Tensor, rows: int) -> torch.Tensor:
+        """Logits [rows, T, vocab] of a prompt tokens [B, T] into the empty cache, which then holds `rows` rows
+        for the steps: B = rows, or B = 1 and that row copied to each of the rows after its one pass (samples of
+        one prompt, ModelCache.repeat_rows)."""
+        logits = self.model.forward_cached(tokens, self.cache)
+        if tokens.shape[0] != rows:
+            self.cache.repeat_rows(rows)
+            logits = logits.expand(rows, -1, -1)
+        return logits
+
     def __call__(self, token: torch.Tensor) -> torch.Tensor:
-        """Logits [1, 1, vocab] of token [1, 1] at the next position."""
+        """Logits [B, 1, vocab] of token [B, 1] (one token a row of the cache) at the next position."""
         if not token.is_cuda:
             return self.model.forward_cached(token, self.cache)
         self.cache.room_for(1)
@@ -92,17 +108,33 @@ class DecodingSteps:
         self.graphs[kind] = graph  # only a whole capture is ever replayed
 
 
-@torch.no_grad()
 def generate(model: Transformer, prompt: list[int], max_new_tokens: int, *, temperature: float = 1.0,
              top_k: int | None = None, stop_id: int | None = None, vocab_size: int | None = None,
              generator: torch.Generator | None = None, use_cache: bool = True) -> list[int]:
-    """The tokens that follow `prompt` (not repeated), at most max_new_tokens of them, ending early after stop_id.
+    """The tokens that follow `prompt` (not repeated), at most max_new_tokens of them, ending early after stop_id:
+    generate_samples with one sample."""
+    return generate_samples(model, prompt, max_new_tokens, 1, temperature=temperature, top_k=top_k, stop_id=stop_id,
+                            vocab_size=vocab_size, generator=generator, use_cache=use_cache)[0]
 
-    Each step's token comes from next_token. Only ids below vocab_size (default: the model's) come out: a model's
+
+@torch.no_grad()
+def generate_samples(model: Transformer, prompt: list[int], max_new_tokens: int, samples: int, *,
+                     temperature: float = 1.0, top_k: int | None = None, stop_id: int | None = None,
+                     vocab_size: int | None = None, generator: torch.Generator | None = None,
+                     use_cache: bool = True) -> list[list[int]]:
+    """`samples` continuations of `prompt` (not repeated), drawn together as the rows of one batch: each at most
+    max_new_tokens tokens, ending early after stop_id (the other rows go on until every row has ended).
+
+    Each step's tokens come from next_tokens. Only ids below vocab_size (default: the model's) come out: a model's
     vocabulary is often padded past its tokenizer's (nsa-125m: 50304 rows for GPT-2's 50257 tokens), and a padded
     row has no text. generator (on the model's device) makes the draws repeatable. use_cache: see the module's
-    docstring; the same tokens either way, up to rounding."""
+    docstring; the same tokens either way, up to rounding. With the cache the prompt runs once, for all the rows
+    (DecodingSteps.prompt), and each step decodes every row at once: on a GPU a step of a few rows costs about what
+    a step of one does, which is bound by launches and latency, not by the work of its rows (bench/decode.py
+    --samples)."""
     check_sampling(max_new_tokens, temperature, top_k)
+    if type(samples) is not int or samples < 1:
+        raise ValueError(f"samples: must be an int >= 1, got {samples!r}")
     rows = model.cfg.vocab_size
     if vocab_size is not None and not 0 < vocab_size <= rows:
         raise ValueError(f"vocab_size: must be in 1..{rows} (the model's vocabulary), got {vocab_size}")
@@ -113,7 +145,7 @@ def generate(model: Transformer, prompt: list[int], max_new_tokens: int, *, temp
         raise ValueError(f"prompt: token ids {bad[:5]} are outside the model's vocabulary of {rows}")
     tokens = torch.tensor([prompt], dtype=torch.long, device=next(model.parameters()).device)
     context = model.cfg.max_seq_len
-    new: list[int] = []
+    new: list[list[int]] = [[] for _ in range(samples)]
     steps = None
     for _ in range(max_new_tokens):
         if not use_cache:
@@ -122,9 +154,13 @@ def generate(model: Transformer, prompt: list[int], max_new_tokens: int, *, temp
             logits = steps(tokens[:, -1:])  # one decoding step
         else:  # the first step, or a full context that has just moved by one token: run it whole
             steps = DecodingSteps(model)
-            logits = model.forward_cached(tokens[:, -context:], steps.cache)
-        new.append(next_token(logits[0, -1, :vocab_size or rows].float(), temperature, top_k, generator))
-        if new[-1] == stop_id:
+            logits = steps.prompt(tokens[:, -context:], samples)  # one row until the first draw: the prompt
+        ids = next_tokens(logits[:, -1, :vocab_size or rows].float().expand(samples, -1), temperature, top_k,
+                          generator)
+        for row, token in zip(new, ids, strict=True):
+            if not (row and row[-1] == stop_id):
+                row.append(token)
+        if all(row[-1] == stop_id for row in new):
             break
-        tokens = torch.cat([tokens, tokens.new_tensor([new[-1:]])], dim=1)
+        tokens = torch.cat([tokens.expand(samples, -1), tokens.new_tensor(ids)[:, None]], dim=1)
     return new

@@ -15,12 +15,24 @@ def test_decode_bench_checks_then_times_both_paths(tmp_path):
     (md,) = tmp_path.glob("decode-cpu-*.md")
     result = json.loads(md.with_suffix(".json").read_text())
     assert result["commit"] == "abc1234" and result["prompt_len"] == 40
-    assert [r["preset"] for r in result["rows"]] == ["tiny", "tiny-dense"]
+    assert [r["preset"] for r in result["rows"]] == ["tiny", "tiny-dense"] and result["samples"] == 1
     for row in result["rows"]:
         assert row["check"]["steps_max"] <= 1e-9 and row["check"]["prompt_max"] <= 1e-9
         assert row["check"]["steps"] == 2
         assert row["same_tokens"] and row["cached"]["tokens_per_s"] > 0 and row["full"]["tokens_per_s"] > 0
     assert "| tiny | " in md.read_text()
+
+
+def test_decode_bench_times_samples_drawn_together_against_one_at_a_time(tmp_path):
+    decode.main(["--prompt-len", "24", "--new-tokens", "3", "--samples", "3", "--check-steps", "1", "--repeats",
+                 "1", "--out", str(tmp_path), "--suffix=-samples"])
+    (md,) = tmp_path.glob("decode-cpu-*-samples.md")
+    result = json.loads(md.with_suffix(".json").read_text())
+    assert result["samples"] == 3
+    for row in result["rows"]:
+        assert row["baseline"] == "one_at_a_time" and "full" not in row and row["same_tokens"]
+        assert row["cached"]["tokens_per_s"] > 0 and row["one_at_a_time"]["tokens_per_s"] > 0
+    assert "| model | 3 samples together, tokens/s | one sample at a time (cached), tokens/s |" in md.read_text()
 
 
 def test_decode_bench_leaves_room_for_more_checked_steps_than_timed_ones(tmp_path):

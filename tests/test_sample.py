@@ -12,7 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from nsa_model.generate import generate, next_token
+from nsa_model import generate as generate_module
+from nsa_model.cache import ModelCache
+from nsa_model.generate import generate, generate_samples, next_token
 from nsa_model.model import Transformer
 from pipeline.config import load_job_config
 from pipeline.train import checkpoint as ckpt
@@ -85,15 +87,20 @@ def test_with_the_cache_each_step_sees_the_same_context(monkeypatch):
     assert seen == [context[:n][-32:] for n in range(len(prompt), len(context))]
 
 
-@pytest.mark.parametrize("attention", ["nsa", "dense"])
-def test_the_cache_gives_the_tokens_of_the_whole_context_pass(attention):
-    """Greedy and seeded draws, in float64 (no near-ties between the two paths' roundings), past max_seq_len."""
+def float64_model(attention: str, seed: int = 5):
     job = load_job_config(None, JOB + [f"model.attention={attention}"])
-    torch.manual_seed(5)
+    torch.manual_seed(seed)
     model = Transformer(job.model).double().eval()
     with torch.no_grad():
         for p in model.parameters():
             p.normal_(0.0, 0.3)
+    return model
+
+
+@pytest.mark.parametrize("attention", ["nsa", "dense"])
+def test_the_cache_gives_the_tokens_of_the_whole_context_pass(attention):
+    """Greedy and seeded draws, in float64 (no near-ties between the two paths' roundings), past max_seq_len."""
+    model = float64_model(attention)
     prompt = [256, 84, 104, 101]
     greedy = generate(model, prompt, 40, temperature=0)
     assert len(set(greedy)) >= 5
@@ -103,6 +110,75 @@ def test_the_cache_gives_the_tokens_of_the_whole_context_pass(attention):
         return generate(model, prompt, 40, temperature=1.0, top_k=20, use_cache=use_cache,
                         generator=torch.Generator().manual_seed(7))
     assert draw(True) == draw(False)
+
+
+@pytest.mark.parametrize("attention", ["nsa", "dense"])
+def test_samples_drawn_together_each_see_their_own_context(attention, monkeypatch):
+    """generate_samples' rows: the prompt once, copied to every row, then batched steps, past max_seq_len (where
+    the cropped rows, now different, run whole). Every logit row each step drew from must be that row's own
+    context through one forward pass of a single row (a cache row shared, mixed or left stale fails), and the
+    draws must be those of the whole-context path."""
+    model = float64_model(attention)
+    drawn_from, real = [], generate_module.next_tokens
+
+    def record(logits, *args):
+        drawn_from.append(logits.clone())
+        return real(logits, *args)
+    monkeypatch.setattr(generate_module, "next_tokens", record)
+    prompt = [256, 84, 104, 101]
+
+    def draw(use_cache):
+        return generate_samples(model, prompt, 36, 4, temperature=1.0, top_k=20, use_cache=use_cache,
+                                generator=torch.Generator().manual_seed(7))
+    samples = draw(True)
+    assert len({tuple(row) for row in samples}) == 4 and all(len(row) == 36 for row in samples)
+    for r, row in enumerate(samples):
+        context = prompt + row
+        for i, logits in enumerate(drawn_from):
+            alone, _ = model(torch.tensor([context[:len(prompt) + i][-32:]]))
+            # generate draws from float32 logits: the float64 model's, rounded once
+            assert torch.allclose(logits[r].double(), alone[0, -1], rtol=1e-6, atol=1e-6), (r, i)
+    assert draw(False) == samples
+
+
+def test_each_sample_stops_at_its_own_stop_token_and_the_others_go_on():
+    _, model = small_job(3)
+    prompt = [256, 104, 105]
+
+    def draw(**kw):
+        return generate_samples(model, prompt, 20, 6, temperature=1.0, generator=torch.Generator().manual_seed(0),
+                                **kw)
+    free = draw()
+    stop = free[0][3]
+    stopped = draw(stop_id=stop)
+    for row, whole in zip(stopped, free, strict=True):  # each row the same draws up to its own first stop
+        end = whole.index(stop) + 1 if stop in whole else len(whole)
+        assert row == whole[:end]
+    assert len(stopped[0]) <= 4 and max(len(row) for row in stopped) > len(stopped[0])
+
+
+def test_a_cache_repeats_only_a_one_row_prompt_into_buffers_of_each_row():
+    _, model = small_job()
+    cache = model.new_cache()
+    with pytest.raises(ValueError, match="needs a cache holding a one-row prompt, this one holds 0 positions"):
+        cache.repeat_rows(2)
+    two = model.new_cache()
+    model.forward_cached(torch.tensor([[256, 65], [256, 66]]), two)
+    with pytest.raises(ValueError, match="holds 2 positions of 2 rows"):
+        two.repeat_rows(4)
+    model.forward_cached(torch.tensor([[256, 65, 66]]), cache)
+    with pytest.raises(ValueError, match="rows must be an int >= 1, got 0"):
+        cache.repeat_rows(0)
+    cache.repeat_rows(3)
+    assert cache.batch == 3 and isinstance(cache, ModelCache)
+    for layer in cache.layers:
+        for x in layer.raw + layer.compressed:
+            assert x.shape[0] == 3 and x.is_contiguous() and torch.equal(x[0], x[2])
+    layer = cache.layers[0].raw[0]
+    layer[1].add_(1.0)
+    assert not torch.equal(layer[0], layer[1])  # each row its own buffer: a row's writes stay its own
+    with pytest.raises(ValueError, match="the cache holds 3 rows"):
+        model.forward_cached(torch.tensor([[65]]), cache)
 
 
 def test_draws_repeat_with_a_seed_and_stop_after_the_stop_token():
@@ -156,12 +232,14 @@ def test_draws_keep_to_the_top_k_and_follow_the_temperature():
     (dict(top_k=0), "top_k: must be an int >= 1 or None"),
     (dict(prompt=[]), "prompt: needs at least one token"),
     (dict(prompt=[256, 300]), "prompt: token ids [300] are outside the model's vocabulary of 260"),
-    (dict(vocab_size=261), "vocab_size: must be in 1..260")])
+    (dict(vocab_size=261), "vocab_size: must be in 1..260"),
+    (dict(samples=0), "samples: must be an int >= 1, got 0"),
+    (dict(samples=2.0), "samples: must be an int >= 1, got 2.0")])
 def test_settings_that_cannot_sample_are_refused(kwargs, message):
     _, model = small_job()
-    args = dict(prompt=[256], max_new_tokens=3, temperature=1.0, top_k=None, vocab_size=None) | kwargs
+    args = dict(prompt=[256], max_new_tokens=3, samples=1, temperature=1.0, top_k=None, vocab_size=None) | kwargs
     with pytest.raises(ValueError) as err:
-        generate(model, args.pop("prompt"), args.pop("max_new_tokens"), **args)
+        generate_samples(model, args.pop("prompt"), args.pop("max_new_tokens"), args.pop("samples"), **args)
     assert message in str(err.value)
 
 

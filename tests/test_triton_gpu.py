@@ -194,6 +194,43 @@ def test_greedy_sampling_on_the_gpu_follows_the_float32_model(decode_kernel):
 
 
 @pytest.mark.parametrize("decode_kernel", ["torch", "triton"])
+def test_samples_drawn_together_on_the_gpu_each_follow_their_own_context(decode_kernel, monkeypatch):
+    """generate_samples on the GPU under bf16: the prompt once, its cache copied to 4 rows, then each step of all
+    the rows from its kind's CUDA graph, from 8 tokens past two selection blocks. The logits every row drew from,
+    at every step, against the float32 model on the CPU over that row's own tokens, as a fraction of the logits'
+    range: bf16 noise, where a row reading another's cache, or a stale one, is off by the whole range."""
+    from nsa_model import generate as generate_module
+    from nsa_model import get_preset
+    from nsa_model.model import Transformer
+
+    cfg = get_preset("nsa-125m").replace(n_layers=2, max_seq_len=256)
+    torch.manual_seed(0)
+    model = Transformer(cfg).eval()
+    with torch.no_grad():  # as initialized, a model repeats its last token whatever its attention does
+        for p in model.parameters():
+            p.normal_(0.0, 0.05)
+    prompt = torch.randint(0, cfg.vocab_size, (8,), generator=torch.Generator().manual_seed(1)).tolist()
+    drawn_from, real = [], generate_module.next_tokens
+
+    def record(logits, *args):
+        drawn_from.append(logits.float().cpu())
+        return real(logits, *args)
+    monkeypatch.setattr(generate_module, "next_tokens", record)
+    with torch.autocast("cuda", dtype=torch.bfloat16), _decode_kernel(decode_kernel):
+        samples = generate_module.generate_samples(model.cuda(), prompt, 140, 4, temperature=1.0, top_k=50,
+                                                   generator=torch.Generator("cuda").manual_seed(3))
+    assert len({tuple(row) for row in samples}) == 4 and all(len(row) == 140 for row in samples)
+    stepped = torch.stack(drawn_from, dim=1).double()  # [4 rows, 140 steps, vocab]
+    model.cpu()
+    for r, row in enumerate(samples):
+        with torch.no_grad():
+            logits, _ = model(torch.tensor([prompt + row]))
+        want = logits[0, len(prompt) - 1:-1].double()
+        error = (stepped[r] - want).abs().amax(-1) / (want.amax(-1) - want.amin(-1))
+        assert error.median() <= 1e-2 and error.max() <= 5e-2, (r, error.median().item(), error.max().item())
+
+
+@pytest.mark.parametrize("decode_kernel", ["torch", "triton"])
 def test_nsa_decoding_steps_on_the_gpu_give_the_layer_s_full_pass(decode_kernel):
     """NSAAttention.prefill + decode under bf16 on the GPU: a 600-token prompt through the Triton core (past
     w = 512 and nine selection blocks), then 100 decoding steps (ops/decode.py, phi and RoPE through our kernels)
