@@ -72,8 +72,9 @@ DECODE_CASES = [  # (kernel, pointer dtypes, stride names, other scalars, conste
     *[("nsa_decode_attend_kernel", dict(POS="i64", IMP="fp32", BLOCKS="i32", **PARTIALS),
        Q_STRIDES + tuple(f"{p}{d}" for p in ("sk", "sv") for d in "btg"), dict(num_blocks="i32", qk_scale="fp32"),
        dict(DECODE_DIMS, DV=64, BLOCK_DV=64, SEL_TILE=64, SEL_BLOCK=64, N_SEL=16, N_PAD=16, N_INIT=1, N_LOCAL=2,
-            NB_PAD=nb_pad, SEGMENT=segment))
-      for nb_pad, segment in ((64, 1), (256, 4), (2048, 16))],  # one level; two at 16k and at 128k positions
+            NB_PAD=nb_pad, SEGMENT=segment, PARTS=parts))
+      # one level; two at 16k and at 128k positions; 4 and all 16 chosen blocks a program (many rows a step)
+      for nb_pad, segment, parts in ((64, 1, 1), (256, 4, 1), (2048, 16, 1), (512, 1, 4), (512, 1, 16))],
     ("nsa_decode_combine_kernel", {name: "fp32" for name in ("CM", "CL", "CACC", "SM", "SL", "SACC", "WM", "WL",
                                                             "WACC")},
      ("sgb", "sgh"), {}, dict(DV=64, BLOCK_DV=64, CHUNKS=32, N_SEL=16, WIN_TILES=8, MERGE_ROWS=64)),

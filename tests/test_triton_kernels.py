@@ -1717,7 +1717,7 @@ def test_cached_decoding_through_the_triton_backend_gives_its_full_forward(decod
      [5, 19, 31, 44, 59]),  # with k_cmp all zero: importance ties, which go to the lower block
 ])
 def test_decoding_kernels_match_reference(B, T, H, G, Dk, Dv, cfg, positions, monkeypatch, chunk=None,
-                                          segment=None, zero_k_cmp=None):
+                                          segment=None, zero_k_cmp=None, parts=None):
     """The decoding kernels (kernels/decode.py: compressed partials, importance, top-n with one selected block or
     window tile a program, combine) against the float64 reference's row at each position, given the whole
     sequence's buffers (what lies past the position must not reach the result): output within fp32 rounding, the
@@ -1728,6 +1728,8 @@ def test_decoding_kernels_match_reference(B, T, H, G, Dk, Dv, cfg, positions, mo
         monkeypatch.setattr(triton_impl, "_DECODE_CHUNK", chunk)
     if segment is not None:
         monkeypatch.setattr(triton_impl, "_DECODE_TOPN_SEGMENT", segment)
+    if parts is not None:
+        monkeypatch.setattr(triton_impl, "_DECODE_PARTS", parts)
     if not ON_GPU:
         monkeypatch.setenv("TRITON_INTERPRET", "1")
     x = make_inputs(B, T, H, G, Dk, Dv, cfg, seed=5, dtype=torch.float64)
@@ -1754,6 +1756,24 @@ def test_decoding_top_n_over_segments_picks_the_reference_blocks(segment, zero_k
     assert triton_impl._topn_segment(128, 4) == 1 and triton_impl._topn_segment(4096, 16) == 16
     test_decoding_kernels_match_reference(1, 300, 4, 1, 8, 8, cfg, [2, 9, 40, 123, 250, 299], monkeypatch,
                                           segment=segment, zero_k_cmp=zero_k_cmp)
+
+
+@pytest.mark.parametrize("parts,n", [(2, 4), (4, 4), (2, 5), (3, 5), (8, 5)])
+def test_decoding_attend_programs_taking_several_blocks_match_reference(parts, n, monkeypatch):
+    """The attend kernel with PARTS chosen blocks a program (many rows a step): a divisor of n, all n, and counts
+    that leave the last program short (3 of n = 5: its third slot past n) or run past n (8); two batch rows, six
+    heads a group, positions with fewer candidates than n (-1 slots) and with every block free."""
+    cfg = NSAConfig(cmp_block=8, cmp_stride=4, sel_block=8, n_selected=n, window=6)
+    test_decoding_kernels_match_reference(2, 37, 12, 2, 16, 8, cfg, [3, 12, 20, 36], monkeypatch, parts=parts)
+
+
+def test_attend_programs_take_more_blocks_only_where_rows_fill_the_gpu():
+    """_attend_parts: one block a program while rows * n programs are at most _DECODE_ATTEND_PROGRAMS (nsa-125m,
+    n = 16: up to 32 batch rows of 2 groups), then as many as leave that many programs."""
+    assert triton_impl._DECODE_ATTEND_PROGRAMS == 512
+    assert [triton_impl._attend_parts(rows, 16) for rows in (2, 32, 33, 64, 128, 512, 4096)] == [1, 1, 1, 2, 4, 16,
+                                                                                                  16]
+    assert triton_impl._attend_parts(1000, 3) == 2 and triton_impl._attend_parts(1, 1) == 1
 
 
 def test_decoding_kernels_split_over_many_programs_match_reference(monkeypatch):

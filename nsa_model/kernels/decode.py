@@ -17,8 +17,10 @@ tiles:
                             block importance by the banded overlap (a token starts in one block and spills into at
                             most the next; PER_BLOCK = l'/d tokens start in each block, a power of two) and written
                             as own[j], spill[j]
-  nsa_decode_attend_kernel  grid (B*G, n): top-n from importance[j] = own[j] + spill[j - 1] (forced blocks first,
-                            non-candidates never), then the program's chosen block's keys up to p, as partials
+  nsa_decode_attend_kernel  grid (B*G, n / PARTS): top-n from importance[j] = own[j] + spill[j - 1] (forced
+                            blocks first, non-candidates never), then the program's PARTS chosen blocks' keys up
+                            to p, as a partial each. Every program makes the whole top-n (no launch to wait for),
+                            so PARTS > 1 makes it fewer times where many rows already fill the GPU
   nsa_decode_combine_kernel grid (B*H,): a head's partials of each branch merged, the gated sum stored
 
 Top-n: importance >= 0, so its float bits order like the values; packed above the bits of (NB_PAD - 1 - j) into
@@ -206,8 +208,9 @@ def nsa_decode_attend_kernel(Q, KS, VS, POS, IMP, BLOCKS, PM, PL, PACC,
                              DV: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, SEL_TILE: tl.constexpr,
                              CMP_BLOCK: tl.constexpr, CMP_STRIDE: tl.constexpr, SEL_BLOCK: tl.constexpr,
                              N_SEL: tl.constexpr, N_PAD: tl.constexpr, N_INIT: tl.constexpr, N_LOCAL: tl.constexpr,
-                             NB_PAD: tl.constexpr, SEGMENT: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    pid, part = tl.program_id(0), tl.program_id(1)
+                             NB_PAD: tl.constexpr, SEGMENT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                             PARTS: tl.constexpr = 1):
+    pid, first_part = tl.program_id(0), tl.program_id(1) * PARTS
     b, g = pid // G, pid % G
     pos = tl.load(POS)
     q = _query(Q, b, g, sqb, sqh, HPG, HP, DK, BLOCK_DK)
@@ -229,20 +232,23 @@ def nsa_decode_attend_kernel(Q, KS, VS, POS, IMP, BLOCKS, PM, PL, PACC,
         keys = _block_keys(imp, jj, (seg >= 0)[:, None] & (jj >= 0), touched, num_blocks, pos, SEL_BLOCK, N_INIT,
                            N_LOCAL, NB_PAD)
         chosen = _top_n(tl.reshape(keys, [N_PAD * SEGMENT]), slot, N_SEL, NB_PAD)
-    if part == 0:  # the step's blocks, ascending, -1 padded
+    if first_part == 0:  # the step's blocks, ascending, -1 padded
         ascending = tl.sort(tl.where(chosen < 0, NB_PAD, chosen), dim=0)
         tl.store(BLOCKS + pid.to(tl.int64) * N_SEL + slot, tl.where(ascending == NB_PAD, -1, ascending),
                  mask=slot < N_SEL)
-    block = tl.sum(tl.where(slot == part, chosen, 0), axis=0)
-    acc = tl.zeros([HP, BLOCK_DV], tl.float32)
-    m = tl.full([HP], float("-inf"), tl.float32)
-    l = tl.zeros([HP], tl.float32)
-    if block >= 0:  # its keys up to p
-        lo = block * SEL_BLOCK
-        acc, m, l = _attend_span(acc, m, l, q, KS, VS, b, g, skb, skt, skg, svb, svt, svg, lo,
-                                 tl.minimum(lo + SEL_BLOCK, pos + 1), qk_scale, DK, DV, BLOCK_DK, BLOCK_DV, SEL_TILE,
-                                 DOT_PRECISION)
-    _store_partial(PM, PL, PACC, pid.to(tl.int64) * N_SEL + part, acc, m, l, HP, BLOCK_DV)
+    for i in tl.static_range(PARTS):  # this program's PARTS chosen blocks (the last program's may run out)
+        part = first_part + i
+        if part < N_SEL:  # a partial each
+            block = tl.sum(tl.where(slot == part, chosen, 0), axis=0)
+            acc = tl.zeros([HP, BLOCK_DV], tl.float32)
+            m = tl.full([HP], float("-inf"), tl.float32)
+            l = tl.zeros([HP], tl.float32)
+            if block >= 0:  # its keys up to p
+                lo = block * SEL_BLOCK
+                acc, m, l = _attend_span(acc, m, l, q, KS, VS, b, g, skb, skt, skg, svb, svt, svg, lo,
+                                         tl.minimum(lo + SEL_BLOCK, pos + 1), qk_scale, DK, DV, BLOCK_DK, BLOCK_DV,
+                                         SEL_TILE, DOT_PRECISION)
+            _store_partial(PM, PL, PACC, pid.to(tl.int64) * N_SEL + part, acc, m, l, HP, BLOCK_DV)
 
 
 @triton.jit

@@ -1701,6 +1701,23 @@ def _topn_segment(nb_pad: int, n_pad: int) -> int:
     return 1 if ratio <= 64 else 2 ** ((ratio.bit_length()) // 2)
 
 
+_DECODE_ATTEND_PROGRAMS = 512  # the attend kernel's programs a step, at least, before each takes more blocks
+_DECODE_PARTS: int | None = None  # chosen blocks an attend program takes; None: _attend_parts's
+
+
+def _attend_parts(rows: int, n: int) -> int:
+    """Chosen blocks an attend program takes (its PARTS): 1 while rows * n programs, each making the whole top-n,
+    are at most _DECODE_ATTEND_PROGRAMS; past that the most (a power of two up to n) that still leaves that many
+    programs. Many rows (samples drawn together) fill the GPU on their own, and n programs a row then repeat
+    the top-n n times (v70)."""
+    if _DECODE_PARTS is not None:
+        return _DECODE_PARTS
+    parts = 1
+    while parts * 2 <= n and rows * triton.cdiv(n, parts * 2) >= _DECODE_ATTEND_PROGRAMS:
+        parts *= 2
+    return parts
+
+
 def decode_step(q, k_slc, v_slc, k_win, v_win, k_cmp, v_cmp, gates, position: torch.Tensor, cfg: NSAConfig,
                 scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(o [B, H, Dv], blocks [B, G, n]) of one query a row at `position` (a 1-element int64 tensor), as
@@ -1747,11 +1764,12 @@ def decode_step(q, k_slc, v_slc, k_win, v_win, k_cmp, v_cmp, gates, position: to
         q, k_cmp, position, cmp[0], cmp[1], importance, q.stride(0), q.stride(1), *k_cmp.stride()[:3], qk_scale,
         CHUNK=chunk, CHUNKS=chunks, CHUNKS_PAD=_pow2(chunks, 1), TOKENS=max(block_n, per_block),
         SEL_BLOCK=cfg.sel_block, NB_PAD=nb_pad, **common)
-    nsa_decode_attend_kernel[(rows, cfg.n_selected)](
+    parts = _attend_parts(rows, cfg.n_selected)
+    nsa_decode_attend_kernel[(rows, triton.cdiv(cfg.n_selected, parts))](
         q, k_slc, v_slc, position, importance, blocks, *slc, q.stride(0), q.stride(1), *k_slc.stride()[:3],
         *v_slc.stride()[:3], num_blocks, qk_scale, DV=Dv, BLOCK_DV=block_dv,
         SEL_TILE=min(block_n, _pow2(cfg.sel_block)), SEL_BLOCK=cfg.sel_block, N_SEL=cfg.n_selected, N_PAD=n_pad,
-        N_INIT=cfg.n_init_blocks, N_LOCAL=cfg.n_local_blocks, NB_PAD=nb_pad, SEGMENT=segment, **common)
+        N_INIT=cfg.n_init_blocks, N_LOCAL=cfg.n_local_blocks, NB_PAD=nb_pad, SEGMENT=segment, PARTS=parts, **common)
     nsa_decode_combine_kernel[(B * H,)](
         *cmp, *slc, *win, gates, o, gates.stride(0), gates.stride(1), G=G, HPG=H // G, HP=hp, DV=Dv,
         BLOCK_DV=block_dv, CHUNKS=chunks, N_SEL=cfg.n_selected, WIN_TILES=win_tiles,
