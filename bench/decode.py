@@ -15,6 +15,8 @@ one CUDA graph of the step, as generate() does), timed end to end, --repeats tim
 max_seq_len leaves room for every step after the prompt, so no step crops the context. NSA's decoding step reads Tc
 + n*l' + w keys a head where the full pass reads every position, so the ratio grows with the prompt. --profile (GPU)
 adds the step's own times (eager, and replayed from its graph) and an eager step's kernels by GPU time.
+--samples N times N continuations drawn together (generate_samples: the prompt once, each step of all N rows)
+against N calls of generate() with the cache, one at a time, instead of against the whole context.
 Writes DIR/decode-<device>-<date><suffix>.md and .json.
 """
 
@@ -237,8 +239,8 @@ def main(argv=None) -> None:
     rows = [measure(preset, args) for preset in PRESETS[args.preset]]
     stem, meta = result_stem(args.out, "decode", args.suffix, args.commit or git_commit())
     meta.update({"decode_kernel": args.decode_kernel or "default", "prompt_len": args.prompt_len,
-                 "new_tokens": args.new_tokens, "samples": args.samples, "repeats": args.repeats, "threads": torch.get_num_threads(),
-                 "rows": rows})
+                 "new_tokens": args.new_tokens, "samples": args.samples, "repeats": args.repeats,
+                 "threads": torch.get_num_threads(), "rows": rows})
     if args.samples == 1:
         heads = "| model | cached tokens/s | full-context tokens/s | cached / full |"
     else:
@@ -263,11 +265,12 @@ def main(argv=None) -> None:
                       f"({kind}):\n\n```\n{p['kernels']}\n```")
     os.makedirs(args.out, exist_ok=True)
     result_file(stem, ".json").write_text(json.dumps(meta, indent=2) + "\n")
+    per_sample = f" in each of {args.samples} samples" if args.samples > 1 else ""
     result_file(stem, ".md").write_text(
         f"# Decoding: cached steps against the whole context a token\n\n{meta['device']}, {meta['date']}, commit "
         f"{meta['commit']}, torch {meta['torch']}; prompt {args.prompt_len} tokens, {args.new_tokens} greedy new "
-        f"tokens{f' in each of {args.samples} samples' if args.samples > 1 else ''}, median of {args.repeats} (each timed end to end, prompt included); {meta['threads']} CPU "
-        f"threads.\n\n{table}\n")
+        f"tokens{per_sample}, median of {args.repeats} (each timed end to end, prompt included); {meta['threads']} "
+        f"CPU threads.\n\n{table}\n")
     print(table)
     print(f"wrote {result_file(stem, '.md')}")
 

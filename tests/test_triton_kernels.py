@@ -1768,10 +1768,10 @@ def test_decoding_attend_programs_taking_several_blocks_match_reference(parts, n
 
 
 def test_attend_programs_take_more_blocks_only_where_rows_fill_the_gpu():
-    """_attend_parts: one block a program while rows * n programs are at most _DECODE_ATTEND_PROGRAMS (nsa-125m,
-    n = 16: up to 32 batch rows of 2 groups), then as many as leave that many programs."""
+    """_attend_parts: the most blocks a program (a power of two up to n) that leave _DECODE_ATTEND_PROGRAMS
+    programs: at nsa-125m (n = 16, 2 groups) one block below 64 (batch, group) rows, two from 64 (32 samples)."""
     assert triton_impl._DECODE_ATTEND_PROGRAMS == 512
-    assert [triton_impl._attend_parts(rows, 16) for rows in (2, 32, 33, 64, 128, 512, 4096)] == [1, 1, 1, 2, 4, 16,
+    assert [triton_impl._attend_parts(rows, 16) for rows in (2, 32, 63, 64, 128, 512, 4096)] == [1, 1, 1, 2, 4, 16,
                                                                                                   16]
     assert triton_impl._attend_parts(1000, 3) == 2 and triton_impl._attend_parts(1, 1) == 1
 
