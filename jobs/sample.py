@@ -30,7 +30,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-new-tokens", type=int, default=200)
     parser.add_argument("--temperature", type=float, default=0.8, help="0: always the most likely token")
     parser.add_argument("--top-k", type=int, default=50, help="draw from the k most likely tokens; 0: from all")
-    parser.add_argument("--samples", type=int, default=1)
+    parser.add_argument("--samples", type=int, default=1,
+                        help="continuations drawn together, as one batch (the cache holds the context once a sample)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default="auto", help="auto (cuda when present), cpu or cuda[:N]")
     parser.add_argument("--tokenizer", default=None, help="a tokenizer.json to use instead of the run's")
