@@ -172,10 +172,9 @@ def profile_step(model, prompt, samples: int) -> dict:
         while any(model.step_compresses(p) not in steps.graphs  # every kind the timed steps meet, captured
                   for p in range(steps.cache.length, steps.cache.length + 32)):
             steps(token)
-        eager = model.new_cache()  # stepped eagerly, through forward_cached
-        model.forward_cached(prompt, eager)
-        if samples > 1:
-            eager.repeat_rows(samples)
+        eager = DecodingSteps(model)  # its prompt and cache only: stepped eagerly, through forward_cached
+        eager.prompt(prompt, samples)
+        eager = eager.cache
         eager_ms = timed(lambda: model.forward_cached(token, eager))
         first = steps.cache.length
         replay_ms = timed(lambda: steps(token), repeat=32)

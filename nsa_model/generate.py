@@ -41,8 +41,8 @@ def next_tokens(logits: torch.Tensor, temperature: float, top_k: int | None,
     if top_k is not None and top_k < logits.shape[-1]:
         kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
-    # ok-host-sync: one per generated token, outside any forward/backward (decoding, not training)
-    return torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=generator)[:, 0].tolist()
+    drawn = torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=generator)
+    return drawn[:, 0].tolist()  # ok-host-sync: one a step for all rows, outside any forward/backward (decoding)
 
 
 def next_token(logits: torch.Tensor, temperature: float, top_k: int | None,

@@ -161,23 +161,31 @@ def _decode_kernel(name):
     return triton_impl.use_launch_config(dataclasses.replace(triton_impl.launch_config(), decode_kernel=name))
 
 
+def _sampling_model():
+    """(float32 nsa-125m of 2 layers on the CPU, an 8-token prompt) for the sampling tests: weights drawn at 0.05,
+    since as initialized a model repeats its last token whatever its attention does."""
+    from nsa_model import get_preset
+    from nsa_model.model import Transformer
+
+    cfg = get_preset("nsa-125m").replace(n_layers=2, max_seq_len=256)
+    torch.manual_seed(0)
+    model = Transformer(cfg).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.05)
+    prompt = torch.randint(0, cfg.vocab_size, (8,), generator=torch.Generator().manual_seed(1)).tolist()
+    return model, prompt
+
+
 @pytest.mark.parametrize("decode_kernel", ["torch", "triton"])
 def test_greedy_sampling_on_the_gpu_follows_the_float32_model(decode_kernel):
     """jobs/sample.py's path on a GPU: nsa_model/generate.py with the Triton kernels under bf16 autocast, on a
     context that grows a token at a time from 8 tokens (under one compressed block) past two selection blocks.
     Every token it picks must be the float32 model's most likely one on the CPU, up to bf16 noise: within 2% of
     the logits' range of the top (a wrong attention picks tokens far down the list). Seeded draws repeat."""
-    from nsa_model import get_preset
     from nsa_model.generate import generate
-    from nsa_model.model import Transformer
 
-    cfg = get_preset("nsa-125m").replace(n_layers=2, max_seq_len=256)
-    torch.manual_seed(0)
-    model = Transformer(cfg).eval()
-    with torch.no_grad():  # as initialized, a model repeats its last token whatever its attention does
-        for p in model.parameters():
-            p.normal_(0.0, 0.05)
-    prompt = torch.randint(0, cfg.vocab_size, (8,), generator=torch.Generator().manual_seed(1)).tolist()
+    model, prompt = _sampling_model()
     with torch.autocast("cuda", dtype=torch.bfloat16), _decode_kernel(decode_kernel):
         new = generate(model.cuda(), prompt, 140, temperature=0)
     logits, _ = model.cpu()(torch.tensor([prompt + new]))
@@ -200,16 +208,8 @@ def test_samples_drawn_together_on_the_gpu_each_follow_their_own_context(decode_
     at every step, against the float32 model on the CPU over that row's own tokens, as a fraction of the logits'
     range: bf16 noise, where a row reading another's cache, or a stale one, is off by the whole range."""
     from nsa_model import generate as generate_module
-    from nsa_model import get_preset
-    from nsa_model.model import Transformer
 
-    cfg = get_preset("nsa-125m").replace(n_layers=2, max_seq_len=256)
-    torch.manual_seed(0)
-    model = Transformer(cfg).eval()
-    with torch.no_grad():  # as initialized, a model repeats its last token whatever its attention does
-        for p in model.parameters():
-            p.normal_(0.0, 0.05)
-    prompt = torch.randint(0, cfg.vocab_size, (8,), generator=torch.Generator().manual_seed(1)).tolist()
+    model, prompt = _sampling_model()
     drawn_from, real = [], generate_module.next_tokens
 
     def record(logits, *args):
