@@ -198,7 +198,7 @@ def check_bf16(name, B, T, H, G, Dk, Dv, cfg, grads=True, seed=0, stacked_kv=Fal
         # absolute where the reference is (nearly) zero: e.g. q and k gradients of a one-key softmax at T = 1
         return float((a.detach().double() - b.detach()).norm() / b.detach().norm().clamp_min(1.0))
 
-    result = {"case": name, "B": B, "T": T, "H": H, "G": G, "Dk": Dk, "Dv": Dv,
+    result = {"case": name, "B": B, "T": T, "H": H, "G": G, "Dk": Dk, "Dv": Dv, "nsa": dataclasses.asdict(cfg),
               "o": rel(o[:, checked], o_ref[:, checked]), "queries_checked": int(checked.sum()),
               "selection_rows_differing": diff, "selection_near_ties": near, "selection_max_rel_gap": max_gap,
               "finite": bool(torch.isfinite(o).all())}
@@ -232,7 +232,31 @@ CHECKS = [
     dict(name="h16_T5000", B=1, T=5000, H=16, G=1, Dk=128, Dv=128),
     dict(name="h2_T1", B=1, T=1, H=4, G=2, Dk=64, Dv=64),
     dict(name="h2_T100", B=3, T=100, H=4, G=2, Dk=64, Dv=64),
+    # NSA settings a Tune sweep picks (pipeline/tune.py varies l', n, and l, d, w), each reaching one selected variant
+    # at a block count and n_pad the paper settings never give: `nsa` holds the fields that differ from PAPER_NSA
+    dict(name="tiny_b2_T3001", B=2, T=3001, H=4, G=2, Dk=64, Dv=64,  # the tiny preset's own settings: by_block
+         nsa=dict(cmp_block=16, cmp_stride=8, sel_block=16, n_selected=4, window=64)),
+    dict(name="125m_T16k_sel32_n32", B=1, T=16384, H=12, G=2, Dk=64, Dv=64,  # by_block, n_pad 32
+         nsa=dict(sel_block=32, n_selected=32)),
+    dict(name="125m_b2_T2000_sel128_n8_cmp64", B=2, T=2000, H=12, G=2, Dk=64, Dv=64,  # tiled_by_block
+         nsa=dict(cmp_block=64, cmp_stride=32, sel_block=128, n_selected=8, window=256)),
+    # l' / d = 3: the selection's importance by its matmul, not the banded sums; n = 6 padded to 8; w not a power of 2
+    dict(name="h8_T5000_sel48_n6", B=1, T=5000, H=16, G=2, Dk=64, Dv=64,
+         nsa=dict(sel_block=48, n_selected=6, window=1000)),
+    dict(name="paper_T8k_sel128_n8", B=1, T=8192, H=64, G=4, Dk=128, Dv=128,  # tiled
+         nsa=dict(sel_block=128, n_selected=8)),
+    dict(name="paper_T8k_sel32_n8_per_query", B=1, T=8192, H=64, G=4, Dk=128, Dv=128,  # per_query, n_pad 8
+         nsa=dict(sel_block=32, n_selected=8)),
+    dict(name="paper_T16k_sel32_n32_per_query", B=1, T=16448, H=64, G=4, Dk=128, Dv=128,  # per_query, n_pad 32
+         nsa=dict(sel_block=32, n_selected=32)),
 ]
+
+
+def check_case(case: dict) -> tuple[str, NSAConfig, dict]:
+    """(name, NSA settings, check_bf16's other arguments) of a CHECKS entry: its `nsa` fields over PAPER_NSA."""
+    case = dict(case)
+    name = case.pop("name")
+    return name, dataclasses.replace(PAPER_NSA, **case.pop("nsa", {})), case
 
 
 # --- timing ---------------------------------------------------------------------------------------------------
@@ -267,6 +291,23 @@ def peak_mib(fn):
     fn()
     torch.cuda.synchronize()
     return (torch.cuda.max_memory_allocated() - base) / 2 ** 20
+
+
+def dense_call(x, do, hpg: int, backend: str):
+    """(fwd+bwd, leaves) of dense causal SDPA on backend "cudnn" or "flash" over the NSA inputs x's q and window
+    K/V, the K/V repeated to all heads (hpg a group), [B, H, T, D] as SDPA's documentation takes them."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    qd = x["q"].detach().transpose(1, 2).contiguous().requires_grad_()
+    kd = x["k_win"].detach().repeat_interleave(hpg, dim=2).transpose(1, 2).contiguous().requires_grad_()
+    vd = x["v_win"].detach().repeat_interleave(hpg, dim=2).transpose(1, 2).contiguous().requires_grad_()
+    dod = do.transpose(1, 2).contiguous()
+    chosen = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION}[backend]
+
+    def dense_fb():
+        with sdpa_kernel(chosen):
+            F.scaled_dot_product_attention(qd, kd, vd, is_causal=True).backward(dod)
+    return dense_fb, [qd, kd, vd]
 
 
 SECTIONS = ("selected", "range", "profile")  # optional parts of each timing row (--sections)
@@ -320,21 +361,13 @@ def time_config(family, B, T, cfg, have_fla, sections=SECTIONS):
     if "profile" in sections:
         row["kernel_ms"] = kernel_breakdown(fresh_grads(nsa_fb, leaves))
 
-    # dense: SDPA with K/V repeated to all heads, [B, H, T, D] as its documentation takes them
-    qd = x["q"].detach().transpose(1, 2).contiguous().requires_grad_()
-    kd = x["k_win"].detach().repeat_interleave(H // G, dim=2).transpose(1, 2).contiguous().requires_grad_()
-    vd = x["v_win"].detach().repeat_interleave(H // G, dim=2).transpose(1, 2).contiguous().requires_grad_()
-    dod = do.transpose(1, 2).contiguous()
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-    for label, backend in (("cudnn", SDPBackend.CUDNN_ATTENTION), ("flash", SDPBackend.FLASH_ATTENTION)):
-        def dense_fb(backend=backend):
-            with sdpa_kernel(backend):
-                F.scaled_dot_product_attention(qd, kd, vd, is_causal=True).backward(dod)
+    for label in ("cudnn", "flash"):
+        dense_fb, dense_leaves = dense_call(x, do, H // G, label)
         try:
-            row[f"dense_{label}_fb_ms"] = bench(dense_fb, [qd, kd, vd])
+            row[f"dense_{label}_fb_ms"] = bench(dense_fb, dense_leaves)
             row[f"dense_{label}_fb_peak_mib"] = peak_mib(dense_fb)
             if label == "cudnn":
-                row["dense_cudnn_fb_graph_ms"] = bench_graph(dense_fb, [qd, kd, vd])
+                row["dense_cudnn_fb_graph_ms"] = bench_graph(dense_fb, dense_leaves)
         except Exception as e:  # a backend the build lacks is reported, not hidden
             row[f"dense_{label}_error"] = repr(e)[:300]
 
@@ -819,11 +852,10 @@ def main():
         print("launch config:", meta["launch_config"], flush=True)
     wanted = [c for c in CHECKS if not args.checks or c["name"] in args.checks.split(",")]
     for c in ([] if args.skip_checks else wanted[:2] if args.quick else wanted):
-        c = dict(c)
-        name = c.pop("name")
+        name, cfg, c = check_case(c)
         start = time.time()
         try:
-            r = check_bf16(name, cfg=PAPER_NSA, **c)
+            r = check_bf16(name, cfg=cfg, **c)
         except Exception as e:
             traceback.print_exc()
             r = {"case": name, "error": repr(e)[:500], "ok": False}

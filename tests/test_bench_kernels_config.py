@@ -29,10 +29,11 @@ print(count)
 CHECK_KERNELS = """
 import bench.kernels as k
 gpu = k.ti.LaunchConfig()  # the GPU's defaults (this interpreter session's own config is the interpreter's)
-cfg = k.PAPER_NSA
 for case in k.CHECKS:
-    blocks = -(-case["T"] // cfg.sel_block)
-    print(case["name"], k.ti.selected_kernel(case["H"] // case["G"], blocks, cfg.n_selected, gpu))
+    name, cfg, shape = k.check_case(case)
+    blocks = -(-shape["T"] // cfg.sel_block)
+    print(name, k.ti.selected_kernel(shape["H"] // shape["G"], blocks, cfg.n_selected, gpu), cfg.sel_block,
+          cfg.n_selected)
 """
 
 
@@ -53,7 +54,14 @@ def test_the_gpu_checks_reach_each_selected_variant_auto_picks():
     """The bf16 checks on the GPU (bench/kernels.py CHECKS) are the only run of each selected variant at its real
     shapes with gradients. A check named for a variant must still get it from auto when auto's lines move (v53
     moved the per-query check from T = 16384 to 16448), and every variant auto can pick must have a check."""
-    picked = dict(line.split() for line in _run_with_bench(CHECK_KERNELS).strip().splitlines())
+    lines = [line.split() for line in _run_with_bench(CHECK_KERNELS).strip().splitlines()]
+    picked = {name: kernel for name, kernel, _, _ in lines}
     assert picked["paper_T16k_per_query"] == "per_query"
     assert picked["paper_T8k"] == "tiled"
     assert {"by_block", "tiled_by_block", "tiled", "per_query"} <= set(picked.values()), picked
+    # and at NSA settings other than the paper's (l', n), as a Tune sweep runs them: each variant again
+    other = {kernel for _, kernel, sel_block, n in lines if (sel_block, n) != ("64", "16")}
+    assert {"by_block", "tiled_by_block", "tiled", "per_query"} <= other, lines
+    for name, kernel, _, _ in lines:  # a check named for its variant gets it
+        for variant in ("per_query", "tiled_by_block"):
+            assert not name.endswith(variant) or kernel == variant, (name, kernel)

@@ -15,7 +15,7 @@ import torch
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="bf16 large-T checks need a CUDA GPU")
 
 BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench", "kernels.py")
-N_CHECKS = 14  # len(bench/kernels.py CHECKS)
+N_CHECKS = 21  # len(bench/kernels.py CHECKS)
 
 
 def _bench_module():
@@ -29,9 +29,8 @@ def _bench_module():
 def test_bf16_matches_float64_reference(index):
     bench = _bench_module()
     assert len(bench.CHECKS) == N_CHECKS
-    case = dict(bench.CHECKS[index])
-    name = case.pop("name")
-    result = bench.check_bf16(name, cfg=bench.PAPER_NSA, **case)
+    name, cfg, case = bench.check_case(bench.CHECKS[index])
+    result = bench.check_bf16(name, cfg=cfg, **case)
     assert result["finite"], result
     assert result["selection_rows_differing"] == result["selection_near_ties"], result  # only near-ties may differ
     errors = {k: v for k, v in result.items() if k == "o" or (k.startswith("d") and k[1:] in bench.NAMES)}
@@ -230,18 +229,29 @@ def test_samples_drawn_together_on_the_gpu_each_follow_their_own_context(decode_
         assert error.median() <= 1e-2 and error.max() <= 5e-2, (r, error.median().item(), error.max().item())
 
 
-@pytest.mark.parametrize("decode_kernel", ["torch", "triton"])
-def test_nsa_decoding_steps_on_the_gpu_give_the_layer_s_full_pass(decode_kernel):
+# NSA settings of the decoding test besides nsa-125m's own: the tiny preset's, and a Tune sweep's pick with n padded
+# to 8 and a window that is no power of two (cmp_block, cmp_stride, sel_block, n_selected, window)
+OTHER_DECODING_NSA = {"tiny": (16, 8, 16, 4, 64), "cmp64_n5_w200": (64, 32, 64, 5, 200)}
+
+
+@pytest.mark.parametrize("decode_kernel,nsa", [("torch", None), ("triton", None)]
+                         + [("triton", name) for name in OTHER_DECODING_NSA])
+def test_nsa_decoding_steps_on_the_gpu_give_the_layer_s_full_pass(decode_kernel, nsa):
     """NSAAttention.prefill + decode under bf16 on the GPU: a 600-token prompt through the Triton core (past
     w = 512 and nine selection blocks), then 100 decoding steps (ops/decode.py, phi and RoPE through our kernels)
     over the layer's cache, against one forward over all 700 positions. Per position, the error as a fraction of
     that output's largest value: bf16 and near-ties in the selection let a few positions differ, the median must
-    not."""
+    not. Also at other NSA settings (OTHER_DECODING_NSA), each with more blocks at 600 tokens than it selects."""
     from nsa_model import get_preset
     from nsa_model.attention import NSAAttention
     from nsa_model.cache import LayerCache
+    from nsa_model.config import NSAConfig
 
     cfg = get_preset("nsa-125m")
+    if nsa is not None:
+        fields = dict(zip(("cmp_block", "cmp_stride", "sel_block", "n_selected", "window"), OTHER_DECODING_NSA[nsa]))
+        cfg = cfg.replace(nsa=NSAConfig(**fields))
+        assert 600 // cfg.nsa.sel_block > cfg.nsa.n_selected  # the top-n chooses
     torch.manual_seed(0)
     layer = NSAAttention(cfg).cuda().eval()
     with torch.no_grad():
