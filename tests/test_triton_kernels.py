@@ -165,6 +165,30 @@ def test_selection_launch_follows_the_head_dim():
     assert same_block_sets(blocks, blocks_ref)
 
 
+def test_selection_score_tile_stays_within_what_compiles_right_above_head_dim_64():
+    """selection_tiles: above head dim 64 a chunk's score tile (query rows x tokens) is held to 64 x 256 elements,
+    by fewer chunk splits first, then smaller query tiles (v71: 64 x 512 at head dim 128 gave wrong sets on the
+    H200); head dims up to 64 keep select_d64 as it is. The paper settings (l' / d = 4, n_pad 16) are untouched."""
+    launch = triton_impl.LaunchConfig(select_d128=(64, 1, 4), select_d64=(64, 0, 4))
+    with triton_impl.use_launch_config(launch):
+        assert triton_impl.selection_tiles(128, 16, 4) == (64, 1, 4, 128)  # paper: 32-block chunks, as before
+        assert triton_impl.selection_tiles(128, 16, 8) == (64, 1, 4, 256)  # l' = 128, n = 16
+        assert triton_impl.selection_tiles(128, 32, 8) == (64, 0, 4, 256)  # l' = 128, n = 32: the v71 case
+        assert triton_impl.selection_tiles(128, 64, 8) == (32, 0, 4, 512)
+        assert triton_impl.selection_tiles(128, 64, 16) == (16, 0, 4, 1024)
+        assert triton_impl.selection_tiles(64, 64, 16) == (64, 0, 4, 1024)  # right at head dim 64 (v71)
+
+
+def test_selection_with_a_smaller_query_tile_for_its_wide_chunks_matches_reference():
+    """n = 33 blocks of l' / d = 8 tokens at head dim 128: a chunk of the interpreter's 128-row tiles would hold
+    128 x 1024 scores, so selection_tiles runs 32-row tiles over 512-token chunks; its sets are the reference's."""
+    cfg = NSAConfig(cmp_block=8, cmp_stride=4, sel_block=32, n_selected=33, window=16)
+    assert triton_impl.selection_tiles(128, 64, 8)[0] == 32
+    blocks, blocks_ref, _, _ = _selection_and_reference(cfg, T=1300, H=2, G=1, Dk=128, seed=7)
+    assert (blocks >= 0).sum(-1).max() == 33  # 41 blocks at the last query: the top-n chooses
+    assert same_block_sets(blocks, blocks_ref)
+
+
 @pytest.mark.parametrize("cmp_block,cmp_stride,sel_block", [(8, 4, 12), (8, 8, 16), (16, 4, 16), (8, 4, 16)])
 def test_selection_block_shapes_match_reference(cmp_block, cmp_stride, sel_block):
     """Block importance for every shape of the overlap weights W: l'/d = 3 is not a power of 2, so the kernel

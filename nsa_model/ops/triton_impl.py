@@ -579,9 +579,8 @@ def select_blocks(q, k_cmp, lse, cfg: NSAConfig, scale: float):
     num_cmp, G = k_cmp.shape[1], k_cmp.shape[2]
     n = cfg.n_selected
     n_pad = _pow2(n)
-    bm, splits, warps = select_launch(q.shape[-1])
+    bm, splits, warps, tok_pad = selection_tiles(q.shape[-1], n_pad, cfg.sel_block // cfg.cmp_stride)
     blocks = torch.empty(B, T, G, n, dtype=torch.int32, device=q.device)
-    tok_pad = _pow2((n_pad << splits) * (cfg.sel_block // cfg.cmp_stride))
     tiles = _tile_args(dict(BLOCK_M=bm, BLOCK_N=tok_pad), dict(QD=q), dict(KCD=k_cmp))
     select_blocks_kernel[(triton.cdiv(T, bm), B * G)](
         q, k_cmp, LSE=lse, BLOCKS=blocks, T=T, num_cmp=num_cmp, scale=scale, H=H, G=G, DK=q.shape[-1],
@@ -597,6 +596,29 @@ def select_launch(head_dim: int) -> tuple[int, int, int]:
     if head_dim <= 64:
         return _config.select_d64
     return _config.select_d128 if head_dim <= 128 else _config.select
+
+
+# Query rows times a chunk's compressed tokens of the selection kernel's score tile, at most, for head dims above 64.
+# On the H200 under Triton 3.6 the kernel compiled at head dim 128 with a 64 x 512 tile returns wrong sets (every row
+# of T = 16k and 64k, l' = 128, n = 32: 512 tokens a chunk at 32-block chunks); 64 x 256 and 32 x 512 are right, and
+# so are 64 x 512 and 64 x 1024 at head dim 64 (kernels-notes.md v71). The interpreter has no such limit.
+_SELECT_TILE_ELEMENTS = 64 * 256
+
+
+def selection_tiles(head_dim: int, n_pad: int, pieces_per_block: int) -> tuple[int, int, int, int]:
+    """(query tile, chunk splits, warps, tokens a chunk) of the selection kernel: select_launch's, with chunks
+    halved, then query tiles halved (down to 16 rows), while a head dim above 64 would make the score tile larger
+    than _SELECT_TILE_ELEMENTS. A chunk holds n_pad * 2^splits blocks of pieces_per_block (l' / d) tokens."""
+    bm, splits, warps = select_launch(head_dim)
+
+    def tokens(s: int) -> int:
+        return _pow2((n_pad << s) * pieces_per_block)
+    if head_dim > 64:
+        while splits > 0 and bm * tokens(splits) > _SELECT_TILE_ELEMENTS:
+            splits -= 1
+        while bm > 16 and bm * tokens(splits) > _SELECT_TILE_ELEMENTS:
+            bm //= 2
+    return bm, splits, warps, tokens(splits)
 
 
 # --- selected branch ------------------------------------------------------------------------------------------
