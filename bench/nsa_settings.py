@@ -74,6 +74,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--nsa", action="append", default=[], metavar="FIELD=VALUE",
                     help=f"another NSAConfig field for every setting (repeatable), one of {OTHER_FIELDS}")
     ap.add_argument("--skip-checks", action="store_true")
+    ap.add_argument("--profile", action="store_true", help="also each setting's GPU time per kernel (torch.profiler)")
     ap.add_argument("--launch", action="append", default=[], metavar="NAME=VALUE",
                     help="a LaunchConfig field to change for this run (repeatable)")
     ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results"))
@@ -155,6 +156,11 @@ def markdown(meta: dict, rows: list[dict], shapes: list, grid: list[NSAConfig]) 
             lines.append(f"| l'={sel_block} n={n} | {c.get('worst', float('nan')):.2e} | "
                          f"{c.get('selection_rows_differing', '-')} ({c.get('selection_near_ties', '-')}) | "
                          f"{'yes' if c.get('ok') else 'NO'} |")
+        profiled = [(key, r["kernel_ms"]) for key, r in sorted(by_setting.items()) if "kernel_ms" in r]
+        if profiled:
+            lines += ["", "GPU ms per kernel of one fwd+bwd (torch.profiler, eager), largest first:", ""]
+            lines += [f"- l'={sel_block} n={n}: " + ", ".join(f"{name} {ms:.2f}" for name, ms in kernels.items())
+                      for (sel_block, n), kernels in profiled]
         lines.append("")
     return "\n".join(lines)
 
@@ -190,7 +196,8 @@ def plot(path, rows: list[dict], shapes: list, grid: list[NSAConfig]) -> None:
     plt.close(fig)
 
 
-def run_shape(kb, family: str, B: int, T: int, grid: list[NSAConfig], skip_checks: bool) -> list[dict]:
+def run_shape(kb, family: str, B: int, T: int, grid: list[NSAConfig], skip_checks: bool,
+              profile: bool = False) -> list[dict]:
     """Rows of one shape: dense cuDNN (timed before and after the grid), then each setting's check and time."""
     import torch
 
@@ -221,6 +228,8 @@ def run_shape(kb, family: str, B: int, T: int, grid: list[NSAConfig], skip_check
             def nsa_fb(cfg=cfg):
                 kb.ti.nsa_attention(*leaves, cfg, scale=Dk ** -0.5).backward(do)
             row["nsa_ms"] = kb.bench_graph(nsa_fb, leaves)
+            if profile:
+                row["kernel_ms"] = kb.kernel_breakdown(kb.fresh_grads(nsa_fb, leaves), top=8)
         except Exception as e:  # recorded in the row; the other settings still run
             traceback.print_exc()
             row["error"] = repr(e)[:300]
@@ -255,7 +264,7 @@ def main(argv=None) -> None:
     rows = []
     for family, B, T in args.shapes:
         try:
-            rows += run_shape(kb, family, B, T, args.grid, args.skip_checks)
+            rows += run_shape(kb, family, B, T, args.grid, args.skip_checks, args.profile)
         except Exception as e:
             traceback.print_exc()
             rows.append({"family": family, "B": B, "T": T, "kind": "dense", "error": repr(e)[:300]})

@@ -48,7 +48,7 @@ def test_table_and_heatmap_from_a_run_s_rows(tmp_path):
     check = {"worst": 3.1e-3, "ok": True, "selection_rows_differing": 2, "selection_near_ties": 2}
     rows = [{**base, "kind": "dense", "cudnn_ms": 2.0, "cudnn_before_ms": 1.9, "cudnn_after_ms": 2.1},
             {**base, "kind": "nsa", "sel_block": 32, "n_selected": 8, "variant": "by_block", "nsa_ms": 1.5,
-             "ratio": 0.75, "check": check},
+             "ratio": 0.75, "check": check, "kernel_ms": {"select_blocks_kernel": 0.25, "(others)": 1.0}},
             {**base, "kind": "nsa", "sel_block": 32, "n_selected": 16, "error": "RuntimeError('x')"},
             {**base, "kind": "nsa", "sel_block": 64, "n_selected": 16, "variant": "tiled_by_block", "nsa_ms": 2.5,
              "ratio": 1.25, "check": {**check, "ok": False}}]
@@ -58,5 +58,6 @@ def test_table_and_heatmap_from_a_run_s_rows(tmp_path):
     assert "| 64 | - | 2.50 (1.250) [tiled_by_block] |" in text
     assert "| l'=32 n=8 | 3.10e-03 | 2 (2) | yes |" in text and "| l'=64 n=16 | 3.10e-03 | 2 (2) | NO |" in text
     assert "dense cuDNN 2.00 ms (before the grid 1.90, after 2.10)" in text
+    assert "- l'=32 n=8: select_blocks_kernel 0.25, (others) 1.00" in text
     plot(tmp_path / "heat.png", rows, args.shapes, args.grid)
     assert (tmp_path / "heat.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
