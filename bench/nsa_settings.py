@@ -182,9 +182,11 @@ def plot(path, rows: list[dict], shapes: list, grid: list[NSAConfig]) -> None:
             if (r["family"], r["B"], r["T"], r.get("kind")) == (family, B, T, "nsa") and r.get("ratio") is not None:
                 ratio[sel_blocks.index(r["sel_block"]), ns.index(r["n_selected"])] = r["ratio"]
         image = ax.imshow(ratio, cmap="viridis_r", aspect="auto")
+        middle = np.nanmean([np.nanmin(ratio), np.nanmax(ratio)]) if not np.isnan(ratio).all() else 0.0
         for i, j in itertools.product(range(len(sel_blocks)), range(len(ns))):
-            if not np.isnan(ratio[i, j]):
-                ax.text(j, i, f"{ratio[i, j]:.2f}", ha="center", va="center", color="white", fontsize=9)
+            if not np.isnan(ratio[i, j]):  # dark text on the map's light (low) end
+                ax.text(j, i, f"{ratio[i, j]:.2f}", ha="center", va="center", fontsize=9,
+                        color="black" if ratio[i, j] < middle else "white")
         ax.set_xticks(range(len(ns)), [str(n) for n in ns])
         ax.set_yticks(range(len(sel_blocks)), [str(s) for s in sel_blocks])
         ax.set_xlabel("n (selected blocks)")
