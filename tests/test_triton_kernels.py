@@ -771,6 +771,61 @@ def test_core_op_backward_matches_reference_under_every_variant(variant, monkeyp
     assert stacked_k.grad[:, :, 0].abs().max() == 0 and stacked_v.grad[:, :, 0].abs().max() == 0
 
 
+def test_large_selection_blocks_are_attended_as_equal_parts():
+    """attend_geometry: selection blocks above _SLC_ATTEND_BLOCK (64) keys are attended as the fewest equal parts
+    of at most 64 keys; _attended_blocks maps block j to parts j f .. j f + f - 1, keeps -1, and drops a part that
+    starts after its query."""
+    assert triton_impl.attend_geometry(64, 16) == (64, 16)
+    assert triton_impl.attend_geometry(32, 8) == (32, 8)
+    assert triton_impl.attend_geometry(128, 16) == (64, 32)
+    assert triton_impl.attend_geometry(96, 8) == (48, 16)
+    assert triton_impl.attend_geometry(144, 4) == (48, 12)  # 144 = 3 x 48: two parts would not be equal
+    assert triton_impl.attend_geometry(256, 3) == (64, 12)
+    blocks = torch.full((1, 300, 1, 3), -1, dtype=torch.int32)
+    blocks[0, 299, 0] = torch.tensor([2, 0, -1])  # query 299: block 2 holds 256 .. 383, its second part past it
+    blocks[0, 130, 0, 0] = 1
+    parts, part = triton_impl._attended_blocks(blocks, 128)
+    assert part == 64 and parts.shape == (1, 300, 1, 6)
+    assert parts[0, 299, 0].tolist() == [4, -1, 0, 1, -1, -1]
+    assert parts[0, 130, 0].tolist() == [2, -1, -1, -1, -1, -1]  # 128 .. 191 starts by 130, 192 .. 255 after
+    assert parts[0, 0, 0].tolist() == [-1] * 6
+    same, part = triton_impl._attended_blocks(blocks, 64)
+    assert same is blocks and part == 64
+
+
+@pytest.mark.parametrize("variant", ["by_block", "tiled_by_block", "tiled", "per_query"])
+def test_selection_blocks_attended_in_parts_match_reference(variant, monkeypatch):
+    """l' = 48 attended as three parts of 16 keys (_SLC_ATTEND_BLOCK set to 16 here, as 64 splits l' = 128 on the
+    GPU): the output, all eight gradients and the selected sets of nsa::core against the float64 reference, under
+    each selected variant; and selected_attention through its public entry."""
+    monkeypatch.setattr(triton_impl, "_SLC_ATTEND_BLOCK", 16)
+    cfg = NSAConfig(cmp_block=16, cmp_stride=8, sel_block=48, n_selected=3, window=24)
+    B, T, H, G, Dk, Dv = 1, 150, 4, 2, 16, 16  # 4 blocks of 48 at the last queries, 3 chosen
+    inputs = make_inputs(B, T, H, G, Dk, Dv, cfg, seed=31)
+    scale = Dk ** -0.5
+    o_ref, ref_in, grad_out = reference_with_grads(inputs, cfg, scale)
+    tri_in = {n: x.float().to(DEVICE).requires_grad_() for n, x in inputs.items()}
+    launch = triton_impl.LaunchConfig(slc_kernel=variant, dkdv_rows=32, dkdv_chunk=64, slc_block_rows=16,
+                                      slc_block_chunk=8, slc_tile_rows=16)
+    with triton_impl.use_launch_config(launch):
+        o, blocks = triton_impl.nsa_attention(*tri_in.values(), cfg, scale=scale, return_blocks=True)
+        o.backward(grad_out.float().to(DEVICE))
+        blocks_ref = reference.select_blocks(ref_in["q"].detach(), ref_in["k_cmp"].detach(),
+                                             reference.compressed_attention(ref_in["q"].detach(),
+                                                                            ref_in["k_cmp"].detach(),
+                                                                            ref_in["v_cmp"].detach(), cfg, scale)[1],
+                                             cfg, scale)
+        assert blocks.shape[-1] == 3 and same_block_sets(blocks, blocks_ref)  # the caller sees l' blocks
+        assert rel_err(o, o_ref) <= FP32_TOL
+        for name in NAMES:
+            assert rel_err(tri_in[name].grad, ref_in[name].grad) <= FP32_TOL, name
+        q, k, v = (inputs[n].float().to(DEVICE) for n in ("q", "k_slc", "v_slc"))
+        o_slc = triton_impl.selected_attention(q, k, v, blocks, cfg, scale)
+    want = reference.selected_attention(inputs["q"], inputs["k_slc"], inputs["v_slc"], blocks.long().cpu(), cfg,
+                                        scale)
+    assert rel_err(o_slc, want) <= FP32_TOL
+
+
 @pytest.mark.parametrize("gate_kernel", ["fused", "torch"])
 def test_core_bwd_with_gates_of_zero_and_one_matches_reference(gate_kernel):
     """The fused gate backward puts each gate into its branch's log-sum-exp (lse - ln g, kernels/gates.py): a gate
