@@ -35,11 +35,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from nsa_model.config import NSAConfig  # noqa: E402
 from bench.launch import launch_overrides  # noqa: E402
 from bench.provenance import file_suffix, git_commit, result_file, result_stem  # noqa: E402
-from bench.shapes import family_shapes  # noqa: E402
+from bench.shapes import PAPER_NSA, family_shapes  # noqa: E402
 from nsa_model.ops import triton_impl as ti  # noqa: E402
 
 NAMES = ("q", "k_slc", "v_slc", "k_win", "v_win", "k_cmp", "v_cmp", "gates")
-PAPER_NSA = NSAConfig(cmp_block=32, cmp_stride=16, sel_block=64, n_selected=16, window=512)
 BF16_TOL = 1e-2
 NEAR_TIE_REL = 1e-3  # kernel importance is fp32 from exact bf16 products: its error is far below this
 

@@ -34,10 +34,9 @@ sys.path.insert(0, ROOT)
 
 from bench.launch import launch_overrides  # noqa: E402
 from bench.provenance import file_suffix, git_commit, result_file, result_stem  # noqa: E402
-from bench.shapes import FAMILIES, family_shapes  # noqa: E402
+from bench.shapes import FAMILIES, PAPER_NSA, family_shapes  # noqa: E402
 from nsa_model.config import NSAConfig  # noqa: E402
 
-PAPER = dict(cmp_block=32, cmp_stride=16, sel_block=64, n_selected=16, window=512)  # bench/kernels.py PAPER_NSA
 CHECK_QUERIES = 256  # queries of each checked range
 OTHER_FIELDS = ("cmp_block", "cmp_stride", "window", "n_init_blocks", "n_local_blocks")  # --nsa may set these
 
@@ -53,13 +52,12 @@ def int_list(text: str) -> list[int]:
 
 
 def settings_grid(sel_blocks: list[int], n_selected: list[int], others: dict) -> list[NSAConfig]:
-    """Every (l', n) of the grid over PAPER's other fields and `others`; ValueError naming the first setting that
-    NSAConfig refuses (l' not a multiple of d, l > l', n below the forced blocks)."""
+    """Every (l', n) of the grid over PAPER_NSA's other fields and `others`; ValueError naming the first setting
+    that NSAConfig refuses (l' not a multiple of d, l > l', n below the forced blocks)."""
     grid = []
     for sel_block, n in itertools.product(sel_blocks, n_selected):
-        fields = {**PAPER, **others, "sel_block": sel_block, "n_selected": n}
         try:
-            grid.append(NSAConfig(**fields))
+            grid.append(dataclasses.replace(PAPER_NSA, **others, sel_block=sel_block, n_selected=n))
         except ValueError as e:
             raise ValueError(f"setting l'={sel_block}, n={n} (with {others or 'the paper fields'}): {e}") from None
     return grid
@@ -67,7 +65,7 @@ def settings_grid(sel_blocks: list[int], n_selected: list[int], others: dict) ->
 
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--shapes", type=lambda text: family_shapes(text), default="125m:4:8192,paper:1:65536",
+    ap.add_argument("--shapes", type=family_shapes, default="125m:4:8192,paper:1:65536",
                     help=f"comma-separated family:B:T, family one of {sorted(FAMILIES)}")
     ap.add_argument("--sel-block", type=int_list, default=[32, 64, 128], help="l' values")
     ap.add_argument("--n-selected", type=int_list, default=[8, 16, 32], help="n values")
@@ -81,8 +79,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--suffix", type=file_suffix, default="")
     ap.add_argument("--commit", default="")
     args = ap.parse_args(argv)
-    if isinstance(args.shapes, str):  # argparse does not convert a default string
-        args.shapes = family_shapes(args.shapes)
     others = {}
     for item in args.nsa:
         name, sep, value = item.partition("=")
@@ -261,7 +257,7 @@ def main(argv=None) -> None:
     if args.launch_overrides:
         kb.ti.set_launch_config(dataclasses.replace(kb.ti.launch_config(), **args.launch_overrides))
     stem, meta = result_stem(args.out, "nsa-settings", args.suffix, args.commit or git_commit())
-    meta.update(nsa_fields={**{k: PAPER[k] for k in ("cmp_block", "cmp_stride", "window")}, **args.others},
+    meta.update(nsa_fields={k: getattr(args.grid[0], k) for k in OTHER_FIELDS},
                 launch_config=kb.ti.launch_config().__dict__)
     os.makedirs(args.out, exist_ok=True)
     rows = []

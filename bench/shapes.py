@@ -5,8 +5,12 @@ from __future__ import annotations
 
 import argparse
 
+from nsa_model.config import NSAConfig
+
 # heads, kv groups and head dim of the two configurations ANCHORS.md times
 FAMILIES = {"125m": dict(H=12, G=2, D=64), "paper": dict(H=64, G=4, D=128)}
+# the NSA settings of the paper and of ANCHORS.md's timings (l, d, l', n, w): every issue-4 row runs at these
+PAPER_NSA = NSAConfig(cmp_block=32, cmp_stride=16, sel_block=64, n_selected=16, window=512)
 # the five rows issue 4 sets targets for (bench/kernels.py TARGETS): the probes' default shapes
 ISSUE4_SHAPES = "125m:16:2048,125m:4:8192,125m:1:32768,paper:1:8192,paper:1:65536"
 

@@ -1232,8 +1232,8 @@ def _attended_blocks(blocks: torch.Tensor, sel_block: int) -> tuple[torch.Tensor
     """(part ids [B, T, G, n f], keys a part) of selected blocks [B, T, G, n] (attend_geometry): block j gives parts
     j f .. j f + f - 1, -1 gives -1, and a part that starts after its query is -1 (_visible_blocks). The blocks
     themselves where l' needs no parts."""
-    part, count = attend_geometry(sel_block, blocks.shape[-1])
-    f = count // max(blocks.shape[-1], 1)
+    part, _ = attend_geometry(sel_block, blocks.shape[-1])
+    f = sel_block // part
     if f == 1:
         return blocks, sel_block
     offsets = torch.arange(f, device=blocks.device, dtype=blocks.dtype)
