@@ -28,16 +28,19 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import pathlib
+import sys
 
 import torch
 import triton
 
-from bench.kernel_variants import KERNELS, edited_module
-from bench.kernels import PAPER_NSA, SHAPES, bench_graph, kernel_breakdown, make_inputs
-from bench.provenance import file_suffix, git_commit, result_file, result_stem
-from bench.shapes import family_shapes
-from nsa_model.ops import triton_impl as ti
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench.kernel_variants import KERNELS, edited_module  # noqa: E402
+from bench.kernels import PAPER_NSA, SHAPES, bench_graph, kernel_breakdown, make_inputs  # noqa: E402
+from bench.provenance import file_suffix, git_commit, result_file, result_stem  # noqa: E402
+from bench.shapes import family_shapes  # noqa: E402
+from nsa_model.ops import triton_impl as ti  # noqa: E402
 
 MODULES = {  # kernel module -> the kernels of it that triton_impl launches
     "range_attention.py": ("range_attn_fwd_kernel", "range_attn_bwd_dq_kernel", "range_attn_bwd_dkdv_kernel"),
