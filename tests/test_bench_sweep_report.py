@@ -1,0 +1,69 @@
+"""bench/sweep_report.py: a sweep's record read back from an MLflow file store shaped as jobs/sweep.py leaves it."""
+
+import argparse
+import json
+
+import pytest
+
+from bench.sweep_report import main, parse_baseline
+
+# (l', n) -> tokens/s of the reports at steps 10, 20, 30, 40 and the validation loss at step 40. Step 10 is inside the
+# sweep's throughput warm-up: its slow report must not count.
+TRIALS = {(64, 16): ([1000.0, 400.0, 410.0, 420.0], 2.50), (32, 8): ([50.0, 600.0, 630.0, 615.0], 2.56),
+          (128, 8): ([10.0, 300.0, 290.0, 310.0], 2.47)}
+
+
+def _store(path, monkeypatch, sweep="sweep-x", trials=TRIALS):
+    from mlflow.tracking import MlflowClient
+
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    client = MlflowClient(f"file:{path}")
+    exp = client.create_experiment("nsa-sweep")
+    parent = client.create_run(exp, run_name=sweep).info.run_id
+    client.log_param(parent, "tune.throughput_warmup_steps", 10)
+    for (sel, n), (speeds, val) in trials.items():
+        run = client.create_run(exp, run_name=f"{sweep}/t{sel}-{n}", tags={
+            "mlflow.parentRunId": parent, "trial_id": f"t{sel}-{n}", "sweep.status": "DONE"}).info.run_id
+        client.log_param(run, "nsa.sel_block", sel)
+        client.log_param(run, "nsa.n_selected", n)
+        for i, tps in enumerate(speeds):
+            step = 10 * (i + 1)
+            for key, value in (("tokens_per_s", tps), ("mfu", tps / 2000), ("train_loss", 3.0 - step / 100),
+                               ("peak_mem_mb", 1000.0 + step), ("data_wait_s", 0.01), ("step_time_s", 0.1)):
+                client.log_metric(run, key, value, step=step)
+        client.log_metric(run, "val_loss", val + 0.3, step=20)
+        client.log_metric(run, "val_loss", val, step=40)
+    return path
+
+
+def test_each_trial_against_the_baseline_trial(tmp_path, monkeypatch):
+    store = _store(tmp_path / "mlruns", monkeypatch)
+    assert main(["--mlruns", str(store), "--sweep", "sweep-x", "--device", "test", "--commit", "abc",
+                 "--out", str(tmp_path / "out"), "--tag=-t1"]) == 0
+    (record,) = (tmp_path / "out").glob("sweep-*-t1.json")
+    rows = {(r["setting"]["sel_block"], r["setting"]["n_selected"]): r for r in json.loads(record.read_text())["rows"]}
+    assert rows[(64, 16)]["baseline"] and rows[(64, 16)]["tokens_per_s"] == 410.0  # step 10's 1000 left out
+    assert rows[(32, 8)]["tokens_per_s_ratio"] == pytest.approx(615.0 / 410.0)
+    assert rows[(128, 8)]["tokens_per_s_ratio"] == pytest.approx(300.0 / 410.0)
+    assert (rows[(128, 8)]["tokens_per_s_min"], rows[(128, 8)]["tokens_per_s_max"]) == (290.0, 310.0)
+    assert rows[(32, 8)]["val_loss"] == [40, 2.56] and rows[(32, 8)]["val_loss_diff"] == pytest.approx(0.06)
+    assert rows[(128, 8)]["val_loss_diff"] == pytest.approx(-0.03)
+    assert rows[(64, 16)]["peak_mem_mb"] == 1040.0 and rows[(64, 16)]["steady_reports"] == 3
+    md = next((tmp_path / "out").glob("sweep-*-t1.md")).read_text()
+    assert "| 32 | 8 | DONE | 615 (600-630) | 1.500 |" in md and "(baseline)" in md
+
+
+def test_a_baseline_no_trial_ran_is_an_error(tmp_path, monkeypatch):
+    store = _store(tmp_path / "mlruns", monkeypatch)
+    with pytest.raises(SystemExit, match="1 trials match|0 trials match"):
+        main(["--mlruns", str(store), "--sweep", "sweep-x", "--device", "test", "--commit", "abc",
+              "--out", str(tmp_path / "out"), "--baseline", "sel_block=64,n_selected=32"])
+    with pytest.raises(SystemExit, match="no run named 'other'"):
+        main(["--mlruns", str(store), "--sweep", "other", "--device", "t", "--commit", "a", "--out", str(tmp_path)])
+
+
+def test_baseline_is_parsed_strictly():
+    assert parse_baseline("sel_block=64,n_selected=16") == {"sel_block": 64, "n_selected": 16}
+    for bad in ("sel_block=6x", "block=64", "sel_block"):
+        with pytest.raises(argparse.ArgumentTypeError, match="want FIELD=INT"):
+            parse_baseline(bad)
