@@ -1,13 +1,15 @@
 """A Ray Tune sweep's record, read back from its MLflow store (bench/train_gpu_sweep.sh's, or any sweep's).
 
     python bench/sweep_report.py --mlruns /path/to/mlruns --sweep sweep-125m-gpu --device "2x NVIDIA H200" \
-        --commit abc1234 --tag -v72a
+        --commit abc1234 --tag=-h200x2-v72a
 
 The sweep's parent run (named by tune.name) and its trials' child runs, as jobs/sweep.py leaves them: per trial its
-NSA setting, status, the reports' tokens/s (steady: after the sweep's throughput_warmup_steps), MFU, training and
-validation losses and peak memory. Each trial is compared with the baseline trial (by default the nsa-125m preset's
-own setting, l' = 64, n = 16) of the same sweep: its tokens/s as a ratio, its last validation loss as a difference
-(the trials train on the same tokens in the same order, so the difference is the setting's and the seed's).
+NSA setting, init seed (train.seed), status, the reports' tokens/s (steady: after the sweep's
+throughput_warmup_steps), MFU, training and validation losses and peak memory. Trials are grouped by setting (one
+per init seed), and each setting is compared with the baseline setting (by default the nsa-125m preset's own,
+l' = 64, n = 16) of the same sweep: its mean tokens/s as a ratio, its mean last validation loss as a difference. The
+trials read the same tokens in the same order, so a setting's range over seeds is the noise its difference is read
+against.
 Writes bench/results/sweep-<date><tag>.{json,md} and copies the sweep's Pareto plot beside them.
 """
 
@@ -58,6 +60,7 @@ def read_sweep(mlruns: str, sweep: str) -> tuple[dict, list[dict]]:
         params = run.data.params
         setting = {f: int(params[f"nsa.{f}"]) for f in SETTING if f"nsa.{f}" in params}
         trials.append({"trial_id": run.data.tags.get("trial_id", run.info.run_id), "setting": setting,
+                       "init_seed": int(params.get("train.seed", -1)),
                        "status": run.data.tags.get("sweep.status", run.info.status),
                        "history": {k: {m.step: m.value for m in client.get_metric_history(run.info.run_id, k)}
                                    for k in HISTORIES}})
@@ -85,41 +88,80 @@ def trial_numbers(trial: dict, warmup_steps: int) -> dict:
             "peak_mem_mb": max(h["peak_mem_mb"].values(), default=math.nan)}
 
 
-def compare(trials: list[dict], baseline: dict[str, int], warmup_steps: int) -> list[dict]:
-    """Rows sorted by setting, each with its ratio and loss difference to the baseline trial."""
-    rows = [{"trial_id": t["trial_id"], "setting": t["setting"], "status": t["status"],
+def trial_rows(trials: list[dict], warmup_steps: int) -> list[dict]:
+    """One row per trial, sorted by setting and init seed."""
+    rows = [{"trial_id": t["trial_id"], "setting": t["setting"], "init_seed": t["init_seed"], "status": t["status"],
              **trial_numbers(t, warmup_steps)} for t in trials]
-    base = [r for r in rows if all(r["setting"].get(k) == v for k, v in baseline.items())]
-    if len(base) != 1:
-        raise SystemExit(f"baseline {baseline}: {len(base)} trials match it; the sweep has "
-                         f"{[r['setting'] for r in rows]}")
-    (base,) = base
+    return sorted(rows, key=lambda r: (tuple(r["setting"].get(f, 0) for f in SETTING), r["init_seed"]))
+
+
+def setting_rows(rows: list[dict], baseline: dict[str, int]) -> list[dict]:
+    """One row per setting over its trials (one per init seed): mean tokens/s and its ratio to the baseline setting's,
+    the validation losses (mean, range, and the mean's difference to the baseline's when all ended at one step)."""
+    groups: dict[tuple, list[dict]] = {}
     for r in rows:
-        r["baseline"] = r is base
-        r["tokens_per_s_ratio"] = r["tokens_per_s"] / base["tokens_per_s"]
-        same_step = r["val_loss"] and base["val_loss"] and r["val_loss"][0] == base["val_loss"][0]
-        r["val_loss_diff"] = r["val_loss"][1] - base["val_loss"][1] if same_step else math.nan
-    return sorted(rows, key=lambda r: tuple(r["setting"].get(f, 0) for f in SETTING))
+        groups.setdefault(tuple(sorted(r["setting"].items())), []).append(r)
+    out = []
+    for key, trials in groups.items():
+        vals = [t["val_loss"] for t in trials if t["val_loss"]]
+        steps = {v[0] for v in vals}
+        losses = [v[1] for v in vals]
+        out.append({"setting": dict(key), "trials": len(trials), "init_seeds": [t["init_seed"] for t in trials],
+                    "statuses": sorted({t["status"] for t in trials}),
+                    "tokens_per_s": statistics.fmean(t["tokens_per_s"] for t in trials),
+                    "tokens_per_s_min": min(t["tokens_per_s_min"] for t in trials),
+                    "tokens_per_s_max": max(t["tokens_per_s_max"] for t in trials),
+                    "mfu": statistics.fmean(t["mfu"] for t in trials),
+                    "data_wait_share": statistics.fmean(t["data_wait_share"] for t in trials),
+                    "val_step": steps.pop() if len(steps) == 1 and len(vals) == len(trials) else None,
+                    "val_losses": losses, "val_loss": statistics.fmean(losses) if losses else math.nan,
+                    "val_loss_range": max(losses) - min(losses) if len(losses) > 1 else math.nan,
+                    "peak_mem_mb": max(t["peak_mem_mb"] for t in trials)})
+    base = [s for s in out if all(s["setting"].get(k) == v for k, v in baseline.items())]
+    if len(base) != 1:
+        raise SystemExit(f"baseline {baseline}: {len(base)} settings match it; the sweep has "
+                         f"{[s['setting'] for s in out]}")
+    (base,) = base
+    for s in out:
+        s["baseline"] = s is base
+        s["tokens_per_s_ratio"] = s["tokens_per_s"] / base["tokens_per_s"]
+        comparable = s["val_step"] is not None and s["val_step"] == base["val_step"]
+        s["val_loss_diff"] = s["val_loss"] - base["val_loss"] if comparable else math.nan
+    return sorted(out, key=lambda s: tuple(s["setting"].get(f, 0) for f in SETTING))
+
+
+def _num(value: float, fmt: str) -> str:
+    return "-" if value is None or math.isnan(value) else format(value, fmt)
 
 
 def markdown(result: dict) -> str:
     lines = [f"# Ray Tune sweep: {result['sweep']}, {result['device']}, {result['date']}", "",
-             f"commit {result['commit']}; read back from the sweep's MLflow store by bench/sweep_report.py. "
-             f"tokens/s: median of the reports after step {result['warmup_steps']} (min-max beside it); ratio and "
-             f"val-loss difference to the baseline trial {result['baseline']} of the same sweep.", "",
-             "| l' | n | status | tokens/s (min-max) | / baseline | MFU | data wait | val loss (step) | - baseline | "
-             "last train loss | peak MiB |", "|---|---|---|---|---|---|---|---|---|---|---|"]
-    for r in result["rows"]:
-        s = r["setting"]
-        val = f"{r['val_loss'][1]:.4f} ({r['val_loss'][0]})" if r["val_loss"] else "-"
-        diff = "-" if math.isnan(r["val_loss_diff"]) else f"{r['val_loss_diff']:+.4f}"
-        train = f"{r['train_loss'][1]:.4f}" if r["train_loss"] else "-"
-        speed = ("-" if math.isnan(r["tokens_per_s"]) else
-                 f"{r['tokens_per_s']:,.0f} ({r['tokens_per_s_min']:,.0f}-{r['tokens_per_s_max']:,.0f})")
-        mark = " (baseline)" if r["baseline"] else ""
-        lines.append(f"| {s.get('sel_block', '-')} | {s.get('n_selected', '-')} | {r['status']}{mark} | {speed} | "
-                     f"{r['tokens_per_s_ratio']:.3f} | {r['mfu']:.3f} | {100 * r['data_wait_share']:.2f}% | {val} | "
-                     f"{diff} | {train} | {r['peak_mem_mb']:,.0f} |")
+             f"commit {result['commit']}; read back from the sweep's MLflow store by bench/sweep_report.py. A trial's "
+             f"tokens/s is the median of its reports after step {result['warmup_steps']}; a setting's is the mean over "
+             f"its trials (one per init seed), with the range of every steady report beside it. Ratio and val-loss "
+             f"difference are to the baseline setting {result['baseline']} of the same sweep.", "",
+             "| l' | n | trials | tokens/s (reports' range) | / baseline | MFU | data wait | val loss: mean (step) | "
+             "per seed | range | mean - baseline | peak MiB |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for s in result["settings"]:
+        st = s["setting"]
+        mark = " (baseline)" if s["baseline"] else ""
+        lines.append(
+            f"| {st.get('sel_block', '-')} | {st.get('n_selected', '-')} | {s['trials']} {'/'.join(s['statuses'])}"
+            f"{mark} | {_num(s['tokens_per_s'], ',.0f')} ({_num(s['tokens_per_s_min'], ',.0f')}-"
+            f"{_num(s['tokens_per_s_max'], ',.0f')}) | {_num(s['tokens_per_s_ratio'], '.3f')} | "
+            f"{_num(s['mfu'], '.3f')} | "
+            f"{_num(100 * s['data_wait_share'], '.2f')}% | {_num(s['val_loss'], '.4f')} ({s['val_step']}) | "
+            f"{', '.join(f'{v:.4f}' for v in s['val_losses'])} | {_num(s['val_loss_range'], '.4f')} | "
+            f"{_num(s['val_loss_diff'], '+.4f')} | {_num(s['peak_mem_mb'], ',.0f')} |")
+    if any(s["trials"] > 1 for s in result["settings"]):
+        lines += ["", "| trial | l' | n | init seed | status | tokens/s | val loss (step) | last train loss |",
+                  "|---|---|---|---|---|---|---|---|"]
+        for r in result["trials"]:
+            val = f"{r['val_loss'][1]:.4f} ({r['val_loss'][0]})" if r["val_loss"] else "-"
+            train = f"{r['train_loss'][1]:.4f}" if r["train_loss"] else "-"
+            lines.append(f"| {r['trial_id']} | {r['setting'].get('sel_block', '-')} | "
+                         f"{r['setting'].get('n_selected', '-')} | {r['init_seed']} | {r['status']} | "
+                         f"{_num(r['tokens_per_s'], ',.0f')} | {val} | {train} |")
     return "\n".join(lines) + "\n"
 
 
@@ -136,10 +178,11 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     params, trials = read_sweep(args.mlruns, args.sweep)
     warmup = int(params.get("tune.throughput_warmup_steps", 0))
-    rows = compare(trials, args.baseline, warmup)
+    rows = trial_rows(trials, warmup)
     result = {"sweep": args.sweep, "device": args.device, "commit": args.commit, "baseline": args.baseline,
               "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "warmup_steps": warmup,
-              "token_budget": params.get("tune.token_budget"), "rows": rows}
+              "token_budget": params.get("tune.token_budget"), "settings": setting_rows(rows, args.baseline),
+              "trials": rows}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     stem = f"{out}/sweep-{dt.date.today().isoformat()}{args.tag}"

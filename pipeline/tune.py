@@ -41,7 +41,7 @@ SchedulerKind = Literal["asha", "fifo"]
 SWEPT_FIELDS = ("sel_block", "n_selected", "cmp_block", "cmp_stride", "window")
 
 # Columns of the summary table, in order.
-SUMMARY_COLUMNS = ("trial_id", *SWEPT_FIELDS, "status", "step", "tokens_seen", "tokens_per_s", "val_loss",
+SUMMARY_COLUMNS = ("trial_id", *SWEPT_FIELDS, "init_seed", "status", "step", "tokens_seen", "tokens_per_s", "val_loss",
                    "peak_mem_mb", "pareto", "mlflow_run_id")
 
 
@@ -78,6 +78,10 @@ class TuneConfig:
     cmp_block: tuple[int, ...] | None = None  # l
     cmp_stride: tuple[int, ...] | None = None  # d
     window: tuple[int, ...] | None = None  # w
+    # Model-initialization seeds (train.seed): each setting runs once per seed, so that a setting's spread of losses
+    # over seeds can be read against the differences between settings (the front is drawn on each setting's mean).
+    # None: train.seed alone.
+    init_seeds: tuple[int, ...] | None = None
     token_budget: int = 65536  # training tokens of every trial (sets train.max_steps)
     throughput_warmup_steps: int = 2  # reports at or before this step are left out of tokens/s
     scheduler: SchedulerKind = "asha"  # asha stops trials whose validation loss lags; fifo runs all to the end
@@ -101,6 +105,12 @@ class TuneConfig:
                  f"must be 'asha' or 'fifo', got {self.scheduler!r}")
         for name in SWEPT_FIELDS:
             object.__setattr__(self, name, _int_list(getattr(self, name), f"TuneConfig.{name}", allow_none=True))
+        if self.init_seeds is not None:
+            _require(isinstance(self.init_seeds, (list, tuple)) and len(self.init_seeds) > 0
+                     and all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in self.init_seeds)
+                     and len(set(self.init_seeds)) == len(self.init_seeds), "TuneConfig.init_seeds",
+                     f"must be None or a non-empty list of distinct ints >= 0, got {self.init_seeds!r}")
+            object.__setattr__(self, "init_seeds", tuple(self.init_seeds))
         _require(any(getattr(self, f) is not None for f in SWEPT_FIELDS), "TuneConfig",
                  f"sweeps nothing: give values for at least one of {list(SWEPT_FIELDS)}")
         for name in ("num_samples", "token_budget", "grace_period", "reduction_factor"):
@@ -253,10 +263,31 @@ def format_summary(rows: list[dict[str, Any]]) -> str:
     return "\n".join("  ".join(v.rjust(w) for v, w in zip(r, widths)) for r in table)
 
 
-def plot_pareto(rows: list[dict[str, Any]], path: Path, title: str) -> None:
-    """Throughput against validation loss, the Pareto front joined by a line (matplotlib, no display needed).
+def by_setting(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One entry per NSA setting over its trials (one per init seed): mean tokens/s, mean and range of validation
+    loss, and whether every trial trained the whole budget (status DONE). Means are NaN if any trial lacks the value.
+    """
+    groups: dict[tuple, list[dict[str, Any]]] = {}
+    for r in rows:
+        groups.setdefault(tuple(r[f] for f in SWEPT_FIELDS), []).append(r)
+    out = []
+    for key, trials in groups.items():
+        losses = [t["val_loss"] for t in trials]
+        out.append({**dict(zip(SWEPT_FIELDS, key)), "trials": len(trials),
+                    "complete": all(t.get("status", "DONE") == "DONE" for t in trials),
+                    "step": min(t.get("step", 0) for t in trials),
+                    "tokens_per_s": statistics.fmean(t["tokens_per_s"] for t in trials),
+                    "val_loss": statistics.fmean(losses),
+                    "val_loss_min": min(losses), "val_loss_max": max(losses)})
+    return out
 
-    Trials that ASHA stopped early are drawn hollow with the step they reached: their loss is from fewer tokens.
+
+def plot_pareto(rows: list[dict[str, Any]], path: Path, title: str) -> None:
+    """Throughput against validation loss, one point per setting (the mean over its seeds, the range of its losses
+    as a bar where it has several), the Pareto front joined by a line (matplotlib, no display needed).
+
+    Settings with a trial that ASHA stopped early are drawn hollow with the step it reached: their loss is from
+    fewer tokens.
     """
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
@@ -264,24 +295,30 @@ def plot_pareto(rows: list[dict[str, Any]], path: Path, title: str) -> None:
     fig = Figure(figsize=(7, 5))
     FigureCanvasAgg(fig)
     ax = fig.add_subplot()
-    points = sorted((r for r in rows if math.isfinite(r["tokens_per_s"]) and math.isfinite(r["val_loss"])),
-                    key=lambda r: (r["tokens_per_s"], r["val_loss"]))
-    for i, r in enumerate(points):
-        done = r.get("status", "DONE") == "DONE"
-        color = "tab:red" if r["pareto"] else "tab:gray"
-        ax.scatter(r["tokens_per_s"], r["val_loss"], zorder=3, edgecolors=color,
-                   facecolors=color if done else "none")
-        label = f"l'={r['sel_block']} n={r['n_selected']}" + ("" if done else f" (stopped at step {r['step']})")
+    front_keys = {tuple(r[f] for f in SWEPT_FIELDS) for r in rows if r.get("pareto")}
+    points = sorted((s for s in by_setting(rows) if math.isfinite(s["tokens_per_s"]) and math.isfinite(s["val_loss"])),
+                    key=lambda s: (s["tokens_per_s"], s["val_loss"]))
+    for i, s in enumerate(points):
+        on_front = tuple(s[f] for f in SWEPT_FIELDS) in front_keys
+        color = "tab:red" if on_front else "tab:gray"
+        if s["trials"] > 1:
+            ax.errorbar(s["tokens_per_s"], s["val_loss"], color=color, zorder=2,
+                        yerr=[[s["val_loss"] - s["val_loss_min"]], [s["val_loss_max"] - s["val_loss"]]], capsize=3)
+        ax.scatter(s["tokens_per_s"], s["val_loss"], zorder=3, edgecolors=color,
+                   facecolors=color if s["complete"] else "none")
+        label = (f"l'={s['sel_block']} n={s['n_selected']}" + (f" ({s['trials']} seeds)" if s["trials"] > 1 else "")
+                 + ("" if s["complete"] else f" (stopped at step {s['step']})"))
         # Labels alternate above and below their points: neighbours in throughput often share a loss.
-        ax.annotate(label, (r["tokens_per_s"], r["val_loss"]), textcoords="offset points",
+        ax.annotate(label, (s["tokens_per_s"], s["val_loss"]), textcoords="offset points",
                     xytext=(5, 6 if i % 2 == 0 else -13), fontsize=8)
-    front = [r for r in points if r["pareto"]]
+    front = [s for s in points if tuple(s[f] for f in SWEPT_FIELDS) in front_keys]
     if front:
-        ax.plot([r["tokens_per_s"] for r in front], [r["val_loss"] for r in front], color="tab:red",
-                label="Pareto front (trials that trained the whole budget)", zorder=2)
+        ax.plot([s["tokens_per_s"] for s in front], [s["val_loss"] for s in front], color="tab:red",
+                label="Pareto front (settings that trained the whole budget)", zorder=2)
         ax.legend()
     ax.set_xlabel("steady-state training throughput (tokens/s)")
-    ax.set_ylabel("validation loss")
+    ax.set_ylabel("validation loss" + (" (mean over seeds; bars: their range)" if any(
+        s["trials"] > 1 for s in points) else ""))
     ax.set_title(title)
     ax.grid(alpha=0.3)
     fig.savefig(path, dpi=120, bbox_inches="tight")
@@ -290,13 +327,15 @@ def plot_pareto(rows: list[dict[str, Any]], path: Path, title: str) -> None:
 def summarize(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Rows with their Pareto flag set, sorted by validation loss (trials without one last).
 
-    Only trials that trained the whole token budget (status DONE) take part in the front: a trial ASHA stopped
-    early has a loss from fewer tokens, which is not comparable.
+    The front is over settings, on each setting's mean over its seeds (by_setting), and a trial is flagged when its
+    setting is on it. Only settings whose every trial trained the whole token budget (status DONE) take part: a trial
+    ASHA stopped early has a loss from fewer tokens, which is not comparable.
     """
-    complete = [r.get("status") == "DONE" for r in rows]
-    front = pareto_front([r["tokens_per_s"] if c else math.nan for r, c in zip(rows, complete)],
-                         [r["val_loss"] if c else math.nan for r, c in zip(rows, complete)])
-    rows = [{**r, "pareto": p} for r, p in zip(rows, front)]
+    settings = by_setting(rows)
+    front = pareto_front([s["tokens_per_s"] if s["complete"] else math.nan for s in settings],
+                         [s["val_loss"] if s["complete"] else math.nan for s in settings])
+    on_front = {tuple(s[f] for f in SWEPT_FIELDS) for s, p in zip(settings, front) if p}
+    rows = [{**r, "pareto": tuple(r[f] for f in SWEPT_FIELDS) in on_front} for r in rows]
     return sorted(rows, key=lambda r: (not math.isfinite(r["val_loss"]), r["val_loss"], r["trial_id"]))
 
 
@@ -333,11 +372,13 @@ class SweepPlan:
         """Where the trials' Ray Train runs (checkpoints, MLflow run ids) live: one folder per trial id."""
         return self.experiment_dir.rstrip("/") + "/trials"
 
-    def trial_job(self, setting: dict[str, int], trial_id: str):
-        """The job of one trial: the sweep's job with the trial's NSA fields, budget, run name and MLflow parent."""
+    def trial_job(self, setting: dict[str, int], trial_id: str, init_seed: int | None = None):
+        """The job of one trial: the sweep's job with the trial's NSA fields, model-initialization seed (None: the
+        job's own), budget, run name and MLflow parent."""
         job = self.job
         train = dataclasses.replace(job.train, run_name=trial_id, storage_path=self.trials_storage,
-                                    max_steps=self.max_steps, warmup_steps=min(job.train.warmup_steps, self.max_steps))
+                                    max_steps=self.max_steps, warmup_steps=min(job.train.warmup_steps, self.max_steps),
+                                    seed=job.train.seed if init_seed is None else init_seed)
         tags = {**job.tracking.tags, "sweep": self.tune.name, "trial_id": trial_id}
         tracking = dataclasses.replace(job.tracking, run_name=f"{self.tune.name}/{trial_id}",
                                        parent_run_id=self.parent_run_id, tags=tags,
@@ -381,7 +422,7 @@ def run_trial(config: dict[str, Any], plan: SweepPlan) -> None:
     from pipeline.train.trainer import build_trainer
 
     trial_id = tune.get_context().get_trial_id()
-    job = plan.trial_job(config["nsa"], trial_id)
+    job = plan.trial_job(config["nsa"], trial_id, config.get("init_seed"))
     # Trials print their training lines and Tune its status table; Ray Data's per-epoch progress bars from every
     # trial would bury both.
     ray.data.DataContext.get_current().enable_progress_bars = False
@@ -427,8 +468,10 @@ def trial_dirname(trial) -> str:
 
 
 def trial_name(trial) -> str:
-    """What Tune's status table and logs call a trial: its id and NSA setting (the table cuts a dict short)."""
-    return f"{trial.trial_id} {_describe(trial.config['nsa'])}"
+    """What Tune's status table and logs call a trial: its id, NSA setting (the table cuts a dict short) and, in a
+    sweep over init seeds, its seed."""
+    seed = trial.config.get("init_seed")
+    return f"{trial.trial_id} {_describe(trial.config['nsa'])}" + ("" if seed is None else f", init_seed={seed}")
 
 
 def plan_settings(job) -> tuple[list[dict[str, int]], list[RejectedSetting]]:
@@ -470,8 +513,8 @@ def check_sweep(job, settings: list[dict[str, int]], max_steps: int) -> None:
 
 
 # What makes two runs of a sweep the same experiment (how many trials run side by side may change on resume).
-_EXPERIMENT_FIELDS = ("search", "num_samples", "seed", "token_budget", "throughput_warmup_steps", "scheduler",
-                      "grace_period", "reduction_factor")
+_EXPERIMENT_FIELDS = ("search", "num_samples", "seed", "init_seeds", "token_budget", "throughput_warmup_steps",
+                      "scheduler", "grace_period", "reduction_factor")
 
 
 def sweep_record(job, settings: list[dict[str, int]], max_steps: int) -> dict[str, Any]:
@@ -585,9 +628,10 @@ def param_space(tune_cfg: TuneConfig, settings: list[dict[str, int]]) -> dict[st
     """Tune's search space over the valid settings: every one (grid, num_samples times) or num_samples draws."""
     from ray import tune
 
+    seeds = {} if tune_cfg.init_seeds is None else {"init_seed": list(tune_cfg.init_seeds)}
     if tune_cfg.search == "grid":
-        return {"nsa": tune.grid_search(settings)}
-    return {"nsa": tune.choice(settings)}
+        return {"nsa": tune.grid_search(settings), **{k: tune.grid_search(v) for k, v in seeds.items()}}
+    return {"nsa": tune.choice(settings), **{k: tune.choice(v) for k, v in seeds.items()}}
 
 
 def _build_tuner(plan: SweepPlan, settings: list[dict[str, int]], concurrency: int):
@@ -635,6 +679,7 @@ def _result_row(result, plan: SweepPlan, tune_status: str) -> dict[str, Any]:
         status = "STOPPED"  # ASHA stopped it early
     trial_id = Path(result.path).name
     return {"trial_id": trial_id, **full_setting(plan.job.model, result.config["nsa"]),
+            "init_seed": result.config.get("init_seed", plan.job.train.seed),
             "status": status, "step": step, "tokens_seen": metrics.get("tokens_seen", 0),
             "tokens_per_s": float(metrics.get("tokens_per_s", float("nan"))),
             "val_loss": float(metrics.get("val_loss", float("nan"))),

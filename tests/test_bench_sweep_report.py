@@ -7,10 +7,10 @@ import pytest
 
 from bench.sweep_report import main, parse_baseline
 
-# (l', n) -> tokens/s of the reports at steps 10, 20, 30, 40 and the validation loss at step 40. Step 10 is inside the
-# sweep's throughput warm-up: its slow report must not count.
-TRIALS = {(64, 16): ([1000.0, 400.0, 410.0, 420.0], 2.50), (32, 8): ([50.0, 600.0, 630.0, 615.0], 2.56),
-          (128, 8): ([10.0, 300.0, 290.0, 310.0], 2.47)}
+# (l', n, init seed) -> tokens/s of the reports at steps 10, 20, 30, 40 and the validation loss at step 40. Step 10 is
+# inside the sweep's throughput warm-up: its slow report must not count.
+TRIALS = {(64, 16, 1337): ([1000.0, 400.0, 410.0, 420.0], 2.50), (32, 8, 1337): ([50.0, 600.0, 630.0, 615.0], 2.56),
+          (128, 8, 1337): ([10.0, 300.0, 290.0, 310.0], 2.47)}
 
 
 def _store(path, monkeypatch, sweep="sweep-x", trials=TRIALS):
@@ -21,11 +21,12 @@ def _store(path, monkeypatch, sweep="sweep-x", trials=TRIALS):
     exp = client.create_experiment("nsa-sweep")
     parent = client.create_run(exp, run_name=sweep).info.run_id
     client.log_param(parent, "tune.throughput_warmup_steps", 10)
-    for (sel, n), (speeds, val) in trials.items():
-        run = client.create_run(exp, run_name=f"{sweep}/t{sel}-{n}", tags={
-            "mlflow.parentRunId": parent, "trial_id": f"t{sel}-{n}", "sweep.status": "DONE"}).info.run_id
+    for (sel, n, seed), (speeds, val) in trials.items():
+        run = client.create_run(exp, run_name=f"{sweep}/t{sel}-{n}-{seed}", tags={
+            "mlflow.parentRunId": parent, "trial_id": f"t{sel}-{n}-{seed}", "sweep.status": "DONE"}).info.run_id
         client.log_param(run, "nsa.sel_block", sel)
         client.log_param(run, "nsa.n_selected", n)
+        client.log_param(run, "train.seed", seed)
         for i, tps in enumerate(speeds):
             step = 10 * (i + 1)
             for key, value in (("tokens_per_s", tps), ("mfu", tps / 2000), ("train_loss", 3.0 - step / 100),
@@ -36,26 +37,45 @@ def _store(path, monkeypatch, sweep="sweep-x", trials=TRIALS):
     return path
 
 
-def test_each_trial_against_the_baseline_trial(tmp_path, monkeypatch):
-    store = _store(tmp_path / "mlruns", monkeypatch)
+def _record(tmp_path, store, *extra):
     assert main(["--mlruns", str(store), "--sweep", "sweep-x", "--device", "test", "--commit", "abc",
-                 "--out", str(tmp_path / "out"), "--tag=-t1"]) == 0
+                 "--out", str(tmp_path / "out"), "--tag=-t1", *extra]) == 0
     (record,) = (tmp_path / "out").glob("sweep-*-t1.json")
-    rows = {(r["setting"]["sel_block"], r["setting"]["n_selected"]): r for r in json.loads(record.read_text())["rows"]}
+    md = next((tmp_path / "out").glob("sweep-*-t1.md")).read_text()
+    data = json.loads(record.read_text())
+    return {(s["setting"]["sel_block"], s["setting"]["n_selected"]): s for s in data["settings"]}, data["trials"], md
+
+
+def test_each_setting_against_the_baseline_setting(tmp_path, monkeypatch):
+    rows, trials, md = _record(tmp_path, _store(tmp_path / "mlruns", monkeypatch))
     assert rows[(64, 16)]["baseline"] and rows[(64, 16)]["tokens_per_s"] == 410.0  # step 10's 1000 left out
     assert rows[(32, 8)]["tokens_per_s_ratio"] == pytest.approx(615.0 / 410.0)
     assert rows[(128, 8)]["tokens_per_s_ratio"] == pytest.approx(300.0 / 410.0)
     assert (rows[(128, 8)]["tokens_per_s_min"], rows[(128, 8)]["tokens_per_s_max"]) == (290.0, 310.0)
-    assert rows[(32, 8)]["val_loss"] == [40, 2.56] and rows[(32, 8)]["val_loss_diff"] == pytest.approx(0.06)
+    assert rows[(32, 8)]["val_losses"] == [2.56] and rows[(32, 8)]["val_step"] == 40
+    assert rows[(32, 8)]["val_loss_diff"] == pytest.approx(0.06)
     assert rows[(128, 8)]["val_loss_diff"] == pytest.approx(-0.03)
-    assert rows[(64, 16)]["peak_mem_mb"] == 1040.0 and rows[(64, 16)]["steady_reports"] == 3
-    md = next((tmp_path / "out").glob("sweep-*-t1.md")).read_text()
-    assert "| 32 | 8 | DONE | 615 (600-630) | 1.500 |" in md and "(baseline)" in md
+    assert rows[(64, 16)]["peak_mem_mb"] == 1040.0 and [t["steady_reports"] for t in trials] == [3, 3, 3]
+    assert "| 32 | 8 | 1 DONE | 615 (600-630) | 1.500 |" in md and "(baseline)" in md
+    assert "| trial |" not in md  # one seed a setting: no per-trial table
+
+
+def test_settings_over_several_init_seeds(tmp_path, monkeypatch):
+    trials = {**TRIALS, (64, 16, 7): ([1.0, 430.0, 430.0, 430.0], 2.70), (32, 8, 7): ([1.0, 590.0, 585.0, 595.0], 2.52)}
+    rows, per_trial, md = _record(tmp_path, _store(tmp_path / "mlruns", monkeypatch, trials=trials))
+    base, fast = rows[(64, 16)], rows[(32, 8)]
+    assert base["init_seeds"] == [7, 1337] and base["trials"] == 2 and base["tokens_per_s"] == pytest.approx(420.0)
+    assert base["val_loss"] == pytest.approx(2.60) and base["val_loss_range"] == pytest.approx(0.20)
+    assert fast["val_loss_diff"] == pytest.approx((2.52 + 2.56) / 2 - 2.60)
+    assert fast["tokens_per_s_ratio"] == pytest.approx((590.0 + 615.0) / 2 / 420.0)
+    assert [(t["setting"]["sel_block"], t["init_seed"]) for t in per_trial] == [(32, 7), (32, 1337), (64, 7),
+                                                                               (64, 1337), (128, 1337)]
+    assert "| trial | l' | n | init seed |" in md and "2.7000, 2.5000" in md
 
 
 def test_a_baseline_no_trial_ran_is_an_error(tmp_path, monkeypatch):
     store = _store(tmp_path / "mlruns", monkeypatch)
-    with pytest.raises(SystemExit, match="1 trials match|0 trials match"):
+    with pytest.raises(SystemExit, match="0 settings match it"):
         main(["--mlruns", str(store), "--sweep", "sweep-x", "--device", "test", "--commit", "abc",
               "--out", str(tmp_path / "out"), "--baseline", "sel_block=64,n_selected=32"])
     with pytest.raises(SystemExit, match="no run named 'other'"):

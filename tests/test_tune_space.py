@@ -1,6 +1,7 @@
 """The sweep's pure parts: its config, the search space and its validity filter, throughput, the Pareto front."""
 
 import csv
+import dataclasses
 import json
 import logging
 import math
@@ -15,6 +16,7 @@ from pipeline.tune import (
     ClusterView,
     TuneConfig,
     _check_same_sweep,
+    by_setting,
     candidate_settings,
     check_sweep,
     format_summary,
@@ -49,6 +51,10 @@ def test_config_defaults_are_a_4_trial_grid_valid_for_tiny():
     ("reduction_factor", 1, "TuneConfig.reduction_factor"),
     ("max_concurrent_trials", 0, "TuneConfig.max_concurrent_trials"),
     ("name", "a/b", "TuneConfig.name"),
+    ("init_seeds", [], "TuneConfig.init_seeds"),
+    ("init_seeds", [1, 1], "TuneConfig.init_seeds"),
+    ("init_seeds", [-1], "TuneConfig.init_seeds"),
+    ("init_seeds", [True], "TuneConfig.init_seeds"),
 ])
 def test_config_refuses_bad_values_naming_the_field(field, value, message):
     with pytest.raises(ValueError, match=message):
@@ -60,8 +66,8 @@ def test_config_from_dict_refuses_unknown_fields_and_takes_yaml_lists():
         TuneConfig.from_dict({"sel_blocks": [16]})
     with pytest.raises(ValueError, match="sweeps nothing"):
         TuneConfig.from_dict({"sel_block": None, "n_selected": None})
-    cfg = TuneConfig.from_dict({"sel_block": [32], "n_selected": None, "window": [32, 64]})
-    assert cfg.sel_block == (32,) and cfg.window == (32, 64)
+    cfg = TuneConfig.from_dict({"sel_block": [32], "n_selected": None, "window": [32, 64], "init_seeds": [0, 7]})
+    assert cfg.sel_block == (32,) and cfg.window == (32, 64) and cfg.init_seeds == (0, 7)
     assert TuneConfig.from_dict(cfg.to_dict()) == cfg
 
 
@@ -138,6 +144,38 @@ def test_summary_csv_table_and_plot(tmp_path):
     assert text.splitlines()[0].split()[:3] == ["trial_id", "sel_block", "n_selected"] and len(text.splitlines()) == 6
     plot_pareto(rows, tmp_path / "pareto.png", "test")
     assert (tmp_path / "pareto.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_with_several_seeds_the_front_is_drawn_on_each_settings_mean(tmp_path):
+    """A lucky seed must not put a setting on the front: A's seeds give 3.0 and 3.4 (mean 3.2); B, as fast as A,
+    gives 3.1 and 3.1. Per trial, A's 3.0 would tie the front; on means, B dominates A."""
+    rows = []
+    for i, (sel, seed, tps, loss) in enumerate([(16, 0, 100.0, 3.0), (16, 1, 100.0, 3.4), (32, 0, 102.0, 3.1),
+                                                (32, 1, 98.0, 3.1), (64, 0, 50.0, 2.5), (64, 1, 52.0, 2.9)]):
+        rows.append({"trial_id": f"t{i}", "sel_block": sel, "n_selected": 4, "cmp_block": 16, "cmp_stride": 8,
+                     "window": 64, "init_seed": seed, "status": "DONE", "step": 10, "tokens_seen": 1000,
+                     "tokens_per_s": tps, "val_loss": loss, "peak_mem_mb": 1.0, "mlflow_run_id": f"r{i}"})
+    means = {s["sel_block"]: s for s in by_setting(rows)}
+    assert means[16]["val_loss"] == pytest.approx(3.2) and means[16]["trials"] == 2
+    assert (means[64]["val_loss_min"], means[64]["val_loss_max"]) == (2.5, 2.9) and means[32]["tokens_per_s"] == 100.0
+    flagged = {r["trial_id"]: r["pareto"] for r in summarize(rows)}
+    assert flagged == {"t0": False, "t1": False, "t2": True, "t3": True, "t4": True, "t5": True}
+    rows[5]["status"] = "STOPPED"  # a setting with a trial stopped early leaves the front
+    assert {r["trial_id"]: r["pareto"] for r in summarize(rows)}["t4"] is False
+    write_summary_csv(summarize(rows), tmp_path / "summary.csv")
+    with open(tmp_path / "summary.csv") as f:
+        assert sorted(r["init_seed"] for r in csv.DictReader(f)) == ["0", "0", "0", "1", "1", "1"]
+    plot_pareto(summarize(rows), tmp_path / "pareto.png", "seeds")
+    assert (tmp_path / "pareto.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_trial_trains_from_its_init_seed():
+    from pipeline.tune import SweepPlan
+
+    job = _sweep_job()
+    plan = SweepPlan(job=job, tune=job.tune, max_steps=12, experiment_dir="/tmp/s", parent_run_id="p")
+    assert plan.trial_job({"sel_block": 32}, "t0", 5).train.seed == 5
+    assert plan.trial_job({"sel_block": 32}, "t0").train.seed == job.train.seed
 
 
 def _sweep_job(*overrides):
@@ -219,7 +257,8 @@ def test_the_sweep_record_changes_with_the_experiment_not_with_its_concurrency()
     record = sweep_record(job, settings, 24)
     assert record == sweep_record(_sweep_job("tune.max_concurrent_trials=2"), settings, 24)
     assert record == json.loads(json.dumps(record))  # what the file holds compares equal after a round trip
-    for changed in (["model.dim=128"], ["train.lr=1e-3"], ["tune.grace_period=4"], ["data.seq_len=128"]):
+    for changed in (["model.dim=128"], ["train.lr=1e-3"], ["tune.grace_period=4"], ["data.seq_len=128"],
+                    ["tune.init_seeds=[0, 1]"]):
         assert record != sweep_record(_sweep_job(*changed), settings, 24), changed
     assert record != sweep_record(job, settings[:2], 24)
 
@@ -277,3 +316,11 @@ def test_search_space_holds_only_the_valid_settings(search):
         assert drawn == valid * 2
     else:
         assert len(drawn) == 12 and all(d in valid for d in drawn) and len({str(d) for d in drawn}) > 1
+    # With init seeds every setting runs once per seed (grid), or each draw takes one of them (random).
+    seeded = dataclasses.replace(cfg, init_seeds=(3, 4))
+    drawn = [(str(v["nsa"]), v["init_seed"]) for _ in range(cfg.num_samples)
+             for _, v in generate_variants(param_space(seeded, valid))]
+    if search == "grid":
+        assert sorted(drawn) == sorted([(str(v), seed) for v in valid for seed in (3, 4)] * cfg.num_samples)
+    else:
+        assert {seed for _, seed in drawn} <= {3, 4} and len(drawn) == 12
