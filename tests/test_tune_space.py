@@ -184,6 +184,19 @@ def _sweep_job(*overrides):
     return load_job_config(Path(__file__).resolve().parent.parent / "configs" / "sweep-tiny.yaml", list(overrides))
 
 
+def test_gpu_sweep_config_plans_six_settings_one_trial_a_gpu():
+    from pipeline.config import load_job_config
+
+    job = load_job_config(Path(__file__).resolve().parent.parent / "configs" / "sweep-125m-gpu.yaml")
+    valid, rejected = split_valid(candidate_settings(job.tune), job.model)
+    assert len(valid) == 6 and rejected == [] and job.train.use_gpu and job.data.seq_len == 8192
+    steps = steps_for_budget(job, job.tune.token_budget)
+    assert steps == 80
+    check_sweep(job, valid, steps)
+    n, why = trial_concurrency(job, len(valid), ClusterView(fixed_size=True, now={"GPU": 2.0, "CPU": 32.0}, max=None))
+    assert n == 2 and "a trial needs 1 GPU" in why
+
+
 def test_sweep_tiny_config_plans_24_steps_and_one_trial_at_a_time_on_2_cpus():
     job = _sweep_job()
     assert steps_for_budget(job, job.tune.token_budget) == 24  # 49152 tokens / (8 blocks x 256 tokens)
