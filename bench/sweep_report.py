@@ -42,8 +42,16 @@ def parse_baseline(text: str) -> dict[str, int]:
     return out
 
 
-def read_sweep(mlruns: str, sweep: str) -> tuple[dict, list[dict]]:
-    """(the parent run's params, one dict per child run: setting, status, metric histories)."""
+def _param(run, name: str) -> str:
+    """A run's parameter, or a clear error: every run jobs/sweep.py leaves has it."""
+    if name not in run.data.params:
+        raise SystemExit(f"MLflow run {run.info.run_id} ({run.info.run_name}) has no parameter {name!r}: not a run "
+                         f"of a jobs/sweep.py sweep")
+    return run.data.params[name]
+
+
+def read_sweep(mlruns: str, sweep: str):
+    """(the sweep's parent run, one dict per child run: setting, init seed, status, metric histories)."""
     from mlflow.tracking import MlflowClient
 
     os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")  # a GPU host's file store (no sqlalchemy there)
@@ -60,13 +68,13 @@ def read_sweep(mlruns: str, sweep: str) -> tuple[dict, list[dict]]:
         params = run.data.params
         setting = {f: int(params[f"nsa.{f}"]) for f in SETTING if f"nsa.{f}" in params}
         trials.append({"trial_id": run.data.tags.get("trial_id", run.info.run_id), "setting": setting,
-                       "init_seed": int(params.get("train.seed", -1)),
+                       "init_seed": int(_param(run, "train.seed")),
                        "status": run.data.tags.get("sweep.status", run.info.status),
                        "history": {k: {m.step: m.value for m in client.get_metric_history(run.info.run_id, k)}
                                    for k in HISTORIES}})
     if not trials:
         raise SystemExit(f"{mlruns}: the sweep {sweep!r} has no trial runs")
-    return parent.data.params, trials
+    return parent, trials
 
 
 def trial_numbers(trial: dict, warmup_steps: int) -> dict:
@@ -176,16 +184,17 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=str(Path(__file__).parent / "results"))
     p.add_argument("--tag", type=file_suffix, default="")
     args = p.parse_args(argv)
-    params, trials = read_sweep(args.mlruns, args.sweep)
-    warmup = int(params.get("tune.throughput_warmup_steps", 0))
+    parent, trials = read_sweep(args.mlruns, args.sweep)
+    warmup = int(_param(parent, "tune.throughput_warmup_steps"))
     rows = trial_rows(trials, warmup)
+    started = dt.datetime.fromtimestamp(parent.info.start_time / 1000, dt.timezone.utc)  # when it was measured
     result = {"sweep": args.sweep, "device": args.device, "commit": args.commit, "baseline": args.baseline,
-              "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "warmup_steps": warmup,
-              "token_budget": params.get("tune.token_budget"), "settings": setting_rows(rows, args.baseline),
+              "date": started.strftime("%Y-%m-%d %H:%M UTC"), "warmup_steps": warmup,
+              "token_budget": int(_param(parent, "tune.token_budget")), "settings": setting_rows(rows, args.baseline),
               "trials": rows}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    stem = f"{out}/sweep-{dt.date.today().isoformat()}{args.tag}"
+    stem = f"{out}/sweep-{started.date().isoformat()}{args.tag}"
     Path(f"{stem}.json").write_text(json.dumps(result, indent=1))
     text = markdown(result)
     Path(f"{stem}.md").write_text(text)

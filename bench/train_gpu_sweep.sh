@@ -7,10 +7,10 @@
 # What comes back under $OUT: the sweep's log, summary.csv, pareto.png and the MLflow file store (mlruns.tgz), which
 # bench/sweep_report.py reads into the record:
 #   python bench/sweep_report.py --mlruns <unpacked>/mlruns --sweep sweep-125m-gpu --device "2x NVIDIA H200" \
-#       --commit <sha> --pareto <files>/pareto.png --tag -h200x2-vNN
+#       --commit <sha> --pareto <files>/pareto.png --tag=-h200x2-vNN
 # Wheels: .whl_ray as bench/train_gpu_scaling.sh's header says, with ray's three ELF binaries (gcs_server, raylet,
-# _raylet.so) stripped of their symbol tables (strip --strip-unneeded; RECORD's hashes and sizes updated): 48.7 MiB,
-# which with the tree (13 MiB) fits a call's 64 MiB.
+# _raylet.so) stripped of their symbol tables (strip --strip-unneeded; RECORD's hashes and sizes updated): 47.6 MiB,
+# which with the tree (12.8 MiB, both counted in disk blocks as the tool counts them) fits a call's 64 MiB.
 # SWEEP_LIMIT (seconds, default 540) stops the sweep in time for what ran to be packed within a call's 600 s: a
 # trial cut short stays UNFINISHED in the store, and the same command on a host that keeps $STORE resumes it.
 # EXTRA adds overrides (e.g. EXTRA="--set tune.sel_block=[64] --set tune.token_budget=1310720" for a short check).

@@ -21,12 +21,14 @@ def _store(path, monkeypatch, sweep="sweep-x", trials=TRIALS):
     exp = client.create_experiment("nsa-sweep")
     parent = client.create_run(exp, run_name=sweep).info.run_id
     client.log_param(parent, "tune.throughput_warmup_steps", 10)
+    client.log_param(parent, "tune.token_budget", 4000)
     for (sel, n, seed), (speeds, val) in trials.items():
         run = client.create_run(exp, run_name=f"{sweep}/t{sel}-{n}-{seed}", tags={
             "mlflow.parentRunId": parent, "trial_id": f"t{sel}-{n}-{seed}", "sweep.status": "DONE"}).info.run_id
         client.log_param(run, "nsa.sel_block", sel)
         client.log_param(run, "nsa.n_selected", n)
-        client.log_param(run, "train.seed", seed)
+        if seed is not None:
+            client.log_param(run, "train.seed", seed)
         for i, tps in enumerate(speeds):
             step = 10 * (i + 1)
             for key, value in (("tokens_per_s", tps), ("mfu", tps / 2000), ("train_loss", 3.0 - step / 100),
@@ -58,6 +60,8 @@ def test_each_setting_against_the_baseline_setting(tmp_path, monkeypatch):
     assert rows[(64, 16)]["peak_mem_mb"] == 1040.0 and [t["steady_reports"] for t in trials] == [3, 3, 3]
     assert "| 32 | 8 | 1 DONE | 615 (600-630) | 1.500 |" in md and "(baseline)" in md
     assert "| trial |" not in md  # one seed a setting: no per-trial table
+    record = json.loads(next((tmp_path / "out").glob("sweep-*-t1.json")).read_text())
+    assert record["token_budget"] == 4000 and record["warmup_steps"] == 10
 
 
 def test_settings_over_several_init_seeds(tmp_path, monkeypatch):
@@ -80,6 +84,12 @@ def test_a_baseline_no_trial_ran_is_an_error(tmp_path, monkeypatch):
               "--out", str(tmp_path / "out"), "--baseline", "sel_block=64,n_selected=32"])
     with pytest.raises(SystemExit, match="no run named 'other'"):
         main(["--mlruns", str(store), "--sweep", "other", "--device", "t", "--commit", "a", "--out", str(tmp_path)])
+
+
+def test_a_run_that_is_not_a_sweep_trial_is_an_error(tmp_path, monkeypatch):
+    store = _store(tmp_path / "mlruns", monkeypatch, trials={**TRIALS, (32, 16, None): ([1.0, 2.0, 3.0, 4.0], 2.0)})
+    with pytest.raises(SystemExit, match="has no parameter 'train.seed'"):
+        main(["--mlruns", str(store), "--sweep", "sweep-x", "--device", "t", "--commit", "a", "--out", str(tmp_path)])
 
 
 def test_baseline_is_parsed_strictly():
