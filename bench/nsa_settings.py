@@ -214,8 +214,7 @@ def run_shape(kb, family: str, B: int, T: int, grid: list[NSAConfig], skip_check
         row = {**base, "kind": "nsa", "sel_block": cfg.sel_block, "n_selected": cfg.n_selected}
         start = time.time()
         try:
-            part, count = kb.ti.attend_geometry(cfg.sel_block, cfg.n_selected)  # the parts the kernels attend
-            row["variant"] = kb.ti.selected_kernel(H // G, -(-T // part), count)
+            row["variant"] = kb.ti.attended_kernel(H // G, T, cfg.sel_block, cfg.n_selected)
             if not skip_checks:
                 check = kb.check_bf16(setting_label(cfg), B, T, H, G, Dk, Dv, cfg, query_ranges=check_ranges(T))
                 errors = [v for k, v in check.items() if k == "o" or (k.startswith("d") and k[1:] in kb.NAMES)]

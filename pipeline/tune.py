@@ -263,13 +263,18 @@ def format_summary(rows: list[dict[str, Any]]) -> str:
     return "\n".join("  ".join(v.rjust(w) for v, w in zip(r, widths)) for r in table)
 
 
+def _setting_key(row: dict[str, Any]) -> tuple[int, ...]:
+    """A trial's (or a setting's) swept values, in SWEPT_FIELDS order."""
+    return tuple(row[f] for f in SWEPT_FIELDS)
+
+
 def by_setting(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """One entry per NSA setting over its trials (one per init seed): mean tokens/s, mean and range of validation
     loss, and whether every trial trained the whole budget (status DONE). Means are NaN if any trial lacks the value.
     """
     groups: dict[tuple, list[dict[str, Any]]] = {}
     for r in rows:
-        groups.setdefault(tuple(r[f] for f in SWEPT_FIELDS), []).append(r)
+        groups.setdefault(_setting_key(r), []).append(r)
     out = []
     for key, trials in groups.items():
         losses = [t["val_loss"] for t in trials]
@@ -295,11 +300,11 @@ def plot_pareto(rows: list[dict[str, Any]], path: Path, title: str) -> None:
     fig = Figure(figsize=(7, 5))
     FigureCanvasAgg(fig)
     ax = fig.add_subplot()
-    front_keys = {tuple(r[f] for f in SWEPT_FIELDS) for r in rows if r.get("pareto")}
+    front_keys = {_setting_key(r) for r in rows if r.get("pareto")}
     points = sorted((s for s in by_setting(rows) if math.isfinite(s["tokens_per_s"]) and math.isfinite(s["val_loss"])),
                     key=lambda s: (s["tokens_per_s"], s["val_loss"]))
     for i, s in enumerate(points):
-        on_front = tuple(s[f] for f in SWEPT_FIELDS) in front_keys
+        on_front = _setting_key(s) in front_keys
         color = "tab:red" if on_front else "tab:gray"
         if s["trials"] > 1:
             ax.errorbar(s["tokens_per_s"], s["val_loss"], color=color, zorder=2,
@@ -311,7 +316,7 @@ def plot_pareto(rows: list[dict[str, Any]], path: Path, title: str) -> None:
         # Labels alternate above and below their points: neighbours in throughput often share a loss.
         ax.annotate(label, (s["tokens_per_s"], s["val_loss"]), textcoords="offset points",
                     xytext=(5, 6 if i % 2 == 0 else -13), fontsize=8)
-    front = [s for s in points if tuple(s[f] for f in SWEPT_FIELDS) in front_keys]
+    front = [s for s in points if _setting_key(s) in front_keys]
     if front:
         ax.plot([s["tokens_per_s"] for s in front], [s["val_loss"] for s in front], color="tab:red",
                 label="Pareto front (settings that trained the whole budget)", zorder=2)
@@ -334,8 +339,8 @@ def summarize(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     settings = by_setting(rows)
     front = pareto_front([s["tokens_per_s"] if s["complete"] else math.nan for s in settings],
                          [s["val_loss"] if s["complete"] else math.nan for s in settings])
-    on_front = {tuple(s[f] for f in SWEPT_FIELDS) for s, p in zip(settings, front) if p}
-    rows = [{**r, "pareto": tuple(r[f] for f in SWEPT_FIELDS) in on_front} for r in rows]
+    on_front = {_setting_key(s) for s, p in zip(settings, front) if p}
+    rows = [{**r, "pareto": _setting_key(r) in on_front} for r in rows]
     return sorted(rows, key=lambda r: (not math.isfinite(r["val_loss"]), r["val_loss"], r["trial_id"]))
 
 

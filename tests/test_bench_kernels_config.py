@@ -31,9 +31,8 @@ import bench.kernels as k
 gpu = k.ti.LaunchConfig()  # the GPU's defaults (this interpreter session's own config is the interpreter's)
 for case in k.CHECKS:
     name, cfg, shape = k.check_case(case)
-    part, count = k.ti.attend_geometry(cfg.sel_block, cfg.n_selected)  # the parts the selected kernels attend
-    blocks = -(-shape["T"] // part)
-    print(name, k.ti.selected_kernel(shape["H"] // shape["G"], blocks, count, gpu), cfg.sel_block, cfg.n_selected)
+    kernel = k.ti.attended_kernel(shape["H"] // shape["G"], shape["T"], cfg.sel_block, cfg.n_selected, gpu)
+    print(name, kernel, cfg.sel_block, cfg.n_selected)
 """
 
 

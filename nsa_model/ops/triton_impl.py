@@ -1228,6 +1228,13 @@ def attend_geometry(sel_block: int, n: int) -> tuple[int, int]:
     return sel_block // parts, n * parts
 
 
+def attended_kernel(hpg: int, T: int, sel_block: int, n: int, config: LaunchConfig | None = None) -> str:
+    """selected_kernel for what the selected kernels attend of n selection blocks of sel_block keys a query over T
+    positions: attend_geometry's parts."""
+    part, count = attend_geometry(sel_block, n)
+    return selected_kernel(hpg, triton.cdiv(T, part), count, config)
+
+
 def _attended_blocks(blocks: torch.Tensor, sel_block: int) -> tuple[torch.Tensor, int]:
     """(part ids [B, T, G, n f], keys a part) of selected blocks [B, T, G, n] (attend_geometry): block j gives parts
     j f .. j f + f - 1, -1 gives -1, and a part that starts after its query is -1 (_visible_blocks). The blocks
@@ -1398,7 +1405,7 @@ def _core(q: torch.Tensor, k_slc: torch.Tensor, v_slc: torch.Tensor, k_win: torc
                                                               window, scale)
     blocks = select_blocks(q, k_cmp, lse_cmp, cfg, scale)
     parts, part = _attended_blocks(blocks, sel_block)  # the backward makes the same parts from blocks
-    kernel = selected_kernel(q.shape[2] // k_slc.shape[2], triton.cdiv(T, part), parts.shape[-1])
+    kernel = attended_kernel(q.shape[2] // k_slc.shape[2], T, sel_block, n_selected)
     if _gates_in_selected_fwd():
         o, o_slc, lse_slc, index = _selected_gated_fwd(q, k_slc, v_slc, parts, part, scale, gates, o_cmp, o_win,
                                                        win, kernel)
@@ -1420,7 +1427,7 @@ def _core_fake(q, k_slc, v_slc, k_win, v_win, k_cmp, v_cmp, gates, cmp_block, cm
     lse = q.new_empty(B, T, H, dtype=torch.float32)
     blocks = q.new_empty(B, T, G, n_selected, dtype=torch.int32)
     part, count = attend_geometry(sel_block, n_selected)
-    kernel = selected_kernel(H // G, triton.cdiv(T, part), count)
+    kernel = attended_kernel(H // G, T, sel_block, n_selected)
     index = _selected_index(blocks.new_empty(B, T, G, count), part, kernel, H // G, shapes_only=True)
     o_range = (lambda: _empty_range_output(q)) if recompute else (lambda: out.new_empty(out.shape))
     return [out, blocks, o_range(), lse, out.new_empty(out.shape), lse.new_empty(lse.shape), o_range(),
@@ -1574,8 +1581,7 @@ def _core_setup_context(ctx, inputs, output):
     ctx.recompute = recompute
     H, G = q.shape[2], k_slc.shape[2]
     # The backward runs the variant and launch config the forward ran with.
-    part, count = attend_geometry(sel_block, n_selected)
-    ctx.kernel = selected_kernel(H // G, triton.cdiv(q.shape[1], part), count)
+    ctx.kernel = attended_kernel(H // G, q.shape[1], sel_block, n_selected)
     ctx.config = _config
 
 
