@@ -12,7 +12,8 @@ Read top to bottom:
 
 Metrics of a trial: `tokens_per_s` is the median of the trainer's reported tokens/s over the reports after
 `throughput_warmup_steps` (so compile and warmup are excluded), `val_loss` the last validation loss,
-`peak_mem_mb` the largest reported peak memory.
+`peak_mem_mb` the largest reported peak memory, `startup_s` the trial's seconds from its trainer's launch to the end
+of its second step (pipeline/train/loop.py's Startup: workers, data, compilation, CUDA graphs).
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ SWEPT_FIELDS = ("sel_block", "n_selected", "cmp_block", "cmp_stride", "window")
 
 # Columns of the summary table, in order.
 SUMMARY_COLUMNS = ("trial_id", *SWEPT_FIELDS, "init_seed", "status", "step", "tokens_seen", "tokens_per_s", "val_loss",
-                   "peak_mem_mb", "pareto", "mlflow_run_id")
+                   "peak_mem_mb", "startup_s", "pareto", "mlflow_run_id")
 
 
 def _require(ok: bool, name: str, why: str) -> None:
@@ -206,6 +207,7 @@ class ThroughputTracker:
         self.warmup_steps = warmup_steps
         self.steady_tokens_per_s: list[float] = []
         self.peak_mem_mb = float("nan")
+        self.startup_s = float("nan")
 
     def add(self, metrics: dict[str, Any]) -> None:
         step = metrics.get("step")
@@ -215,6 +217,8 @@ class ThroughputTracker:
         mem = metrics.get("peak_mem_mb")
         if mem is not None and math.isfinite(mem):
             self.peak_mem_mb = mem if math.isnan(self.peak_mem_mb) else max(self.peak_mem_mb, mem)
+        if "startup_total_s" in metrics:  # reported once per run
+            self.startup_s = float(metrics["startup_total_s"])
 
     def tokens_per_s(self) -> float:
         return statistics.median(self.steady_tokens_per_s) if self.steady_tokens_per_s else float("nan")
@@ -412,6 +416,7 @@ def _validation_report_callback(warmup_steps: int):
             forwarded = {k: rank0[k] for k in ("step", "tokens_seen", "train_loss", "val_loss", "lr") if k in rank0}
             forwarded["tokens_per_s"] = self.tracker.tokens_per_s()
             forwarded["peak_mem_mb"] = self.tracker.peak_mem_mb
+            forwarded["startup_s"] = self.tracker.startup_s
             super().after_report(run_context, [forwarded], checkpoint)
 
     return ValidationReportCallback()
@@ -688,7 +693,8 @@ def _result_row(result, plan: SweepPlan, tune_status: str) -> dict[str, Any]:
             "status": status, "step": step, "tokens_seen": metrics.get("tokens_seen", 0),
             "tokens_per_s": float(metrics.get("tokens_per_s", float("nan"))),
             "val_loss": float(metrics.get("val_loss", float("nan"))),
-            "peak_mem_mb": float(metrics.get("peak_mem_mb", float("nan")))}
+            "peak_mem_mb": float(metrics.get("peak_mem_mb", float("nan"))),
+            "startup_s": float(metrics.get("startup_s", float("nan")))}
 
 
 def _finish_child_run(client, experiment_id: str, plan: SweepPlan, row: dict[str, Any]) -> str:
@@ -706,7 +712,7 @@ def _finish_child_run(client, experiment_id: str, plan: SweepPlan, row: dict[str
         if f"nsa.{f}" not in existing:
             client.log_param(run_id, f"nsa.{f}", row[f])
     client.set_tag(run_id, "sweep.status", row["status"])
-    for name in ("tokens_per_s", "val_loss", "peak_mem_mb"):
+    for name in ("tokens_per_s", "val_loss", "peak_mem_mb", "startup_s"):
         if math.isfinite(row[name]):
             client.log_metric(run_id, f"trial.{name}", row[name], step=int(row["step"]))
     if row["status"] != "UNFINISHED":  # an unfinished trial's run stays open for the resumed sweep

@@ -124,6 +124,41 @@ class Interval:
             self.finite_steps += 1
 
 
+@dataclass
+class Startup:
+    """Where a run's time goes before its steps reach their pace, in wall-clock seconds (rank 0 reports them once).
+
+    launch: from the driver building the trainer to this worker entering its loop (Ray Train's controller and
+    worker group, the worker process's imports, torch.distributed's setup); model: the model, optimizer and any
+    checkpoint; data: the held-out micro-batches read (Ray Data's pipeline starting); first_step and second_step:
+    the first two optimizer steps, which hold torch.compile's tracing and code generation, the Triton kernels'
+    compilation and, under CUDA graphs, their recording. A Tune trial pays all of it before its first measured
+    step, so a sweep's budget is best judged against it (bench/results/train-summary.md, stop 76).
+    """
+
+    launched_at: float | None  # time.time() on the driver when it built the trainer; None: unknown or resumed
+    entered: float = field(default_factory=time.time)
+    phases: dict[str, float] = field(default_factory=dict)
+
+    def mark(self, phase: str) -> None:
+        now = time.time()
+        self.phases[phase] = now - self.entered - sum(self.phases.values())
+
+    def metrics(self) -> dict[str, float]:
+        m = {f"startup_{name}_s": seconds for name, seconds in self.phases.items()}
+        launch = max(self.entered - self.launched_at, 0.0) if self.launched_at is not None else 0.0
+        if self.launched_at is not None:
+            m["startup_launch_s"] = launch
+        m["startup_total_s"] = launch + sum(self.phases.values())
+        return m
+
+    def line(self) -> str:
+        m = self.metrics()
+        parts = [f"{name} {m[f'startup_{name}_s']:.1f} s" for name in ("launch", *self.phases)
+                 if f"startup_{name}_s" in m]
+        return f"startup: {m['startup_total_s']:.1f} s to the end of the second step ({'; '.join(parts)})"
+
+
 def peak_memory_mb(device: torch.device) -> float:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**20
@@ -220,6 +255,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
         # As many compute threads as CPUs reserved (at least 1): no oversubscription of the host's cores, and
         # the same thread count in every run, so CPU results are reproducible across restarts.
         torch.set_num_threads(max(1, int(t.cpus_per_worker)))
+    startup = Startup(loop_config.get("launched_at"))
     run_dir = loop_config["run_dir"]
     local_run_dir = Path(run_dir) if is_local(run_dir) else None
 
@@ -235,9 +271,11 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
                                  scheduler=scheduler, global_batch=t.global_batch)
         guard.load_state_dict(position.guard)
         start_step = position.step
+        startup.launched_at = None  # a restart within a fit would count the attempts before it as its launch
         if rank == 0:
             print(f"resumed from checkpoint at step {start_step} (every rank continues its share at block "
                   f"{position.rank_blocks})", flush=True)
+    startup.mark("model")
     forward = torch.compile(model, mode=t.compile_mode) if t.compile else model
     grads = FlatGradients(optimizer) if uses_cuda_graphs(t) or t.parallelism == "allreduce" else None
     autocast = (torch.autocast(device.type, dtype=torch.bfloat16) if t.precision == "bf16"
@@ -269,6 +307,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
             # on every rank alike, before any training step.
             watchdog.beat(start_step, "validation")
             val_set = _validation_set(t, batches("val", 0, wrap=False), device)
+            startup.mark("data")
             # Every rank consumed start_step * PB blocks of its share; wrapping, its stream never runs out.
             train_batches = Lookahead(batches("train", start_step * (t.global_batch // world), wrap=True))
             for step in range(start_step, t.max_steps):
@@ -278,6 +317,8 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
                     t, step, rank, world, model, forward, autocast, optimizer, scheduler, guard, train_batches,
                     device, watchdog, block_sums=sums, grads=grads, prefetch_next=step + 1 < t.max_steps)
                 interval.add(loss_value, finite, wait_s, compute_s)
+                if step - start_step < 2:  # the step's host sync has waited for its work on the device
+                    startup.mark("first_step" if step == start_step else "second_step")
                 if t.debug.trace and local_run_dir is not None:
                     _trace(local_run_dir, rank, {"step": step, "loss": loss_value, "finite": finite, "blocks": blocks,
                                                   "block_sums": sums, "threads": torch.get_num_threads()})
@@ -294,6 +335,11 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
                     watchdog.beat(step, "validation")
                     metrics["val_loss"] = _validate(model if t.parallelism == "fsdp" else bare, autocast, val_set,
                                                     device)
+                if startup is not None and (step - start_step >= 1 or last):  # once: the first report after two steps
+                    metrics.update(startup.metrics())
+                    if rank == 0:
+                        print(startup.line(), flush=True)
+                    startup = None
                 if rank == 0:
                     _print_progress(metrics, t)
                 if logger is not None:

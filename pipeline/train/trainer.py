@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -113,7 +114,8 @@ def build_trainer(job: JobConfig, *, run_config: RunConfig | None = None) -> Tor
         for rank, ds in enumerate(block_datasets(job.data, split, world_size=job.train.num_workers,
                                                  stats=data_stats[split], shares=shares[split])):
             datasets[rank_dataset_name(split, rank)] = ds
-    loop_config = {"job": job, "run_dir": run_dir, "mlflow_run_id": run_id, "tracking_uri": uri}
+    loop_config = {"job": job, "run_dir": run_dir, "mlflow_run_id": run_id, "tracking_uri": uri,
+                   "launched_at": time.time()}  # the workers' startup_launch_s counts from here
     trainer = TorchTrainer(
         train_loop_per_worker, train_loop_config=loop_config, scaling_config=scaling_config(job),
         torch_config=TorchConfig(backend="nccl" if job.train.use_gpu else "gloo"),

@@ -1,0 +1,176 @@
+"""Where a GPU trial's first steps go: the NSA kernels' Triton compilation, torch.compile and CUDA graphs, with the
+compile caches cold and warm (kernels-notes.md v73).
+
+    python bench/probe_trial_start.py --out DIR [--preset nsa-125m --seq-len 8192 --micro-batch 4 --accum 2 \
+        --sel-block 64 --n-selected 16 --other-n-selected 8]
+
+A Tune trial on a GPU (configs/sweep-125m-gpu.yaml) spent about 130 s before its steps reached their pace against
+15-60 s of steps (stop 75). This probe takes the model alone (no Ray, no data pipeline: pipeline/train/loop.py's
+Startup measures those) through the steps a trial's first steps hold, each measurement in a fresh Python process
+over cache folders the probe owns (TRITON_CACHE_DIR, TORCHINDUCTOR_CACHE_DIR), in this order:
+
+  cold-eager     empty caches; eager steps (the NSA kernels compile in the first), then compiled steps
+  warm-compiled  the same setting, compiled steps only, over what cold-eager cached: a trial repeated on the node
+  other-setting  another n, compiled steps only, over those caches: a sweep's next trial on the node
+  cold-compiled  empty caches again, compiled steps only: a sweep's first trial on a node
+
+A step is one optimizer step as the loop runs it (bf16 autocast, fused AdamW, --accum micro-batches of
+--micro-batch x --seq-len random tokens). Each child reports its phases' seconds (synchronized), every Triton
+compilation it ran in its own process (kernel, seconds, cache hit; through triton.knobs.compilation.listener) and
+dynamo's compile-time table. Writes DIR/trial-start.json and prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def child(args) -> dict:
+    t0 = time.time()
+    import torch
+    import triton
+
+    sys.path.insert(0, str(ROOT))
+    from nsa_model import Transformer, get_preset
+
+    record = {"import_s": time.time() - t0, "compiles": []}
+
+    def listener(*, src, metadata, metadata_group, times, cache_hit):
+        record["compiles"].append({"kernel": getattr(src, "name", str(src))[:80], "s": times.total / 1e6,
+                                   "cache_hit": bool(cache_hit)})
+
+    triton.knobs.compilation.listener = listener
+    device = torch.device(args.device)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    t = time.time()
+    torch.zeros(1, device=device)
+    record["cuda_init_s"] = time.time() - t
+    cfg = get_preset(args.preset)
+    cfg = cfg.replace(max_seq_len=args.seq_len, nsa=dataclasses.replace(cfg.nsa, sel_block=args.sel_block,
+                                                                         n_selected=args.n_selected))
+    t = time.time()
+    torch.manual_seed(0)
+    model = Transformer(cfg).to(device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    sync()
+    record["model_s"] = time.time() - t
+    tokens = torch.randint(0, cfg.vocab_size, (args.micro_batch, args.seq_len + 1), device=device)
+
+    def step(forward, graphs: bool) -> float:
+        sync()
+        start = time.time()
+        for _ in range(args.accum):
+            if graphs:
+                torch.compiler.cudagraph_mark_step_begin()
+            with torch.autocast(device.type, dtype=torch.bfloat16):
+                _, loss = forward(tokens[:, :-1], tokens[:, 1:])
+            (loss / args.accum).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=False)
+        sync()
+        return time.time() - start
+
+    if args.phases in ("eager+compiled",):
+        record["eager_steps_s"] = [step(model, False) for _ in range(3)]
+    if args.compile_scope == "blocks":  # regional: each transformer block compiled, one compiled code for all
+        for block in model.blocks:
+            block.compile(mode=args.compile_mode)
+        forward = model
+    else:
+        forward = torch.compile(model, mode=args.compile_mode)
+    graphs = args.compile_mode == "reduce-overhead"
+    record["compiled_steps_s"] = [step(forward, graphs) for _ in range(6)]
+    from torch._dynamo.utils import compile_times
+
+    record["dynamo_compile_times"] = compile_times(repr="str")
+    return record
+
+
+def run_child(name: str, phases: str, n_selected: int, caches: Path, args) -> dict:
+    env = dict(os.environ, TRITON_CACHE_DIR=str(caches / "triton"), TORCHINDUCTOR_CACHE_DIR=str(caches / "inductor"))
+    cmd = [sys.executable, __file__, "--child", "--phases", phases, "--n-selected", str(n_selected),
+           "--preset", args.preset, "--seq-len", str(args.seq_len), "--micro-batch", str(args.micro_batch),
+           "--accum", str(args.accum), "--sel-block", str(args.sel_block), "--compile-mode", args.compile_mode,
+           "--device", args.device, "--compile-scope", args.compile_scope]
+    start = time.time()
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    wall = time.time() - start
+    if out.returncode != 0:
+        raise RuntimeError(f"{name}: child failed ({out.returncode}):\n{out.stderr[-4000:]}")
+    record = json.loads(out.stdout.strip().splitlines()[-1])
+    record.update(name=name, phases=phases, n_selected=n_selected, process_wall_s=wall)
+    return record
+
+
+def summary_line(r: dict) -> str:
+    compiled = r["compiled_steps_s"]
+    steady = min(compiled[3:])
+    nsa = [c for c in r["compiles"] if not c["cache_hit"]]
+    eager = r.get("eager_steps_s")
+    cells = [r["name"], f"{r['process_wall_s']:.1f}", f"{r['import_s']:.1f}", f"{r['cuda_init_s']:.1f}",
+             f"{r['model_s']:.1f}",
+             f"{eager[0]:.1f} / {eager[-1]:.2f}" if eager else "-",
+             " / ".join(f"{s:.1f}" for s in compiled[:3]), f"{steady:.3f}",
+             f"{len(nsa)} in {sum(c['s'] for c in nsa):.1f} s",
+             f"{sum(1 for c in r['compiles'] if c['cache_hit'])}"]
+    return "| " + " | ".join(cells) + " |"
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", default=None)
+    p.add_argument("--child", action="store_true")
+    p.add_argument("--phases", default="eager+compiled", choices=("eager+compiled", "compiled"))
+    p.add_argument("--preset", default="nsa-125m")
+    p.add_argument("--seq-len", type=int, default=8192)
+    p.add_argument("--micro-batch", type=int, default=4)
+    p.add_argument("--accum", type=int, default=2)
+    p.add_argument("--sel-block", type=int, default=64)
+    p.add_argument("--n-selected", type=int, default=16)
+    p.add_argument("--other-n-selected", type=int, default=8)
+    p.add_argument("--compile-scope", default="model", choices=("model", "blocks"))
+    p.add_argument("--runs", default="cold-eager,warm-compiled,other-setting,cold-compiled")
+    p.add_argument("--device", default="cuda", help="cpu: a smoke test of the probe itself (tiny preset)")
+    p.add_argument("--compile-mode", default="reduce-overhead", choices=("default", "reduce-overhead"))
+    args = p.parse_args()
+    if args.child:
+        print(json.dumps(child(args)))
+        return
+    if args.out is None:
+        p.error("--out is required")
+    runs = []
+    with tempfile.TemporaryDirectory(prefix="trial-start-") as tmp:
+        warm, cold = Path(tmp) / "warm", Path(tmp) / "cold"
+        plan = [("cold-eager", "eager+compiled", args.n_selected, warm),
+                ("warm-compiled", "compiled", args.n_selected, warm),
+                ("other-setting", "compiled", args.other_n_selected, warm),
+                ("cold-compiled", "compiled", args.n_selected, cold)]
+        for name, phases, n, caches in [r for r in plan if r[0] in args.runs.split(",")]:
+            runs.append(run_child(name, phases, n, caches, args))
+            print(summary_line(runs[-1]), flush=True)
+    header = ("| run | process s | import | CUDA init | model | eager step 1 / steady | compiled steps 1 / 2 / 3 | "
+              "steady | Triton compiles (this process) | Triton cache hits |")
+    print(header)
+    for r in runs:
+        print(summary_line(r))
+    for r in runs:
+        print(f"\n## {r['name']}: slowest Triton compilations")
+        for c in sorted(r["compiles"], key=lambda c: -c["s"])[:12]:
+            print(f"  {c['s']:6.2f} s  {'hit ' if c['cache_hit'] else 'miss'}  {c['kernel']}")
+        print(r["dynamo_compile_times"])
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    (Path(args.out) / "trial-start.json").write_text(json.dumps({"args": vars(args), "runs": runs}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
