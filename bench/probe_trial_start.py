@@ -42,6 +42,7 @@ def child(args) -> dict:
 
     sys.path.insert(0, str(ROOT))
     from nsa_model import Transformer, get_preset
+    from pipeline.train.loop import FlatGradients
 
     record = {"import_s": time.time() - t0, "compiles": []}
 
@@ -64,6 +65,9 @@ def child(args) -> dict:
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
     sync()
     record["model_s"] = time.time() - t
+    # The loop's gradients under CUDA graphs: one flat buffer autograd adds into (a replayed backward's outputs
+    # would otherwise be overwritten by the next micro-batch's replay before accumulation read them).
+    grads = FlatGradients(optimizer)
     tokens = torch.randint(0, cfg.vocab_size, (args.micro_batch, args.seq_len + 1), device=device)
 
     def step(forward, graphs: bool) -> float:
@@ -74,9 +78,9 @@ def child(args) -> dict:
                 torch.compiler.cudagraph_mark_step_begin()
             with torch.autocast(device.type, dtype=torch.bfloat16):
                 _, loss = forward(tokens[:, :-1], tokens[:, 1:])
-            (loss / args.accum).backward()
+            grads.backward(loss / args.accum)
         optimizer.step()
-        optimizer.zero_grad(set_to_none=False)
+        grads.zero_()
         sync()
         return time.time() - start
 
