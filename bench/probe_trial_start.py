@@ -1,8 +1,9 @@
 """Where a GPU trial's first steps go: the NSA kernels' Triton compilation, torch.compile and CUDA graphs, with the
 compile caches cold and warm (kernels-notes.md v73).
 
-    python bench/probe_trial_start.py --out DIR [--preset nsa-125m --seq-len 8192 --micro-batch 4 --accum 2 \
-        --sel-block 64 --n-selected 16 --other-n-selected 8]
+    python bench/probe_trial_start.py --commit SHA [--out bench/results --suffix -vNN --compile-scope model \
+        --preset nsa-125m --seq-len 8192 --micro-batch 4 --accum 2 --sel-block 64 --n-selected 16 \
+        --other-n-selected 8 --runs cold-eager,warm-compiled,other-setting,cold-compiled]
 
 A Tune trial on a GPU (configs/sweep-125m-gpu.yaml) spent about 130 s before its steps reached their pace against
 15-60 s of steps (stop 75). This probe takes the model alone (no Ray, no data pipeline: pipeline/train/loop.py's
@@ -17,7 +18,12 @@ over cache folders the probe owns (TRITON_CACHE_DIR, TORCHINDUCTOR_CACHE_DIR), i
 A step is one optimizer step as the loop runs it (bf16 autocast, fused AdamW, --accum micro-batches of
 --micro-batch x --seq-len random tokens). Each child reports its phases' seconds (synchronized), every Triton
 compilation it ran in its own process (kernel, seconds, cache hit; through triton.knobs.compilation.listener) and
-dynamo's compile-time table. Writes DIR/trial-start.json and prints a table.
+dynamo's compile-time table. Writes <out>/trial-start-<device>-<date><suffix>.{json,md} (bench/provenance.py) and
+prints the table.
+
+--compile-scope blocks compiles each transformer block on its own (torch's regional compilation) instead of the
+whole model: one block's code serves all of them, so the first compiled step is shorter, but the embedding, the
+head and the loss run eagerly between CUDA graphs (kernels-notes.md v73 measured both).
 """
 
 from __future__ import annotations
@@ -33,6 +39,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from bench.provenance import file_suffix, git_commit, result_file, result_stem  # noqa: E402
 
 
 def child(args) -> dict:
@@ -40,7 +48,6 @@ def child(args) -> dict:
     import torch
     import triton
 
-    sys.path.insert(0, str(ROOT))
     from nsa_model import Transformer, get_preset
     from pipeline.train.loop import FlatGradients
 
@@ -65,9 +72,9 @@ def child(args) -> dict:
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
     sync()
     record["model_s"] = time.time() - t
-    # The loop's gradients under CUDA graphs: one flat buffer autograd adds into (a replayed backward's outputs
+    # As the loop: under CUDA graphs one flat gradient buffer autograd adds into (a replayed backward's outputs
     # would otherwise be overwritten by the next micro-batch's replay before accumulation read them).
-    grads = FlatGradients(optimizer)
+    grads = FlatGradients(optimizer) if args.compile_mode == "reduce-overhead" else None
     tokens = torch.randint(0, cfg.vocab_size, (args.micro_batch, args.seq_len + 1), device=device)
 
     def step(forward, graphs: bool) -> float:
@@ -78,9 +85,15 @@ def child(args) -> dict:
                 torch.compiler.cudagraph_mark_step_begin()
             with torch.autocast(device.type, dtype=torch.bfloat16):
                 _, loss = forward(tokens[:, :-1], tokens[:, 1:])
-            grads.backward(loss / args.accum)
+            if grads is not None:
+                grads.backward(loss / args.accum)
+            else:
+                (loss / args.accum).backward()
         optimizer.step()
-        grads.zero_()
+        if grads is not None:
+            grads.zero_()
+        else:
+            optimizer.zero_grad(set_to_none=False)
         sync()
         return time.time() - start
 
@@ -97,6 +110,7 @@ def child(args) -> dict:
     from torch._dynamo.utils import compile_times
 
     record["dynamo_compile_times"] = compile_times(repr="str")
+    record["device"] = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
     return record
 
 
@@ -132,7 +146,9 @@ def summary_line(r: dict) -> str:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", default=None)
+    p.add_argument("--out", default=str(ROOT / "bench" / "results"))
+    p.add_argument("--commit", default="", help="the commit measured (a GPU host's copy of the tree has no git)")
+    p.add_argument("--suffix", type=file_suffix, default="")
     p.add_argument("--child", action="store_true")
     p.add_argument("--phases", default="eager+compiled", choices=("eager+compiled", "compiled"))
     p.add_argument("--preset", default="nsa-125m")
@@ -150,8 +166,6 @@ def main() -> None:
     if args.child:
         print(json.dumps(child(args)))
         return
-    if args.out is None:
-        p.error("--out is required")
     runs = []
     with tempfile.TemporaryDirectory(prefix="trial-start-") as tmp:
         warm, cold = Path(tmp) / "warm", Path(tmp) / "cold"
@@ -162,18 +176,29 @@ def main() -> None:
         for name, phases, n, caches in [r for r in plan if r[0] in args.runs.split(",")]:
             runs.append(run_child(name, phases, n, caches, args))
             print(summary_line(runs[-1]), flush=True)
-    header = ("| run | process s | import | CUDA init | model | eager step 1 / steady | compiled steps 1 / 2 / 3 | "
-              "steady | Triton compiles (this process) | Triton cache hits |")
-    print(header)
-    for r in runs:
-        print(summary_line(r))
-    for r in runs:
-        print(f"\n## {r['name']}: slowest Triton compilations")
-        for c in sorted(r["compiles"], key=lambda c: -c["s"])[:12]:
-            print(f"  {c['s']:6.2f} s  {'hit ' if c['cache_hit'] else 'miss'}  {c['kernel']}")
-        print(r["dynamo_compile_times"])
+    stem, meta = result_stem(args.out, "trial-start", args.suffix, args.commit or git_commit())
     Path(args.out).mkdir(parents=True, exist_ok=True)
-    (Path(args.out) / "trial-start.json").write_text(json.dumps({"args": vars(args), "runs": runs}, indent=1))
+    result_file(stem, ".json").write_text(json.dumps({"meta": meta, "args": vars(args), "runs": runs}, indent=1))
+    text = markdown(meta, args, runs)
+    print(text)
+    result_file(stem, ".md").write_text(text)
+
+
+def markdown(meta: dict, args, runs: list[dict]) -> str:
+    lines = [f"# Where a trial's first steps go: {meta['device']}, {meta['date']}", "",
+             f"commit {meta['commit']}, torch {meta['torch']}, triton {meta['triton']}; bench/probe_trial_start.py "
+             f"--compile-scope {args.compile_scope}: {args.preset} at T = {args.seq_len}, {args.accum} micro-batches "
+             f"of {args.micro_batch} a step, l' = {args.sel_block}, n = {args.n_selected} (other-setting: n = "
+             f"{args.other_n_selected}), torch.compile mode {args.compile_mode}. Seconds; each run a fresh process.",
+             "", "| run | process s | import | CUDA init | model | eager step 1 / steady | compiled steps 1 / 2 / 3 | "
+             "steady | Triton compiles (this process) | Triton cache hits |", "|---" * 10 + "|"]
+    lines += [summary_line(r) for r in runs]
+    for r in runs:
+        lines += ["", f"## {r['name']}: slowest Triton compilations in the process", "", "```"]
+        lines += [f"{c['s']:6.2f} s  {'hit ' if c['cache_hit'] else 'miss'}  {c['kernel']}"
+                  for c in sorted(r["compiles"], key=lambda c: -c["s"])[:12]]
+        lines += [r["dynamo_compile_times"], "```"]
+    return "\n".join(lines) + "\n"
 
 
 if __name__ == "__main__":

@@ -5,7 +5,8 @@
 
 The sweep's parent run (named by tune.name) and its trials' child runs, as jobs/sweep.py leaves them: per trial its
 NSA setting, init seed (train.seed), status, the reports' tokens/s (steady: after the sweep's
-throughput_warmup_steps), MFU, training and validation losses and peak memory. Trials are grouped by setting (one
+throughput_warmup_steps), MFU, training and validation losses, peak memory, its startup (seconds from its trainer's
+launch to the end of its second step, by phase) and its wall time (its MLflow run's). Trials are grouped by setting (one
 per init seed), and each setting is compared with the baseline setting (by default the nsa-125m preset's own,
 l' = 64, n = 16) of the same sweep: its mean tokens/s as a ratio, its mean last validation loss as a difference. The
 trials read the same tokens in the same order, so a setting's range over seeds is the noise its difference is read
@@ -29,6 +30,8 @@ from bench.provenance import file_suffix  # noqa: E402
 
 SETTING = ("sel_block", "n_selected", "cmp_block", "cmp_stride", "window")
 HISTORIES = ("tokens_per_s", "mfu", "train_loss", "val_loss", "peak_mem_mb", "data_wait_s", "step_time_s")
+# pipeline/train/loop.py's Startup, reported once a run (again by a resumed one; the first is the trial's start)
+STARTUP = ("launch", "model", "data", "first_step", "second_step", "total")
 
 
 def parse_baseline(text: str) -> dict[str, int]:
@@ -70,8 +73,9 @@ def read_sweep(mlruns: str, sweep: str):
         trials.append({"trial_id": run.data.tags.get("trial_id", run.info.run_id), "setting": setting,
                        "init_seed": int(_param(run, "train.seed")),
                        "status": run.data.tags.get("sweep.status", run.info.status),
+                       "wall_s": (run.info.end_time - run.info.start_time) / 1000 if run.info.end_time else math.nan,
                        "history": {k: {m.step: m.value for m in client.get_metric_history(run.info.run_id, k)}
-                                   for k in HISTORIES}})
+                                   for k in (*HISTORIES, *(f"startup_{p}_s" for p in STARTUP))}})
     if not trials:
         raise SystemExit(f"{mlruns}: the sweep {sweep!r} has no trial runs")
     return parent, trials
@@ -88,12 +92,16 @@ def trial_numbers(trial: dict, warmup_steps: int) -> dict:
     def last(name: str) -> tuple[int, float] | None:
         return (max(h[name]), h[name][max(h[name])]) if h[name] else None
 
+    def first(name: str) -> float:
+        return h[name][min(h[name])] if h.get(name) else math.nan
+
     return {"tokens_per_s": statistics.median(steady) if steady else math.nan,
             "tokens_per_s_min": min(steady, default=math.nan), "tokens_per_s_max": max(steady, default=math.nan),
             "steady_reports": len(steady), "mfu": statistics.median(mfu) if mfu else math.nan,
             "data_wait_share": statistics.median(wait) if wait else math.nan,
             "val_loss": last("val_loss"), "train_loss": last("train_loss"),
-            "peak_mem_mb": max(h["peak_mem_mb"].values(), default=math.nan)}
+            "peak_mem_mb": max(h["peak_mem_mb"].values(), default=math.nan),
+            "startup": {p: first(f"startup_{p}_s") for p in STARTUP}, "wall_s": trial.get("wall_s", math.nan)}
 
 
 def trial_rows(trials: list[dict], warmup_steps: int) -> list[dict]:
@@ -124,7 +132,9 @@ def setting_rows(rows: list[dict], baseline: dict[str, int]) -> list[dict]:
                     "val_step": steps.pop() if len(steps) == 1 and len(vals) == len(trials) else None,
                     "val_losses": losses, "val_loss": statistics.fmean(losses) if losses else math.nan,
                     "val_loss_range": max(losses) - min(losses) if len(losses) > 1 else math.nan,
-                    "peak_mem_mb": max(t["peak_mem_mb"] for t in trials)})
+                    "peak_mem_mb": max(t["peak_mem_mb"] for t in trials),
+                    "startup_s": statistics.fmean(t["startup"]["total"] for t in trials),
+                    "wall_s": statistics.fmean(t["wall_s"] for t in trials)})
     base = [s for s in out if all(s["setting"].get(k) == v for k, v in baseline.items())]
     if len(base) != 1:
         raise SystemExit(f"baseline {baseline}: {len(base)} settings match it; the sweep has "
@@ -149,7 +159,8 @@ def markdown(result: dict) -> str:
              f"its trials (one per init seed), with the range of every steady report beside it. Ratio and val-loss "
              f"difference are to the baseline setting {result['baseline']} of the same sweep.", "",
              "| l' | n | trials | tokens/s (reports' range) | / baseline | MFU | data wait | val loss: mean (step) | "
-             "per seed | range | mean - baseline | peak MiB |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "per seed | range | mean - baseline | peak MiB | startup s | trial s |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for s in result["settings"]:
         st = s["setting"]
         mark = " (baseline)" if s["baseline"] else ""
@@ -160,7 +171,8 @@ def markdown(result: dict) -> str:
             f"{_num(s['mfu'], '.3f')} | "
             f"{_num(100 * s['data_wait_share'], '.2f')}% | {_num(s['val_loss'], '.4f')} ({s['val_step']}) | "
             f"{', '.join(f'{v:.4f}' for v in s['val_losses'])} | {_num(s['val_loss_range'], '.4f')} | "
-            f"{_num(s['val_loss_diff'], '+.4f')} | {_num(s['peak_mem_mb'], ',.0f')} |")
+            f"{_num(s['val_loss_diff'], '+.4f')} | {_num(s['peak_mem_mb'], ',.0f')} | {_num(s['startup_s'], '.1f')} | "
+            f"{_num(s['wall_s'], '.1f')} |")
     if any(s["trials"] > 1 for s in result["settings"]):
         lines += ["", "| trial | l' | n | init seed | status | tokens/s | val loss (step) | last train loss |",
                   "|---|---|---|---|---|---|---|---|"]
@@ -170,6 +182,17 @@ def markdown(result: dict) -> str:
             lines.append(f"| {r['trial_id']} | {r['setting'].get('sel_block', '-')} | "
                          f"{r['setting'].get('n_selected', '-')} | {r['init_seed']} | {r['status']} | "
                          f"{_num(r['tokens_per_s'], ',.0f')} | {val} | {train} |")
+    lines += ["", "Where each trial's time went before its steps reached their pace (seconds; pipeline/train/loop.py's "
+              "Startup: launch = Ray Train's controller and workers, model = model and optimizer, data = the held-out "
+              "batches read, then the first two steps with compilation and CUDA graphs) and its whole wall time "
+              "(its MLflow run's, final checkpoint and teardown included):", "",
+              "| startup of trial | l' | n | init seed | " + " | ".join(STARTUP) + " | trial wall |",
+              "|---|---|---|---|" + "---|" * (len(STARTUP) + 1)]
+    for r in result["trials"]:
+        st = r["setting"]
+        lines.append(f"| {r['trial_id']} | {st.get('sel_block', '-')} | {st.get('n_selected', '-')} | {r['init_seed']} | "
+                     + " | ".join(_num(r["startup"][p], ".1f") for p in STARTUP)
+                     + f" | {_num(r['wall_s'], '.1f')} |")
     return "\n".join(lines) + "\n"
 
 

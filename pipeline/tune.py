@@ -694,7 +694,10 @@ def _result_row(result, plan: SweepPlan, tune_status: str) -> dict[str, Any]:
             "tokens_per_s": float(metrics.get("tokens_per_s", float("nan"))),
             "val_loss": float(metrics.get("val_loss", float("nan"))),
             "peak_mem_mb": float(metrics.get("peak_mem_mb", float("nan"))),
-            "startup_s": float(metrics.get("startup_s", float("nan")))}
+            "startup_s": float(metrics.get("startup_s", float("nan"))),
+            # when Tune took the trial's last report (seconds): its end where the trial could not close its own
+            # MLflow run, as when the scheduler stopped it at a report (ASHA, also at the last step)
+            "last_report_at": metrics.get("timestamp")}
 
 
 def _finish_child_run(client, experiment_id: str, plan: SweepPlan, row: dict[str, Any]) -> str:
@@ -717,7 +720,12 @@ def _finish_child_run(client, experiment_id: str, plan: SweepPlan, row: dict[str
             client.log_metric(run_id, f"trial.{name}", row[name], step=int(row["step"]))
     if row["status"] != "UNFINISHED":  # an unfinished trial's run stays open for the resumed sweep
         status = {"ERROR": "FAILED", "STOPPED": "KILLED", "DONE": "FINISHED"}[row["status"]]
-        client.set_terminated(run_id, status=status)
+        # the end the trial's own close gave the run, else its last report: the run's duration in the UI is then the
+        # trial's, not the sweep's
+        end_time = client.get_run(run_id).info.end_time
+        if end_time is None and row.get("last_report_at") is not None:
+            end_time = int(row["last_report_at"] * 1000)
+        client.set_terminated(run_id, status=status, end_time=end_time)
     return run_id
 
 

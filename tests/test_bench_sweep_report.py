@@ -2,6 +2,7 @@
 
 import argparse
 import json
+import math
 
 import pytest
 
@@ -13,7 +14,7 @@ TRIALS = {(64, 16, 1337): ([1000.0, 400.0, 410.0, 420.0], 2.50), (32, 8, 1337): 
           (128, 8, 1337): ([10.0, 300.0, 290.0, 310.0], 2.47)}
 
 
-def _store(path, monkeypatch, sweep="sweep-x", trials=TRIALS):
+def _store(path, monkeypatch, sweep="sweep-x", trials=TRIALS, with_startup=False):
     from mlflow.tracking import MlflowClient
 
     monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
@@ -23,7 +24,7 @@ def _store(path, monkeypatch, sweep="sweep-x", trials=TRIALS):
     client.log_param(parent, "tune.throughput_warmup_steps", 10)
     client.log_param(parent, "tune.token_budget", 4000)
     for (sel, n, seed), (speeds, val) in trials.items():
-        run = client.create_run(exp, run_name=f"{sweep}/t{sel}-{n}-{seed}", tags={
+        run = client.create_run(exp, run_name=f"{sweep}/t{sel}-{n}-{seed}", start_time=1_000_000, tags={
             "mlflow.parentRunId": parent, "trial_id": f"t{sel}-{n}-{seed}", "sweep.status": "DONE"}).info.run_id
         client.log_param(run, "nsa.sel_block", sel)
         client.log_param(run, "nsa.n_selected", n)
@@ -36,6 +37,12 @@ def _store(path, monkeypatch, sweep="sweep-x", trials=TRIALS):
                 client.log_metric(run, key, value, step=step)
         client.log_metric(run, "val_loss", val + 0.3, step=20)
         client.log_metric(run, "val_loss", val, step=40)
+        if with_startup:  # the trial's start (step 20), then a resume's (step 40) that must not replace it
+            for step, scale in ((20, 1.0), (40, 0.5)):
+                for phase, seconds in (("launch", 15.0), ("model", 3.0), ("data", 4.0), ("first_step", 30.0),
+                                       ("second_step", 0.5), ("total", 52.5)):
+                    client.log_metric(run, f"startup_{phase}_s", seconds * scale * sel / 64, step=step)
+            client.set_terminated(run, "FINISHED", end_time=1_000_000 + 1000 * sel)  # a trial of l' seconds
     return path
 
 
@@ -97,3 +104,17 @@ def test_baseline_is_parsed_strictly():
     for bad in ("sel_block=6x", "block=64", "sel_block"):
         with pytest.raises(argparse.ArgumentTypeError, match="want FIELD=INT"):
             parse_baseline(bad)
+
+
+def test_each_trials_startup_is_its_first_report_and_a_settings_the_mean(tmp_path, monkeypatch):
+    trials = {**TRIALS, (64, 16, 7): ([1.0, 430.0, 430.0, 430.0], 2.70)}
+    rows, per_trial, md = _record(tmp_path, _store(tmp_path / "mlruns", monkeypatch, trials=trials, with_startup=True))
+    first = {(t["setting"]["sel_block"], t["init_seed"]): t["startup"] for t in per_trial}
+    assert first[(128, 1337)] == {"launch": 30.0, "model": 6.0, "data": 8.0, "first_step": 60.0, "second_step": 1.0,
+                                  "total": 105.0}  # step 20's, not the resumed run's halves at step 40
+    assert rows[(64, 16)]["startup_s"] == pytest.approx(52.5) and rows[(32, 8)]["startup_s"] == pytest.approx(26.25)
+    assert "| t128-8-1337 | 128 | 8 | 1337 | 30.0 | 6.0 | 8.0 | 60.0 | 1.0 | 105.0 | 128.0 |" in md
+    assert rows[(32, 8)]["wall_s"] == 32.0
+    bare, _, bare_md = _record(tmp_path / "bare", _store(tmp_path / "bare" / "mlruns", monkeypatch))
+    assert all(math.isnan(s["startup_s"]) for s in bare.values())  # a store from before stop 76: shown as "-"
+    assert "| t64-16-1337 | 64 | 16 | 1337 | - | - | - | - | - | - | - |" in bare_md  # and a run never ended

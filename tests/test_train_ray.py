@@ -106,6 +106,11 @@ def test_stop_resume_and_worker_death_continue_the_same_loss_curve(straight, pac
     assert resumes == [(3, 3.0), (3, 3.0)]  # the rerun of the run name, then the restarted worker
     lr = {h.step: h.value for h in client.get_metric_history(second.mlflow_run_id, "lr")}
     assert lr[2] == pytest.approx(3e-3) and lr[6] == pytest.approx(3e-4)  # warmup peak, then min_lr at the end
+    # Startup, once a worker has run two steps: the fresh start at step 2 with its launch; the rerun died in its
+    # second step; the restarted worker at step 5, resumed, so without a launch (its attempts before it would count)
+    totals = client.get_metric_history(second.mlflow_run_id, "startup_total_s")
+    assert sorted(h.step for h in totals) == [2, 5] and all(h.value > 0 for h in totals)
+    assert [h.step for h in client.get_metric_history(second.mlflow_run_id, "startup_launch_s")] == [2]
     assert client.get_run(second.mlflow_run_id).info.status == "FINISHED"
 
 

@@ -102,6 +102,9 @@ def test_throughput_leaves_out_warmup_and_takes_the_median():
     tracker.add({"step": 6, "val_loss": 3.0})  # a validation-only report carries no throughput
     assert tracker.tokens_per_s() == 110.0
     assert tracker.peak_mem_mb == 9.0
+    assert math.isnan(tracker.startup_s)
+    tracker.add({"step": 7, "startup_total_s": 42.5})  # the run's one startup report
+    assert tracker.startup_s == 42.5
     assert math.isnan(ThroughputTracker(warmup_steps=10).tokens_per_s())
 
 

@@ -115,7 +115,7 @@ def test_the_4_trial_grid_completes(sweep):
     assert any(r["status"] == "DONE" and r["step"] == 4 and r["tokens_seen"] == 4 * 4 * 128 for r in rows)
     for r in rows:
         assert 2 <= r["step"] <= 4  # every trial validated at least once (ASHA's grace period is 2 steps)
-        assert 0 < r["val_loss"] < 10 and r["tokens_per_s"] > 0 and r["peak_mem_mb"] > 0
+        assert 0 < r["val_loss"] < 10 and r["tokens_per_s"] > 0 and r["peak_mem_mb"] > 0 and r["startup_s"] > 0
     assert any(r["pareto"] for r in rows)
     with open(result.summary_csv) as f:
         table = list(csv.DictReader(f))
@@ -154,7 +154,12 @@ def test_child_runs_hold_the_trials_nsa_settings(sweep):
         assert metrics["trial.val_loss"] == pytest.approx(row["val_loss"])
         assert metrics["trial.tokens_per_s"] == pytest.approx(row["tokens_per_s"])
         assert "trial.peak_mem_mb" in metrics and "train_loss" in metrics  # the trainer's own metrics too
+        assert metrics["trial.startup_s"] == pytest.approx(row["startup_s"])
+        assert 0 < metrics["startup_first_step_s"] < metrics["startup_total_s"]  # the trainer's breakdown
         assert child.info.status == ("FINISHED" if row["status"] == "DONE" else "KILLED")
+    # Each child run lasts as long as its trial (the trials ran one at a time), not until the sweep's summary
+    spans = sorted((c.info.start_time, c.info.end_time) for c in children)
+    assert all(end <= next_start for (_, end), (next_start, _) in zip(spans, spans[1:])), spans
     # The settings reach the model: at step 2 (every trial gets there), sparse selection (l'=16, n=4 of 8 blocks)
     # changes the loss against selecting all 8 blocks, while l'=32 (4 blocks) gives the same function for n=4 and 8.
     val2 = {}

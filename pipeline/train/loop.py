@@ -137,7 +137,7 @@ class Startup:
     """
 
     launched_at: float | None  # time.time() on the driver when it built the trainer; None: unknown or resumed
-    entered: float = field(default_factory=time.time)
+    entered: float = field(default_factory=lambda: time.time())
     phases: dict[str, float] = field(default_factory=dict)
 
     def mark(self, phase: str) -> None:
