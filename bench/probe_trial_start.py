@@ -160,7 +160,9 @@ def main() -> None:
     p.add_argument("--other-n-selected", type=int, default=8)
     p.add_argument("--compile-scope", default="model", choices=("model", "blocks"))
     p.add_argument("--runs", default="cold-eager,warm-compiled,other-setting,cold-compiled")
-    p.add_argument("--device", default="cuda", help="cpu: a smoke test of the probe itself (tiny preset)")
+    p.add_argument("--device", default="cuda", help="cpu: a smoke test of the probe itself (--preset tiny "
+                   "--seq-len 256 --compile-mode default; at T = 64 and 128 torch 2.13's CPU inductor crashed in the "
+                   "compiled backward, kernels-notes.md v73)")
     p.add_argument("--compile-mode", default="reduce-overhead", choices=("default", "reduce-overhead"))
     args = p.parse_args()
     if args.child:
@@ -191,7 +193,8 @@ def markdown(meta: dict, args, runs: list[dict]) -> str:
              f"of {args.micro_batch} a step, l' = {args.sel_block}, n = {args.n_selected} (other-setting: n = "
              f"{args.other_n_selected}), torch.compile mode {args.compile_mode}. Seconds; each run a fresh process.",
              "", "| run | process s | import | CUDA init | model | eager step 1 / steady | compiled steps 1 / 2 / 3 | "
-             "steady | Triton compiles (this process) | Triton cache hits |", "|---" * 10 + "|"]
+             "steady (fastest of steps 4-6) | Triton compiles (this process) | Triton cache hits |",
+             "|---" * 10 + "|"]
     lines += [summary_line(r) for r in runs]
     for r in runs:
         lines += ["", f"## {r['name']}: slowest Triton compilations in the process", "", "```"]

@@ -146,9 +146,9 @@ class Startup:
 
     def metrics(self) -> dict[str, float]:
         m = {f"startup_{name}_s": seconds for name, seconds in self.phases.items()}
-        launch = max(self.entered - self.launched_at, 0.0) if self.launched_at is not None else 0.0
-        if self.launched_at is not None:
-            m["startup_launch_s"] = launch
+        launch = 0.0
+        if self.launched_at is not None:  # clamped: the driver's clock may run ahead of another node's
+            launch = m["startup_launch_s"] = max(self.entered - self.launched_at, 0.0)
         m["startup_total_s"] = launch + sum(self.phases.values())
         return m
 
