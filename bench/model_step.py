@@ -33,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.launch import launch_overrides  # noqa: E402,F401  (also this module's --launch parser)
 from bench.provenance import file_suffix, git_commit, result_file, result_stem  # noqa: E402
 from nsa_model import Transformer, get_preset  # noqa: E402
+from nsa_model.model import compile_model as compile_nsa_model  # noqa: E402
 from pipeline.train.loop import FlatGradients, cudagraph_skips  # noqa: E402
 
 # Kernel names of the NSA core (nsa_model/kernels), for the breakdown.
@@ -68,7 +69,7 @@ def build(preset: str, attention: str, seq_len: int, compile_model: bool, compil
     no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
                             lr=3e-4, fused=True)
-    fwd = torch.compile(model, mode=compile_mode) if compile_model else model
+    fwd = compile_nsa_model(model, mode=compile_mode) if compile_model else model  # as the training loop
     return cfg, model, fwd, opt
 
 

@@ -1,9 +1,9 @@
 """Where a GPU trial's first steps go: the NSA kernels' Triton compilation, torch.compile and CUDA graphs, with the
-compile caches cold and warm (kernels-notes.md v73).
+compile caches cold and warm (kernels-notes.md v73, v74).
 
     python bench/probe_trial_start.py --commit SHA [--out bench/results --suffix -vNN --compile-scope model \
         --preset nsa-125m --seq-len 8192 --micro-batch 4 --accum 2 --sel-block 64 --n-selected 16 \
-        --other-n-selected 8 --runs cold-eager,warm-compiled,other-setting,cold-compiled]
+        --other-n-selected 8 --other-sel-block 128 --runs cold-compiled,warm-compiled,other-setting,...]
 
 A Tune trial on a GPU (configs/sweep-125m-gpu.yaml) spent about 130 s before its steps reached their pace against
 15-60 s of steps (stop 75). This probe takes the model alone (no Ray, no data pipeline: pipeline/train/loop.py's
@@ -11,15 +11,22 @@ Startup measures those) through the steps a trial's first steps hold, each measu
 over cache folders the probe owns (TRITON_CACHE_DIR, TORCHINDUCTOR_CACHE_DIR), in this order:
 
   cold-eager     empty caches; eager steps (the NSA kernels compile in the first), then compiled steps
-  warm-compiled  the same setting, compiled steps only, over what cold-eager cached: a trial repeated on the node
-  other-setting  another n, compiled steps only, over those caches: a sweep's next trial on the node
-  cold-compiled  empty caches again, compiled steps only: a sweep's first trial on a node
+  cold-compiled  empty caches, compiled steps only: a sweep's first trial on a node
+  warm-compiled  the same setting, compiled steps only, over what the first cold run cached: a trial repeated
+  other-setting  another n (--other-n-selected), over those caches: a sweep's next trial on the node
+  other-block    another l' (--other-sel-block), over those caches
+
+Each run compiles as the training loop does, by nsa_model.compile_model (l' and n symbolic in the traced graph),
+or, with the suffix -static (cold-compiled-static, other-setting-static, ...), by plain torch.compile, which
+bakes them into the graph as constants: the baseline, with cache folders of its own. A run named cold takes the
+folders of its form if no run has used them yet, else fresh ones; the others take its form's folders and need a
+cold run of that form before them.
 
 A step is one optimizer step as the loop runs it (bf16 autocast, fused AdamW, --accum micro-batches of
 --micro-batch x --seq-len random tokens). Each child reports its phases' seconds (synchronized), every Triton
-compilation it ran in its own process (kernel, seconds, cache hit; through triton.knobs.compilation.listener) and
-dynamo's compile-time table. Writes <out>/trial-start-<device>-<date><suffix>.{json,md} (bench/provenance.py) and
-prints the table.
+compilation it ran in its own process (kernel, seconds, cache hit; through triton.knobs.compilation.listener),
+inductor's FX graph cache and AOT autograd's cache hits and misses, and dynamo's compile-time table. Writes
+<out>/trial-start-<device>-<date><suffix>.{json,md} (bench/provenance.py) and prints the table.
 
 --compile-scope blocks compiles each transformer block on its own (torch's regional compilation) instead of the
 whole model: one block's code serves all of them, so the first compiled step is shorter, but the embedding, the
@@ -48,7 +55,7 @@ def child(args) -> dict:
     import torch
     import triton
 
-    from nsa_model import Transformer, get_preset
+    from nsa_model import Transformer, compile_model, get_preset
     from pipeline.train.loop import FlatGradients
 
     record = {"import_s": time.time() - t0, "compiles": []}
@@ -104,29 +111,59 @@ def child(args) -> dict:
             block.compile(mode=args.compile_mode)
         forward = model
     else:
-        forward = torch.compile(model, mode=args.compile_mode)
+        forward = (compile_model if args.form == "symbolic" else torch.compile)(model, mode=args.compile_mode)
     graphs = args.compile_mode == "reduce-overhead"
     record["compiled_steps_s"] = [step(forward, graphs) for _ in range(6)]
-    from torch._dynamo.utils import compile_times
+    from torch._dynamo.utils import compile_times, counters
 
     record["dynamo_compile_times"] = compile_times(repr="str")
+    record["graph_caches"] = {key: counters[group][key] for group, keys in CACHE_COUNTERS.items() for key in keys}
     record["device"] = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
     return record
 
 
-def run_child(name: str, phases: str, n_selected: int, caches: Path, args) -> dict:
+CACHE_COUNTERS = {"inductor": ("fxgraph_cache_hit", "fxgraph_cache_miss"),
+                  "aot_autograd": ("autograd_cache_hit", "autograd_cache_miss")}
+
+# name: (phases, setting, caches); a name ending in -static runs the same with plain torch.compile
+RUNS = {"cold-eager": ("eager+compiled", "base", "cold"), "cold-compiled": ("compiled", "base", "cold"),
+        "warm-compiled": ("compiled", "base", "warm"), "other-setting": ("compiled", "other-n", "warm"),
+        "other-block": ("compiled", "other-block", "warm")}
+DEFAULT_RUNS = "cold-compiled,warm-compiled,other-setting,other-block,cold-compiled-static,other-setting-static"
+
+
+def parse_runs(text: str) -> list[tuple[str, str, str, str, str]]:
+    """[(name, phases, setting, caches, form)] in the order given; refuses unknown names, repeats, and a warm run
+    with no cold run of its form before it."""
+    runs, cold_forms = [], set()
+    for name in text.split(","):
+        base, form = (name[:-len("-static")], "static") if name.endswith("-static") else (name, "symbolic")
+        if base not in RUNS or name in [r[0] for r in runs]:
+            raise argparse.ArgumentTypeError(f"--runs: {name!r} is unknown or repeated; runs are {sorted(RUNS)}, "
+                                             "each also with the suffix -static")
+        phases, setting, caches = RUNS[base]
+        if caches == "warm" and form not in cold_forms:
+            raise argparse.ArgumentTypeError(f"--runs: {name} reads the caches a cold run of its form left; put "
+                                             f"cold-compiled{'-static' if form == 'static' else ''} before it")
+        cold_forms |= {form} if caches == "cold" else set()
+        runs.append((name, phases, setting, caches, form))
+    return runs
+
+
+def run_child(name: str, phases: str, sel_block: int, n_selected: int, form: str, caches: Path, args) -> dict:
     env = dict(os.environ, TRITON_CACHE_DIR=str(caches / "triton"), TORCHINDUCTOR_CACHE_DIR=str(caches / "inductor"))
     cmd = [sys.executable, __file__, "--child", "--phases", phases, "--n-selected", str(n_selected),
            "--preset", args.preset, "--seq-len", str(args.seq_len), "--micro-batch", str(args.micro_batch),
-           "--accum", str(args.accum), "--sel-block", str(args.sel_block), "--compile-mode", args.compile_mode,
-           "--device", args.device, "--compile-scope", args.compile_scope]
+           "--accum", str(args.accum), "--sel-block", str(sel_block), "--compile-mode", args.compile_mode,
+           "--device", args.device, "--compile-scope", args.compile_scope, "--form", form]
     start = time.time()
     out = subprocess.run(cmd, env=env, capture_output=True, text=True)
     wall = time.time() - start
     if out.returncode != 0:
         raise RuntimeError(f"{name}: child failed ({out.returncode}):\n{out.stderr[-4000:]}")
     record = json.loads(out.stdout.strip().splitlines()[-1])
-    record.update(name=name, phases=phases, n_selected=n_selected, process_wall_s=wall)
+    record.update(name=name, phases=phases, sel_block=sel_block, n_selected=n_selected, form=form,
+                  process_wall_s=wall)
     return record
 
 
@@ -135,12 +172,15 @@ def summary_line(r: dict) -> str:
     steady = min(compiled[3:])
     nsa = [c for c in r["compiles"] if not c["cache_hit"]]
     eager = r.get("eager_steps_s")
-    cells = [r["name"], f"{r['process_wall_s']:.1f}", f"{r['import_s']:.1f}", f"{r['cuda_init_s']:.1f}",
-             f"{r['model_s']:.1f}",
+    caches = r["graph_caches"]
+    cells = [r["name"], f"{r['sel_block']} / {r['n_selected']}", f"{r['process_wall_s']:.1f}", f"{r['import_s']:.1f}",
+             f"{r['cuda_init_s']:.1f}", f"{r['model_s']:.1f}",
              f"{eager[0]:.1f} / {eager[-1]:.2f}" if eager else "-",
              " / ".join(f"{s:.1f}" for s in compiled[:3]), f"{steady:.3f}",
              f"{len(nsa)} in {sum(c['s'] for c in nsa):.1f} s",
-             f"{sum(1 for c in r['compiles'] if c['cache_hit'])}"]
+             f"{sum(1 for c in r['compiles'] if c['cache_hit'])}",
+             f"{caches['fxgraph_cache_hit']} / {caches['fxgraph_cache_miss']}",
+             f"{caches['autograd_cache_hit']} / {caches['autograd_cache_miss']}"]
     return "| " + " | ".join(cells) + " |"
 
 
@@ -158,8 +198,10 @@ def main() -> None:
     p.add_argument("--sel-block", type=int, default=64)
     p.add_argument("--n-selected", type=int, default=16)
     p.add_argument("--other-n-selected", type=int, default=8)
+    p.add_argument("--other-sel-block", type=int, default=128)
     p.add_argument("--compile-scope", default="model", choices=("model", "blocks"))
-    p.add_argument("--runs", default="cold-eager,warm-compiled,other-setting,cold-compiled")
+    p.add_argument("--form", default="symbolic", choices=("symbolic", "static"), help="(a child's)")
+    p.add_argument("--runs", type=parse_runs, default=parse_runs(DEFAULT_RUNS))
     p.add_argument("--device", default="cuda", help="cpu: a smoke test of the probe itself (--preset tiny "
                    "--seq-len 256 --compile-mode default; at T = 64 and 128 torch 2.13's CPU inductor crashed in the "
                    "compiled backward, kernels-notes.md v73)")
@@ -169,18 +211,19 @@ def main() -> None:
         print(json.dumps(child(args)))
         return
     runs = []
+    settings = {"base": (args.sel_block, args.n_selected), "other-n": (args.sel_block, args.other_n_selected),
+                "other-block": (args.other_sel_block, args.n_selected)}
     with tempfile.TemporaryDirectory(prefix="trial-start-") as tmp:
-        warm, cold = Path(tmp) / "warm", Path(tmp) / "cold"
-        plan = [("cold-eager", "eager+compiled", args.n_selected, warm),
-                ("warm-compiled", "compiled", args.n_selected, warm),
-                ("other-setting", "compiled", args.other_n_selected, warm),
-                ("cold-compiled", "compiled", args.n_selected, cold)]
-        for name, phases, n, caches in [r for r in plan if r[0] in args.runs.split(",")]:
-            runs.append(run_child(name, phases, n, caches, args))
+        used = set()  # the forms whose shared cache folders a run has filled
+        for name, phases, setting, caches, form in args.runs:
+            folder = Path(tmp) / (form if caches == "warm" or form not in used else name)
+            used.add(form)
+            runs.append(run_child(name, phases, *settings[setting], form, folder, args))
             print(summary_line(runs[-1]), flush=True)
     stem, meta = result_stem(args.out, "trial-start", args.suffix, args.commit or git_commit())
     Path(args.out).mkdir(parents=True, exist_ok=True)
-    result_file(stem, ".json").write_text(json.dumps({"meta": meta, "args": vars(args), "runs": runs}, indent=1))
+    recorded_args = dict(vars(args), runs=",".join(r[0] for r in args.runs))
+    result_file(stem, ".json").write_text(json.dumps({"meta": meta, "args": recorded_args, "runs": runs}, indent=1))
     text = markdown(meta, args, runs)
     print(text)
     result_file(stem, ".md").write_text(text)
@@ -190,11 +233,13 @@ def markdown(meta: dict, args, runs: list[dict]) -> str:
     lines = [f"# Where a trial's first steps go: {meta['device']}, {meta['date']}", "",
              f"commit {meta['commit']}, torch {meta['torch']}, triton {meta['triton']}; bench/probe_trial_start.py "
              f"--compile-scope {args.compile_scope}: {args.preset} at T = {args.seq_len}, {args.accum} micro-batches "
-             f"of {args.micro_batch} a step, l' = {args.sel_block}, n = {args.n_selected} (other-setting: n = "
-             f"{args.other_n_selected}), torch.compile mode {args.compile_mode}. Seconds; each run a fresh process.",
-             "", "| run | process s | import | CUDA init | model | eager step 1 / steady | compiled steps 1 / 2 / 3 | "
-             "steady (fastest of steps 4-6) | Triton compiles (this process) | Triton cache hits |",
-             "|---" * 10 + "|"]
+             f"of {args.micro_batch} a step, torch.compile mode {args.compile_mode}; runs compiled by "
+             "nsa_model.compile_model (l' and n symbolic), those named -static by plain torch.compile. Seconds; each "
+             "run a fresh process.",
+             "", "| run | l' / n | process s | import | CUDA init | model | eager step 1 / steady | compiled steps "
+             "1 / 2 / 3 | steady (fastest of steps 4-6) | Triton compiles (this process) | Triton cache hits | "
+             "FX graph cache hits / misses | AOT autograd cache hits / misses |",
+             "|---" * 13 + "|"]
     lines += [summary_line(r) for r in runs]
     for r in runs:
         lines += ["", f"## {r['name']}: slowest Triton compilations in the process", "", "```"]

@@ -220,3 +220,23 @@ def _mean_keys_per_query(cfg: ModelConfig, seq_len: int) -> float:
                            (nsa.n_selected - 1) * nsa.sel_block + t % nsa.sel_block + 1)
     win_keys = torch.clamp(t + 1, max=nsa.window)
     return float((cmp_keys + sel_keys + win_keys).mean())
+
+
+# Dynamo's names of the NSA setting a Tune sweep varies, wherever a module keeps its NSAConfig as `.nsa` (re.match
+# against each int it meets; no spaces or commas: torch splits its list on them).
+SWEPT_SETTING_SOURCES = r".*\.nsa\.(sel_block|n_selected)$"
+
+
+def compile_model(model: nn.Module, **compile_options) -> nn.Module:
+    """torch.compile(model, **compile_options) with l' and n traced as symbolic ints, so the compiled graphs do not
+    depend on them. By default dynamo bakes a module's ints into the graph as constants: each new (l', n) of a
+    sweep was then a new graph for inductor, about 30 s of a GPU trial's first step that its compile caches, warm
+    from the trial before, did not save (kernels-notes.md v73, v74). The NSA kernels still specialize on them, at
+    launch.
+
+    Adds SWEPT_SETTING_SOURCES to torch.compiler.config.dynamic_sources for this process (dynamo reads it when it
+    traces, which is at the first call, not here)."""
+    sources = [s for s in torch.compiler.config.dynamic_sources.split(",") if s]
+    if SWEPT_SETTING_SOURCES not in sources:
+        torch.compiler.config.dynamic_sources = ",".join([*sources, SWEPT_SETTING_SOURCES])
+    return torch.compile(model, **compile_options)

@@ -1,30 +1,53 @@
-"""bench/probe_trial_start.py's record: its table reads each run's phases, its steady step and the Triton
-compilations that missed the cache (the GPU runs themselves: kernels-notes.md v73)."""
+"""bench/probe_trial_start.py's record: its table reads each run's phases, its steady step, the Triton compilations
+that missed the cache and the graph caches' hits; its plan of runs refuses what it cannot run (the GPU runs
+themselves: kernels-notes.md v73, v74)."""
 
 import argparse
 
-from bench.probe_trial_start import markdown, summary_line
+import pytest
+
+from bench.probe_trial_start import markdown, parse_runs, summary_line
 
 
 def _run(name, eager=None):
-    return {"name": name, "process_wall_s": 48.04, "import_s": 5.3, "cuda_init_s": 0.3, "model_s": 2.8,
-            "compiled_steps_s": [34.2, 0.2, 0.2, 0.19, 0.16, 0.17], "eager_steps_s": eager,
+    return {"name": name, "sel_block": 64, "n_selected": 8, "process_wall_s": 48.04, "import_s": 5.3,
+            "cuda_init_s": 0.3, "model_s": 2.8, "compiled_steps_s": [34.2, 0.2, 0.2, 0.19, 0.16, 0.17],
+            "eager_steps_s": eager,
             "compiles": [{"kernel": "range_attn_fwd_kernel", "s": 0.5, "cache_hit": False},
                          {"kernel": "select_blocks_kernel", "s": 2.0, "cache_hit": False},
                          {"kernel": "rope_split_kernel", "s": 0.01, "cache_hit": True}],
+            "graph_caches": {"fxgraph_cache_hit": 2, "fxgraph_cache_miss": 0, "autograd_cache_hit": 1,
+                             "autograd_cache_miss": 0},
             "dynamo_compile_times": "TorchDynamo compilation metrics: ..."}
 
 
 def test_a_runs_row_and_the_record():
     row = summary_line(_run("other-setting"))
     # steady: the fastest of the steps after the third; misses: 2 in 2.5 s; hits: 1
-    assert row == "| other-setting | 48.0 | 5.3 | 0.3 | 2.8 | - | 34.2 / 0.2 / 0.2 | 0.160 | 2 in 2.5 s | 1 |"
+    assert row == ("| other-setting | 64 / 8 | 48.0 | 5.3 | 0.3 | 2.8 | - | 34.2 / 0.2 / 0.2 | 0.160 | 2 in 2.5 s | 1 "
+                   "| 2 / 0 | 1 / 0 |")
     assert "| 16.5 / 0.27 |" in summary_line(_run("cold-eager", eager=[16.5, 0.3, 0.27]))
     args = argparse.Namespace(compile_scope="model", preset="nsa-125m", seq_len=8192, accum=2, micro_batch=4,
-                              sel_block=64, n_selected=16, other_n_selected=8, compile_mode="reduce-overhead")
+                              compile_mode="reduce-overhead")
     meta = {"device": "NVIDIA H200", "date": "2026-11-30 22:25 UTC", "commit": "abc", "torch": "2.11", "triton": "3.6"}
     text = markdown(meta, args, [_run("other-setting")])
     assert text.startswith("# Where a trial's first steps go: NVIDIA H200, 2026-11-30 22:25 UTC")
-    assert row in text and "l' = 64, n = 16 (other-setting: n = 8)" in text
+    assert row in text and "those named -static by plain torch.compile" in text
+    header = [line for line in text.splitlines() if line.startswith("| run |")][0]
+    assert header.count("|") == row.count("|")  # a cell for every column
     slowest = text.split("slowest Triton compilations in the process")[1]
     assert slowest.index("select_blocks_kernel") < slowest.index("range_attn_fwd_kernel")  # slowest first
+
+
+def test_the_plan_of_runs():
+    runs = parse_runs("cold-compiled,other-block,cold-compiled-static,other-setting-static,cold-eager")
+    assert [(name, setting, caches, form) for name, _, setting, caches, form in runs] == [
+        ("cold-compiled", "base", "cold", "symbolic"), ("other-block", "other-block", "warm", "symbolic"),
+        ("cold-compiled-static", "base", "cold", "static"), ("other-setting-static", "other-n", "warm", "static"),
+        ("cold-eager", "base", "cold", "symbolic")]
+    with pytest.raises(argparse.ArgumentTypeError, match="put cold-compiled-static before it"):
+        parse_runs("cold-compiled,other-setting-static")  # the static form's caches were never filled
+    with pytest.raises(argparse.ArgumentTypeError, match="unknown or repeated"):
+        parse_runs("cold-compiled,cold-compiled")
+    with pytest.raises(argparse.ArgumentTypeError, match="unknown or repeated"):
+        parse_runs("cold-compiled,hot")

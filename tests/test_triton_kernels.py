@@ -1245,6 +1245,60 @@ def test_compiled_model_with_the_triton_core_is_one_graph_and_matches_eager(atte
         assert p.grad is not None and torch.allclose(p.grad, eager[n], rtol=1e-4, atol=1e-6), n
 
 
+def test_compile_model_runs_every_swept_nsa_setting_on_one_traced_graph(monkeypatch):
+    """compile_model traces l' and n as symbolic ints: models at three settings run on one forward and one backward
+    graph, traced once (no recompilation: the same graph inductor's FX graph cache keys on, so a sweep's next
+    trial on a node finds what the trial before it compiled; kernels-notes.md v74), and each gets its own eager
+    model's loss and gradients from it. At T = 32 the setting l' = 4, n = 3 runs by_block and the other two
+    tiled_by_block: the variant is chosen inside nsa::core_bwd, not a constant of the backward graph."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    from nsa_model import Transformer, compile_model
+
+    if not ON_GPU:
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(torch.compiler.config, "dynamic_sources", "")  # this process's setting, restored after
+    graphs = []
+
+    def keep(gm, example_inputs):
+        graphs.append(gm.code)
+        return make_boxed_func(gm.forward)
+
+    backend = aot_autograd(fw_compiler=keep, bw_compiler=keep)
+    base = NSAConfig(cmp_block=4, cmp_stride=2, sel_block=4, n_selected=3, window=6)
+    x = torch.randint(0, 64, (1, 33), generator=torch.Generator().manual_seed(0)).to(DEVICE)
+    torch._dynamo.reset()
+    losses = []
+    for nsa in (base, dataclasses.replace(base, n_selected=5), dataclasses.replace(base, sel_block=8)):
+        cfg = ModelConfig(vocab_size=64, dim=32, n_layers=1, n_heads=4, n_kv_heads=2, head_dim=8, max_seq_len=32,
+                          attention="nsa", nsa=nsa)
+        torch.manual_seed(0)
+        model = Transformer(cfg, backend="triton").to(DEVICE)
+        _, loss = compile_model(model, backend=backend, fullgraph=True)(x[:, :-1], x[:, 1:])
+        loss.backward()
+        compiled = {name: p.grad.clone() for name, p in model.named_parameters()}
+        model.zero_grad(set_to_none=True)
+        _, eager = model(x[:, :-1], x[:, 1:])
+        eager.backward()
+        assert len(graphs) == 2, (nsa, len(graphs))  # the first setting's forward and backward, and no others
+        assert torch.allclose(loss, eager, rtol=1e-6), nsa
+        for name, p in model.named_parameters():
+            assert torch.allclose(compiled[name], p.grad, rtol=1e-5, atol=1e-7), (nsa, name)
+        losses.append(eager.item())
+    assert len(set(losses)) == 3  # three different models
+
+
+def test_compile_model_adds_its_sources_to_dynamos_once(monkeypatch):
+    from nsa_model.model import SWEPT_SETTING_SOURCES, compile_model
+
+    monkeypatch.setattr(torch.compiler.config, "dynamic_sources", "L['x']")
+    model = torch.nn.Linear(2, 2)
+    compile_model(model)
+    compile_model(model)
+    assert torch.compiler.config.dynamic_sources == f"L['x'],{SWEPT_SETTING_SOURCES}"
+
+
 @pytest.mark.parametrize("attention_recompute", [False, True])
 def test_attention_recompute_runs_the_projection_again_and_the_core_once(attention_recompute, monkeypatch):
     """attention_recompute keeps nsa::core's results and recomputes the rest of the attention module: the core's

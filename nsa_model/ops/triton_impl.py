@@ -580,6 +580,7 @@ def select_blocks(q, k_cmp, lse, cfg: NSAConfig, scale: float):
     n = cfg.n_selected
     n_pad = _pow2(n)
     bm, splits, warps, tok_pad = selection_tiles(q.shape[-1], n_pad, cfg.sel_block // cfg.cmp_stride)
+    bm = min(bm, _pow2(T))  # no query tile past a short sequence's rows (the interpreter's tile is 128)
     blocks = torch.empty(B, T, G, n, dtype=torch.int32, device=q.device)
     tiles = _tile_args(dict(BLOCK_M=bm, BLOCK_N=tok_pad), dict(QD=q), dict(KCD=k_cmp))
     select_blocks_kernel[(triton.cdiv(T, bm), B * G)](
@@ -773,13 +774,16 @@ def block_work(blocks: torch.Tensor, num_blocks: int, chunk: int, shapes_only: b
     if entries >= 2 ** 31:  # the kernels' int32 index arithmetic (kernels/selected_by_block.py)
         raise ValueError(f"blocks: B*T*G*n = {entries} slots exceed the by_block kernels' int32 index; use "
                          "LaunchConfig(slc_kernel='tiled') or a smaller batch")
-    build = index_build(T, n, num_blocks, build or _config.index_build)
+    # One size of work list for both builds: count's, each (b, g) its own part, which is at least sort's
+    # cdiv(entries, chunk) + num_segments. The sizes are then simple products of the NSA setting, as nsa::core's
+    # fake must give them for a graph that does not specialize on l' and n (nsa_model.compile).
     work_per_group = triton.cdiv(T * n, chunk) + num_blocks
-    num_work = B * G * work_per_group if build == "count" else triton.cdiv(entries, chunk) + num_segments
+    num_work = B * G * work_per_group
     starts = torch.empty(num_segments + 1, dtype=torch.int32, device=dev)
     work_seg, work_chunk = (torch.empty(num_work, dtype=torch.int32, device=dev) for _ in range(2))
     if shapes_only:
         return torch.empty(entries, dtype=torch.int32, device=dev), starts, work_seg, work_chunk
+    build = index_build(T, n, num_blocks, build or _config.index_build)
     if build == "count":
         # the entries past the valid ones are unused, -1 rather than whatever memory held: every output of nsa::core
         # is then the same on every run, as torch.library.opcheck requires of an op
@@ -818,13 +822,16 @@ _OFFSET_CELLS = 4096  # (block, tile) counts per step of segment_offsets_kernel 
 
 def _count_index(blocks, num_blocks: int, chunk: int, work_per_group: int, order, starts, work_seg, work_chunk):
     """block_work's "count" build into its outputs (kernels/block_index.py): a tile is the slots of
-    _TILE_SLOTS / n_pad consecutive queries of one (b, g)."""
+    _TILE_SLOTS / n_pad consecutive queries of one (b, g), or of all T where they are fewer."""
     B, T, G, n = blocks.shape
     n_pad = _pow2(n, floor=1)
     if n_pad > _TILE_SLOTS or (num_blocks + 1) * _TILE_SLOTS >= 2 ** 31:
         raise ValueError(f"block_work: n = {n} slots a query and {num_blocks} blocks exceed the counting index's "
                          f"tile of {_TILE_SLOTS} slots or its int32 sort keys; use LaunchConfig(index_build='sort')")
-    num_tiles, groups = triton.cdiv(T, _TILE_SLOTS // n_pad), B * G
+    # A sequence whose slots all fit in fewer than _TILE_SLOTS sorts only those: one tile either way, and the
+    # sort's lanes past the sequence were all invalid (in the interpreter a 1024-key sort took 2.5 s a program).
+    entries = min(_TILE_SLOTS, _pow2(T, floor=1) * n_pad)
+    num_tiles, groups = triton.cdiv(T, entries // n_pad), B * G
     if not groups or not T:
         starts.zero_()
         work_seg.fill_(-1)
@@ -832,7 +839,7 @@ def _count_index(blocks, num_blocks: int, chunk: int, work_per_group: int, order
     counts = torch.empty(groups * num_blocks * num_tiles, dtype=torch.int32, device=blocks.device)
     offsets = torch.empty_like(counts)
     tile_total = torch.empty(groups * num_tiles, dtype=torch.int32, device=blocks.device)
-    slots = dict(G=G, N=n, N_PAD=n_pad, ENTRIES=_TILE_SLOTS)
+    slots = dict(G=G, N=n, N_PAD=n_pad, ENTRIES=entries)
     tile_histogram_kernel[(num_tiles, groups)](blocks, counts, tile_total, T, num_blocks, num_tiles, **slots,
                                                NB_PAD=_pow2(num_blocks))
     nt_pad = _pow2(num_tiles, floor=1)
@@ -841,7 +848,7 @@ def _count_index(blocks, num_blocks: int, chunk: int, work_per_group: int, order
                                       ROWS=max(1, min(_OFFSET_CELLS // nt_pad, _pow2(num_blocks, floor=1))),
                                       NT_PAD=nt_pad, BLOCK_S=_WORK_SEGMENTS)
     tile_scatter_kernel[(num_tiles, groups)](blocks, offsets, order, T, num_blocks, num_tiles, **slots,
-                                             ENTRY_BITS=_TILE_SLOTS.bit_length() - 1)
+                                             ENTRY_BITS=entries.bit_length() - 1)
 
 
 def _block_rows(hpg: int, config: LaunchConfig) -> int:
@@ -1427,11 +1434,21 @@ def _core_fake(q, k_slc, v_slc, k_win, v_win, k_cmp, v_cmp, gates, cmp_block, cm
     lse = q.new_empty(B, T, H, dtype=torch.float32)
     blocks = q.new_empty(B, T, G, n_selected, dtype=torch.int32)
     part, count = attend_geometry(sel_block, n_selected)
-    kernel = attended_kernel(H // G, T, sel_block, n_selected)
+    kernel = _index_variant(H // G, T, sel_block, n_selected)
     index = _selected_index(blocks.new_empty(B, T, G, count), part, kernel, H // G, shapes_only=True)
     o_range = (lambda: _empty_range_output(q)) if recompute else (lambda: out.new_empty(out.shape))
     return [out, blocks, o_range(), lse, out.new_empty(out.shape), lse.new_empty(lse.shape), o_range(),
             lse.new_empty(lse.shape), *_padded_index(index, q.device)]
+
+
+def _index_variant(hpg: int, T: int, sel_block: int, n: int) -> str:
+    """A selected variant whose index (_selected_index) has the shapes of attended_kernel's, decided from as little of
+    the NSA setting as that takes. Under torch.compile with l' and n symbolic (nsa_model.compile_model) each
+    comparison of them here becomes a guard of the traced graph: the by_block variants share one index, so small
+    groups compare neither; only large groups choose between tiled's index and per_query's none."""
+    if _config.slc_kernel == "auto" and hpg <= _config.slc_auto_max_hpg:
+        return "by_block"
+    return attended_kernel(hpg, T, sel_block, n)
 
 
 def _gates_in_selected_fwd() -> bool:
@@ -1501,9 +1518,13 @@ def _recomputed_ranges(q, k_win, v_win, k_cmp, v_cmp, cmp_block: int, cmp_stride
 def _core_bwd(do: torch.Tensor, q: torch.Tensor, k_slc: torch.Tensor, v_slc: torch.Tensor, k_win: torch.Tensor,
               v_win: torch.Tensor, k_cmp: torch.Tensor, v_cmp: torch.Tensor, gates: torch.Tensor,
               saved: list[torch.Tensor], cmp_block: int, cmp_stride: int, sel_block: int, window: int,
-              scale: float, kernel: str, recompute: bool) -> list[torch.Tensor]:
-    """[dq, dk_slc, dv_slc, dk_win, dv_win, dk_cmp, dv_cmp, dgates] of nsa::core; saved = its outputs 1..."""
+              scale: float, recompute: bool) -> list[torch.Tensor]:
+    """[dq, dk_slc, dv_slc, dk_win, dv_win, dk_cmp, dv_cmp, dgates] of nsa::core, run under the launch config its
+    forward ran with; saved = its outputs 1..."""
     blocks, o_cmp, lse_cmp, o_slc, lse_slc, o_win, lse_win, *index = saved
+    # The variant the forward ran, chosen here rather than passed in: as an argument it would be a constant of a
+    # compiled backward graph, which then changes with l' and n (_index_variant).
+    kernel = attended_kernel(q.shape[2] // k_slc.shape[2], q.shape[1], sel_block, blocks.shape[-1])
     blocks, sel_block = _attended_blocks(blocks, sel_block)  # the parts the forward attended
     T = q.shape[1]
     q = q.contiguous()
@@ -1564,12 +1585,12 @@ def _slot_sum_in_range_dq(kernel: str) -> bool:
 
 @_core_bwd.register_fake
 def _core_bwd_fake(do, q, k_slc, v_slc, k_win, v_win, k_cmp, v_cmp, gates, saved, cmp_block, cmp_stride, sel_block,
-                   window, scale, kernel, recompute):
+                   window, scale, recompute):
     return [x.new_empty(x.shape) for x in (q, k_slc, v_slc, k_win, v_win, k_cmp, v_cmp, gates)]
 
 
 def _core_setup_context(ctx, inputs, output):
-    q, k_slc, v_slc, k_win, v_win, k_cmp, v_cmp, gates, cmp_block, cmp_stride, sel_block, n_selected, window, \
+    q, k_slc, v_slc, k_win, v_win, k_cmp, v_cmp, gates, cmp_block, cmp_stride, sel_block, _n_selected, window, \
         _n_init, _n_local, scale, recompute = inputs
     ctx.save_for_backward(q, k_slc, v_slc, k_win, v_win, k_cmp, v_cmp, gates, *output[1:])
     # Only o carries a gradient. Without this autograd (and AOTAutograd's tangents under torch.compile) would fill
@@ -1579,10 +1600,7 @@ def _core_setup_context(ctx, inputs, output):
     ctx.set_materialize_grads(False)
     ctx.params = (cmp_block, cmp_stride, sel_block, window, scale)
     ctx.recompute = recompute
-    H, G = q.shape[2], k_slc.shape[2]
-    # The backward runs the variant and launch config the forward ran with.
-    ctx.kernel = attended_kernel(H // G, q.shape[1], sel_block, n_selected)
-    ctx.config = _config
+    ctx.config = _config  # the backward runs under the launch config the forward ran with, so the same variant
 
 
 def _core_backward(ctx, grads):
@@ -1590,7 +1608,7 @@ def _core_backward(ctx, grads):
     do = grads[0]  # the other outputs are selections and what the backward reads: no gradient flows through them
     with use_launch_config(ctx.config):
         dq, dk_slc, dv_slc, dk_win, dv_win, dk_cmp, dv_cmp, dgates = torch.ops.nsa.core_bwd(
-            do, q, k_slc, v_slc, k_win, v_win, k_cmp, v_cmp, gates, saved, *ctx.params, ctx.kernel, ctx.recompute)
+            do, q, k_slc, v_slc, k_win, v_win, k_cmp, v_cmp, gates, saved, *ctx.params, ctx.recompute)
     return dq, dk_slc, dv_slc, dk_win, dv_win, dk_cmp, dv_cmp, dgates, *(None,) * 9
 
 

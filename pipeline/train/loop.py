@@ -241,6 +241,7 @@ def broadcast_from_rank0(model: torch.nn.Module) -> None:
 def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     import ray.train
 
+    from nsa_model.model import compile_model
     from pipeline.data.loader import iter_rank_batches, rank_dataset_name
     from pipeline.tracking import RunLogger
 
@@ -276,7 +277,8 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
             print(f"resumed from checkpoint at step {start_step} (every rank continues its share at block "
                   f"{position.rank_blocks})", flush=True)
     startup.mark("model")
-    forward = torch.compile(model, mode=t.compile_mode) if t.compile else model
+    # compile_model: the graph does not change with the NSA setting, so a sweep's trials on a node share it
+    forward = compile_model(model, mode=t.compile_mode) if t.compile else model
     grads = FlatGradients(optimizer) if uses_cuda_graphs(t) or t.parallelism == "allreduce" else None
     autocast = (torch.autocast(device.type, dtype=torch.bfloat16) if t.precision == "bf16"
                 else contextlib.nullcontext())
