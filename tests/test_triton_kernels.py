@@ -184,6 +184,10 @@ def test_selection_with_a_smaller_query_tile_for_its_wide_chunks_matches_referen
     128 x 1024 scores, so selection_tiles runs 32-row tiles over 512-token chunks; its sets are the reference's."""
     cfg = NSAConfig(cmp_block=8, cmp_stride=4, sel_block=32, n_selected=33, window=16)
     assert triton_impl.selection_tiles(128, 64, 8)[0] == 32
+    if ON_GPU:  # in fp32 the chunk's keys alone, 512 x 128, are 256 KB of shared memory: a clear error
+        with pytest.raises(ValueError, match="select_blocks: a chunk of 512 compressed tokens .* shared memory"):
+            _selection_and_reference(cfg, T=1300, H=2, G=1, Dk=128, seed=7)
+        return
     blocks, blocks_ref, _, _ = _selection_and_reference(cfg, T=1300, H=2, G=1, Dk=128, seed=7)
     assert (blocks >= 0).sum(-1).max() == 33  # 41 blocks at the last query: the top-n chooses
     assert same_block_sets(blocks, blocks_ref)

@@ -583,12 +583,19 @@ def select_blocks(q, k_cmp, lse, cfg: NSAConfig, scale: float):
     bm = min(bm, _pow2(T))  # no query tile past a short sequence's rows (the interpreter's tile is 128)
     blocks = torch.empty(B, T, G, n, dtype=torch.int32, device=q.device)
     tiles = _tile_args(dict(BLOCK_M=bm, BLOCK_N=tok_pad), dict(QD=q), dict(KCD=k_cmp))
-    select_blocks_kernel[(triton.cdiv(T, bm), B * G)](
-        q, k_cmp, LSE=lse, BLOCKS=blocks, T=T, num_cmp=num_cmp, scale=scale, H=H, G=G, DK=q.shape[-1],
-        BLOCK_DK=_pow2(q.shape[-1]),
-        CMP_BLOCK=cfg.cmp_block, CMP_STRIDE=cfg.cmp_stride, SEL_BLOCK=cfg.sel_block, N_SELECT=n,
-        N_INIT=cfg.n_init_blocks, N_LOCAL=cfg.n_local_blocks, BLOCK_M=bm, N_PAD=n_pad, CHUNK_SPLITS=splits,
-        TOK_PAD=tok_pad, DOT_PRECISION=_dot_precision(q.dtype), num_warps=warps, **tiles)
+    try:
+        select_blocks_kernel[(triton.cdiv(T, bm), B * G)](
+            q, k_cmp, LSE=lse, BLOCKS=blocks, T=T, num_cmp=num_cmp, scale=scale, H=H, G=G, DK=q.shape[-1],
+            BLOCK_DK=_pow2(q.shape[-1]),
+            CMP_BLOCK=cfg.cmp_block, CMP_STRIDE=cfg.cmp_stride, SEL_BLOCK=cfg.sel_block, N_SELECT=n,
+            N_INIT=cfg.n_init_blocks, N_LOCAL=cfg.n_local_blocks, BLOCK_M=bm, N_PAD=n_pad, CHUNK_SPLITS=splits,
+            TOK_PAD=tok_pad, DOT_PRECISION=_dot_precision(q.dtype), num_warps=warps, **tiles)
+    except triton.runtime.errors.OutOfResources as e:
+        # A chunk holds at least n_pad blocks: its keys, tok_pad x head dim, are staged in shared memory whole.
+        raise ValueError(f"select_blocks: a chunk of {tok_pad} compressed tokens (n = {n} blocks of "
+                         f"{cfg.sel_block // cfg.cmp_stride} tokens) at head dim {q.shape[-1]} in {q.dtype} does not "
+                         f"fit this GPU's shared memory ({e}); bf16 or fp16 inputs, or a smaller n or l' / d, "
+                         "need less") from e
     return blocks
 
 
