@@ -18,6 +18,7 @@ from torch.utils.checkpoint import checkpoint
 from nsa_model.attention import Compressor, NSAAttention, build_attention
 from nsa_model.cache import LayerCache, ModelCache
 from nsa_model.config import ModelConfig
+from nsa_model.ops import resolve_backend
 
 
 class SwiGLU(nn.Module):
@@ -234,9 +235,20 @@ def compile_model(model: nn.Module, **compile_options) -> nn.Module:
     from the trial before, did not save (kernels-notes.md v73, v74). The NSA kernels still specialize on them, at
     launch.
 
+    Only where every NSA attention module runs the Triton core, one opaque op (nsa::core) that takes l' and n as
+    arguments. On the torch backend they shape the graph's own kernels, and symbolic they made a compiled CPU step
+    1.9x slower (0.40 against 0.21 s, kernels-notes.md v74): there this is torch.compile.
+
     Adds SWEPT_SETTING_SOURCES to torch.compiler.config.dynamic_sources for this process (dynamo reads it when it
     traces, which is at the first call, not here)."""
     sources = [s for s in torch.compiler.config.dynamic_sources.split(",") if s]
-    if SWEPT_SETTING_SOURCES not in sources:
+    if _runs_the_triton_core(model) and SWEPT_SETTING_SOURCES not in sources:
         torch.compiler.config.dynamic_sources = ",".join([*sources, SWEPT_SETTING_SOURCES])
     return torch.compile(model, **compile_options)
+
+
+def _runs_the_triton_core(model: nn.Module) -> bool:
+    """Whether model has NSA attention and each of its NSA attention modules runs the Triton core on the device of
+    its parameters."""
+    modules = [m for m in model.modules() if isinstance(m, NSAAttention)]
+    return bool(modules) and all(resolve_backend(m.backend, m.wq.weight) == "triton" for m in modules)

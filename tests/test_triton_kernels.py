@@ -1293,13 +1293,24 @@ def test_compile_model_runs_every_swept_nsa_setting_on_one_traced_graph(monkeypa
     assert len(set(losses)) == 3  # three different models
 
 
-def test_compile_model_adds_its_sources_to_dynamos_once(monkeypatch):
+def test_compile_model_makes_the_setting_symbolic_only_for_the_triton_core(monkeypatch):
+    """compile_model adds its sources to dynamo's once, for a model whose NSA runs the Triton core; a model on the
+    torch backend (the setting shapes its graph's own kernels) or with no NSA leaves them as they were."""
+    from nsa_model import Transformer
     from nsa_model.model import SWEPT_SETTING_SOURCES, compile_model
 
+    cfg = ModelConfig(vocab_size=64, dim=32, n_layers=1, n_heads=4, n_kv_heads=2, head_dim=8, max_seq_len=32,
+                      attention="nsa", nsa=NSAConfig(cmp_block=4, cmp_stride=2, sel_block=4, n_selected=3, window=6))
     monkeypatch.setattr(torch.compiler.config, "dynamic_sources", "L['x']")
-    model = torch.nn.Linear(2, 2)
-    compile_model(model)
-    compile_model(model)
+    compile_model(Transformer(cfg, backend="torch"))
+    compile_model(Transformer(cfg.replace(attention="dense")).to(DEVICE))
+    compile_model(torch.nn.Linear(2, 2))
+    assert torch.compiler.config.dynamic_sources == "L['x']"
+    if not ON_GPU:
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    triton_model = Transformer(cfg, backend="triton").to(DEVICE)
+    compile_model(triton_model)
+    compile_model(triton_model)
     assert torch.compiler.config.dynamic_sources == f"L['x'],{SWEPT_SETTING_SOURCES}"
 
 
