@@ -783,7 +783,7 @@ def block_work(blocks: torch.Tensor, num_blocks: int, chunk: int, shapes_only: b
                          "LaunchConfig(slc_kernel='tiled') or a smaller batch")
     # One size of work list for both builds: count's, each (b, g) its own part, which is at least sort's
     # cdiv(entries, chunk) + num_segments. The sizes are then simple products of the NSA setting, as nsa::core's
-    # fake must give them for a graph that does not specialize on l' and n (nsa_model.compile).
+    # fake must give them for a graph that does not specialize on l' and n (nsa_model.compile_model).
     work_per_group = triton.cdiv(T * n, chunk) + num_blocks
     num_work = B * G * work_per_group
     starts = torch.empty(num_segments + 1, dtype=torch.int32, device=dev)
