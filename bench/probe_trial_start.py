@@ -133,8 +133,9 @@ DEFAULT_RUNS = "cold-compiled,warm-compiled,other-setting,other-block,cold-compi
 
 
 def parse_runs(text: str) -> list[tuple[str, str, str, str, str]]:
-    """[(name, phases, setting, caches, form)] in the order given; refuses unknown names, repeats, and a warm run
-    with no cold run of its form before it."""
+    """[(name, phases, setting, cache folder, form)] in the order given: a form's first cold run and its warm runs
+    share the folder named by the form, a later cold run has one of its own. Refuses unknown names, repeats, and a
+    warm run with no cold run of its form before it."""
     runs, cold_forms = [], set()
     for name in text.split(","):
         base, form = (name[:-len("-static")], "static") if name.endswith("-static") else (name, "symbolic")
@@ -145,8 +146,9 @@ def parse_runs(text: str) -> list[tuple[str, str, str, str, str]]:
         if caches == "warm" and form not in cold_forms:
             raise argparse.ArgumentTypeError(f"--runs: {name} reads the caches a cold run of its form left; put "
                                              f"cold-compiled{'-static' if form == 'static' else ''} before it")
+        folder = name if caches == "cold" and form in cold_forms else form
         cold_forms |= {form} if caches == "cold" else set()
-        runs.append((name, phases, setting, caches, form))
+        runs.append((name, phases, setting, folder, form))
     return runs
 
 
@@ -214,11 +216,8 @@ def main() -> None:
     settings = {"base": (args.sel_block, args.n_selected), "other-n": (args.sel_block, args.other_n_selected),
                 "other-block": (args.other_sel_block, args.n_selected)}
     with tempfile.TemporaryDirectory(prefix="trial-start-") as tmp:
-        used = set()  # the forms whose shared cache folders a run has filled
-        for name, phases, setting, caches, form in args.runs:
-            folder = Path(tmp) / (form if caches == "warm" or form not in used else name)
-            used.add(form)
-            runs.append(run_child(name, phases, *settings[setting], form, folder, args))
+        for name, phases, setting, folder, form in args.runs:
+            runs.append(run_child(name, phases, *settings[setting], form, Path(tmp) / folder, args))
             print(summary_line(runs[-1]), flush=True)
     stem, meta = result_stem(args.out, "trial-start", args.suffix, args.commit or git_commit())
     Path(args.out).mkdir(parents=True, exist_ok=True)

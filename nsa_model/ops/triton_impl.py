@@ -751,11 +751,16 @@ def selected_kernel(hpg: int, num_blocks: int, n: int, config: LaunchConfig | No
     config = config or _config
     if config.slc_kernel != "auto":
         return config.slc_kernel
-    if hpg <= config.slc_auto_max_hpg:
+    if _auto_small_group(hpg, config):
         # Where a sequence has few blocks, a tile of neighbouring queries shares most of them and tiled's forward
         # keeps each query's partial outputs on chip (no partials written, no combine pass).
         return "tiled_by_block" if num_blocks <= config.slc_auto_tiled_fwd_blocks * n else "by_block"
     return "tiled" if num_blocks <= config.slc_auto_tiled_blocks * n else "per_query"
+
+
+def _auto_small_group(hpg: int, config: LaunchConfig) -> bool:
+    """Whether auto picks among the by_block variants (by_block, tiled_by_block: one index) for this group size."""
+    return config.slc_kernel == "auto" and hpg <= config.slc_auto_max_hpg
 
 
 _WORK_SEGMENTS = 1024  # segments per step of block_work_kernel
@@ -1453,7 +1458,7 @@ def _index_variant(hpg: int, T: int, sel_block: int, n: int) -> str:
     the NSA setting as that takes. Under torch.compile with l' and n symbolic (nsa_model.compile_model) each
     comparison of them here becomes a guard of the traced graph: the by_block variants share one index, so small
     groups compare neither; only large groups choose between tiled's index and per_query's none."""
-    if _config.slc_kernel == "auto" and hpg <= _config.slc_auto_max_hpg:
+    if _auto_small_group(hpg, _config):
         return "by_block"
     return attended_kernel(hpg, T, sel_block, n)
 
