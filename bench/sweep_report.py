@@ -32,6 +32,8 @@ SETTING = ("sel_block", "n_selected", "cmp_block", "cmp_stride", "window")
 HISTORIES = ("tokens_per_s", "mfu", "train_loss", "val_loss", "peak_mem_mb", "data_wait_s", "step_time_s")
 # pipeline/train/loop.py's Startup, reported once a run (again by a resumed one; the first is the trial's start)
 STARTUP = ("launch", "model", "data", "first_step", "second_step", "total")
+# and what it compiled (Startup's CompileCounts; stores from before stop 78 have none)
+COMPILES = ("triton_compiled", "triton_compile_s", "triton_cache_hits", "fxgraph_cache_hits", "fxgraph_cache_misses")
 
 
 def parse_baseline(text: str) -> dict[str, int]:
@@ -75,7 +77,8 @@ def read_sweep(mlruns: str, sweep: str):
                        "status": run.data.tags.get("sweep.status", run.info.status),
                        "wall_s": (run.info.end_time - run.info.start_time) / 1000 if run.info.end_time else math.nan,
                        "history": {k: {m.step: m.value for m in client.get_metric_history(run.info.run_id, k)}
-                                   for k in (*HISTORIES, *(f"startup_{p}_s" for p in STARTUP))}})
+                                   for k in (*HISTORIES, *(f"startup_{p}_s" for p in STARTUP),
+                                             *(f"startup_{c}" for c in COMPILES))}})
     if not trials:
         raise SystemExit(f"{mlruns}: the sweep {sweep!r} has no trial runs")
     return parent, trials
@@ -101,7 +104,8 @@ def trial_numbers(trial: dict, warmup_steps: int) -> dict:
             "data_wait_share": statistics.median(wait) if wait else math.nan,
             "val_loss": last("val_loss"), "train_loss": last("train_loss"),
             "peak_mem_mb": max(h["peak_mem_mb"].values(), default=math.nan),
-            "startup": {p: first(f"startup_{p}_s") for p in STARTUP}, "wall_s": trial.get("wall_s", math.nan)}
+            "startup": {p: first(f"startup_{p}_s") for p in STARTUP},
+            "compiles": {c: first(f"startup_{c}") for c in COMPILES}, "wall_s": trial.get("wall_s", math.nan)}
 
 
 def trial_rows(trials: list[dict], warmup_steps: int) -> list[dict]:
@@ -184,16 +188,26 @@ def markdown(result: dict) -> str:
                          f"{_num(r['tokens_per_s'], ',.0f')} | {val} | {train} |")
     lines += ["", "Where each trial's time went before its steps reached their pace (seconds; pipeline/train/loop.py's "
               "Startup: launch = Ray Train's controller and workers, model = model and optimizer, data = the held-out "
-              "batches read, then the first two steps with compilation and CUDA graphs) and its whole wall time "
-              "(its MLflow run's, final checkpoint and teardown included):", "",
-              "| startup of trial | l' | n | init seed | " + " | ".join(STARTUP) + " | trial wall |",
-              "|---|---|---|---|" + "---|" * (len(STARTUP) + 1)]
+              "batches read, then the first two steps with compilation and CUDA graphs), what it compiled (the "
+              "Triton kernels its worker compiled, the NSA kernels, and those it read from Triton's cache; inductor's "
+              "FX graph cache) and its whole wall time (its MLflow run's, final checkpoint and teardown included):",
+              "", "| startup of trial | l' | n | init seed | " + " | ".join(STARTUP)
+              + " | Triton kernels compiled (s) | from Triton's cache | FX graph cache hits / misses | trial wall |",
+              "|---|---|---|---|" + "---|" * (len(STARTUP) + 4)]
     for r in result["trials"]:
         st = r["setting"]
         lines.append(f"| {r['trial_id']} | {st.get('sel_block', '-')} | {st.get('n_selected', '-')} | {r['init_seed']} | "
                      + " | ".join(_num(r["startup"][p], ".1f") for p in STARTUP)
-                     + f" | {_num(r['wall_s'], '.1f')} |")
+                     + f" | {_compiles(r['compiles'])} | {_num(r['wall_s'], '.1f')} |")
     return "\n".join(lines) + "\n"
+
+
+def _compiles(c: dict) -> str:
+    """A trial's three compile cells, "-" each where its store has no counts."""
+    if not math.isfinite(c.get("triton_compiled", math.nan)):
+        return " | ".join(["-"] * 3)
+    return (f"{c['triton_compiled']:.0f} ({c['triton_compile_s']:.1f}) | {c['triton_cache_hits']:.0f} | "
+            f"{c['fxgraph_cache_hits']:.0f} / {c['fxgraph_cache_misses']:.0f}")
 
 
 def main(argv=None) -> int:

@@ -633,3 +633,43 @@ def test_startup_splits_a_runs_first_seconds_into_its_phases(monkeypatch):
     resumed = loop.Startup(launched_at=None)
     resumed.mark("model")
     assert resumed.metrics() == {"startup_model_s": 4.0, "startup_total_s": 4.0}
+
+
+def test_startup_counts_the_triton_kernels_compiled_and_inductors_graph_cache(tmp_path, monkeypatch):
+    """Two kernels compiled by Triton for an H100 count as compiled, one of them again (from Triton's on-disk
+    cache) as a cache hit; FX graph cache hits and misses count from start() on; a listener set before keeps hearing
+    every compilation and is set back by stop()."""
+    import triton
+    import triton.language as tl
+    from torch._dynamo.utils import counters
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    @triton.jit
+    def double(x_ptr, N: tl.constexpr):
+        offsets = tl.arange(0, N)
+        tl.store(x_ptr + offsets, 2 * tl.load(x_ptr + offsets))
+
+    monkeypatch.setattr(triton.knobs.cache, "dir", str(tmp_path / "triton"))
+    heard = []
+    monkeypatch.setattr(triton.knobs.compilation, "listener", lambda **kw: heard.append(kw["cache_hit"]))
+    before = triton.knobs.compilation.listener
+    monkeypatch.setitem(counters["inductor"], "fxgraph_cache_hit", 5)  # a process's earlier graphs
+    monkeypatch.setitem(counters["inductor"], "fxgraph_cache_miss", 7)
+    startup = loop.Startup(launched_at=None, compiles=loop.CompileCounts().start())
+    startup.mark("model")
+    for n in (64, 128, 64):
+        triton.compile(ASTSource(double, {"x_ptr": "*fp32", "N": "constexpr"}, {"N": n}),
+                       target=GPUTarget("cuda", 90, 32))
+    counters["inductor"]["fxgraph_cache_hit"] += 2
+    counters["inductor"]["fxgraph_cache_miss"] += 1
+    startup.mark("first_step")
+    startup.compiles.stop()
+    m = startup.metrics()
+    assert heard == [False, False, True] and triton.knobs.compilation.listener is before
+    assert (m["startup_triton_compiled"], m["startup_triton_cache_hits"]) == (2, 1)
+    assert 0 < m["startup_triton_compile_s"] < 60
+    assert (m["startup_fxgraph_cache_hits"], m["startup_fxgraph_cache_misses"]) == (2, 1)
+    assert m["startup_total_s"] == m["startup_model_s"] + m["startup_first_step_s"]  # the counts are not phases
+    assert "s); Triton kernels compiled here: 2 in " in startup.line()
+    assert startup.line().endswith(", 1 from its cache; inductor's FX graph cache: 2 hits, 1 misses")

@@ -139,6 +139,7 @@ class Startup:
     launched_at: float | None  # time.time() on the driver when it built the trainer; None: unknown or resumed
     entered: float = field(default_factory=lambda: time.time())
     phases: dict[str, float] = field(default_factory=dict)
+    compiles: CompileCounts | None = None  # what the phases compiled, where the loop counted it
 
     def mark(self, phase: str) -> None:
         now = time.time()
@@ -150,13 +151,71 @@ class Startup:
         if self.launched_at is not None:  # clamped: the driver's clock may run ahead of another node's
             launch = m["startup_launch_s"] = max(self.entered - self.launched_at, 0.0)
         m["startup_total_s"] = launch + sum(self.phases.values())
-        return m
+        return {**m, **(self.compiles.metrics() if self.compiles is not None else {})}
 
     def line(self) -> str:
         m = self.metrics()
         parts = [f"{name} {m[f'startup_{name}_s']:.1f} s" for name in ("launch", *self.phases)
                  if f"startup_{name}_s" in m]
-        return f"startup: {m['startup_total_s']:.1f} s to the end of the second step ({'; '.join(parts)})"
+        line = f"startup: {m['startup_total_s']:.1f} s to the end of the second step ({'; '.join(parts)})"
+        return line + (f"; {self.compiles.line()}" if self.compiles is not None else "")
+
+
+@dataclass
+class CompileCounts:
+    """What a run compiled between start() and stop(), for Startup: the Triton kernels this process compiled
+    (the NSA kernels, each specialized on l' and n; inductor compiles its own kernels in worker processes, which
+    this does not see) or read from Triton's on-disk cache, and the hits and misses of inductor's FX graph cache (a
+    miss: inductor generated the graph's code again). A sweep's later trials on a node should find most of both in
+    the caches its first trial left (bench/results/kernels-notes.md, v74, v75)."""
+
+    triton_compiled: int = 0
+    triton_compile_s: float = 0.0
+    triton_cache_hits: int = 0
+    fxgraph: dict[str, int] = field(default_factory=dict)  # hit / miss: counted since start()
+    _previous_listener: Any = None
+
+    def start(self) -> "CompileCounts":
+        import triton
+
+        self._previous_listener = triton.knobs.compilation.listener
+        self.fxgraph = _fxgraph_counts()
+        triton.knobs.compilation.listener = self._heard
+        return self
+
+    def stop(self) -> None:
+        import triton
+
+        if triton.knobs.compilation.listener == self._heard:  # a listener set after start() is left in place
+            triton.knobs.compilation.listener = self._previous_listener
+        now = _fxgraph_counts()
+        self.fxgraph = {key: now[key] - self.fxgraph[key] for key in now}
+
+    def _heard(self, *, src, metadata, metadata_group, times, cache_hit) -> None:
+        if cache_hit:
+            self.triton_cache_hits += 1
+        else:
+            self.triton_compiled += 1
+            self.triton_compile_s += times.total / 1e6  # microseconds
+        if self._previous_listener is not None:
+            self._previous_listener(src=src, metadata=metadata, metadata_group=metadata_group, times=times,
+                                    cache_hit=cache_hit)
+
+    def metrics(self) -> dict[str, float]:
+        return {"startup_triton_compiled": self.triton_compiled, "startup_triton_compile_s": self.triton_compile_s,
+                "startup_triton_cache_hits": self.triton_cache_hits,
+                "startup_fxgraph_cache_hits": self.fxgraph["hit"], "startup_fxgraph_cache_misses": self.fxgraph["miss"]}
+
+    def line(self) -> str:
+        return (f"Triton kernels compiled here: {self.triton_compiled} in {self.triton_compile_s:.1f} s, "
+                f"{self.triton_cache_hits} from its cache; inductor's FX graph cache: {self.fxgraph['hit']} hits, "
+                f"{self.fxgraph['miss']} misses")
+
+
+def _fxgraph_counts() -> dict[str, int]:
+    from torch._dynamo.utils import counters
+
+    return {key: int(counters["inductor"][f"fxgraph_cache_{key}"]) for key in ("hit", "miss")}
 
 
 def peak_memory_mb(device: torch.device) -> float:
@@ -256,7 +315,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
         # As many compute threads as CPUs reserved (at least 1): no oversubscription of the host's cores, and
         # the same thread count in every run, so CPU results are reproducible across restarts.
         torch.set_num_threads(max(1, int(t.cpus_per_worker)))
-    startup = Startup(loop_config.get("launched_at"))
+    startup = Startup(loop_config.get("launched_at"), compiles=CompileCounts().start())
     run_dir = loop_config["run_dir"]
     local_run_dir = Path(run_dir) if is_local(run_dir) else None
 
@@ -338,6 +397,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
                     metrics["val_loss"] = _validate(model if t.parallelism == "fsdp" else bare, autocast, val_set,
                                                     device)
                 if startup is not None and (step - start_step >= 1 or last):  # once: the first report after two steps
+                    startup.compiles.stop()
                     metrics.update(startup.metrics())
                     if rank == 0:
                         print(startup.line(), flush=True)
@@ -357,6 +417,9 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
                     return
     except WatchdogTimeout:
         raise WatchdogTimeout(watchdog.fired or "watchdog fired") from None
+    finally:
+        if startup is not None:  # the run ended before its startup report: Triton's listener is given back
+            startup.compiles.stop()
     if logger is not None:
         _log_final_model(logger, bare, job)
         logger.close()
