@@ -118,7 +118,8 @@ def test_each_trials_startup_is_its_first_report_and_a_settings_the_mean(tmp_pat
     assert rows[(64, 16)]["startup_s"] == pytest.approx(52.5) and rows[(32, 8)]["startup_s"] == pytest.approx(26.25)
     assert per_trial[-1]["compiles"] == {"triton_compiled": 20, "triton_compile_s": 16.5, "triton_cache_hits": 22,
                                          "fxgraph_cache_hits": 4, "fxgraph_cache_misses": 0}  # t128-8, step 20's
-    assert "| t128-8-1337 | 128 | 8 | 1337 | 30.0 | 6.0 | 8.0 | 60.0 | 1.0 | 105.0 | 20 (16.5) | 22 | 4 / 0 | 128.0 |" in md
+    assert ("| t128-8-1337 | 128 | 8 | 1337 | 30.0 | 6.0 | 8.0 | 60.0 | 1.0 | 105.0 | 20 (16.5) | 22 | 4 / 0 | "
+            "128.0 |") in md
     assert rows[(32, 8)]["wall_s"] == 32.0
     bare, _, bare_md = _record(tmp_path / "bare", _store(tmp_path / "bare" / "mlruns", monkeypatch))
     assert all(math.isnan(s["startup_s"]) for s in bare.values())  # a store from before stop 76: shown as "-"
