@@ -33,7 +33,7 @@ HISTORIES = ("tokens_per_s", "mfu", "train_loss", "val_loss", "peak_mem_mb", "da
 # pipeline/train/loop.py's Startup, reported once a run (again by a resumed one; the first is the trial's start)
 STARTUP = ("launch", "model", "data", "first_step", "second_step", "total")
 # and what it compiled (Startup's CompileCounts; stores from before stop 78 have none)
-COMPILES = ("triton_compiled", "triton_compile_s", "triton_cache_hits", "fxgraph_cache_hits", "fxgraph_cache_misses")
+COMPILES = ("nsa_kernels_compiled", "nsa_compile_s", "nsa_kernels_cached", "fxgraph_cache_hits", "fxgraph_cache_misses")
 
 
 def parse_baseline(text: str) -> dict[str, int]:
@@ -188,11 +188,11 @@ def markdown(result: dict) -> str:
                          f"{_num(r['tokens_per_s'], ',.0f')} | {val} | {train} |")
     lines += ["", "Where each trial's time went before its steps reached their pace (seconds; pipeline/train/loop.py's "
               "Startup: launch = Ray Train's controller and workers, model = model and optimizer, data = the held-out "
-              "batches read, then the first two steps with compilation and CUDA graphs), what it compiled (the "
-              "Triton kernels its worker compiled, the NSA kernels, and those it read from Triton's cache; inductor's "
-              "FX graph cache) and its whole wall time (its MLflow run's, final checkpoint and teardown included):",
+              "batches read, then the first two steps with compilation and CUDA graphs), what it compiled (the NSA "
+              "kernels its worker compiled and those it read from Triton's cache; inductor's FX graph cache) and its "
+              "whole wall time (its MLflow run's, final checkpoint and teardown included):",
               "", "| startup of trial | l' | n | init seed | " + " | ".join(STARTUP)
-              + " | Triton kernels compiled (s) | from Triton's cache | FX graph cache hits / misses | trial wall |",
+              + " | NSA kernels compiled (s) | NSA kernels cached | FX graph cache hits / misses | trial wall |",
               "|---|---|---|---|" + "---|" * (len(STARTUP) + 4)]
     for r in result["trials"]:
         st = r["setting"]
@@ -204,9 +204,9 @@ def markdown(result: dict) -> str:
 
 def _compiles(c: dict) -> str:
     """A trial's three compile cells, "-" each where its store has no counts."""
-    if not math.isfinite(c.get("triton_compiled", math.nan)):
+    if not math.isfinite(c.get("nsa_kernels_compiled", math.nan)):
         return " | ".join(["-"] * 3)
-    return (f"{c['triton_compiled']:.0f} ({c['triton_compile_s']:.1f}) | {c['triton_cache_hits']:.0f} | "
+    return (f"{c['nsa_kernels_compiled']:.0f} ({c['nsa_compile_s']:.1f}) | {c['nsa_kernels_cached']:.0f} | "
             f"{c['fxgraph_cache_hits']:.0f} / {c['fxgraph_cache_misses']:.0f}")
 
 

@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 import torch.nn.functional as F
@@ -240,11 +241,23 @@ def compile_model(model: nn.Module, **compile_options) -> nn.Module:
     1.9x slower (0.40 against 0.21 s, kernels-notes.md v74): there this is torch.compile.
 
     Adds SWEPT_SETTING_SOURCES to torch.compiler.config.dynamic_sources for this process (dynamo reads it when it
-    traces, which is at the first call, not here)."""
+    traces, which is at the first call, not here), and pins Triton's cache folder (_pin_triton_cache_dir)."""
     sources = [s for s in torch.compiler.config.dynamic_sources.split(",") if s]
     if _runs_the_triton_core(model) and SWEPT_SETTING_SOURCES not in sources:
         torch.compiler.config.dynamic_sources = ",".join([*sources, SWEPT_SETTING_SOURCES])
+    _pin_triton_cache_dir()
     return torch.compile(model, **compile_options)
+
+
+def _pin_triton_cache_dir() -> None:
+    """Sets TRITON_CACHE_DIR, where unset, to the folder Triton uses now (its default, ~/.triton/cache). Left unset,
+    inductor sets it to a folder of its own (under its cache folder) once it builds the first Triton kernel of a
+    compiled graph, so where the NSA kernels compiled before it went depended on the run: on one GPU node a sweep's
+    second trial found none of the 20 its first trial had compiled and compiled all 21 of its own again (16 s;
+    bench/results/kernels-notes.md v75). Pinned, every process on the node uses one folder."""
+    import triton
+
+    os.environ.setdefault("TRITON_CACHE_DIR", triton.knobs.cache.dir)
 
 
 def _runs_the_triton_core(model: nn.Module) -> bool:

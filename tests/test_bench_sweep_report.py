@@ -42,7 +42,7 @@ def _store(path, monkeypatch, sweep="sweep-x", trials=TRIALS, with_startup=False
                 for phase, seconds in (("launch", 15.0), ("model", 3.0), ("data", 4.0), ("first_step", 30.0),
                                        ("second_step", 0.5), ("total", 52.5)):
                     client.log_metric(run, f"startup_{phase}_s", seconds * scale * sel / 64, step=step)
-                for count, value in (("triton_compiled", 10), ("triton_compile_s", 8.25), ("triton_cache_hits", 11),
+                for count, value in (("nsa_kernels_compiled", 10), ("nsa_compile_s", 8.25), ("nsa_kernels_cached", 11),
                                      ("fxgraph_cache_hits", 2), ("fxgraph_cache_misses", 0)):
                     client.log_metric(run, f"startup_{count}", value * scale * sel / 64, step=step)
             client.set_terminated(run, "FINISHED", end_time=1_000_000 + 1000 * sel)  # a trial of l' seconds
@@ -116,7 +116,7 @@ def test_each_trials_startup_is_its_first_report_and_a_settings_the_mean(tmp_pat
     assert first[(128, 1337)] == {"launch": 30.0, "model": 6.0, "data": 8.0, "first_step": 60.0, "second_step": 1.0,
                                   "total": 105.0}  # step 20's, not the resumed run's halves at step 40
     assert rows[(64, 16)]["startup_s"] == pytest.approx(52.5) and rows[(32, 8)]["startup_s"] == pytest.approx(26.25)
-    assert per_trial[-1]["compiles"] == {"triton_compiled": 20, "triton_compile_s": 16.5, "triton_cache_hits": 22,
+    assert per_trial[-1]["compiles"] == {"nsa_kernels_compiled": 20, "nsa_compile_s": 16.5, "nsa_kernels_cached": 22,
                                          "fxgraph_cache_hits": 4, "fxgraph_cache_misses": 0}  # t128-8, step 20's
     assert ("| t128-8-1337 | 128 | 8 | 1337 | 30.0 | 6.0 | 8.0 | 60.0 | 1.0 | 105.0 | 20 (16.5) | 22 | 4 / 0 | "
             "128.0 |") in md

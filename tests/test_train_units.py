@@ -635,21 +635,27 @@ def test_startup_splits_a_runs_first_seconds_into_its_phases(monkeypatch):
     assert resumed.metrics() == {"startup_model_s": 4.0, "startup_total_s": 4.0}
 
 
-def test_startup_counts_the_triton_kernels_compiled_and_inductors_graph_cache(tmp_path, monkeypatch):
-    """Two kernels compiled by Triton for an H100 count as compiled, one of them again (from Triton's on-disk
-    cache) as a cache hit; FX graph cache hits and misses count from start() on; a listener set before keeps hearing
-    every compilation and is set back by stop()."""
+def test_startup_counts_the_nsa_kernels_compiled_and_inductors_graph_cache(tmp_path, monkeypatch):
+    """An NSA kernel compiled by Triton for an H100 at two tile sizes counts twice as compiled, one of them again
+    (from Triton's on-disk cache) as cached, and a kernel from elsewhere not at all; FX graph cache hits and misses
+    count from start() on; a listener set before keeps hearing every compilation and is set back by stop()."""
     import triton
     import triton.language as tl
     from torch._dynamo.utils import counters
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    @triton.jit
-    def double(x_ptr, N: tl.constexpr):
-        offsets = tl.arange(0, N)
-        tl.store(x_ptr + offsets, 2 * tl.load(x_ptr + offsets))
+    from nsa_model.kernels.delta import row_dot_kernel
 
+    @triton.jit
+    def not_nsa(x_ptr, N: tl.constexpr):
+        tl.store(x_ptr + tl.arange(0, N), 1.0)
+
+    def compile_for_h100(kernel, signature, constants):
+        triton.compile(ASTSource(kernel, signature, constants), target=GPUTarget("cuda", 90, 32))
+
+    row_dot = {"DO": "*bf16", "O": "*bf16", "DELTA": "*fp32", "num_rows": "i32", "D": "constexpr",
+               "BLOCK_R": "constexpr", "BLOCK_D": "constexpr"}
     monkeypatch.setattr(triton.knobs.cache, "dir", str(tmp_path / "triton"))
     heard = []
     monkeypatch.setattr(triton.knobs.compilation, "listener", lambda **kw: heard.append(kw["cache_hit"]))
@@ -658,18 +664,19 @@ def test_startup_counts_the_triton_kernels_compiled_and_inductors_graph_cache(tm
     monkeypatch.setitem(counters["inductor"], "fxgraph_cache_miss", 7)
     startup = loop.Startup(launched_at=None, compiles=loop.CompileCounts().start())
     startup.mark("model")
-    for n in (64, 128, 64):
-        triton.compile(ASTSource(double, {"x_ptr": "*fp32", "N": "constexpr"}, {"N": n}),
-                       target=GPUTarget("cuda", 90, 32))
+    for rows in (32, 64, 32):
+        compile_for_h100(row_dot_kernel, row_dot, {"D": 64, "BLOCK_R": rows, "BLOCK_D": 64})
+    compile_for_h100(not_nsa, {"x_ptr": "*fp32", "N": "constexpr"}, {"N": 64})
     counters["inductor"]["fxgraph_cache_hit"] += 2
     counters["inductor"]["fxgraph_cache_miss"] += 1
     startup.mark("first_step")
     startup.compiles.stop()
     m = startup.metrics()
-    assert heard == [False, False, True] and triton.knobs.compilation.listener is before
-    assert (m["startup_triton_compiled"], m["startup_triton_cache_hits"]) == (2, 1)
-    assert 0 < m["startup_triton_compile_s"] < 60
+    assert heard == [False, False, True, False] and triton.knobs.compilation.listener is before
+    assert (m["startup_nsa_kernels_compiled"], m["startup_nsa_kernels_cached"]) == (2, 1)
+    assert 0 < m["startup_nsa_compile_s"] < 60
     assert (m["startup_fxgraph_cache_hits"], m["startup_fxgraph_cache_misses"]) == (2, 1)
     assert m["startup_total_s"] == m["startup_model_s"] + m["startup_first_step_s"]  # the counts are not phases
-    assert "s); Triton kernels compiled here: 2 in " in startup.line()
-    assert startup.line().endswith(", 1 from its cache; inductor's FX graph cache: 2 hits, 1 misses")
+    assert "s); NSA kernels: 2 compiled in " in startup.line()
+    assert startup.line().endswith(" s, 1 from Triton's cache; inductor's FX graph cache: 2 hits, 1 misses")
+

@@ -1314,6 +1314,23 @@ def test_compile_model_makes_the_setting_symbolic_only_for_the_triton_core(monke
     assert torch.compiler.config.dynamic_sources == f"L['x'],{SWEPT_SETTING_SOURCES}"
 
 
+def test_compile_model_pins_tritons_cache_folder_where_unset(monkeypatch, tmp_path):
+    """compile_model sets TRITON_CACHE_DIR to the folder Triton would use, so that inductor, which sets it where
+    unset, cannot move the NSA kernels' cache in the middle of a run; a folder the user set stays."""
+    import triton
+
+    from nsa_model.model import compile_model
+
+    monkeypatch.setenv("TRITON_CACHE_DIR", "restored after the test")
+    monkeypatch.delenv("TRITON_CACHE_DIR")
+    default = triton.knobs.cache.dir  # ~/.triton/cache
+    compile_model(torch.nn.Linear(2, 2))
+    assert os.environ["TRITON_CACHE_DIR"] == default
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "mine"))
+    compile_model(torch.nn.Linear(2, 2))
+    assert os.environ["TRITON_CACHE_DIR"] == str(tmp_path / "mine")
+
+
 @pytest.mark.parametrize("attention_recompute", [False, True])
 def test_attention_recompute_runs_the_projection_again_and_the_core_once(attention_recompute, monkeypatch):
     """attention_recompute keeps nsa::core's results and recomputes the rest of the attention module: the core's

@@ -163,15 +163,14 @@ class Startup:
 
 @dataclass
 class CompileCounts:
-    """What a run compiled between start() and stop(), for Startup: the Triton kernels this process compiled
-    (the NSA kernels, each specialized on l' and n; inductor compiles its own kernels in worker processes, which
-    this does not see) or read from Triton's on-disk cache, and the hits and misses of inductor's FX graph cache (a
-    miss: inductor generated the graph's code again). A sweep's later trials on a node should find most of both in
-    the caches its first trial left (bench/results/kernels-notes.md, v74, v75)."""
+    """What a run compiled between start() and stop(), for Startup: the NSA kernels (Triton kernels of nsa_model,
+    specialized on l' and n) this process compiled or read from Triton's on-disk cache, and the hits and misses of
+    inductor's FX graph cache (a miss: inductor generated the graph's code again). A sweep's later trials on a node
+    should find most of both in the caches its first trial left (bench/results/kernels-notes.md, v74, v75)."""
 
-    triton_compiled: int = 0
-    triton_compile_s: float = 0.0
-    triton_cache_hits: int = 0
+    nsa_compiled: int = 0
+    nsa_compile_s: float = 0.0
+    nsa_cached: int = 0
     fxgraph: dict[str, int] = field(default_factory=dict)  # hit / miss: counted since start()
     _previous_listener: Any = None
 
@@ -192,24 +191,24 @@ class CompileCounts:
         self.fxgraph = {key: now[key] - self.fxgraph[key] for key in now}
 
     def _heard(self, *, src, metadata, metadata_group, times, cache_hit) -> None:
-        if cache_hit:
-            self.triton_cache_hits += 1
-        else:
-            self.triton_compiled += 1
-            self.triton_compile_s += times.total / 1e6  # microseconds
+        if getattr(getattr(src, "fn", None), "module", "").startswith("nsa_model."):  # not inductor's kernels
+            if cache_hit:
+                self.nsa_cached += 1
+            else:
+                self.nsa_compiled += 1
+                self.nsa_compile_s += times.total / 1e6  # microseconds
         if self._previous_listener is not None:
             self._previous_listener(src=src, metadata=metadata, metadata_group=metadata_group, times=times,
                                     cache_hit=cache_hit)
 
     def metrics(self) -> dict[str, float]:
-        return {"startup_triton_compiled": self.triton_compiled, "startup_triton_compile_s": self.triton_compile_s,
-                "startup_triton_cache_hits": self.triton_cache_hits,
+        return {"startup_nsa_kernels_compiled": self.nsa_compiled, "startup_nsa_compile_s": self.nsa_compile_s,
+                "startup_nsa_kernels_cached": self.nsa_cached,
                 "startup_fxgraph_cache_hits": self.fxgraph["hit"], "startup_fxgraph_cache_misses": self.fxgraph["miss"]}
 
     def line(self) -> str:
-        return (f"Triton kernels compiled here: {self.triton_compiled} in {self.triton_compile_s:.1f} s, "
-                f"{self.triton_cache_hits} from its cache; inductor's FX graph cache: {self.fxgraph['hit']} hits, "
-                f"{self.fxgraph['miss']} misses")
+        return (f"NSA kernels: {self.nsa_compiled} compiled in {self.nsa_compile_s:.1f} s, {self.nsa_cached} from "
+                f"Triton's cache; inductor's FX graph cache: {self.fxgraph['hit']} hits, {self.fxgraph['miss']} misses")
 
 
 def _fxgraph_counts() -> dict[str, int]:
