@@ -251,9 +251,9 @@ def compile_model(model: nn.Module, **compile_options) -> nn.Module:
 
 def _pin_triton_cache_dir() -> None:
     """Sets TRITON_CACHE_DIR, where unset, to the folder Triton uses now (its default, ~/.triton/cache). Left unset,
-    inductor sets it to a folder of its own (under its cache folder) once it builds the first Triton kernel of a
-    compiled graph, so where the NSA kernels compiled before it went depended on the run: on one GPU node a sweep's
-    second trial found none of the 20 its first trial had compiled and compiled all 21 of its own again (16 s;
+    inductor sets it to a folder of its own (under its cache folder) when it sets up a Triton kernel of a compiled
+    graph, and where the NSA kernels went then depended on the run: on one GPU node a sweep's second trial found
+    none of the 20 its first trial had compiled and compiled all 21 of its own again (16 s;
     bench/results/kernels-notes.md v75). Pinned, every process on the node uses one folder."""
     import triton
 
