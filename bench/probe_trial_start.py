@@ -8,7 +8,9 @@ compile caches cold and warm (kernels-notes.md v73, v74).
 A Tune trial on a GPU (configs/sweep-125m-gpu.yaml) spent about 130 s before its steps reached their pace against
 15-60 s of steps (stop 75). This probe takes the model alone (no Ray, no data pipeline: pipeline/train/loop.py's
 Startup measures those) through the steps a trial's first steps hold, each measurement in a fresh Python process
-over cache folders the probe owns (TRITON_CACHE_DIR, TORCHINDUCTOR_CACHE_DIR), in this order:
+over cache folders the probe owns (TRITON_CACHE_DIR, TORCHINDUCTOR_CACHE_DIR; a set TRITON_CACHE_DIR is what
+compile_model's pin gives a trial since v75: before, inductor moved the folder partway, and a sweep's trials missed
+the NSA kernels the probe found in the cache), in this order:
 
   cold-eager     empty caches; eager steps (the NSA kernels compile in the first), then compiled steps
   cold-compiled  empty caches, compiled steps only: a sweep's first trial on a node
