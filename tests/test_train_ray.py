@@ -111,6 +111,8 @@ def test_stop_resume_and_worker_death_continue_the_same_loss_curve(straight, pac
     totals = client.get_metric_history(second.mlflow_run_id, "startup_total_s")
     assert sorted(h.step for h in totals) == [2, 5] and all(h.value > 0 for h in totals)
     assert [h.step for h in client.get_metric_history(second.mlflow_run_id, "startup_launch_s")] == [2]
+    for counted in ("startup_nsa_kernels_compiled", "startup_fxgraph_cache_misses"):  # what each startup compiled
+        assert sorted(h.step for h in client.get_metric_history(second.mlflow_run_id, counted)) == [2, 5]
     assert client.get_run(second.mlflow_run_id).info.status == "FINISHED"
 
 

@@ -635,48 +635,69 @@ def test_startup_splits_a_runs_first_seconds_into_its_phases(monkeypatch):
     assert resumed.metrics() == {"startup_model_s": 4.0, "startup_total_s": 4.0}
 
 
-def test_startup_counts_the_nsa_kernels_compiled_and_inductors_graph_cache(tmp_path, monkeypatch):
+_COMPILE_COUNTS = r"""
+import json, sys
+import triton, triton.language as tl
+from torch._dynamo.utils import counters
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from nsa_model.kernels.delta import row_dot_kernel
+from pipeline.train import loop
+
+
+@triton.jit
+def not_nsa(x_ptr, N: tl.constexpr):
+    tl.store(x_ptr + tl.arange(0, N), 1.0)
+
+
+def compile_for_h100(kernel, signature, constants):
+    triton.compile(ASTSource(kernel, signature, constants), target=GPUTarget("cuda", 90, 32))
+
+
+row_dot = {"DO": "*bf16", "O": "*bf16", "DELTA": "*fp32", "num_rows": "i32", "D": "constexpr",
+           "BLOCK_R": "constexpr", "BLOCK_D": "constexpr"}
+triton.knobs.cache.dir = sys.argv[1]
+heard = []
+before = triton.knobs.compilation.listener = lambda **kw: heard.append(kw["cache_hit"])
+counters["inductor"]["fxgraph_cache_hit"], counters["inductor"]["fxgraph_cache_miss"] = 5, 7  # earlier graphs
+startup = loop.Startup(launched_at=None, compiles=loop.CompileCounts().start())
+startup.mark("model")
+for rows in (32, 64, 32):
+    compile_for_h100(row_dot_kernel, row_dot, {"D": 64, "BLOCK_R": rows, "BLOCK_D": 64})
+compile_for_h100(not_nsa, {"x_ptr": "*fp32", "N": "constexpr"}, {"N": 64})
+counters["inductor"]["fxgraph_cache_hit"] += 2
+counters["inductor"]["fxgraph_cache_miss"] += 1
+startup.mark("first_step")
+startup.compiles.stop()
+print(json.dumps({"metrics": startup.metrics(), "line": startup.line(), "heard": heard,
+                  "restored": triton.knobs.compilation.listener is before}))
+"""
+
+
+def test_startup_counts_the_nsa_kernels_compiled_and_inductors_graph_cache(tmp_path):
     """An NSA kernel compiled by Triton for an H100 at two tile sizes counts twice as compiled, one of them again
     (from Triton's on-disk cache) as cached, and a kernel from elsewhere not at all; FX graph cache hits and misses
-    count from start() on; a listener set before keeps hearing every compilation and is set back by stop()."""
-    import triton
-    import triton.language as tl
-    from torch._dynamo.utils import counters
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
+    count from start() on; a listener set before keeps hearing every compilation and is set back by stop(). In a
+    process of its own without TRITON_INTERPRET: the kernels must be Triton's compiled kind, not the interpreter's."""
+    import json
+    import os
+    import subprocess
+    import sys
 
-    from nsa_model.kernels.delta import row_dot_kernel
-
-    @triton.jit
-    def not_nsa(x_ptr, N: tl.constexpr):
-        tl.store(x_ptr + tl.arange(0, N), 1.0)
-
-    def compile_for_h100(kernel, signature, constants):
-        triton.compile(ASTSource(kernel, signature, constants), target=GPUTarget("cuda", 90, 32))
-
-    row_dot = {"DO": "*bf16", "O": "*bf16", "DELTA": "*fp32", "num_rows": "i32", "D": "constexpr",
-               "BLOCK_R": "constexpr", "BLOCK_D": "constexpr"}
-    monkeypatch.setattr(triton.knobs.cache, "dir", str(tmp_path / "triton"))
-    heard = []
-    monkeypatch.setattr(triton.knobs.compilation, "listener", lambda **kw: heard.append(kw["cache_hit"]))
-    before = triton.knobs.compilation.listener
-    monkeypatch.setitem(counters["inductor"], "fxgraph_cache_hit", 5)  # a process's earlier graphs
-    monkeypatch.setitem(counters["inductor"], "fxgraph_cache_miss", 7)
-    startup = loop.Startup(launched_at=None, compiles=loop.CompileCounts().start())
-    startup.mark("model")
-    for rows in (32, 64, 32):
-        compile_for_h100(row_dot_kernel, row_dot, {"D": 64, "BLOCK_R": rows, "BLOCK_D": 64})
-    compile_for_h100(not_nsa, {"x_ptr": "*fp32", "N": "constexpr"}, {"N": 64})
-    counters["inductor"]["fxgraph_cache_hit"] += 2
-    counters["inductor"]["fxgraph_cache_miss"] += 1
-    startup.mark("first_step")
-    startup.compiles.stop()
-    m = startup.metrics()
-    assert heard == [False, False, True, False] and triton.knobs.compilation.listener is before
+    root = Path(__file__).resolve().parents[1]
+    script = tmp_path / "compile_counts.py"  # a file: @triton.jit reads its function's source
+    script.write_text(_COMPILE_COUNTS)
+    env = {**{k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}, "PYTHONPATH": str(root)}
+    run = subprocess.run([sys.executable, str(script), str(tmp_path / "triton")], capture_output=True, text=True,
+                         env=env, cwd=root, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    out = json.loads(run.stdout.strip().splitlines()[-1])
+    m = out["metrics"]
+    assert out["heard"] == [False, False, True, False] and out["restored"]
     assert (m["startup_nsa_kernels_compiled"], m["startup_nsa_kernels_cached"]) == (2, 1)
     assert 0 < m["startup_nsa_compile_s"] < 60
     assert (m["startup_fxgraph_cache_hits"], m["startup_fxgraph_cache_misses"]) == (2, 1)
     assert m["startup_total_s"] == m["startup_model_s"] + m["startup_first_step_s"]  # the counts are not phases
-    assert "s); NSA kernels: 2 compiled in " in startup.line()
-    assert startup.line().endswith(" s, 1 from Triton's cache; inductor's FX graph cache: 2 hits, 1 misses")
-
+    assert "s); NSA kernels: 2 compiled in " in out["line"]
+    assert out["line"].endswith(" s, 1 from Triton's cache; inductor's FX graph cache: 2 hits, 1 misses")
