@@ -81,6 +81,14 @@ def child(args) -> dict:
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
     sync()
     record["model_s"] = time.time() - t
+    if args.precompile:  # as the training loop does on GPUs (train.precompile_kernels)
+        from nsa_model.precompile import compile_nsa_kernels
+
+        t = time.time()
+        record["precompiled_kernels"] = compile_nsa_kernels(model, args.micro_batch, args.seq_len, torch.bfloat16)
+        sync()
+        record["precompile_s"] = time.time() - t
+    record["compiles_before_steps"] = len(record["compiles"])  # the steps should add none of the NSA kernels
     # As the loop: under CUDA graphs one flat gradient buffer autograd adds into (a replayed backward's outputs
     # would otherwise be overwritten by the next micro-batch's replay before accumulation read them).
     grads = FlatGradients(optimizer) if args.compile_mode == "reduce-overhead" else None
@@ -159,7 +167,8 @@ def run_child(name: str, phases: str, sel_block: int, n_selected: int, form: str
     cmd = [sys.executable, __file__, "--child", "--phases", phases, "--n-selected", str(n_selected),
            "--preset", args.preset, "--seq-len", str(args.seq_len), "--micro-batch", str(args.micro_batch),
            "--accum", str(args.accum), "--sel-block", str(sel_block), "--compile-mode", args.compile_mode,
-           "--device", args.device, "--compile-scope", args.compile_scope, "--form", form]
+           "--device", args.device, "--compile-scope", args.compile_scope, "--form", form,
+           *(["--precompile"] if args.precompile else [])]
     start = time.time()
     out = subprocess.run(cmd, env=env, capture_output=True, text=True)
     wall = time.time() - start
@@ -179,6 +188,7 @@ def summary_line(r: dict) -> str:
     caches = r["graph_caches"]
     cells = [r["name"], f"{r['sel_block']} / {r['n_selected']}", f"{r['process_wall_s']:.1f}", f"{r['import_s']:.1f}",
              f"{r['cuda_init_s']:.1f}", f"{r['model_s']:.1f}",
+             f"{r['precompile_s']:.1f} ({r['precompiled_kernels']})" if "precompile_s" in r else "-",
              f"{eager[0]:.1f} / {eager[-1]:.2f}" if eager else "-",
              " / ".join(f"{s:.1f}" for s in compiled[:3]), f"{steady:.3f}",
              f"{len(nsa)} in {sum(c['s'] for c in nsa):.1f} s",
@@ -210,6 +220,8 @@ def main() -> None:
                    "--seq-len 256 --compile-mode default; at T = 64 and 128 torch 2.13's CPU inductor crashed in the "
                    "compiled backward, kernels-notes.md v73)")
     p.add_argument("--compile-mode", default="reduce-overhead", choices=("default", "reduce-overhead"))
+    p.add_argument("--precompile", action="store_true", help="each run compiles the NSA kernels before its steps, "
+                   "side by side (nsa_model/precompile.py), as the training loop does on GPUs")
     args = p.parse_args()
     if args.child:
         print(json.dumps(child(args)))
@@ -235,12 +247,13 @@ def markdown(meta: dict, args, runs: list[dict]) -> str:
              f"commit {meta['commit']}, torch {meta['torch']}, triton {meta['triton']}; bench/probe_trial_start.py "
              f"--compile-scope {args.compile_scope}: {args.preset} at T = {args.seq_len}, {args.accum} micro-batches "
              f"of {args.micro_batch} a step, torch.compile mode {args.compile_mode}; runs compiled by "
-             "nsa_model.compile_model (l' and n symbolic), those named -static by plain torch.compile. Seconds; each "
-             "run a fresh process.",
-             "", "| run | l' / n | process s | import | CUDA init | model | eager step 1 / steady | compiled steps "
-             "1 / 2 / 3 | steady (fastest of steps 4-6) | Triton compiles (this process) | Triton cache hits | "
-             "FX graph cache hits / misses | AOT autograd cache hits / misses |",
-             "|---" * 13 + "|"]
+             "nsa_model.compile_model (l' and n symbolic), those named -static by plain torch.compile; NSA kernels "
+             f"{'compiled before the steps, side by side' if args.precompile else 'compiled at their first launch'}"
+             ". Seconds; each run a fresh process.",
+             "", "| run | l' / n | process s | import | CUDA init | model | kernels before the steps (count) | eager "
+             "step 1 / steady | compiled steps 1 / 2 / 3 | steady (fastest of steps 4-6) | Triton compiles (this "
+             "process) | Triton cache hits | FX graph cache hits / misses | AOT autograd cache hits / misses |",
+             "|---" * 14 + "|"]
     lines += [summary_line(r) for r in runs]
     for r in runs:
         lines += ["", f"## {r['name']}: slowest Triton compilations in the process", "", "```"]

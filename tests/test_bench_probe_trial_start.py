@@ -24,11 +24,14 @@ def _run(name, eager=None):
 def test_a_runs_row_and_the_record():
     row = summary_line(_run("other-setting"))
     # steady: the fastest of the steps after the third; misses: 2 in 2.5 s; hits: 1
-    assert row == ("| other-setting | 64 / 8 | 48.0 | 5.3 | 0.3 | 2.8 | - | 34.2 / 0.2 / 0.2 | 0.160 | 2 in 2.5 s | 1 "
-                   "| 2 / 0 | 1 / 0 |")
+    assert row == ("| other-setting | 64 / 8 | 48.0 | 5.3 | 0.3 | 2.8 | - | - | 34.2 / 0.2 / 0.2 | 0.160 | 2 in 2.5 s "
+                   "| 1 | 2 / 0 | 1 / 0 |")
+    # a run that compiled its NSA kernels before its steps (--precompile)
+    assert "| 2.8 | 3.1 (20) | - |" in summary_line({**_run("cold-compiled"), "precompile_s": 3.14,
+                                                     "precompiled_kernels": 20})
     assert "| 16.5 / 0.27 |" in summary_line(_run("cold-eager", eager=[16.5, 0.3, 0.27]))
     args = argparse.Namespace(compile_scope="model", preset="nsa-125m", seq_len=8192, accum=2, micro_batch=4,
-                              compile_mode="reduce-overhead")
+                              compile_mode="reduce-overhead", precompile=False)
     meta = {"device": "NVIDIA H200", "date": "2026-11-30 22:25 UTC", "commit": "abc", "torch": "2.11", "triton": "3.6"}
     text = markdown(meta, args, [_run("other-setting")])
     assert text.startswith("# Where a trial's first steps go: NVIDIA H200, 2026-11-30 22:25 UTC")

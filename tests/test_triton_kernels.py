@@ -137,6 +137,10 @@ def test_selection_across_chunks_matches_reference(chunk_splits, loads):
     blocks, blocks_ref, lse, lse_ref = _selection_and_reference(cfg, T=T, H=2, G=1, Dk=16, seed=3, launch=launch)
     assert rel_err(lse[:, cfg.cmp_block - 1:], lse_ref[:, cfg.cmp_block - 1:]) <= FP32_TOL
     assert same_block_sets(blocks, blocks_ref)
+    # The kernel's order (the reference's is ascending ids): decreasing importance, so the forced blocks first,
+    # lower ids first among them (all rank as +inf), and -1 last.
+    valid = blocks.cpu() >= 0
+    assert (valid[..., 1:] <= valid[..., :-1]).all()
     # Invariant 4 directly: |S| = min(n, |C(t)|) and the forced blocks are in S.
     t = torch.arange(T)
     count = (blocks.cpu() >= 0).sum(-1)[0, :, 0]
@@ -146,6 +150,8 @@ def test_selection_across_chunks_matches_reference(chunk_splits, loads):
     for forced in (torch.zeros_like(t), torch.ones_like(t), current, current - 1):
         valid = (forced >= 0) & (forced <= current)
         assert ((chosen == forced[:, None]).any(-1) | ~valid).all()
+    apart = current >= 3  # four distinct forced blocks
+    assert torch.equal(chosen[apart, :4], torch.stack([0 * t, 0 * t + 1, current - 1, current], -1)[apart])
 
 
 def test_selection_launch_follows_the_head_dim():

@@ -76,6 +76,9 @@ class TrainConfig:
     # torch.compile mode: "reduce-overhead" replays the compiled forward and backward as CUDA graphs (no host
     # launch cost per kernel; one GPU worker only, see __post_init__)
     compile_mode: Literal["default", "reduce-overhead"] = "default"
+    # GPU workers compile their NSA layers' Triton kernels before the first step, side by side, instead of one after
+    # another at their first launches inside it (nsa_model/precompile.py)
+    precompile_kernels: bool = True
     activation_checkpointing: bool = False  # each block recomputed in the backward from its input
     # each attention module keeps only its input and its attention core's results for the backward and recomputes
     # the rest (projections, RoPE; NSA's compressed and window outputs): saves less than the above, costs less time
@@ -127,7 +130,7 @@ class TrainConfig:
         for name in ("seed", "warmup_steps", "val_every", "checkpoint_every", "max_failures"):
             v = getattr(self, name)
             _require(_is_int(v) and v >= 0, f"train.{name}", f"must be an int >= 0, got {v!r}")
-        for name in ("use_gpu", "compile", "activation_checkpointing", "attention_recompute"):
+        for name in ("use_gpu", "compile", "precompile_kernels", "activation_checkpointing", "attention_recompute"):
             v = getattr(self, name)
             _require(isinstance(v, bool), f"train.{name}", f"must be a bool, got {v!r}")
         _require(not (self.activation_checkpointing and self.attention_recompute), "train.attention_recompute",

@@ -24,6 +24,7 @@ import logging
 import os
 import resource
 import tempfile
+import threading
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -130,9 +131,10 @@ class Startup:
 
     launch: from the driver building the trainer to this worker entering its loop (Ray Train's controller and
     worker group, the worker process's imports, torch.distributed's setup); model: the model, optimizer and any
-    checkpoint; data: the held-out micro-batches read (Ray Data's pipeline starting); first_step and second_step:
-    the first two optimizer steps, which hold torch.compile's tracing and code generation, the Triton kernels'
-    compilation and, under CUDA graphs, their recording. A Tune trial pays all of it before its first measured
+    checkpoint; kernels (GPU workers, train.precompile_kernels): the NSA layers' Triton kernels compiled side by
+    side (nsa_model/precompile.py); data: the held-out micro-batches read (Ray Data's pipeline starting);
+    first_step and second_step: the first two optimizer steps, which hold torch.compile's tracing and code
+    generation, the Triton kernels' compilation where not done before, and, under CUDA graphs, their recording. A Tune trial pays all of it before its first measured
     step, so a sweep's budget is best judged against it (bench/results/train-summary.md, stop 76).
     """
 
@@ -159,6 +161,9 @@ class Startup:
                  if f"startup_{name}_s" in m]
         line = f"startup: {m['startup_total_s']:.1f} s to the end of the second step ({'; '.join(parts)})"
         return line + (f"; {self.compiles.line()}" if self.compiles is not None else "")
+
+
+_COUNTS_LOCK = threading.Lock()
 
 
 @dataclass
@@ -192,11 +197,12 @@ class CompileCounts:
 
     def _heard(self, *, src, metadata, metadata_group, times, cache_hit) -> None:
         if getattr(getattr(src, "fn", None), "module", "").startswith("nsa_model."):  # not inductor's kernels
-            if cache_hit:
-                self.nsa_cached += 1
-            else:
-                self.nsa_compiled += 1
-                self.nsa_compile_s += times.total / 1e6  # microseconds
+            with _COUNTS_LOCK:  # compile_nsa_kernels compiles on several threads at once
+                if cache_hit:
+                    self.nsa_cached += 1
+                else:
+                    self.nsa_compiled += 1
+                    self.nsa_compile_s += times.total / 1e6  # microseconds, summed over kernels compiled together
         if self._previous_listener is not None:
             self._previous_listener(src=src, metadata=metadata, metadata_group=metadata_group, times=times,
                                     cache_hit=cache_hit)
@@ -300,6 +306,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     import ray.train
 
     from nsa_model.model import compile_model
+    from nsa_model.precompile import compile_nsa_kernels
     from pipeline.data.loader import iter_rank_batches, rank_dataset_name
     from pipeline.tracking import RunLogger
 
@@ -335,6 +342,10 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
             print(f"resumed from checkpoint at step {start_step} (every rank continues its share at block "
                   f"{position.rank_blocks})", flush=True)
     startup.mark("model")
+    if t.precompile_kernels and device.type == "cuda":
+        compile_nsa_kernels(bare, t.micro_batch, job.data.seq_len,
+                            dtype=torch.bfloat16 if t.precision == "bf16" else None)
+        startup.mark("kernels")
     # compile_model: the graph does not change with the NSA setting, so a sweep's trials on a node share it
     forward = compile_model(model, mode=t.compile_mode) if t.compile else model
     grads = FlatGradients(optimizer) if uses_cuda_graphs(t) or t.parallelism == "allreduce" else None
