@@ -134,8 +134,9 @@ class Startup:
     checkpoint; kernels (GPU workers, train.precompile_kernels): the NSA layers' Triton kernels compiled side by
     side (nsa_model/precompile.py); data: the held-out micro-batches read (Ray Data's pipeline starting);
     first_step and second_step: the first two optimizer steps, which hold torch.compile's tracing and code
-    generation, the Triton kernels' compilation where not done before, and, under CUDA graphs, their recording. A Tune trial pays all of it before its first measured
-    step, so a sweep's budget is best judged against it (bench/results/train-summary.md, stop 76).
+    generation, the Triton kernels' compilation where not done before, and, under CUDA graphs, their recording. A
+    Tune trial pays all of it before its first measured step, so a sweep's budget is best judged against it
+    (bench/results/train-summary.md, stop 76).
     """
 
     launched_at: float | None  # time.time() on the driver when it built the trainer; None: unknown or resumed
