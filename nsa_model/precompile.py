@@ -71,20 +71,26 @@ def compile_nsa_kernels(model: nn.Module, batch: int, seq_len: int, dtype: torch
 @contextlib.contextmanager
 def compile_only_launches(workers: int):
     """Within: each launch of a Triton kernel (kernel[grid](...)) compiles it and returns without running it, the
-    compilations going to a pool of `workers` threads (Triton's AsyncCompileMode); on leaving, every compilation
-    has finished (its error raised) and sits in its kernel's cache. Yields the AsyncCompileMode."""
-    from triton.runtime import JITFunction
-    from triton.runtime._async_compile import AsyncCompileMode
+    compilations going to a pool of `workers` threads (Triton's AsyncCompileMode), from whichever thread launches
+    (autograd runs a CUDA backward on a thread of its own, which does not see the mode this thread entered); on
+    leaving, every compilation has finished (its error raised) and sits in its kernel's cache. Yields the
+    AsyncCompileMode."""
+    from triton.runtime import JITFunction, _async_compile
 
     launch = JITFunction.run
-
-    def compile_only(self, *args, grid, warmup, **kwargs):
-        return launch(self, *args, grid=grid, warmup=True, **kwargs)
-
     with ThreadPoolExecutor(max(1, workers), thread_name_prefix="nsa-compile") as pool:
+        mode = _async_compile.AsyncCompileMode(pool)
+
+        def compile_only(self, *args, grid, warmup, **kwargs):
+            token = _async_compile.active_mode.set(mode)
+            try:
+                return launch(self, *args, grid=grid, warmup=True, **kwargs)
+            finally:
+                _async_compile.active_mode.reset(token)
+
         JITFunction.run = compile_only
         try:
-            with AsyncCompileMode(pool) as mode:
+            with mode:
                 yield mode
         finally:
             JITFunction.run = launch
