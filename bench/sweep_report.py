@@ -31,7 +31,7 @@ from bench.provenance import file_suffix  # noqa: E402
 SETTING = ("sel_block", "n_selected", "cmp_block", "cmp_stride", "window")
 HISTORIES = ("tokens_per_s", "mfu", "train_loss", "val_loss", "peak_mem_mb", "data_wait_s", "step_time_s")
 # pipeline/train/loop.py's Startup, reported once a run (again by a resumed one; the first is the trial's start)
-STARTUP = ("launch", "model", "data", "first_step", "second_step", "total")
+STARTUP = ("launch", "model", "kernels", "data", "first_step", "second_step", "total")
 # and what it compiled (Startup's CompileCounts; stores from before stop 78 have none)
 COMPILES = ("nsa_kernels_compiled", "nsa_compile_s", "nsa_kernels_cached", "fxgraph_cache_hits", "fxgraph_cache_misses")
 
@@ -187,7 +187,8 @@ def markdown(result: dict) -> str:
                          f"{r['setting'].get('n_selected', '-')} | {r['init_seed']} | {r['status']} | "
                          f"{_num(r['tokens_per_s'], ',.0f')} | {val} | {train} |")
     lines += ["", "Where each trial's time went before its steps reached their pace (seconds; pipeline/train/loop.py's "
-              "Startup: launch = Ray Train's controller and workers, model = model and optimizer, data = the held-out "
+              "Startup: launch = Ray Train's controller and workers, model = model and optimizer, kernels = the NSA "
+              "kernels compiled before the first step (train.precompile_kernels; \"-\" where not), data = the held-out "
               "batches read, then the first two steps with compilation and CUDA graphs), what it compiled (the NSA "
               "kernels its worker compiled and those it read from Triton's cache; inductor's FX graph cache) and its "
               "whole wall time (its MLflow run's, final checkpoint and teardown included):",
