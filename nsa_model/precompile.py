@@ -74,7 +74,8 @@ def compile_only_launches(workers: int):
     compilations going to a pool of `workers` threads (Triton's AsyncCompileMode), from whichever thread launches
     (autograd runs a CUDA backward on a thread of its own, which does not see the mode this thread entered); on
     leaving, every compilation has finished (its error raised) and sits in its kernel's cache. Yields the
-    AsyncCompileMode."""
+    AsyncCompileMode. The switch is Triton's JITFunction.run, for the whole process: nothing else may launch a
+    Triton kernel meanwhile (its launch would not run), which holds before a run's first step."""
     from triton.runtime import JITFunction, _async_compile
 
     launch = JITFunction.run
