@@ -343,14 +343,14 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
             print(f"resumed from checkpoint at step {start_step} (every rank continues its share at block "
                   f"{position.rank_blocks})", flush=True)
     startup.mark("model")
+    compute_dtype = torch.bfloat16 if t.precision == "bf16" else None  # under autocast; parameters stay fp32
     if t.precompile_kernels and device.type == "cuda":
-        compile_nsa_kernels(bare, t.micro_batch, job.data.seq_len,
-                            dtype=torch.bfloat16 if t.precision == "bf16" else None)
+        compile_nsa_kernels(bare, t.micro_batch, job.data.seq_len, dtype=compute_dtype)
         startup.mark("kernels")
     # compile_model: the graph does not change with the NSA setting, so a sweep's trials on a node share it
     forward = compile_model(model, mode=t.compile_mode) if t.compile else model
     grads = FlatGradients(optimizer) if uses_cuda_graphs(t) or t.parallelism == "allreduce" else None
-    autocast = (torch.autocast(device.type, dtype=torch.bfloat16) if t.precision == "bf16"
+    autocast = (torch.autocast(device.type, dtype=compute_dtype) if compute_dtype is not None
                 else contextlib.nullcontext())
     seq_len = job.data.seq_len
     tokens_per_step = t.global_batch * seq_len
