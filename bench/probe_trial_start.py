@@ -17,12 +17,16 @@ the NSA kernels the probe found in the cache), in this order:
   warm-compiled  the same setting, compiled steps only, over what the first cold run cached: a trial repeated
   other-setting  another n (--other-n-selected), over those caches: a sweep's next trial on the node
   other-block    another l' (--other-sel-block), over those caches
+  new-node       empty caches, but first the torch.compile artifacts the form's cold run saved to a shared folder
+                 (pipeline/train/compile_cache.py, as train.compile_cache does): a run on a node that never compiled
+  new-node-other the same with another n: a sweep's next trial lands on a new node
 
 Each run compiles as the training loop does, by nsa_model.compile_model (l' and n symbolic in the traced graph),
 or, with the suffix -static (cold-compiled-static, other-setting-static, ...), by plain torch.compile, which
 bakes them into the graph as constants: the baseline, with cache folders of its own. A run named cold takes the
 folders of its form if no run has used them yet, else fresh ones; the others take its form's folders and need a
-cold run of that form before them.
+cold run of that form before them. Each cold run saves what torch.compile used to its form's shared folder; the
+new-node runs take fresh folders of their own and load that before their steps.
 
 A step is one optimizer step as the loop runs it (bf16 autocast, fused AdamW, --accum micro-batches of
 --micro-batch x --seq-len random tokens). Each child reports its phases' seconds (synchronized), every Triton
@@ -123,7 +127,21 @@ def child(args) -> dict:
     else:
         forward = (compile_model if args.form == "symbolic" else torch.compile)(model, mode=args.compile_mode)
     graphs = args.compile_mode == "reduce-overhead"
+    shared = None
+    if args.share:
+        from pipeline.train.compile_cache import SharedCompileCache
+
+        shared = SharedCompileCache(args.share_folder, {"probe": [args.preset, args.seq_len, args.micro_batch,
+                                                                  args.compile_mode, args.compile_scope, args.form]})
+        if args.share == "load":
+            shared.load()
+            record.update(shared_loaded=len(shared.loaded), shared_load_s=shared.load_s)
     record["compiled_steps_s"] = [step(forward, graphs) for _ in range(6)]
+    if args.share == "save":
+        shared.save()
+        record["shared_saved"] = shared.saved
+    if shared is not None:
+        record["shared_problems"] = shared.problems
     from torch._dynamo.utils import compile_times, counters
 
     record["dynamo_compile_times"] = compile_times(repr="str")
@@ -138,14 +156,15 @@ CACHE_COUNTERS = {"inductor": ("fxgraph_cache_hit", "fxgraph_cache_miss"),
 # name: (phases, setting, caches); a name ending in -static runs the same with plain torch.compile
 RUNS = {"cold-eager": ("eager+compiled", "base", "cold"), "cold-compiled": ("compiled", "base", "cold"),
         "warm-compiled": ("compiled", "base", "warm"), "other-setting": ("compiled", "other-n", "warm"),
-        "other-block": ("compiled", "other-block", "warm")}
+        "other-block": ("compiled", "other-block", "warm"), "new-node": ("compiled", "base", "new"),
+        "new-node-other": ("compiled", "other-n", "new")}
 DEFAULT_RUNS = "cold-compiled,warm-compiled,other-setting,other-block,cold-compiled-static,other-setting-static"
 
 
 def parse_runs(text: str) -> list[tuple[str, str, str, str, str]]:
     """[(name, phases, setting, cache folder, form)] in the order given: a form's first cold run and its warm runs
-    share the folder named by the form, a later cold run has one of its own. Refuses unknown names, repeats, and a
-    warm run with no cold run of its form before it."""
+    share the folder named by the form, a later cold run and each new-node run have one of their own. Refuses
+    unknown names, repeats, and a warm or new-node run with no cold run of its form before it."""
     runs, cold_forms = [], set()
     for name in text.split(","):
         base, form = (name[:-len("-static")], "static") if name.endswith("-static") else (name, "symbolic")
@@ -153,10 +172,10 @@ def parse_runs(text: str) -> list[tuple[str, str, str, str, str]]:
             raise argparse.ArgumentTypeError(f"--runs: {name!r} is unknown or repeated; runs are {sorted(RUNS)}, "
                                              "each also with the suffix -static")
         phases, setting, caches = RUNS[base]
-        if caches == "warm" and form not in cold_forms:
+        if caches in ("warm", "new") and form not in cold_forms:
             raise argparse.ArgumentTypeError(f"--runs: {name} reads the caches a cold run of its form left; put "
                                              f"cold-compiled{'-static' if form == 'static' else ''} before it")
-        folder = name if caches == "cold" and form in cold_forms else form
+        folder = name if caches == "new" or (caches == "cold" and form in cold_forms) else form
         cold_forms |= {form} if caches == "cold" else set()
         runs.append((name, phases, setting, folder, form))
     return runs
@@ -164,11 +183,14 @@ def parse_runs(text: str) -> list[tuple[str, str, str, str, str]]:
 
 def run_child(name: str, phases: str, sel_block: int, n_selected: int, form: str, caches: Path, args) -> dict:
     env = dict(os.environ, TRITON_CACHE_DIR=str(caches / "triton"), TORCHINDUCTOR_CACHE_DIR=str(caches / "inductor"))
+    kind = RUNS[name.removesuffix("-static")][2]
+    share = {"cold": ["--share", "save"], "new": ["--share", "load"]}.get(kind, [])
+    share += ["--share-folder", str(caches.parent / "shared" / form)] if share else []
     cmd = [sys.executable, __file__, "--child", "--phases", phases, "--n-selected", str(n_selected),
            "--preset", args.preset, "--seq-len", str(args.seq_len), "--micro-batch", str(args.micro_batch),
            "--accum", str(args.accum), "--sel-block", str(sel_block), "--compile-mode", args.compile_mode,
            "--device", args.device, "--compile-scope", args.compile_scope, "--form", form,
-           *(["--precompile"] if args.precompile else [])]
+           *(["--precompile"] if args.precompile else []), *share]
     start = time.time()
     out = subprocess.run(cmd, env=env, capture_output=True, text=True)
     wall = time.time() - start
@@ -194,7 +216,10 @@ def summary_line(r: dict) -> str:
              f"{len(nsa)} in {sum(c['s'] for c in nsa):.1f} s",
              f"{sum(1 for c in r['compiles'] if c['cache_hit'])}",
              f"{caches['fxgraph_cache_hit']} / {caches['fxgraph_cache_miss']}",
-             f"{caches['autograd_cache_hit']} / {caches['autograd_cache_miss']}"]
+             f"{caches['autograd_cache_hit']} / {caches['autograd_cache_miss']}",
+             (f"loaded {r['shared_loaded']} in {r['shared_load_s']:.1f} s" if "shared_loaded" in r else
+              f"saved {r['shared_saved']}" if "shared_saved" in r else "-")
+             + "".join(f"; {problem}" for problem in r.get("shared_problems", []))]
     return "| " + " | ".join(cells) + " |"
 
 
@@ -215,6 +240,9 @@ def main() -> None:
     p.add_argument("--other-sel-block", type=int, default=128)
     p.add_argument("--compile-scope", default="model", choices=("model", "blocks"))
     p.add_argument("--form", default="symbolic", choices=("symbolic", "static"), help="(a child's)")
+    p.add_argument("--share", choices=("save", "load"), help="(a child's) the shared compile cache, after or before "
+                   "its steps")
+    p.add_argument("--share-folder", help="(a child's)")
     p.add_argument("--runs", type=parse_runs, default=parse_runs(DEFAULT_RUNS))
     p.add_argument("--device", default="cuda", help="cpu: a smoke test of the probe itself (--preset tiny "
                    "--seq-len 256 --compile-mode default; at T = 64 and 128 torch 2.13's CPU inductor crashed in the "
@@ -252,8 +280,9 @@ def markdown(meta: dict, args, runs: list[dict]) -> str:
              ". Seconds; each run a fresh process.",
              "", "| run | l' / n | process s | import | CUDA init | model | kernels before the steps (count) | eager "
              "step 1 / steady | compiled steps 1 / 2 / 3 | steady (fastest of steps 4-6) | Triton compiles (this "
-             "process) | Triton cache hits | FX graph cache hits / misses | AOT autograd cache hits / misses |",
-             "|---" * 14 + "|"]
+             "process) | Triton cache hits | FX graph cache hits / misses | AOT autograd cache hits / misses | shared "
+             "compile cache (artifacts) |",
+             "|---" * 15 + "|"]
     lines += [summary_line(r) for r in runs]
     for r in runs:
         lines += ["", f"## {r['name']}: slowest Triton compilations in the process", "", "```"]

@@ -260,6 +260,12 @@ def _pin_triton_cache_dir() -> None:
     os.environ.setdefault("TRITON_CACHE_DIR", triton.knobs.cache.dir)
 
 
+def swept_settings_symbolic(model: nn.Module) -> bool:
+    """Whether compile_model traces l' and n of this model as symbolic ints (the compiled graphs then serve every
+    setting; pipeline/train/compile_cache.py leaves them out of its key)."""
+    return _runs_the_triton_core(model)
+
+
 def _runs_the_triton_core(model: nn.Module) -> bool:
     """Whether model has NSA attention and each of its NSA attention modules runs the Triton core on the device of
     its parameters."""

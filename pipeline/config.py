@@ -180,7 +180,8 @@ def resolve_paths(job: JobConfig) -> JobConfig:
             return p
         return str(Path(p).resolve())
 
-    train = dataclasses.replace(job.train, storage_path=absolute(job.train.storage_path))
+    train = dataclasses.replace(job.train, storage_path=absolute(job.train.storage_path),
+                                compile_cache_path=absolute(job.train.compile_cache_path))
     data_changes = {}
     for name in ("output_dir", "packed_dir"):
         if hasattr(job.data, name) and getattr(job.data, name) is not None:

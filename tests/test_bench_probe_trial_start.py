@@ -25,7 +25,11 @@ def test_a_runs_row_and_the_record():
     row = summary_line(_run("other-setting"))
     # steady: the fastest of the steps after the third; misses: 2 in 2.5 s; hits: 1
     assert row == ("| other-setting | 64 / 8 | 48.0 | 5.3 | 0.3 | 2.8 | - | - | 34.2 / 0.2 / 0.2 | 0.160 | 2 in 2.5 s "
-                   "| 1 | 2 / 0 | 1 / 0 |")
+                   "| 1 | 2 / 0 | 1 / 0 | - |")
+    # the shared compile cache: what a cold run saved, what a new node's run loaded, and a problem said
+    assert summary_line({**_run("cold-compiled"), "shared_saved": 3}).endswith("| saved 3 |")
+    assert summary_line({**_run("new-node"), "shared_loaded": 3, "shared_load_s": 0.24,
+                         "shared_problems": ["could not save x"]}).endswith("| loaded 3 in 0.2 s; could not save x |")
     # a run that compiled its NSA kernels before its steps (--precompile)
     assert "| 2.8 | 3.1 (20) | - |" in summary_line({**_run("cold-compiled"), "precompile_s": 3.14,
                                                      "precompiled_kernels": 20})
@@ -49,6 +53,13 @@ def test_the_plan_of_runs():
         ("cold-compiled", "base", "symbolic", "symbolic"), ("other-block", "other-block", "symbolic", "symbolic"),
         ("cold-compiled-static", "base", "static", "static"), ("other-setting-static", "other-n", "static", "static"),
         ("cold-eager", "base", "cold-eager", "symbolic")]
+    # a new node's run has empty caches of its own; it reads the shared folder its form's cold run saved to
+    new = parse_runs("cold-compiled,new-node,new-node-other,warm-compiled")
+    assert [(name, setting, folder) for name, _, setting, folder, _ in new] == [
+        ("cold-compiled", "base", "symbolic"), ("new-node", "base", "new-node"),
+        ("new-node-other", "other-n", "new-node-other"), ("warm-compiled", "base", "symbolic")]
+    with pytest.raises(argparse.ArgumentTypeError, match="put cold-compiled before it"):
+        parse_runs("new-node")
     with pytest.raises(argparse.ArgumentTypeError, match="put cold-compiled-static before it"):
         parse_runs("cold-compiled,other-setting-static")  # the static form's caches were never filled
     with pytest.raises(argparse.ArgumentTypeError, match="unknown or repeated"):

@@ -39,11 +39,13 @@ def _store(path, monkeypatch, sweep="sweep-x", trials=TRIALS, with_startup=False
         client.log_metric(run, "val_loss", val, step=40)
         if with_startup:  # the trial's start (step 20), then a resume's (step 40) that must not replace it
             for step, scale in ((20, 1.0), (40, 0.5)):
-                for phase, seconds in (("launch", 15.0), ("model", 3.0), ("kernels", 2.5), ("data", 4.0),
+                for phase, seconds in (("launch", 15.0), ("model", 3.0), ("kernels", 2.5), ("compile_cache", 0.25),
+                                       ("data", 4.0),
                                        ("first_step", 30.0), ("second_step", 0.5), ("total", 55.0)):
                     client.log_metric(run, f"startup_{phase}_s", seconds * scale * sel / 64, step=step)
                 for count, value in (("nsa_kernels_compiled", 10), ("nsa_compile_s", 8.25), ("nsa_kernels_cached", 11),
-                                     ("fxgraph_cache_hits", 2), ("fxgraph_cache_misses", 0)):
+                                     ("fxgraph_cache_hits", 2), ("fxgraph_cache_misses", 0),
+                                     ("compile_cache_loaded", 3), ("compile_cache_saved", 0)):
                     client.log_metric(run, f"startup_{count}", value * scale * sel / 64, step=step)
             client.set_terminated(run, "FINISHED", end_time=1_000_000 + 1000 * sel)  # a trial of l' seconds
     return path
@@ -113,14 +115,16 @@ def test_each_trials_startup_is_its_first_report_and_a_settings_the_mean(tmp_pat
     trials = {**TRIALS, (64, 16, 7): ([1.0, 430.0, 430.0, 430.0], 2.70)}
     rows, per_trial, md = _record(tmp_path, _store(tmp_path / "mlruns", monkeypatch, trials=trials, with_startup=True))
     first = {(t["setting"]["sel_block"], t["init_seed"]): t["startup"] for t in per_trial}
-    assert first[(128, 1337)] == {"launch": 30.0, "model": 6.0, "kernels": 5.0, "data": 8.0, "first_step": 60.0,
+    assert first[(128, 1337)] == {"launch": 30.0, "model": 6.0, "kernels": 5.0, "compile_cache": 0.5, "data": 8.0,
+                                  "first_step": 60.0,
                                   "second_step": 1.0, "total": 110.0}  # step 20's, not the resumed halves (40)
     assert rows[(64, 16)]["startup_s"] == pytest.approx(55.0) and rows[(32, 8)]["startup_s"] == pytest.approx(27.5)
     assert per_trial[-1]["compiles"] == {"nsa_kernels_compiled": 20, "nsa_compile_s": 16.5, "nsa_kernels_cached": 22,
-                                         "fxgraph_cache_hits": 4, "fxgraph_cache_misses": 0}  # t128-8, step 20's
-    assert ("| t128-8-1337 | 128 | 8 | 1337 | 30.0 | 6.0 | 5.0 | 8.0 | 60.0 | 1.0 | 110.0 | 20 (16.5) | 22 | 4 / 0 | "
-            "128.0 |") in md
+                                         "fxgraph_cache_hits": 4, "fxgraph_cache_misses": 0,
+                                         "compile_cache_loaded": 6, "compile_cache_saved": 0}  # t128-8, step 20's
+    assert ("| t128-8-1337 | 128 | 8 | 1337 | 30.0 | 6.0 | 5.0 | 0.5 | 8.0 | 60.0 | 1.0 | 110.0 | 20 (16.5) | 22 | "
+            "4 / 0 | 6 / 0 | 128.0 |") in md
     assert rows[(32, 8)]["wall_s"] == 32.0
     bare, _, bare_md = _record(tmp_path / "bare", _store(tmp_path / "bare" / "mlruns", monkeypatch))
     assert all(math.isnan(s["startup_s"]) for s in bare.values())  # a store from before stop 76: shown as "-"
-    assert "| t64-16-1337 | 64 | 16 | 1337 | - | - | - | - | - | - | - | - | - | - | - |" in bare_md  # never ended
+    assert "| t64-16-1337 | 64 | 16 | 1337 |" + " - |" * 13 in bare_md  # never ended

@@ -79,6 +79,10 @@ class TrainConfig:
     # GPU workers compile their NSA layers' Triton kernels before the first step, side by side, instead of one after
     # another at their first launches inside it (nsa_model/precompile.py)
     precompile_kernels: bool = True
+    # torch.compile's artifacts shared through storage, so a cold node's first step finds them
+    # (pipeline/train/compile_cache.py); the folder or URI every node reads, default <storage_path>/compile_cache
+    compile_cache: bool = True
+    compile_cache_path: str | None = None
     activation_checkpointing: bool = False  # each block recomputed in the backward from its input
     # each attention module keeps only its input and its attention core's results for the backward and recomputes
     # the rest (projections, RoPE; NSA's compressed and window outputs): saves less than the above, costs less time
@@ -130,9 +134,13 @@ class TrainConfig:
         for name in ("seed", "warmup_steps", "val_every", "checkpoint_every", "max_failures"):
             v = getattr(self, name)
             _require(_is_int(v) and v >= 0, f"train.{name}", f"must be an int >= 0, got {v!r}")
-        for name in ("use_gpu", "compile", "precompile_kernels", "activation_checkpointing", "attention_recompute"):
+        for name in ("use_gpu", "compile", "precompile_kernels", "compile_cache", "activation_checkpointing",
+                     "attention_recompute"):
             v = getattr(self, name)
             _require(isinstance(v, bool), f"train.{name}", f"must be a bool, got {v!r}")
+        p = self.compile_cache_path
+        _require(p is None or (isinstance(p, str) and p.strip() != ""), "train.compile_cache_path",
+                 f"must be a non-empty path or URI (or unset: <storage_path>/compile_cache), got {p!r}")
         _require(not (self.activation_checkpointing and self.attention_recompute), "train.attention_recompute",
                  "pick one: train.activation_checkpointing already recomputes the whole block, attention included")
         _require(self.parallelism in ("ddp", "fsdp", "allreduce"), "train.parallelism",

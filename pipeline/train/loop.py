@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 
 from pipeline.train import checkpoint as ckpt
+from pipeline.train.compile_cache import SharedCompileCache, cache_folder, graph_fields
 from pipeline.train.config import TrainConfig
 from pipeline.train.guards import NonFiniteGuard, Watchdog, WatchdogTimeout
 from pipeline.train.schedule import build_optimizer, build_scheduler
@@ -132,7 +133,9 @@ class Startup:
     launch: from the driver building the trainer to this worker entering its loop (Ray Train's controller and
     worker group, the worker process's imports, torch.distributed's setup); model: the model, optimizer and any
     checkpoint; kernels (GPU workers, train.precompile_kernels): the NSA layers' Triton kernels compiled side by
-    side (nsa_model/precompile.py); data: the held-out micro-batches read (Ray Data's pipeline starting);
+    side (nsa_model/precompile.py); compile_cache (compiled runs, train.compile_cache): torch.compile's artifacts
+    loaded from the shared compile cache into the node's local caches (pipeline/train/compile_cache.py); data: the
+    held-out micro-batches read (Ray Data's pipeline starting);
     first_step and second_step: the first two optimizer steps, which hold torch.compile's tracing and code
     generation, the Triton kernels' compilation where not done before, and, under CUDA graphs, their recording. A
     Tune trial pays all of it before its first measured step, so a sweep's budget is best judged against it
@@ -143,6 +146,7 @@ class Startup:
     entered: float = field(default_factory=lambda: time.time())
     phases: dict[str, float] = field(default_factory=dict)
     compiles: CompileCounts | None = None  # what the phases compiled, where the loop counted it
+    compile_cache: SharedCompileCache | None = None  # what the run loaded from / saved to the shared compile cache
 
     def mark(self, phase: str) -> None:
         now = time.time()
@@ -154,14 +158,16 @@ class Startup:
         if self.launched_at is not None:  # clamped: the driver's clock may run ahead of another node's
             launch = m["startup_launch_s"] = max(self.entered - self.launched_at, 0.0)
         m["startup_total_s"] = launch + sum(self.phases.values())
-        return {**m, **(self.compiles.metrics() if self.compiles is not None else {})}
+        for part in (self.compiles, self.compile_cache):
+            m.update(part.metrics() if part is not None else {})
+        return m
 
     def line(self) -> str:
         m = self.metrics()
         parts = [f"{name} {m[f'startup_{name}_s']:.1f} s" for name in ("launch", *self.phases)
                  if f"startup_{name}_s" in m]
         line = f"startup: {m['startup_total_s']:.1f} s to the end of the second step ({'; '.join(parts)})"
-        return line + (f"; {self.compiles.line()}" if self.compiles is not None else "")
+        return "; ".join([line] + [part.line() for part in (self.compiles, self.compile_cache) if part is not None])
 
 
 _COUNTS_LOCK = threading.Lock()
@@ -347,6 +353,11 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     if t.precompile_kernels and device.type == "cuda":
         compile_nsa_kernels(bare, t.micro_batch, job.data.seq_len, dtype=compute_dtype)
         startup.mark("kernels")
+    folder = cache_folder(t)
+    if folder is not None:  # before the first compiled step: the compilation looks in the node's local caches
+        startup.compile_cache = SharedCompileCache(folder, graph_fields(job, bare, device))
+        startup.compile_cache.load()
+        startup.mark("compile_cache")
     # compile_model: the graph does not change with the NSA setting, so a sweep's trials on a node share it
     forward = compile_model(model, mode=t.compile_mode) if t.compile else model
     grads = FlatGradients(optimizer) if uses_cuda_graphs(t) or t.parallelism == "allreduce" else None
@@ -409,6 +420,8 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
                                                     device)
                 if startup is not None and (step - start_step >= 1 or last):  # once: the first report after two steps
                     startup.compiles.stop()
+                    if rank == 0 and startup.compile_cache is not None:
+                        startup.compile_cache.save()
                     metrics.update(startup.metrics())
                     if rank == 0:
                         print(startup.line(), flush=True)

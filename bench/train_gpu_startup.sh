@@ -1,0 +1,39 @@
+#!/bin/bash
+# The training loop's startup on a node whose local compile caches are empty, with and without the shared compile
+# cache (train.compile_cache, pipeline/train/compile_cache.py). Run on a GPU host through the `run` tool, from a
+# copy of this checkout with the ray wheels on PYTHONPATH (bench/train_gpu_scaling.sh's header). Three runs of
+# jobs/pretrain.py, one after the other, each with Triton and inductor cache folders of its own (a fresh node):
+#   first    the run that finds nothing in the shared cache and saves to it after its second step
+#   new-node another run over the same storage: it loads what the first saved before its first step
+#   control  compile_cache off: a cold node as before, timed in the same call as the other two
+# Each run's `startup:` line (rank 0's, pipeline/train/loop.py's Startup) and its losses go to $OUT/startup.md;
+# the logs to $OUT/<run>.log. The shared cache folder's listing goes there too.
+set -u
+export MLFLOW_ALLOW_FILE_STORE=true
+WORK=${WORK:-/tmp/train-startup}
+rm -rf "$WORK" && mkdir -p "$WORK"
+nvidia-smi --query-gpu=name,memory.total --format=csv || true
+COMMON=(--config configs/bench-train-gpu.yaml --set data.seq_len=2048 --set train.micro_batch=8
+        --set train.global_batch=16 --set train.max_steps=8 --set train.warmup_steps=2 --set train.log_every=4
+        --set train.val_every=0 --set train.checkpoint_every=0 --set train.val_batches=1
+        --set "data.output_dir=$WORK/data" --set "train.storage_path=$WORK/ray_results")
+{
+  echo "| run | startup line | loss step 4 / 8 |"
+  echo "|---|---|---|"
+} > "$OUT/startup.md"
+for run in first new-node control; do
+  share=true
+  [ "$run" = control ] && share=false
+  SECONDS=0
+  TRITON_CACHE_DIR="$WORK/$run/triton" TORCHINDUCTOR_CACHE_DIR="$WORK/$run/inductor" \
+    timeout 240 python3 jobs/pretrain.py "${COMMON[@]}" --set "train.run_name=$run" \
+    --set "train.compile_cache=$share" > "$OUT/$run.log" 2>&1
+  echo "$run rc=$? after ${SECONDS}s"
+  line=$(grep -a -o "startup: .*" "$OUT/$run.log" | tail -1)
+  losses=$(grep -a -o -E "step +[48]/8[^|]*\| loss [0-9.]+" "$OUT/$run.log" | grep -a -o -E "loss [0-9.]+" \
+           | awk '{print $2}' | paste -sd/ -)
+  echo "| $run | ${line:-none} | ${losses:-?} |" >> "$OUT/startup.md"
+done
+ls -la "$WORK/ray_results/compile_cache" > "$OUT/compile_cache_listing.txt" 2>&1
+cp "$WORK"/ray_results/compile_cache/*.json "$OUT/" 2>/dev/null
+cat "$OUT/startup.md"
