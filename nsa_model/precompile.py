@@ -9,7 +9,10 @@ depend on them (bench/results/kernels-notes.md v73, v75). Here a stand-in layer 
 its forward and backward once with every Triton launch turned into Triton's warmup (compile, do not run), inside
 Triton's AsyncCompileMode over a thread pool: the compilations run side by side (Triton's passes and ptxas leave
 the GIL) and each lands in its kernel's in-memory cache and in Triton's cache folder, where the step's launches
-find it.
+find it. Each compilation is followed, on the same thread, by the build of the kernel's launcher: the C module,
+one per kernel signature, that Triton otherwise builds with the host's C compiler at the kernel's first launch and
+keeps in its cache folder. On a node whose Triton cache was empty those builds were about 7 s of the first step
+(bench/results/kernels-notes.md v77).
 
 No value of the pass is ever computed: the kernels do not run, so their outputs hold whatever memory they were
 given. That is sound because nothing in nsa_model reads a device value on the host (no host sync): the launches a
@@ -68,10 +71,31 @@ def compile_nsa_kernels(model: nn.Module, batch: int, seq_len: int, dtype: torch
     return compiled
 
 
+def _launcher_built(kernel):
+    """kernel, once Triton's launcher for its signature sits in Triton's cache folder: building one compiles C
+    (gcc, outside the GIL) where the folder lacks it. The kernel's first launch makes its own launcher from that
+    folder, and loads the kernel into the device's context, on the launching thread."""
+    from triton.runtime.driver import driver
+
+    driver.active.launcher_cls(kernel.src, kernel.metadata)
+    return kernel
+
+
+def _compile_and_build_launcher_mode(pool):
+    """Triton's AsyncCompileMode whose pool also builds each compiled kernel's launcher, right after compiling it."""
+    from triton.runtime import _async_compile
+
+    class Mode(_async_compile.AsyncCompileMode):
+        def submit(self, key, compile_fn, finalize_fn):
+            return super().submit(key, lambda: _launcher_built(compile_fn()), finalize_fn)
+
+    return Mode(pool)
+
+
 @contextlib.contextmanager
 def compile_only_launches(workers: int):
-    """Within: each launch of a Triton kernel (kernel[grid](...)) compiles it and returns without running it, the
-    compilations going to a pool of `workers` threads (Triton's AsyncCompileMode), from whichever thread launches
+    """Within: each launch of a Triton kernel (kernel[grid](...)) compiles it, builds its launcher, and returns
+    without running it, the compilations going to a pool of `workers` threads (Triton's AsyncCompileMode), from whichever thread launches
     (autograd runs a CUDA backward on a thread of its own, which does not see the mode this thread entered); on
     leaving, every compilation has finished (its error raised) and sits in its kernel's cache. Yields the
     AsyncCompileMode. The switch is Triton's JITFunction.run, for the whole process: nothing else may launch a
@@ -80,7 +104,7 @@ def compile_only_launches(workers: int):
 
     launch = JITFunction.run
     with ThreadPoolExecutor(max(1, workers), thread_name_prefix="nsa-compile") as pool:
-        mode = _async_compile.AsyncCompileMode(pool)
+        mode = _compile_and_build_launcher_mode(pool)
 
         def compile_only(self, *args, grid, warmup, **kwargs):
             token = _async_compile.active_mode.set(mode)

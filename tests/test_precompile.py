@@ -1,8 +1,8 @@
 """nsa_model/precompile.py: an NSA layer's Triton kernels compiled before a step, side by side, without running.
 
 The compile needs no GPU: in a process of its own without TRITON_INTERPRET (the kernels must be Triton's compiled
-kind), a stand-in driver reports an H100 and has nothing to launch with, so a kernel that tried to run would fail
-the test. The launchers' CUDA-tensor guards are lifted there: the pass's tensors are CPU ones, and its values are
+kind), a stand-in driver reports an H100, records the launchers built, and has nothing to launch with, so a kernel
+that tried to run would fail the test. The launchers' CUDA-tensor guards are lifted there: the pass's tensors are CPU ones, and its values are
 never computed anyway. On GPUs the time it saves is measured by bench/probe_trial_start.py --precompile."""
 
 import json
@@ -25,7 +25,17 @@ from triton.backends.compiler import GPUTarget
 from triton.runtime.driver import driver
 
 
-class CompileOnlyDriver:  # an H100 for the compiler; no launcher, no memory: a launch would raise
+launchers = []
+
+
+class RecordingLauncher:  # what the precompile builds: the launcher of each kernel's signature (no C compiled here)
+    def __init__(self, src, metadata):
+        launchers.append([src.fn.__name__, threading.current_thread().name])
+
+
+class CompileOnlyDriver:  # an H100 for the compiler; no memory, no device utilities: a launch would raise
+    launcher_cls = RecordingLauncher
+
     def get_current_target(self):
         return GPUTarget("cuda", 90, 32)
 
@@ -60,6 +70,7 @@ before = {k: v.clone() for k, v in model.state_dict().items()}
 rng = torch.get_rng_state()
 first = compile_nsa_kernels(model, batch=1, seq_len=200, workers=2)
 heard_first = len(heard)
+launchers_first = list(launchers)
 again = compile_nsa_kernels(model, batch=1, seq_len=200, workers=2)
 
 
@@ -77,6 +88,7 @@ with compile_only_launches(2):
     other.join()
 print(json.dumps({
     "first": first, "again": again, "heard": heard[:heard_first], "from_a_thread": heard[heard_first:],
+    "launchers": launchers_first,
     "untouched": all(torch.equal(before[k], v) for k, v in model.state_dict().items())
     and all(p.grad is None for p in model.parameters()),
     "rng_kept": torch.equal(rng, torch.get_rng_state()),
@@ -108,6 +120,9 @@ def test_a_layers_kernels_compile_side_by_side_before_the_step_and_none_runs(tmp
             "rope_split_kernel", "phi_fwd_kernel", "phi_bwd_x_kernel"} <= names
     assert len({thread for _, _, thread, _ in heard}) == 2
     assert all(thread.startswith("nsa-compile") for _, _, thread, _ in heard)
+    # each compiled kernel's launcher built too, on the pool, so the first launch finds it in Triton's cache
+    assert sorted(name for name, _ in out["launchers"]) == sorted(name for _, name, _, _ in heard)
+    assert all(thread.startswith("nsa-compile") for _, thread in out["launchers"])
     assert out["again"] == 0
     # a launch from a thread the context did not start compiles on the pool too
     assert [(name, thread[:11]) for _, name, thread, _ in out["from_a_thread"]] == [("add_one", "nsa-compile")]
