@@ -30,8 +30,9 @@ for run in first new-node control; do
     --set "train.compile_cache=$share" > "$OUT/$run.log" 2>&1
   echo "$run rc=$? after ${SECONDS}s"
   line=$(grep -a -o "startup: .*" "$OUT/$run.log" | tail -1)
-  losses=$(grep -a -o -E "step +[48]/8[^|]*\| loss [0-9.]+" "$OUT/$run.log" | grep -a -o -E "loss [0-9.]+" \
-           | awk '{print $2}' | paste -sd/ -)
+  # Ray prints a worker's line twice in the driver's log (its own and the job's stream): each step's once
+  losses=$(grep -a -o -E "step [48]/8 \| loss [0-9.]+" "$OUT/$run.log" | awk '!seen[$0]++ {print $NF}' \
+           | paste -sd/ -)
   echo "| $run | ${line:-none} | ${losses:-?} |" >> "$OUT/startup.md"
 done
 ls -la "$WORK/ray_results/compile_cache" > "$OUT/compile_cache_listing.txt" 2>&1
