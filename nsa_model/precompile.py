@@ -95,11 +95,11 @@ def _compile_and_build_launcher_mode(pool):
 @contextlib.contextmanager
 def compile_only_launches(workers: int):
     """Within: each launch of a Triton kernel (kernel[grid](...)) compiles it, builds its launcher, and returns
-    without running it, the compilations going to a pool of `workers` threads (Triton's AsyncCompileMode), from whichever thread launches
-    (autograd runs a CUDA backward on a thread of its own, which does not see the mode this thread entered); on
-    leaving, every compilation has finished (its error raised) and sits in its kernel's cache. Yields the
-    AsyncCompileMode. The switch is Triton's JITFunction.run, for the whole process: nothing else may launch a
-    Triton kernel meanwhile (its launch would not run), which holds before a run's first step."""
+    without running it, the compilations going to a pool of `workers` threads (Triton's AsyncCompileMode), from
+    whichever thread launches (autograd runs a CUDA backward on a thread of its own, which does not see the mode
+    this thread entered); on leaving, every compilation has finished (its error raised) and sits in its kernel's
+    cache. Yields the AsyncCompileMode. The switch is Triton's JITFunction.run, for the whole process: nothing else
+    may launch a Triton kernel meanwhile (its launch would not run), which holds before a run's first step."""
     from triton.runtime import JITFunction, _async_compile
 
     launch = JITFunction.run

@@ -115,3 +115,21 @@ def test_the_key_leaves_out_l_and_n_only_where_they_are_traced_symbolic(backend,
     other_batch = _job("model.preset=tiny", "train.micro_batch=2", "train.global_batch=8")
     assert graph_key(graph_fields(other_batch, Transformer(other_batch.model), torch.device("cpu"))) not in keys
 
+
+
+def test_a_save_that_cannot_write_is_reported_and_the_run_goes_on(tmp_path, monkeypatch, capsys):
+    """The folder is a file here, so the save cannot write: said at once and in the startup line, nothing counted
+    as saved, nothing raised into the training loop."""
+    class Info:
+        artifacts = {"inductor": ["graph"], "aot_autograd": ["joint"]}
+
+    monkeypatch.setattr(torch.compiler, "save_cache_artifacts", lambda: (b"artifacts", Info()))
+    blocked = tmp_path / "not-a-folder"
+    blocked.write_text("")
+    cache = SharedCompileCache(str(blocked), {"test": "blocked"})
+    cache.save()
+    assert cache.saved == 0 and len(cache.problems) == 1 and f"could not save {cache.file}" in cache.problems[0]
+    assert "compile cache: could not save" in capsys.readouterr().out
+    writable = SharedCompileCache(str(tmp_path / "shared"), {"test": "blocked"})
+    writable.save()  # the same artifacts where the folder can be made: written, two artifacts counted
+    assert writable.saved == 2 and (tmp_path / "shared" / f"{writable.key}.bin").read_bytes() == b"artifacts"

@@ -133,15 +133,15 @@ class SharedCompileCache:
     def save(self) -> None:
         """Writes the artifacts this process used, unless they are the ones it loaded. Local folders get the file
         by a rename, object stores by one put, so a reader never sees half a file."""
-        result = torch.compiler.save_cache_artifacts()
-        if result is None:
-            return
-        blob, info = result
-        keys = _artifact_keys(info)
-        if keys == self.loaded:
-            return
-        fs, folder = _filesystem(self.folder)
         try:
+            result = torch.compiler.save_cache_artifacts()
+            if result is None:
+                return
+            blob, info = result
+            keys = _artifact_keys(info)
+            if keys == self.loaded:
+                return
+            fs, folder = _filesystem(self.folder)
             fs.create_dir(folder, recursive=True)
             _write(fs, f"{folder}/{self.key}.bin", blob)
             _write(fs, f"{folder}/{self.key}.json",
