@@ -243,7 +243,7 @@ def compile_model(model: nn.Module, **compile_options) -> nn.Module:
     Adds SWEPT_SETTING_SOURCES to torch.compiler.config.dynamic_sources for this process (dynamo reads it when it
     traces, which is at the first call, not here), and pins Triton's cache folder (_pin_triton_cache_dir)."""
     sources = [s for s in torch.compiler.config.dynamic_sources.split(",") if s]
-    if _runs_the_triton_core(model) and SWEPT_SETTING_SOURCES not in sources:
+    if swept_settings_symbolic(model) and SWEPT_SETTING_SOURCES not in sources:
         torch.compiler.config.dynamic_sources = ",".join([*sources, SWEPT_SETTING_SOURCES])
     _pin_triton_cache_dir()
     return torch.compile(model, **compile_options)
@@ -261,13 +261,8 @@ def _pin_triton_cache_dir() -> None:
 
 
 def swept_settings_symbolic(model: nn.Module) -> bool:
-    """Whether compile_model traces l' and n of this model as symbolic ints (the compiled graphs then serve every
-    setting; pipeline/train/compile_cache.py leaves them out of its key)."""
-    return _runs_the_triton_core(model)
-
-
-def _runs_the_triton_core(model: nn.Module) -> bool:
-    """Whether model has NSA attention and each of its NSA attention modules runs the Triton core on the device of
-    its parameters."""
+    """Whether compile_model traces l' and n of this model as symbolic ints: where model has NSA attention and each
+    of its NSA attention modules runs the Triton core on the device of its parameters. The compiled graphs then
+    serve every setting (pipeline/train/compile_cache.py leaves l' and n out of its key)."""
     modules = [m for m in model.modules() if isinstance(m, NSAAttention)]
     return bool(modules) and all(resolve_backend(m.backend, m.wq.weight) == "triton" for m in modules)

@@ -60,12 +60,9 @@ def graph_fields(job, model: torch.nn.Module, device: torch.device) -> dict[str,
         device_name = f"{torch.cuda.get_device_name(device)} (sm_{major}{minor})"
     else:
         device_name = f"{device.type} ({platform.machine()})"
-    try:
-        import triton
-        triton_version = triton.__version__
-    except ImportError:  # CPU-only torch builds may come without Triton; inductor then generates C++
-        triton_version = None
-    return {"torch": torch.__version__, "triton": triton_version, "device": device_name, "model": model_config,
+    import triton
+
+    return {"torch": torch.__version__, "triton": triton.__version__, "device": device_name, "model": model_config,
             "seq_len": job.data.seq_len, "micro_batch": t.micro_batch, "precision": t.precision,
             "compile_mode": t.compile_mode, "parallelism": t.parallelism, "num_workers": t.num_workers,
             "activation_checkpointing": t.activation_checkpointing, "attention_recompute": t.attention_recompute}
