@@ -17,8 +17,9 @@ the NSA kernels the probe found in the cache), in this order:
   warm-compiled  the same setting, compiled steps only, over what the first cold run cached: a trial repeated
   other-setting  another n (--other-n-selected), over those caches: a sweep's next trial on the node
   other-block    another l' (--other-sel-block), over those caches
-  new-node       empty caches, but first the torch.compile artifacts the form's cold run saved to a shared folder
-                 (pipeline/train/compile_cache.py, as train.compile_cache does): a run on a node that never compiled
+  new-node       empty caches, but first the torch.compile artifacts and Triton cache entries the form's cold run
+                 saved to a shared folder (pipeline/train/compile_cache.py, as train.compile_cache does; loaded before
+                 the precompile, as the loop does): a run on a node that never compiled
   new-node-other the same with another n: a sweep's next trial lands on a new node
 
 Each run compiles as the training loop does, by nsa_model.compile_model (l' and n symbolic in the traced graph),
@@ -85,6 +86,18 @@ def child(args) -> dict:
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
     sync()
     record["model_s"] = time.time() - t
+    shared = None
+    if args.share:
+        from pipeline.train.compile_cache import SharedCompileCache
+
+        shared = SharedCompileCache(args.share_folder, {"probe": [args.preset, args.seq_len, args.micro_batch,
+                                                                  args.compile_mode, args.compile_scope, args.form]})
+        if args.share == "load":  # before the precompile, as the loop: it finds the NSA kernels' entries
+            shared.load()
+            record.update(shared_loaded=len(shared.loaded), shared_triton_loaded=len(shared.triton_loaded),
+                          shared_load_s=shared.load_s)
+        else:  # notes the Triton cache entries this run uses, for the save
+            shared.start_recording()
     if args.precompile:  # as the training loop does on GPUs (train.precompile_kernels)
         from nsa_model.precompile import compile_nsa_kernels
 
@@ -127,19 +140,10 @@ def child(args) -> dict:
     else:
         forward = (compile_model if args.form == "symbolic" else torch.compile)(model, mode=args.compile_mode)
     graphs = args.compile_mode == "reduce-overhead"
-    shared = None
-    if args.share:
-        from pipeline.train.compile_cache import SharedCompileCache
-
-        shared = SharedCompileCache(args.share_folder, {"probe": [args.preset, args.seq_len, args.micro_batch,
-                                                                  args.compile_mode, args.compile_scope, args.form]})
-        if args.share == "load":
-            shared.load()
-            record.update(shared_loaded=len(shared.loaded), shared_load_s=shared.load_s)
     record["compiled_steps_s"] = [step(forward, graphs) for _ in range(6)]
     if args.share == "save":
         shared.save()
-        record["shared_saved"] = shared.saved
+        record.update(shared_saved=shared.saved, shared_triton_saved=shared.triton_saved)
     if shared is not None:
         record["shared_problems"] = shared.problems
     from torch._dynamo.utils import compile_times, counters
@@ -217,8 +221,9 @@ def summary_line(r: dict) -> str:
              f"{sum(1 for c in r['compiles'] if c['cache_hit'])}",
              f"{caches['fxgraph_cache_hit']} / {caches['fxgraph_cache_miss']}",
              f"{caches['autograd_cache_hit']} / {caches['autograd_cache_miss']}",
-             (f"loaded {r['shared_loaded']} in {r['shared_load_s']:.1f} s" if "shared_loaded" in r else
-              f"saved {r['shared_saved']}" if "shared_saved" in r else "-")
+             (f"loaded {r['shared_loaded']} + {r.get('shared_triton_loaded', 0)} in {r['shared_load_s']:.1f} s"
+              if "shared_loaded" in r else
+              f"saved {r['shared_saved']} + {r.get('shared_triton_saved', 0)}" if "shared_saved" in r else "-")
              + "".join(f"; {problem}" for problem in r.get("shared_problems", []))]
     return "| " + " | ".join(cells) + " |"
 
@@ -240,8 +245,8 @@ def main() -> None:
     p.add_argument("--other-sel-block", type=int, default=128)
     p.add_argument("--compile-scope", default="model", choices=("model", "blocks"))
     p.add_argument("--form", default="symbolic", choices=("symbolic", "static"), help="(a child's)")
-    p.add_argument("--share", choices=("save", "load"), help="(a child's) the shared compile cache, after or before "
-                   "its steps")
+    p.add_argument("--share", choices=("save", "load"), help="(a child's) the shared compile cache, after its "
+                   "steps or before its precompile")
     p.add_argument("--share-folder", help="(a child's)")
     p.add_argument("--runs", type=parse_runs, default=parse_runs(DEFAULT_RUNS))
     p.add_argument("--device", default="cuda", help="cpu: a smoke test of the probe itself (--preset tiny "
@@ -281,7 +286,7 @@ def markdown(meta: dict, args, runs: list[dict]) -> str:
              "", "| run | l' / n | process s | import | CUDA init | model | kernels before the steps (count) | eager "
              "step 1 / steady | compiled steps 1 / 2 / 3 | steady (fastest of steps 4-6) | Triton compiles (this "
              "process) | Triton cache hits | FX graph cache hits / misses | AOT autograd cache hits / misses | shared "
-             "compile cache (artifacts) |",
+             "compile cache (artifacts + Triton cache entries) |",
              "|---" * 15 + "|"]
     lines += [summary_line(r) for r in runs]
     for r in runs:

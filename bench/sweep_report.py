@@ -31,10 +31,10 @@ from bench.provenance import file_suffix  # noqa: E402
 SETTING = ("sel_block", "n_selected", "cmp_block", "cmp_stride", "window")
 HISTORIES = ("tokens_per_s", "mfu", "train_loss", "val_loss", "peak_mem_mb", "data_wait_s", "step_time_s")
 # pipeline/train/loop.py's Startup, reported once a run (again by a resumed one; the first is the trial's start)
-STARTUP = ("launch", "model", "kernels", "compile_cache", "data", "first_step", "second_step", "total")
+STARTUP = ("launch", "model", "compile_cache", "kernels", "data", "first_step", "second_step", "total")
 # and what it compiled (Startup's CompileCounts; stores from before stop 78 have none)
 COMPILES = ("nsa_kernels_compiled", "nsa_compile_s", "nsa_kernels_cached", "fxgraph_cache_hits", "fxgraph_cache_misses",
-            "compile_cache_loaded", "compile_cache_saved")
+            "compile_cache_loaded", "compile_cache_saved", "compile_cache_triton_loaded", "compile_cache_triton_saved")
 
 
 def parse_baseline(text: str) -> dict[str, int]:
@@ -188,12 +188,14 @@ def markdown(result: dict) -> str:
                          f"{r['setting'].get('n_selected', '-')} | {r['init_seed']} | {r['status']} | "
                          f"{_num(r['tokens_per_s'], ',.0f')} | {val} | {train} |")
     lines += ["", "Where each trial's time went before its steps reached their pace (seconds; pipeline/train/loop.py's "
-              "Startup: launch = Ray Train's controller and workers, model = model and optimizer, kernels = the NSA "
-              "kernels compiled before the first step (train.precompile_kernels; \"-\" where not), compile_cache = "
-              "torch.compile's artifacts loaded from the shared compile cache (train.compile_cache), data = the "
+              "Startup: launch = Ray Train's controller and workers, model = model and optimizer, compile_cache = "
+              "torch.compile's artifacts and Triton's cache entries loaded from the shared compile cache "
+              "(train.compile_cache), kernels = the NSA kernels compiled before the first step "
+              "(train.precompile_kernels; \"-\" where not), data = the "
               "held-out batches read, then the first two steps with compilation and CUDA graphs), what it compiled "
               "(the NSA kernels its worker compiled and those it read from Triton's cache; inductor's FX graph cache; "
-              "the artifacts it loaded from the shared compile cache and saved to it) and its whole wall time (its "
+              "the artifacts it loaded from the shared compile cache and saved to it, + Triton's cache entries where "
+              "counted) and its whole wall time (its "
               "MLflow run's, final checkpoint and teardown included):",
               "", "| startup of trial | l' | n | init seed | " + " | ".join(STARTUP)
               + " | NSA kernels compiled (s) | NSA kernels cached | FX graph cache hits / misses | shared compile "
@@ -211,6 +213,9 @@ def _compiles(c: dict) -> str:
     """A trial's four compile cells, "-" where its store has no counts (runs from before they were logged)."""
     shared = (f"{c['compile_cache_loaded']:.0f} / {c['compile_cache_saved']:.0f}"
               if math.isfinite(c.get("compile_cache_loaded", math.nan)) else "-")
+    if math.isfinite(c.get("compile_cache_triton_loaded", math.nan)):  # stores from stop 81 on
+        shared = (f"{c['compile_cache_loaded']:.0f} + {c['compile_cache_triton_loaded']:.0f} / "
+                  f"{c['compile_cache_saved']:.0f} + {c['compile_cache_triton_saved']:.0f}")
     if not math.isfinite(c.get("nsa_kernels_compiled", math.nan)):
         return " | ".join(["-"] * 3 + [shared])
     return (f"{c['nsa_kernels_compiled']:.0f} ({c['nsa_compile_s']:.1f}) | {c['nsa_kernels_cached']:.0f} | "

@@ -27,9 +27,12 @@ def test_a_runs_row_and_the_record():
     assert row == ("| other-setting | 64 / 8 | 48.0 | 5.3 | 0.3 | 2.8 | - | - | 34.2 / 0.2 / 0.2 | 0.160 | 2 in 2.5 s "
                    "| 1 | 2 / 0 | 1 / 0 | - |")
     # the shared compile cache: what a cold run saved, what a new node's run loaded, and a problem said
-    assert summary_line({**_run("cold-compiled"), "shared_saved": 3}).endswith("| saved 3 |")
-    assert summary_line({**_run("new-node"), "shared_loaded": 3, "shared_load_s": 0.24,
-                         "shared_problems": ["could not save x"]}).endswith("| loaded 3 in 0.2 s; could not save x |")
+    # (torch's artifacts + Triton's cache entries)
+    assert summary_line({**_run("cold-compiled"), "shared_saved": 3, "shared_triton_saved": 41}).endswith(
+        "| saved 3 + 41 |")
+    assert summary_line({**_run("new-node"), "shared_loaded": 3, "shared_triton_loaded": 41, "shared_load_s": 0.24,
+                         "shared_problems": ["could not save x"]}).endswith(
+        "| loaded 3 + 41 in 0.2 s; could not save x |")
     # a run that compiled its NSA kernels before its steps (--precompile)
     assert "| 2.8 | 3.1 (20) | - |" in summary_line({**_run("cold-compiled"), "precompile_s": 3.14,
                                                      "precompiled_kernels": 20})

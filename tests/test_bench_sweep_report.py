@@ -45,7 +45,8 @@ def _store(path, monkeypatch, sweep="sweep-x", trials=TRIALS, with_startup=False
                     client.log_metric(run, f"startup_{phase}_s", seconds * scale * sel / 64, step=step)
                 for count, value in (("nsa_kernels_compiled", 10), ("nsa_compile_s", 8.25), ("nsa_kernels_cached", 11),
                                      ("fxgraph_cache_hits", 2), ("fxgraph_cache_misses", 0),
-                                     ("compile_cache_loaded", 3), ("compile_cache_saved", 0)):
+                                     ("compile_cache_loaded", 3), ("compile_cache_saved", 0),
+                                     ("compile_cache_triton_loaded", 20), ("compile_cache_triton_saved", 0)):
                     client.log_metric(run, f"startup_{count}", value * scale * sel / 64, step=step)
             client.set_terminated(run, "FINISHED", end_time=1_000_000 + 1000 * sel)  # a trial of l' seconds
     return path
@@ -121,9 +122,11 @@ def test_each_trials_startup_is_its_first_report_and_a_settings_the_mean(tmp_pat
     assert rows[(64, 16)]["startup_s"] == pytest.approx(55.0) and rows[(32, 8)]["startup_s"] == pytest.approx(27.5)
     assert per_trial[-1]["compiles"] == {"nsa_kernels_compiled": 20, "nsa_compile_s": 16.5, "nsa_kernels_cached": 22,
                                          "fxgraph_cache_hits": 4, "fxgraph_cache_misses": 0,
-                                         "compile_cache_loaded": 6, "compile_cache_saved": 0}  # t128-8, step 20's
-    assert ("| t128-8-1337 | 128 | 8 | 1337 | 30.0 | 6.0 | 5.0 | 0.5 | 8.0 | 60.0 | 1.0 | 110.0 | 20 (16.5) | 22 | "
-            "4 / 0 | 6 / 0 | 128.0 |") in md
+                                         "compile_cache_loaded": 6, "compile_cache_saved": 0,
+                                         "compile_cache_triton_loaded": 40, "compile_cache_triton_saved": 0}
+    # t128-8, step 20's; the phases in the loop's order (the shared cache before the kernels, which it feeds)
+    assert ("| t128-8-1337 | 128 | 8 | 1337 | 30.0 | 6.0 | 0.5 | 5.0 | 8.0 | 60.0 | 1.0 | 110.0 | 20 (16.5) | 22 | "
+            "4 / 0 | 6 + 40 / 0 + 0 | 128.0 |") in md
     assert rows[(32, 8)]["wall_s"] == 32.0
     bare, _, bare_md = _record(tmp_path / "bare", _store(tmp_path / "bare" / "mlruns", monkeypatch))
     assert all(math.isnan(s["startup_s"]) for s in bare.values())  # a store from before stop 76: shown as "-"

@@ -159,3 +159,120 @@ def test_an_object_store_gets_the_file_in_one_put_and_gives_it_back(monkeypatch)
     reader.load()
     assert given == [b"artifacts"] and reader.loaded == {("inductor", "graph")} and reader.problems == []
     assert reader.file == f"s3://bucket/compile_cache/{reader.key}.bin"
+
+
+# One process's Triton work, as a GPU worker's startup does it: the shared cache loaded (which starts noting Triton's
+# cache entries), a kernel compiled for an H100 (a stand-in driver: no GPU here) and a launcher-like C module
+# built through Triton's builder (what Triton does for each kernel signature), then the save. With "no-build",
+# building C fails, so the module must come from Triton's cache.
+TRITON_STEP = textwrap.dedent("""
+    import json, sys
+    import torch
+    import triton
+    import triton.language as tl
+    import triton.runtime.build as build
+    from triton.backends.compiler import GPUTarget
+    from triton.runtime.driver import driver
+    from pipeline.train.compile_cache import SharedCompileCache
+
+
+    class CompileOnlyDriver:  # an H100 for the compiler
+        def get_current_target(self):
+            return GPUTarget("cuda", 90, 32)
+
+        def get_current_device(self):
+            return 0
+
+        def get_current_stream(self, device=None):
+            return 0
+
+
+    driver.set_active(CompileOnlyDriver())
+    action, folder = sys.argv[1], sys.argv[2]
+    if action == "no-build":
+        def refuse(*args, **kwargs):
+            raise RuntimeError("built C instead of reading Triton's cache")
+        build._build = refuse
+    heard = []
+    triton.knobs.compilation.listener = lambda *, src, metadata, metadata_group, times, cache_hit: heard.append(
+        [src.fn.__name__, cache_hit, sorted(metadata_group.values())])
+
+
+    @triton.jit
+    def scale_rows(X, Y, s, N: tl.constexpr):
+        offs = tl.program_id(0) * N + tl.arange(0, N)
+        tl.store(Y + offs, tl.load(X + offs) * s)
+
+
+    MODULE_C = (  # the least Python extension: Triton's launchers are such modules, one per kernel signature
+        "#include <Python.h>\\n"
+        "static struct PyModuleDef probe = {PyModuleDef_HEAD_INIT, \\"nsa_cache_probe\\", NULL, -1, NULL};\\n"
+        "PyMODINIT_FUNC PyInit_nsa_cache_probe(void) { return PyModule_Create(&probe); }\\n")
+    cache = SharedCompileCache(folder, {"test": "triton"})
+    cache.load()
+    scale_rows.warmup(torch.float32, torch.float32, 2.0, N=64, grid=(1,))
+    module = build.compile_module_from_src(MODULE_C, "nsa_cache_probe")
+    cache.save()
+    print(json.dumps({"triton_loaded": len(cache.triton_loaded), "triton_saved": cache.triton_saved,
+                      "problems": cache.problems, "heard": heard, "module": module.__file__,
+                      "manager_after": str(triton.knobs.cache.manager_class)}))
+""")
+
+
+def _triton_step(tmp_path: Path, action: str, folder: Path, local_cache: str) -> dict:
+    env = {**{k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}, "PYTHONPATH": str(ROOT),
+           "TRITON_CACHE_DIR": str(tmp_path / local_cache)}
+    script = tmp_path / "triton_step.py"  # a file: Triton reads a kernel's source from it
+    script.write_text(TRITON_STEP)
+    out = subprocess.run([sys.executable, str(script), action, str(folder)], env=env, capture_output=True,
+                         text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_triton_cache_entries_saved_by_one_process_are_found_by_another_with_an_empty_cache(tmp_path):
+    """The NSA kernels are Triton's, outside torch's artifacts: the entries of Triton's cache folder a process used
+    (a kernel compiled for the GPU, a C module built) travel in <key>.triton.zip. A second process on an empty
+    Triton cache folder finds the kernel there (the listener says cache hit; its files are in its own folder, the
+    group file pointed there) and the module without building C, and saves nothing back."""
+    folder = tmp_path / "shared"
+    first = _triton_step(tmp_path, "save", folder, "node-a")
+    assert first["problems"] == [] and first["triton_loaded"] == 0, first
+    assert [(name, hit) for name, hit, _ in first["heard"]] == [("scale_rows", False)]
+    assert first["triton_saved"] == 2, first  # the kernel's entry and the module's
+    assert first["manager_after"] == "None"  # Triton's own file cache again after the save
+    key = graph_key({"test": "triton"})
+    assert (folder / f"{key}.triton.zip").is_file() and not list(folder.glob("*.tmp"))
+
+    second = _triton_step(tmp_path, "no-build", folder, "node-b")
+    assert second["problems"] == [] and second["triton_loaded"] == 2, second
+    [(name, hit, paths)] = second["heard"]
+    assert (name, hit) == ("scale_rows", True)
+    assert paths and all(p.startswith(str(tmp_path / "node-b")) for p in paths), paths
+    assert second["module"].startswith(str(tmp_path / "node-b"))
+    assert second["triton_saved"] == 0, second
+
+
+def test_a_bad_triton_file_is_reported_and_the_run_goes_on(tmp_path):
+    """A member outside <entry>/<file> (here a path that climbs out of the cache folder) is refused by name; an
+    unreadable zip likewise; torch's part is unaffected."""
+    import io
+    import zipfile
+
+    from pipeline.train.compile_cache import TritonEntriesUsed, unpack_triton_entries
+
+    buffer = io.BytesIO()
+    with zipfile.ZipFile(buffer, "w") as archive:
+        archive.writestr("ENTRY/../../escape.so", b"x")
+    with pytest.raises(ValueError, match="'ENTRY/../../escape.so' is not <entry>/<file> of Triton's cache"):
+        unpack_triton_entries(buffer.getvalue(), str(tmp_path / "triton"))
+    assert not (tmp_path / "escape.so").exists()
+    cache = SharedCompileCache(str(tmp_path / "shared"), {"test": "bad zip"})
+    (tmp_path / "shared").mkdir()
+    (tmp_path / "shared" / f"{cache.key}.triton.zip").write_bytes(b"not a zip")
+    try:
+        cache.load()
+    finally:
+        TritonEntriesUsed.stop()
+    assert len(cache.problems) == 1 and "could not load" in cache.problems[0] and ".triton.zip" in cache.problems[0]
+    assert cache.triton_loaded == frozenset() and cache.problems[0] in cache.line()

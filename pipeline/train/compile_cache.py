@@ -18,23 +18,36 @@ config, the micro-batch's shape, precision, compile mode and parallelism. It onl
 graphs from overwriting each other's file. Whether an artifact is used is inductor's decision, by its own keys
 over the code and the graph, so a file that does not fit a run (a field the key leaves out, an edited kernel)
 costs only misses: the run compiles as it would without it and then saves its own artifacts in its place.
-The NSA layers' own Triton kernels are not in it (they are Triton's, launched from an opaque op, not inductor's):
-nsa_model/precompile.py compiles those before the first step.
+The NSA layers' own Triton kernels are not in torch's artifacts (they are Triton's, launched from an opaque op, not
+inductor's): nsa_model/precompile.py compiles them before the first step, about 5 s on a cold node against under 1 s
+where Triton's cache folder holds them (kernels-notes.md v77, v78). So the entries of Triton's cache folder this
+process used between load() and save() travel beside them, <folder>/<key>.triton.zip: each entry is one folder of
+triton.knobs.cache.dir named by Triton's own hash of what it holds (a kernel compiled for one GPU by one Triton, or
+a launcher's C module), so an entry another node cannot use is never looked up there. Triton's cache manager
+(triton.knobs.cache.manager_class) is where the entries are noted: a Triton file cache that records the folders
+it opens. A manager the user set (TRITON_CACHE_MANAGER, a remote cache) is left alone, and then only torch's
+artifacts are shared.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import hashlib
+import io
 import json
 import os
 import platform
+import re
+import threading
 import time
+import zipfile
 from dataclasses import dataclass, field
 from typing import Any
 
 import pyarrow.fs as pafs
 import torch
+import triton
+from triton.runtime.cache import FileCacheManager
 
 
 def cache_folder(train) -> str | None:
@@ -60,8 +73,6 @@ def graph_fields(job, model: torch.nn.Module, device: torch.device) -> dict[str,
         device_name = f"{torch.cuda.get_device_name(device)} (sm_{major}{minor})"
     else:
         device_name = f"{device.type} ({platform.machine()})"
-    import triton
-
     return {"torch": torch.__version__, "triton": triton.__version__, "device": device_name, "model": model_config,
             "seq_len": job.data.seq_len, "micro_batch": t.micro_batch, "precision": t.precision,
             "compile_mode": t.compile_mode, "parallelism": t.parallelism, "num_workers": t.num_workers,
@@ -93,6 +104,9 @@ class SharedCompileCache:
     load_s: float = 0.0
     loaded_bytes: int = 0
     saved: int = 0
+    triton_loaded: frozenset[str] = frozenset()  # Triton cache entries written from the shared file
+    triton_loaded_bytes: int = 0
+    triton_saved: int = 0
     problems: list[str] = field(default_factory=list)
 
     @property
@@ -101,53 +115,100 @@ class SharedCompileCache:
 
     @property
     def file(self) -> str:
-        return self.folder.rstrip("/") + f"/{self.key}.bin"
+        return self._path(".bin")
 
     def load(self) -> None:
-        """Writes the shared artifacts into this node's local caches. No file yet: nothing loaded. A file that
-        cannot be read or loaded is reported (problems, the startup line) and the run compiles without it."""
+        """Writes the shared artifacts into this node's local caches, torch's and Triton's, and starts noting the
+        Triton cache entries this process uses (for save()). No file yet: nothing loaded. A file that cannot be
+        read or loaded is reported (problems, the startup line) and the run compiles without it."""
         start = time.time()
-        fs, folder = _filesystem(self.folder)
-        path = f"{folder}/{self.key}.bin"
         try:
-            if fs.get_file_info(path).type == pafs.FileType.NotFound:
-                return
-            with fs.open_input_stream(path) as f:
-                blob = f.read()
-            info = torch.compiler.load_cache_artifacts(blob)
+            blob = self._read(".bin")
+            if blob is not None:
+                info = torch.compiler.load_cache_artifacts(blob)
+                if info is None:  # torch logs why (a checksum, another torch's format) and returns nothing
+                    self._problem(f"could not load {self.file}: torch.compiler.load_cache_artifacts refused its "
+                                  f"{len(blob)} bytes")
+                else:
+                    self.loaded_bytes = len(blob)
+                    self.loaded = _artifact_keys(info)
         except Exception as e:  # a cache: the run goes on, compiling what it cannot load, and says so
             self._problem(f"could not load {self.file}: {type(e).__name__}: {e}")
-            return
-        finally:
-            self.load_s = time.time() - start
-        if info is None:  # torch logs why (a checksum, another torch's format) and returns nothing
-            self._problem(f"could not load {self.file}: torch.compiler.load_cache_artifacts refused its "
-                          f"{len(blob)} bytes")
-            return
-        self.loaded_bytes = len(blob)
-        self.loaded = _artifact_keys(info)
+        try:
+            blob = self._read(TRITON_SUFFIX)
+            if blob is not None:
+                self.triton_loaded = unpack_triton_entries(blob, triton.knobs.cache.dir)
+                self.triton_loaded_bytes = len(blob)
+        except Exception as e:
+            self._problem(f"could not load {self._path(TRITON_SUFFIX)}: {type(e).__name__}: {e}")
+        self.start_recording()
+        self.load_s = time.time() - start
+
+    def start_recording(self) -> None:
+        """Notes from now on the Triton cache entries this process uses (load() does it after loading)."""
+        if not TritonEntriesUsed.start():
+            self._problem("Triton's cache manager is the user's own (triton.knobs.cache.manager_class), so the NSA "
+                          "kernels' entries are not shared")
 
     def save(self) -> None:
-        """Writes the artifacts this process used, unless they are the ones it loaded. Local folders get the file
-        by a rename, object stores by one put, so a reader never sees half a file."""
+        """Writes the artifacts this process used, unless they are the ones it loaded, and likewise the Triton
+        cache entries it used since load(); then stops noting them. Local folders get each file by a rename, object
+        stores by one put, so a reader never sees half a file."""
         try:
-            result = torch.compiler.save_cache_artifacts()
-            if result is None:
-                return
-            blob, info = result
-            keys = _artifact_keys(info)
-            if keys == self.loaded:
-                return
-            fs, folder = _filesystem(self.folder)
-            fs.create_dir(folder, recursive=True)
-            _write(fs, f"{folder}/{self.key}.bin", blob)
-            _write(fs, f"{folder}/{self.key}.json",
-                   json.dumps({"key_fields": self.fields, "artifacts": sorted(map(list, keys)), "bytes": len(blob),
-                               "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}, indent=1).encode())
+            self._save_torch()
         except Exception as e:  # the run's training is not at stake: report it and go on
             self._problem(f"could not save {self.file}: {type(e).__name__}: {e}")
+        try:
+            self._save_triton()
+        except Exception as e:
+            self._problem(f"could not save {self._path(TRITON_SUFFIX)}: {type(e).__name__}: {e}")
+        TritonEntriesUsed.stop()
+
+    def stop_recording(self) -> None:
+        """For the ranks that do not save: Triton's own file cache again."""
+        TritonEntriesUsed.stop()
+
+    def _save_torch(self) -> None:
+        result = torch.compiler.save_cache_artifacts()
+        if result is None:
             return
+        blob, info = result
+        keys = _artifact_keys(info)
+        if keys == self.loaded:
+            return
+        fs, folder = self._filesystem()
+        _write(fs, f"{folder}/{self.key}.bin", blob)
+        _write(fs, f"{folder}/{self.key}.json",
+               json.dumps({"key_fields": self.fields, "artifacts": sorted(map(list, keys)), "bytes": len(blob),
+                           "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}, indent=1).encode())
         self.saved = len(keys)
+
+    def _save_triton(self) -> None:
+        if not TritonEntriesUsed.recording():
+            return
+        folders = TritonEntriesUsed.folders()
+        if {os.path.basename(f) for f in folders} <= self.triton_loaded:  # nothing used that the file lacks
+            return
+        blob = pack_triton_entries(folders)
+        fs, folder = self._filesystem()
+        _write(fs, f"{folder}/{self.key}{TRITON_SUFFIX}", blob)
+        self.triton_saved = len(folders)
+
+    def _path(self, suffix: str) -> str:
+        return self.folder.rstrip("/") + f"/{self.key}{suffix}"
+
+    def _filesystem(self) -> tuple[pafs.FileSystem, str]:
+        fs, folder = _filesystem(self.folder)
+        fs.create_dir(folder, recursive=True)
+        return fs, folder
+
+    def _read(self, suffix: str) -> bytes | None:
+        fs, folder = _filesystem(self.folder)
+        path = f"{folder}/{self.key}{suffix}"
+        if fs.get_file_info(path).type == pafs.FileType.NotFound:
+            return None
+        with fs.open_input_stream(path) as f:
+            return f.read()
 
     def _problem(self, text: str) -> None:
         self.problems.append(text)
@@ -155,17 +216,118 @@ class SharedCompileCache:
 
     def metrics(self) -> dict[str, float]:
         return {"startup_compile_cache_loaded": len(self.loaded), "startup_compile_cache_load_s": self.load_s,
-                "startup_compile_cache_saved": self.saved, "startup_compile_cache_problems": len(self.problems)}
+                "startup_compile_cache_saved": self.saved, "startup_compile_cache_problems": len(self.problems),
+                "startup_compile_cache_triton_loaded": len(self.triton_loaded),
+                "startup_compile_cache_triton_saved": self.triton_saved}
 
     def line(self) -> str:
-        if self.loaded:
-            text = (f"compile cache: {len(self.loaded)} artifacts ({self.loaded_bytes / 1e6:.1f} MB) loaded from "
-                    f"{self.file}")
-        else:
-            text = f"compile cache: nothing to load at {self.file}"
-        if self.saved:
-            text += f", {self.saved} saved there"
+        loaded = [f"{n} {what} ({size / 1e6:.1f} MB) from {path}" for n, what, size, path in (
+            (len(self.loaded), "artifacts", self.loaded_bytes, self.file),
+            (len(self.triton_loaded), "Triton cache entries", self.triton_loaded_bytes, self._path(TRITON_SUFFIX)))
+            if n]
+        text = (f"compile cache: loaded {' and '.join(loaded)}" if loaded
+                else f"compile cache: nothing to load at {self.file}")
+        saved = [f"{n} {what}" for n, what in ((self.saved, "artifacts"), (self.triton_saved, "Triton cache entries"))
+                 if n]
+        if saved:
+            text += f"; saved {' and '.join(saved)} there"
         return "; ".join([text, *self.problems])
+
+
+# --- Triton's cache entries ------------------------------------------------------------------------------------
+
+TRITON_SUFFIX = ".triton.zip"
+_ENTRY = re.compile(r"^[A-Za-z0-9_-]+$")  # Triton names an entry's folder by a base32 hash
+_GROUP_PREFIX = "__grp__"  # a kernel's group file: its files' absolute paths, which differ from node to node
+
+
+class TritonEntriesUsed(FileCacheManager):
+    """Triton's own file cache (one folder an entry under triton.knobs.cache.dir), noting each entry this process
+    opens to read or write while it is triton.knobs.cache.manager_class: the NSA kernels compiled or found, their
+    launchers' C modules, and any kernel inductor compiles in this process."""
+
+    _used: set[str] = set()  # the entries' folders
+    _lock = threading.Lock()  # compile_nsa_kernels compiles on several threads at once
+
+    def __init__(self, key, override=False, dump=False):
+        super().__init__(key, override=override, dump=dump)
+        if not (override or dump):
+            with TritonEntriesUsed._lock:
+                TritonEntriesUsed._used.add(self.cache_dir)
+
+    @classmethod
+    def start(cls) -> bool:
+        """Makes this Triton's cache manager, unless one is set already (the user's: then False)."""
+        current = triton.knobs.cache.manager_class
+        if current is not None and current is not cls:
+            return False
+        with cls._lock:
+            cls._used = set()
+        triton.knobs.cache.manager_class = cls
+        return True
+
+    @classmethod
+    def recording(cls) -> bool:
+        return triton.knobs.cache.manager_class is cls
+
+    @classmethod
+    def stop(cls) -> None:
+        if cls.recording():
+            del triton.knobs.cache.manager_class  # Triton's default again (or TRITON_CACHE_MANAGER's)
+
+    @classmethod
+    def folders(cls) -> set[str]:
+        """The used entries' folders that hold files (a lookup that missed leaves an empty one)."""
+        with cls._lock:
+            used = set(cls._used)
+        return {folder for folder in used if _entry_files(folder)}
+
+
+def _entry_files(folder: str) -> list[str]:
+    if not os.path.isdir(folder):
+        return []
+    return sorted(name for name in os.listdir(folder) if os.path.isfile(os.path.join(folder, name)))
+
+
+def pack_triton_entries(folders: set[str]) -> bytes:
+    """A zip of the entries' files, <entry>/<file> (entry: the folder's name, Triton's hash)."""
+    buffer = io.BytesIO()
+    with zipfile.ZipFile(buffer, "w", zipfile.ZIP_DEFLATED) as archive:
+        for folder in sorted(folders):
+            for name in _entry_files(folder):
+                archive.write(os.path.join(folder, name), f"{os.path.basename(folder)}/{name}")
+    return buffer.getvalue()
+
+
+def unpack_triton_entries(blob: bytes, cache_dir: str) -> frozenset[str]:
+    """Writes the zip's entries into cache_dir, as Triton's file cache would have: each file by a rename (another
+    worker of the node may be reading or writing the same entry), files already there left as they are, and each
+    group file's paths pointed at this node's folder. Refuses a member that is not <entry>/<file>."""
+    entries = set()
+    with zipfile.ZipFile(io.BytesIO(blob)) as archive:
+        for member in archive.infolist():
+            parts = member.filename.split("/")
+            if len(parts) != 2 or not _ENTRY.match(parts[0]) or parts[1] in ("", ".", "..") or parts[1] != \
+                    os.path.basename(parts[1]):
+                raise ValueError(f"{member.filename!r} is not <entry>/<file> of Triton's cache")
+            entry, name = parts
+            folder = os.path.join(cache_dir, entry)
+            entries.add(entry)
+            target = os.path.join(folder, name)
+            if os.path.exists(target):
+                continue
+            data = archive.read(member)
+            if name.startswith(_GROUP_PREFIX):
+                group = json.loads(data)
+                group["child_paths"] = {child: os.path.join(folder, os.path.basename(path))
+                                        for child, path in group["child_paths"].items()}
+                data = json.dumps(group).encode()
+            os.makedirs(folder, exist_ok=True)
+            temporary = f"{target}.{os.getpid()}.{threading.get_ident()}.tmp"
+            with open(temporary, "wb") as f:
+                f.write(data)
+            os.replace(temporary, target)
+    return frozenset(entries)
 
 
 def _write(fs: pafs.FileSystem, path: str, data: bytes) -> None:

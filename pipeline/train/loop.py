@@ -132,10 +132,11 @@ class Startup:
 
     launch: from the driver building the trainer to this worker entering its loop (Ray Train's controller and
     worker group, the worker process's imports, torch.distributed's setup); model: the model, optimizer and any
-    checkpoint; kernels (GPU workers, train.precompile_kernels): the NSA layers' Triton kernels compiled side by
-    side (nsa_model/precompile.py); compile_cache (compiled runs, train.compile_cache): torch.compile's artifacts
-    loaded from the shared compile cache into the node's local caches (pipeline/train/compile_cache.py); data: the
-    held-out micro-batches read (Ray Data's pipeline starting);
+    checkpoint; compile_cache (compiled runs, train.compile_cache): torch.compile's artifacts and the NSA kernels'
+    Triton cache entries loaded from the shared compile cache into the node's local caches
+    (pipeline/train/compile_cache.py); kernels (GPU workers, train.precompile_kernels): the NSA layers' Triton
+    kernels compiled side by side (nsa_model/precompile.py), or found in Triton's cache; data: the held-out
+    micro-batches read (Ray Data's pipeline starting);
     first_step and second_step: the first two optimizer steps, which hold torch.compile's tracing and code
     generation, the Triton kernels' compilation where not done before, and, under CUDA graphs, their recording. A
     Tune trial pays all of it before its first measured step, so a sweep's budget is best judged against it
@@ -350,14 +351,14 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
                   f"{position.rank_blocks})", flush=True)
     startup.mark("model")
     compute_dtype = torch.bfloat16 if t.precision == "bf16" else None  # under autocast; parameters stay fp32
-    if t.precompile_kernels and device.type == "cuda":
-        compile_nsa_kernels(bare, t.micro_batch, job.data.seq_len, dtype=compute_dtype)
-        startup.mark("kernels")
     folder = cache_folder(t)
-    if folder is not None:  # before the first compiled step: the compilation looks in the node's local caches
+    if folder is not None:  # before any compilation, which then looks in the node's local caches
         startup.compile_cache = SharedCompileCache(folder, graph_fields(job, bare, device))
         startup.compile_cache.load()
         startup.mark("compile_cache")
+    if t.precompile_kernels and device.type == "cuda":
+        compile_nsa_kernels(bare, t.micro_batch, job.data.seq_len, dtype=compute_dtype)
+        startup.mark("kernels")
     # compile_model: the graph does not change with the NSA setting, so a sweep's trials on a node share it
     forward = compile_model(model, mode=t.compile_mode) if t.compile else model
     grads = FlatGradients(optimizer) if uses_cuda_graphs(t) or t.parallelism == "allreduce" else None
@@ -420,8 +421,11 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
                                                     device)
                 if startup is not None and (step - start_step >= 1 or last):  # once: the first report after two steps
                     startup.compiles.stop()
-                    if rank == 0 and startup.compile_cache is not None:
-                        startup.compile_cache.save()
+                    if startup.compile_cache is not None:
+                        if rank == 0:
+                            startup.compile_cache.save()
+                        else:
+                            startup.compile_cache.stop_recording()
                     metrics.update(startup.metrics())
                     if rank == 0:
                         print(startup.line(), flush=True)
