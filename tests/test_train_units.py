@@ -617,18 +617,21 @@ def test_every_shipped_config_loads_and_passes_preflight(path):
 
 
 def test_startup_splits_a_runs_first_seconds_into_its_phases(monkeypatch):
-    """Each phase is the time since the one before; launch counts from the driver's clock; a resumed run (no
-    launch time) reports the worker's phases only."""
+    """Each phase is the time since the one before; launch counts from the driver's clock; a step's phase also says
+    how much of it went to waiting for its batches; a resumed run (no launch time) reports the worker's phases
+    only."""
     clock = iter([100.0, 103.0, 110.0, 150.0, 151.5])
     monkeypatch.setattr(loop.time, "time", lambda: next(clock))
     startup = loop.Startup(launched_at=90.0)  # entered at 100
-    for phase in ("model", "data", "first_step", "second_step"):
-        startup.mark(phase)
+    for phase, wait in (("model", None), ("data", None), ("first_step", 8.25), ("second_step", 0.01)):
+        startup.mark(phase, data_wait_s=wait)
     m = startup.metrics()
     assert m == {"startup_model_s": 3.0, "startup_data_s": 7.0, "startup_first_step_s": 40.0,
-                 "startup_second_step_s": 1.5, "startup_launch_s": 10.0, "startup_total_s": 61.5}
+                 "startup_second_step_s": 1.5, "startup_launch_s": 10.0, "startup_total_s": 61.5,
+                 "startup_first_step_data_wait_s": 8.25, "startup_second_step_data_wait_s": 0.01}
     assert startup.line() == ("startup: 61.5 s to the end of the second step (launch 10.0 s; model 3.0 s; "
-                              "data 7.0 s; first_step 40.0 s; second_step 1.5 s)")
+                              "data 7.0 s; first_step 40.0 s (waiting for data 8.2 s); second_step 1.5 s (waiting "
+                              "for data 0.0 s))")
     clock = iter([200.0, 204.0])
     resumed = loop.Startup(launched_at=None)
     resumed.mark("model")

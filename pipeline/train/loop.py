@@ -146,15 +146,19 @@ class Startup:
     launched_at: float | None  # time.time() on the driver when it built the trainer; None: unknown or resumed
     entered: float = field(default_factory=lambda: time.time())
     phases: dict[str, float] = field(default_factory=dict)
+    data_waits: dict[str, float] = field(default_factory=dict)  # of a step phase, the seconds its batches took
     compiles: CompileCounts | None = None  # what the phases compiled, where the loop counted it
     compile_cache: SharedCompileCache | None = None  # what the run loaded from / saved to the shared compile cache
 
-    def mark(self, phase: str) -> None:
+    def mark(self, phase: str, data_wait_s: float | None = None) -> None:
         now = time.time()
         self.phases[phase] = now - self.entered - sum(self.phases.values())
+        if data_wait_s is not None:
+            self.data_waits[phase] = data_wait_s
 
     def metrics(self) -> dict[str, float]:
         m = {f"startup_{name}_s": seconds for name, seconds in self.phases.items()}
+        m.update({f"startup_{name}_data_wait_s": seconds for name, seconds in self.data_waits.items()})
         launch = 0.0
         if self.launched_at is not None:  # clamped: the driver's clock may run ahead of another node's
             launch = m["startup_launch_s"] = max(self.entered - self.launched_at, 0.0)
@@ -165,8 +169,9 @@ class Startup:
 
     def line(self) -> str:
         m = self.metrics()
-        parts = [f"{name} {m[f'startup_{name}_s']:.1f} s" for name in ("launch", *self.phases)
-                 if f"startup_{name}_s" in m]
+        parts = [f"{name} {m[f'startup_{name}_s']:.1f} s"
+                 + (f" (waiting for data {self.data_waits[name]:.1f} s)" if name in self.data_waits else "")
+                 for name in ("launch", *self.phases) if f"startup_{name}_s" in m]
         line = f"startup: {m['startup_total_s']:.1f} s to the end of the second step ({'; '.join(parts)})"
         return "; ".join([line] + [part.line() for part in (self.compiles, self.compile_cache) if part is not None])
 
@@ -402,7 +407,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
                     device, watchdog, block_sums=sums, grads=grads, prefetch_next=step + 1 < t.max_steps)
                 interval.add(loss_value, finite, wait_s, compute_s)
                 if step - start_step < 2:  # the step's host sync has waited for its work on the device
-                    startup.mark("first_step" if step == start_step else "second_step")
+                    startup.mark("first_step" if step == start_step else "second_step", data_wait_s=wait_s)
                 if t.debug.trace and local_run_dir is not None:
                     _trace(local_run_dir, rank, {"step": step, "loss": loss_value, "finite": finite, "blocks": blocks,
                                                   "block_sums": sums, "threads": torch.get_num_threads()})
