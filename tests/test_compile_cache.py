@@ -163,8 +163,9 @@ def test_an_object_store_gets_the_file_in_one_put_and_gives_it_back(monkeypatch)
 
 # One process's Triton work, as a GPU worker's startup does it: the shared cache loaded (which starts noting Triton's
 # cache entries), a kernel compiled for an H100 (a stand-in driver: no GPU here) and a launcher-like C module
-# built through Triton's builder (what Triton does for each kernel signature), then the save. With "no-build",
-# building C fails, so the module must come from Triton's cache.
+# built through Triton's builder (what Triton does for each kernel signature), then the save. With "no-build" or
+# "other", building C fails, so the module must come from Triton's cache; "other" compiles the kernel at another
+# constexpr (as a sweep's next setting compiles the NSA kernels at its l' and n).
 TRITON_STEP = textwrap.dedent("""
     import json, sys
     import torch
@@ -189,7 +190,7 @@ TRITON_STEP = textwrap.dedent("""
 
     driver.set_active(CompileOnlyDriver())
     action, folder = sys.argv[1], sys.argv[2]
-    if action == "no-build":
+    if action in ("no-build", "other"):
         def refuse(*args, **kwargs):
             raise RuntimeError("built C instead of reading Triton's cache")
         build._build = refuse
@@ -210,7 +211,7 @@ TRITON_STEP = textwrap.dedent("""
         "PyMODINIT_FUNC PyInit_nsa_cache_probe(void) { return PyModule_Create(&probe); }\\n")
     cache = SharedCompileCache(folder, {"test": "triton"})
     cache.load()
-    scale_rows.warmup(torch.float32, torch.float32, 2.0, N=64, grid=(1,))
+    scale_rows.warmup(torch.float32, torch.float32, 2.0, N=32 if action == "other" else 64, grid=(1,))
     module = build.compile_module_from_src(MODULE_C, "nsa_cache_probe")
     cache.save()
     print(json.dumps({"triton_loaded": len(cache.triton_loaded), "triton_saved": cache.triton_saved,
@@ -234,7 +235,8 @@ def test_triton_cache_entries_saved_by_one_process_are_found_by_another_with_an_
     """The NSA kernels are Triton's, outside torch's artifacts: the entries of Triton's cache folder a process used
     (a kernel compiled for the GPU, a C module built) travel in <key>.triton.zip. A second process on an empty
     Triton cache folder finds the kernel there (the listener says cache hit; its files are in its own folder, the
-    group file pointed there) and the module without building C, and saves nothing back."""
+    group file pointed there) and the module without building C, and saves nothing back. A third that compiles
+    the kernel at another constexpr saves it together with what it loaded."""
     folder = tmp_path / "shared"
     first = _triton_step(tmp_path, "save", folder, "node-a")
     assert first["problems"] == [] and first["triton_loaded"] == 0, first
@@ -251,6 +253,11 @@ def test_triton_cache_entries_saved_by_one_process_are_found_by_another_with_an_
     assert paths and all(p.startswith(str(tmp_path / "node-b")) for p in paths), paths
     assert second["module"].startswith(str(tmp_path / "node-b"))
     assert second["triton_saved"] == 0, second
+
+    # another setting on a third node: its kernel compiles, and the file then holds it beside the two it loaded
+    third = _triton_step(tmp_path, "other", folder, "node-c")
+    assert [(name, hit) for name, hit, _ in third["heard"]] == [("scale_rows", False)], third
+    assert third["triton_loaded"] == 2 and third["triton_saved"] == 3 and third["problems"] == [], third
 
 
 def test_a_bad_triton_file_is_reported_and_the_run_goes_on(tmp_path):

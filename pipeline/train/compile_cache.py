@@ -21,7 +21,8 @@ costs only misses: the run compiles as it would without it and then saves its ow
 The NSA layers' own Triton kernels are not in torch's artifacts (they are Triton's, launched from an opaque op, not
 inductor's): nsa_model/precompile.py compiles them before the first step, about 5 s on a cold node against under 1 s
 where Triton's cache folder holds them (kernels-notes.md v77, v78). So the entries of Triton's cache folder this
-process used between load() and save() travel beside them, <folder>/<key>.triton.zip: each entry is one folder of
+process used between load() and save() travel beside them, with those loaded, <folder>/<key>.triton.zip (a sweep's
+settings compile different NSA kernels, so the file gathers them): each entry is one folder of
 triton.knobs.cache.dir named by Triton's own hash of what it holds (a kernel compiled for one GPU by one Triton, or
 a launcher's C module), so an entry another node cannot use is never looked up there. Triton's cache manager
 (triton.knobs.cache.manager_class) is where the entries are noted: a Triton file cache that records the folders
@@ -106,6 +107,7 @@ class SharedCompileCache:
     saved: int = 0
     triton_loaded: frozenset[str] = frozenset()  # Triton cache entries written from the shared file
     triton_loaded_bytes: int = 0
+    triton_dir: str = ""  # where they were written (Triton's cache folder then)
     triton_saved: int = 0
     problems: list[str] = field(default_factory=list)
 
@@ -137,7 +139,8 @@ class SharedCompileCache:
         try:
             blob = self._read(TRITON_SUFFIX)
             if blob is not None:
-                self.triton_loaded = unpack_triton_entries(blob, triton.knobs.cache.dir)
+                self.triton_dir = triton.knobs.cache.dir
+                self.triton_loaded = unpack_triton_entries(blob, self.triton_dir)
                 self.triton_loaded_bytes = len(blob)
         except Exception as e:
             self._problem(f"could not load {self._path(TRITON_SUFFIX)}: {type(e).__name__}: {e}")
@@ -152,7 +155,7 @@ class SharedCompileCache:
 
     def save(self) -> None:
         """Writes the artifacts this process used, unless they are the ones it loaded, and likewise the Triton
-        cache entries it used since load(); then stops noting them. Local folders get each file by a rename, object
+        cache entries it used since load() (with those it loaded, where it used others); then stops noting them. Local folders get each file by a rename, object
         stores by one put, so a reader never sees half a file."""
         try:
             self._save_torch()
@@ -186,9 +189,12 @@ class SharedCompileCache:
     def _save_triton(self) -> None:
         if not TritonEntriesUsed.recording():
             return
-        folders = TritonEntriesUsed.folders()
-        if {os.path.basename(f) for f in folders} <= self.triton_loaded:  # nothing used that the file lacks
+        used = TritonEntriesUsed.folders()
+        if {os.path.basename(f) for f in used} <= self.triton_loaded:  # nothing used that the file lacks
             return
+        # with what was loaded: a sweep's settings compile different NSA kernels, and each run keeps the others'
+        loaded = {os.path.join(self.triton_dir, entry) for entry in self.triton_loaded}
+        folders = used | {f for f in loaded if _entry_files(f)}
         blob = pack_triton_entries(folders)
         fs, folder = self._filesystem()
         _write(fs, f"{folder}/{self.key}{TRITON_SUFFIX}", blob)
