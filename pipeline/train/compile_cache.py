@@ -155,8 +155,8 @@ class SharedCompileCache:
 
     def save(self) -> None:
         """Writes the artifacts this process used, unless they are the ones it loaded, and likewise the Triton
-        cache entries it used since load() (with those it loaded, where it used others); then stops noting them. Local folders get each file by a rename, object
-        stores by one put, so a reader never sees half a file."""
+        cache entries it used since load() (with those it loaded, where it used others); then stops noting them.
+        Local folders get each file by a rename, object stores by one put, so a reader never sees half a file."""
         try:
             self._save_torch()
         except Exception as e:  # the run's training is not at stake: report it and go on
