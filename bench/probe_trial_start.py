@@ -105,6 +105,8 @@ def child(args) -> dict:
         record["precompiled_kernels"] = compile_nsa_kernels(model, args.micro_batch, args.seq_len, torch.bfloat16)
         sync()
         record["precompile_s"] = time.time() - t
+    if shared is not None:  # as the loop: the Triton cache entries shared are the precompile's
+        shared.stop_recording()
     record["compiles_before_steps"] = len(record["compiles"])  # the steps should add none of the NSA kernels
     # As the loop: under CUDA graphs one flat gradient buffer autograd adds into (a replayed backward's outputs
     # would otherwise be overwritten by the next micro-batch's replay before accumulation read them).

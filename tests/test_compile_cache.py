@@ -163,7 +163,8 @@ def test_an_object_store_gets_the_file_in_one_put_and_gives_it_back(monkeypatch)
 
 # One process's Triton work, as a GPU worker's startup does it: the shared cache loaded (which starts noting Triton's
 # cache entries), a kernel compiled for an H100 (a stand-in driver: no GPU here) and a launcher-like C module
-# built through Triton's builder (what Triton does for each kernel signature), then the save. With "no-build" or
+# built through Triton's builder (what Triton does for each kernel signature), the noting stopped (the loop: after
+# its precompile), one more kernel compiled, then the save. With "no-build" or
 # "other", building C fails, so the module must come from Triton's cache; "other" compiles the kernel at another
 # constexpr (as a sweep's next setting compiles the NSA kernels at its l' and n).
 TRITON_STEP = textwrap.dedent("""
@@ -213,6 +214,8 @@ TRITON_STEP = textwrap.dedent("""
     cache.load()
     scale_rows.warmup(torch.float32, torch.float32, 2.0, N=32 if action == "other" else 64, grid=(1,))
     module = build.compile_module_from_src(MODULE_C, "nsa_cache_probe")
+    cache.stop_recording()  # as the loop does after its precompile: what compiles later is not shared
+    scale_rows.warmup(torch.float32, torch.float32, 2.0, N=16, grid=(1,))
     cache.save()
     print(json.dumps({"triton_loaded": len(cache.triton_loaded), "triton_saved": cache.triton_saved,
                       "problems": cache.problems, "heard": heard, "module": module.__file__,
@@ -233,30 +236,31 @@ def _triton_step(tmp_path: Path, action: str, folder: Path, local_cache: str) ->
 
 def test_triton_cache_entries_saved_by_one_process_are_found_by_another_with_an_empty_cache(tmp_path):
     """The NSA kernels are Triton's, outside torch's artifacts: the entries of Triton's cache folder a process used
-    (a kernel compiled for the GPU, a C module built) travel in <key>.triton.zip. A second process on an empty
+    while it noted them (a kernel compiled for the GPU, a C module built; not the kernel compiled after) travel in
+    <key>.triton.zip. A second process on an empty
     Triton cache folder finds the kernel there (the listener says cache hit; its files are in its own folder, the
     group file pointed there) and the module without building C, and saves nothing back. A third that compiles
     the kernel at another constexpr saves it together with what it loaded."""
     folder = tmp_path / "shared"
     first = _triton_step(tmp_path, "save", folder, "node-a")
     assert first["problems"] == [] and first["triton_loaded"] == 0, first
-    assert [(name, hit) for name, hit, _ in first["heard"]] == [("scale_rows", False)]
-    assert first["triton_saved"] == 2, first  # the kernel's entry and the module's
+    assert [(name, hit) for name, hit, _ in first["heard"]] == [("scale_rows", False)] * 2
+    assert first["triton_saved"] == 2, first  # the kernel's entry and the module's, not the kernel after the window
     assert first["manager_after"] == "None"  # Triton's own file cache again after the save
     key = graph_key({"test": "triton"})
     assert (folder / f"{key}.triton.zip").is_file() and not list(folder.glob("*.tmp"))
 
     second = _triton_step(tmp_path, "no-build", folder, "node-b")
     assert second["problems"] == [] and second["triton_loaded"] == 2, second
-    [(name, hit, paths)] = second["heard"]
-    assert (name, hit) == ("scale_rows", True)
+    [(name, hit, paths), (_, later_hit, _)] = second["heard"]
+    assert (name, hit, later_hit) == ("scale_rows", True, False)  # the kernel after the window was not shared
     assert paths and all(p.startswith(str(tmp_path / "node-b")) for p in paths), paths
     assert second["module"].startswith(str(tmp_path / "node-b"))
     assert second["triton_saved"] == 0, second
 
     # another setting on a third node: its kernel compiles, and the file then holds it beside the two it loaded
     third = _triton_step(tmp_path, "other", folder, "node-c")
-    assert [(name, hit) for name, hit, _ in third["heard"]] == [("scale_rows", False)], third
+    assert [(name, hit) for name, hit, _ in third["heard"]] == [("scale_rows", False)] * 2, third
     assert third["triton_loaded"] == 2 and third["triton_saved"] == 3 and third["problems"] == [], third
 
 

@@ -21,13 +21,16 @@ costs only misses: the run compiles as it would without it and then saves its ow
 The NSA layers' own Triton kernels are not in torch's artifacts (they are Triton's, launched from an opaque op, not
 inductor's): nsa_model/precompile.py compiles them before the first step, about 5 s on a cold node against under 1 s
 where Triton's cache folder holds them (kernels-notes.md v77, v78). So the entries of Triton's cache folder this
-process used between load() and save() travel beside them, with those loaded, <folder>/<key>.triton.zip (a sweep's
-settings compile different NSA kernels, so the file gathers them): each entry is one folder of
+process used between load() and stop_recording() (in the training loop: the NSA kernels' precompile, their launchers
+included) travel beside them, with those loaded, <folder>/<key>.triton.zip (a sweep's settings compile different
+NSA kernels, so the file gathers them): each entry is one folder of
 triton.knobs.cache.dir named by Triton's own hash of what it holds (a kernel compiled for one GPU by one Triton, or
 a launcher's C module), so an entry another node cannot use is never looked up there. Triton's cache manager
 (triton.knobs.cache.manager_class) is where the entries are noted: a Triton file cache that records the folders
-it opens. A manager the user set (TRITON_CACHE_MANAGER, a remote cache) is left alone, and then only torch's
-artifacts are shared.
+it opens. The window ends before the first step because inductor compiles a kernel or two in the process itself,
+under a key that changes from run to run (v78: a log-softmax reduction, a miss on every node): noted, each run
+would add it to the file. A manager the user set (TRITON_CACHE_MANAGER, a remote cache) is left alone, and then only
+torch's artifacts are shared.
 """
 
 from __future__ import annotations
@@ -109,6 +112,7 @@ class SharedCompileCache:
     triton_loaded_bytes: int = 0
     triton_dir: str = ""  # where they were written (Triton's cache folder then)
     triton_saved: int = 0
+    triton_noted: bool = False  # whether this process noted the Triton cache entries it used (start_recording)
     problems: list[str] = field(default_factory=list)
 
     @property
@@ -121,7 +125,7 @@ class SharedCompileCache:
 
     def load(self) -> None:
         """Writes the shared artifacts into this node's local caches, torch's and Triton's, and starts noting the
-        Triton cache entries this process uses (for save()). No file yet: nothing loaded. A file that cannot be
+        Triton cache entries this process uses (until stop_recording(); for save()). No file yet: nothing loaded. A file that cannot be
         read or loaded is reported (problems, the startup line) and the run compiles without it."""
         start = time.time()
         try:
@@ -149,14 +153,18 @@ class SharedCompileCache:
 
     def start_recording(self) -> None:
         """Notes from now on the Triton cache entries this process uses (load() does it after loading)."""
-        if not TritonEntriesUsed.start():
+        self.triton_noted = TritonEntriesUsed.start()
+        if not self.triton_noted:
             self._problem("Triton's cache manager is the user's own (triton.knobs.cache.manager_class), so the NSA "
                           "kernels' entries are not shared")
 
+    def stop_recording(self) -> None:
+        """Triton's own file cache again; save() writes what was noted until now."""
+        TritonEntriesUsed.stop()
+
     def save(self) -> None:
         """Writes the artifacts this process used, unless they are the ones it loaded, and likewise the Triton
-        cache entries it used since load() (with those it loaded, where it used others); then stops noting them.
-        Local folders get each file by a rename, object stores by one put, so a reader never sees half a file."""
+        cache entries it noted (with those it loaded, where it used others). Local folders get each file by a rename, object stores by one put, so a reader never sees half a file."""
         try:
             self._save_torch()
         except Exception as e:  # the run's training is not at stake: report it and go on
@@ -165,11 +173,6 @@ class SharedCompileCache:
             self._save_triton()
         except Exception as e:
             self._problem(f"could not save {self._path(TRITON_SUFFIX)}: {type(e).__name__}: {e}")
-        TritonEntriesUsed.stop()
-
-    def stop_recording(self) -> None:
-        """For the ranks that do not save: Triton's own file cache again."""
-        TritonEntriesUsed.stop()
 
     def _save_torch(self) -> None:
         result = torch.compiler.save_cache_artifacts()
@@ -187,7 +190,8 @@ class SharedCompileCache:
         self.saved = len(keys)
 
     def _save_triton(self) -> None:
-        if not TritonEntriesUsed.recording():
+        self.stop_recording()
+        if not self.triton_noted:
             return
         used = TritonEntriesUsed.folders()
         if {os.path.basename(f) for f in used} <= self.triton_loaded:  # nothing used that the file lacks
@@ -249,8 +253,8 @@ _GROUP_PREFIX = "__grp__"  # a kernel's group file: its files' absolute paths, w
 
 class TritonEntriesUsed(FileCacheManager):
     """Triton's own file cache (one folder an entry under triton.knobs.cache.dir), noting each entry this process
-    opens to read or write while it is triton.knobs.cache.manager_class: the NSA kernels compiled or found, their
-    launchers' C modules, and any kernel inductor compiles in this process."""
+    opens to read or write while it is triton.knobs.cache.manager_class (from start() to stop()): the NSA kernels
+    compiled or found, their launchers' C modules, and any other kernel compiled in this process meanwhile."""
 
     _used: set[str] = set()  # the entries' folders
     _lock = threading.Lock()  # compile_nsa_kernels compiles on several threads at once
@@ -273,13 +277,10 @@ class TritonEntriesUsed(FileCacheManager):
         return True
 
     @classmethod
-    def recording(cls) -> bool:
-        return triton.knobs.cache.manager_class is cls
-
-    @classmethod
     def stop(cls) -> None:
-        if cls.recording():
-            del triton.knobs.cache.manager_class  # Triton's default again (or TRITON_CACHE_MANAGER's)
+        """Triton's default manager again (or TRITON_CACHE_MANAGER's); what was noted stays for folders()."""
+        if triton.knobs.cache.manager_class is cls:
+            del triton.knobs.cache.manager_class
 
     @classmethod
     def folders(cls) -> set[str]:

@@ -364,6 +364,8 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     if t.precompile_kernels and device.type == "cuda":
         compile_nsa_kernels(bare, t.micro_batch, job.data.seq_len, dtype=compute_dtype)
         startup.mark("kernels")
+    if startup.compile_cache is not None:  # the NSA kernels' Triton cache entries are the ones to share
+        startup.compile_cache.stop_recording()
     # compile_model: the graph does not change with the NSA setting, so a sweep's trials on a node share it
     forward = compile_model(model, mode=t.compile_mode) if t.compile else model
     grads = FlatGradients(optimizer) if uses_cuda_graphs(t) or t.parallelism == "allreduce" else None
@@ -426,11 +428,8 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
                                                     device)
                 if startup is not None and (step - start_step >= 1 or last):  # once: the first report after two steps
                     startup.compiles.stop()
-                    if startup.compile_cache is not None:
-                        if rank == 0:
-                            startup.compile_cache.save()
-                        else:
-                            startup.compile_cache.stop_recording()
+                    if rank == 0 and startup.compile_cache is not None:
+                        startup.compile_cache.save()
                     metrics.update(startup.metrics())
                     if rank == 0:
                         print(startup.line(), flush=True)
