@@ -125,8 +125,9 @@ class SharedCompileCache:
 
     def load(self) -> None:
         """Writes the shared artifacts into this node's local caches, torch's and Triton's, and starts noting the
-        Triton cache entries this process uses (until stop_recording(); for save()). No file yet: nothing loaded. A file that cannot be
-        read or loaded is reported (problems, the startup line) and the run compiles without it."""
+        Triton cache entries this process uses (until stop_recording(); for save()). No file yet: nothing loaded.
+        A file that cannot be read or loaded is reported (problems, the startup line) and the run compiles without
+        it."""
         start = time.time()
         try:
             blob = self._read(".bin")
@@ -164,7 +165,8 @@ class SharedCompileCache:
 
     def save(self) -> None:
         """Writes the artifacts this process used, unless they are the ones it loaded, and likewise the Triton
-        cache entries it noted (with those it loaded, where it used others). Local folders get each file by a rename, object stores by one put, so a reader never sees half a file."""
+        cache entries it noted (with those it loaded, where it used others). Local folders get each file by a
+        rename, object stores by one put, so a reader never sees half a file."""
         try:
             self._save_torch()
         except Exception as e:  # the run's training is not at stake: report it and go on
