@@ -270,7 +270,7 @@ def test_a_bad_triton_file_is_reported_and_the_run_goes_on(tmp_path):
     import io
     import zipfile
 
-    from pipeline.train.compile_cache import TritonEntriesUsed, unpack_triton_entries
+    from pipeline.train.compile_cache import stop_noting_triton_entries, unpack_triton_entries
 
     buffer = io.BytesIO()
     with zipfile.ZipFile(buffer, "w") as archive:
@@ -284,6 +284,18 @@ def test_a_bad_triton_file_is_reported_and_the_run_goes_on(tmp_path):
     try:
         cache.load()
     finally:
-        TritonEntriesUsed.stop()
+        stop_noting_triton_entries()
     assert len(cache.problems) == 1 and "could not load" in cache.problems[0] and ".triton.zip" in cache.problems[0]
     assert cache.triton_loaded == frozenset() and cache.problems[0] in cache.line()
+
+
+def test_the_training_side_leaves_triton_unimported():
+    """Triton's first import must happen with TRITON_INTERPRET=1 for the interpreter tests (its own @jit helpers
+    take their kind then), and test modules import the training loop and this cache first: neither may import
+    Triton on import (a top-level import here failed 168 interpreter tests in one CI run)."""
+    code = ("import sys, pipeline.train.compile_cache, pipeline.train.loop, pipeline.train.trainer, pipeline.tune; "
+            "print('triton' in sys.modules)")
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "False"

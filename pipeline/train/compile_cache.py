@@ -50,8 +50,9 @@ from typing import Any
 
 import pyarrow.fs as pafs
 import torch
-import triton
-from triton.runtime.cache import FileCacheManager
+
+# Triton is imported where it is used, not here: the interpreter tests need Triton's first import to happen with
+# TRITON_INTERPRET=1 (its own @jit helpers take their kind then), and the training loop imports this module.
 
 
 def cache_folder(train) -> str | None:
@@ -77,6 +78,8 @@ def graph_fields(job, model: torch.nn.Module, device: torch.device) -> dict[str,
         device_name = f"{torch.cuda.get_device_name(device)} (sm_{major}{minor})"
     else:
         device_name = f"{device.type} ({platform.machine()})"
+    import triton
+
     return {"torch": torch.__version__, "triton": triton.__version__, "device": device_name, "model": model_config,
             "seq_len": job.data.seq_len, "micro_batch": t.micro_batch, "precision": t.precision,
             "compile_mode": t.compile_mode, "parallelism": t.parallelism, "num_workers": t.num_workers,
@@ -144,6 +147,8 @@ class SharedCompileCache:
         try:
             blob = self._read(TRITON_SUFFIX)
             if blob is not None:
+                import triton
+
                 self.triton_dir = triton.knobs.cache.dir
                 self.triton_loaded = unpack_triton_entries(blob, self.triton_dir)
                 self.triton_loaded_bytes = len(blob)
@@ -154,14 +159,14 @@ class SharedCompileCache:
 
     def start_recording(self) -> None:
         """Notes from now on the Triton cache entries this process uses (load() does it after loading)."""
-        self.triton_noted = TritonEntriesUsed.start()
+        self.triton_noted = start_noting_triton_entries()
         if not self.triton_noted:
             self._problem("Triton's cache manager is the user's own (triton.knobs.cache.manager_class), so the NSA "
                           "kernels' entries are not shared")
 
     def stop_recording(self) -> None:
         """Triton's own file cache again; save() writes what was noted until now."""
-        TritonEntriesUsed.stop()
+        stop_noting_triton_entries()
 
     def save(self) -> None:
         """Writes the artifacts this process used, unless they are the ones it loaded, and likewise the Triton
@@ -195,7 +200,7 @@ class SharedCompileCache:
         self.stop_recording()
         if not self.triton_noted:
             return
-        used = TritonEntriesUsed.folders()
+        used = noted_triton_folders()
         if {os.path.basename(f) for f in used} <= self.triton_loaded:  # nothing used that the file lacks
             return
         # with what was loaded: a sweep's settings compile different NSA kernels, and each run keeps the others'
@@ -253,43 +258,56 @@ _ENTRY = re.compile(r"^[A-Za-z0-9_-]+$")  # Triton names an entry's folder by a 
 _GROUP_PREFIX = "__grp__"  # a kernel's group file: its files' absolute paths, which differ from node to node
 
 
-class TritonEntriesUsed(FileCacheManager):
+_noted: set[str] = set()  # the folders of the Triton cache entries noted (_noting_manager)
+_noted_lock = threading.Lock()  # compile_nsa_kernels compiles on several threads at once
+_manager_class = None
+
+
+def _noting_manager():
     """Triton's own file cache (one folder an entry under triton.knobs.cache.dir), noting each entry this process
-    opens to read or write while it is triton.knobs.cache.manager_class (from start() to stop()): the NSA kernels
-    compiled or found, their launchers' C modules, and any other kernel compiled in this process meanwhile."""
+    opens to read or write while it is triton.knobs.cache.manager_class: the NSA kernels compiled or found, their
+    launchers' C modules, and any other kernel compiled in this process meanwhile. Made at its first use (above)."""
+    global _manager_class
+    if _manager_class is None:
+        from triton.runtime.cache import FileCacheManager
 
-    _used: set[str] = set()  # the entries' folders
-    _lock = threading.Lock()  # compile_nsa_kernels compiles on several threads at once
+        class NotingFileCacheManager(FileCacheManager):
+            def __init__(self, key, override=False, dump=False):
+                super().__init__(key, override=override, dump=dump)
+                if not (override or dump):
+                    with _noted_lock:
+                        _noted.add(self.cache_dir)
 
-    def __init__(self, key, override=False, dump=False):
-        super().__init__(key, override=override, dump=dump)
-        if not (override or dump):
-            with TritonEntriesUsed._lock:
-                TritonEntriesUsed._used.add(self.cache_dir)
+        _manager_class = NotingFileCacheManager
+    return _manager_class
 
-    @classmethod
-    def start(cls) -> bool:
-        """Makes this Triton's cache manager, unless one is set already (the user's: then False)."""
-        current = triton.knobs.cache.manager_class
-        if current is not None and current is not cls:
-            return False
-        with cls._lock:
-            cls._used = set()
-        triton.knobs.cache.manager_class = cls
-        return True
 
-    @classmethod
-    def stop(cls) -> None:
-        """Triton's default manager again (or TRITON_CACHE_MANAGER's); what was noted stays for folders()."""
-        if triton.knobs.cache.manager_class is cls:
-            del triton.knobs.cache.manager_class
+def start_noting_triton_entries() -> bool:
+    """Makes the noting file cache Triton's cache manager, unless one is set already (the user's: then False)."""
+    import triton
 
-    @classmethod
-    def folders(cls) -> set[str]:
-        """The used entries' folders that hold files (a lookup that missed leaves an empty one)."""
-        with cls._lock:
-            used = set(cls._used)
-        return {folder for folder in used if _entry_files(folder)}
+    current, noting = triton.knobs.cache.manager_class, _noting_manager()
+    if current is not None and current is not noting:
+        return False
+    with _noted_lock:
+        _noted.clear()
+    triton.knobs.cache.manager_class = noting
+    return True
+
+
+def stop_noting_triton_entries() -> None:
+    """Triton's default manager again (or TRITON_CACHE_MANAGER's); what was noted stays for noted_triton_folders()."""
+    import triton
+
+    if _manager_class is not None and triton.knobs.cache.manager_class is _manager_class:
+        del triton.knobs.cache.manager_class
+
+
+def noted_triton_folders() -> set[str]:
+    """The noted entries' folders that hold files (a lookup that missed leaves an empty one)."""
+    with _noted_lock:
+        noted = set(_noted)
+    return {folder for folder in noted if _entry_files(folder)}
 
 
 def _entry_files(folder: str) -> list[str]:
