@@ -299,3 +299,25 @@ def test_the_training_side_leaves_triton_unimported():
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip().splitlines()[-1] == "False"
+
+
+def test_a_triton_cache_manager_of_the_users_own_is_left_in_place(tmp_path):
+    """Where the user set Triton's cache manager (a remote cache, say), the run leaves it in place, shares only torch's
+    artifacts and says so in its startup line, without counting it as a problem."""
+    import triton
+    from triton.runtime.cache import FileCacheManager
+
+    class Mine(FileCacheManager):
+        pass
+
+    triton.knobs.cache.manager_class = Mine
+    try:
+        cache = SharedCompileCache(str(tmp_path), {"test": "own manager"})
+        cache.load()
+        assert triton.knobs.cache.manager_class is Mine and not cache.triton_noted
+        cache.save()
+        assert triton.knobs.cache.manager_class is Mine
+    finally:
+        del triton.knobs.cache.manager_class
+    assert cache.problems == [] and cache.triton_saved == 0
+    assert "Triton's cache manager is the user's own" in cache.line()

@@ -116,6 +116,7 @@ class SharedCompileCache:
     triton_dir: str = ""  # where they were written (Triton's cache folder then)
     triton_saved: int = 0
     triton_noted: bool = False  # whether this process noted the Triton cache entries it used (start_recording)
+    triton_note: str = ""  # why it did not, for the startup line
     problems: list[str] = field(default_factory=list)
 
     @property
@@ -160,9 +161,9 @@ class SharedCompileCache:
     def start_recording(self) -> None:
         """Notes from now on the Triton cache entries this process uses (load() does it after loading)."""
         self.triton_noted = start_noting_triton_entries()
-        if not self.triton_noted:
-            self._problem("Triton's cache manager is the user's own (triton.knobs.cache.manager_class), so the NSA "
-                          "kernels' entries are not shared")
+        if not self.triton_noted:  # a choice of the user's, not a problem: said in the startup line
+            self.triton_note = ("Triton's cache manager is the user's own (triton.knobs.cache.manager_class, "
+                                "TRITON_CACHE_MANAGER), so Triton's cache entries are not shared")
 
     def stop_recording(self) -> None:
         """Triton's own file cache again; save() writes what was noted until now."""
@@ -248,7 +249,7 @@ class SharedCompileCache:
                  if n]
         if saved:
             text += f"; saved {' and '.join(saved)} there"
-        return "; ".join([text, *self.problems])
+        return "; ".join([text, *([self.triton_note] if self.triton_note else []), *self.problems])
 
 
 # --- Triton's cache entries ------------------------------------------------------------------------------------
