@@ -272,11 +272,12 @@ def test_a_bad_triton_file_is_reported_and_the_run_goes_on(tmp_path):
 
     from pipeline.train.compile_cache import stop_noting_triton_entries, unpack_triton_entries
 
-    buffer = io.BytesIO()
-    with zipfile.ZipFile(buffer, "w") as archive:
-        archive.writestr("ENTRY/../../escape.so", b"x")
-    with pytest.raises(ValueError, match="'ENTRY/../../escape.so' is not <entry>/<file> of Triton's cache"):
-        unpack_triton_entries(buffer.getvalue(), str(tmp_path / "triton"))
+    for bad in ("ENTRY/../../escape.so", "ENTRY/.."):
+        buffer = io.BytesIO()
+        with zipfile.ZipFile(buffer, "w") as archive:
+            archive.writestr(bad, b"x")
+        with pytest.raises(ValueError, match=f"'{bad}' is not <entry>/<file> of Triton's cache"):
+            unpack_triton_entries(buffer.getvalue(), str(tmp_path / "triton"))
     assert not (tmp_path / "escape.so").exists()
     cache = SharedCompileCache(str(tmp_path / "shared"), {"test": "bad zip"})
     (tmp_path / "shared").mkdir()

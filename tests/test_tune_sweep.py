@@ -156,6 +156,7 @@ def test_child_runs_hold_the_trials_nsa_settings(sweep):
         assert "trial.peak_mem_mb" in metrics and "train_loss" in metrics  # the trainer's own metrics too
         assert metrics["trial.startup_s"] == pytest.approx(row["startup_s"])
         assert 0 < metrics["startup_first_step_s"] < metrics["startup_total_s"]  # the trainer's breakdown
+        assert 0 <= metrics["startup_first_step_data_wait_s"] <= metrics["startup_first_step_s"]  # and its batches'
         assert child.info.status == ("FINISHED" if row["status"] == "DONE" else "KILLED")
     # Each child run lasts as long as its trial (the trials ran one at a time), not until the sweep's summary
     spans = sorted((c.info.start_time, c.info.end_time) for c in children)

@@ -205,9 +205,11 @@ class SharedCompileCache:
         if {os.path.basename(f) for f in used} <= self.triton_loaded:  # nothing used that the file lacks
             return
         # with what was loaded: a sweep's settings compile different NSA kernels, and each run keeps the others'
-        loaded = {os.path.join(self.triton_dir, entry) for entry in self.triton_loaded}
-        folders = used | {f for f in loaded if _entry_files(f)}
-        blob = pack_triton_entries(folders)
+        # (one folder an entry: the name is Triton's hash, wherever the folder is)
+        folders = {entry: os.path.join(self.triton_dir, entry) for entry in self.triton_loaded}
+        folders = {entry: f for entry, f in folders.items() if _entry_files(f)}
+        folders.update({os.path.basename(f): f for f in used})
+        blob = pack_triton_entries(set(folders.values()))
         fs, folder = self._filesystem()
         _write(fs, f"{folder}/{self.key}{TRITON_SUFFIX}", blob)
         self.triton_saved = len(folders)
@@ -335,8 +337,7 @@ def unpack_triton_entries(blob: bytes, cache_dir: str) -> frozenset[str]:
     with zipfile.ZipFile(io.BytesIO(blob)) as archive:
         for member in archive.infolist():
             parts = member.filename.split("/")
-            if len(parts) != 2 or not _ENTRY.match(parts[0]) or parts[1] in ("", ".", "..") or parts[1] != \
-                    os.path.basename(parts[1]):
+            if len(parts) != 2 or not _ENTRY.match(parts[0]) or parts[1] in ("", ".", ".."):
                 raise ValueError(f"{member.filename!r} is not <entry>/<file> of Triton's cache")
             entry, name = parts
             folder = os.path.join(cache_dir, entry)
