@@ -8,6 +8,10 @@
 #   control  compile_cache off: a cold node as before, timed in the same call as the other two
 # Each run's `startup:` line (rank 0's, pipeline/train/loop.py's Startup) and its losses go to $OUT/startup.md;
 # the logs to $OUT/<run>.log. The shared cache folder's listing goes there too.
+# An A/B of a loop change on new nodes: RUNS names the runs in order (a name starting with "control" has the cache
+# off), and a name holding "-base" runs from BASE_TREE, a copy of the checkout at the commit compared against, e.g.
+#   BASE_TREE=/tmp/base RUNS="first new-node-a new-node-base-a new-node-b new-node-base-b" \
+#     bash bench/train_gpu_startup.sh
 set -u
 export MLFLOW_ALLOW_FILE_STORE=true
 WORK=${WORK:-/tmp/train-startup}
@@ -21,13 +25,17 @@ COMMON=(--config configs/bench-train-gpu.yaml --set data.seq_len=2048 --set trai
   echo "| run | startup line | loss step 4 / 8 |"
   echo "|---|---|---|"
 } > "$OUT/startup.md"
-for run in first new-node control; do
+for run in ${RUNS:-first new-node control}; do
   share=true
-  [ "$run" = control ] && share=false
+  case "$run" in control*) share=false ;; esac
+  tree=.
+  case "$run" in *-base*) tree=${BASE_TREE:?a run named *-base* needs BASE_TREE} ;; esac
   SECONDS=0
-  TRITON_CACHE_DIR="$WORK/$run/triton" TORCHINDUCTOR_CACHE_DIR="$WORK/$run/inductor" \
+  # the tree's own packages first, for the driver and the workers of the Ray cluster the run starts
+  (cd "$tree" && export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" TRITON_CACHE_DIR="$WORK/$run/triton" \
+    TORCHINDUCTOR_CACHE_DIR="$WORK/$run/inductor" && \
     timeout 240 python3 jobs/pretrain.py "${COMMON[@]}" --set "train.run_name=$run" \
-    --set "train.compile_cache=$share" > "$OUT/$run.log" 2>&1
+    --set "train.compile_cache=$share" > "$OUT/$run.log" 2>&1)
   echo "$run rc=$? after ${SECONDS}s"
   line=$(grep -a -o "startup: .*" "$OUT/$run.log" | tail -1)
   # Ray prints a worker's line twice in the driver's log (its own and the job's stream): each step's once

@@ -21,7 +21,7 @@ from pipeline.train import checkpoint as ckpt
 from pipeline.train.config import TrainConfig
 from pipeline.train.guards import NonFiniteGuard, NonFiniteStepError, Watchdog, WatchdogTimeout
 from pipeline.train import loop
-from pipeline.train.loop import _train_step, _validate, _validation_set, expected_blocks
+from pipeline.train.loop import _read_held_out, _train_step, _validate, _validation_set, expected_blocks
 from pipeline.train.schedule import build_optimizer, build_scheduler, lr_at, param_groups
 
 TINY = ["model.dim=32", "model.n_layers=1", "model.n_heads=2", "model.n_kv_heads=1", "model.head_dim=16",
@@ -256,6 +256,39 @@ def test_lookahead_keeps_the_order_and_reports_the_end_where_it_is_read():
         next(ahead)
 
 
+def test_stream_starts_read_side_by_side_and_hand_back_their_results_and_errors():
+    """The held-out read and the training stream's first micro-batch start on threads of their own, together:
+    each stream here yields only once the other has begun, so read one after the other they would never finish
+    (the join's wait is bounded by the threads' own timeouts, not timed). An error in a read reaches the main
+    thread at join(), where the loop raises it."""
+    import threading
+
+    val_begun, train_begun = threading.Event(), threading.Event()
+
+    def stream(mine: threading.Event, other: threading.Event, first: int):
+        mine.set()
+        if not other.wait(timeout=30):
+            raise RuntimeError("the other stream never started beside this one")
+        for i in itertools.count(first):
+            yield torch.full((2, 5), i), [2 * i, 2 * i + 1]
+
+    t = TrainConfig(val_batches=2, micro_batch=2)
+    val_start = loop.StreamStart("val", lambda: _read_held_out(t, stream(val_begun, train_begun, 0)))
+    train_batches = loop.Lookahead(stream(train_begun, val_begun, 100))
+    train_start = loop.StreamStart("train", train_batches.prefetch)
+    held = _validation_set(t, val_start.join())
+    assert train_start.join() is None
+    assert [int(b[0, 0]) for b in held] == [0, 1]
+    assert int(next(train_batches)[0][0, 0]) == 100 and int(next(train_batches)[0][0, 0]) == 101
+
+    def broken():
+        raise RuntimeError("block stream out of order")
+
+    failed = loop.StreamStart("train", broken)
+    with pytest.raises(RuntimeError, match="block stream out of order"):
+        failed.join()
+
+
 def test_guard_stops_after_k_in_a_row():
     guard = NonFiniteGuard(3)
     assert guard.observe(0, True)
@@ -463,14 +496,14 @@ def test_validation_reads_its_blocks_once_and_closes_the_stream():
             closed.append(True)
 
     gen = stream()  # held here, so only an explicit close (not garbage collection) can end it
-    held = _validation_set(t, gen)
+    held = _validation_set(t, _read_held_out(t, gen))
     assert [int(b[0, 0]) for b in held] == [0, 1]
     assert pulled == [0, 1] and closed == [True]
     with pytest.raises(RuntimeError, match="held-out split has no blocks"):
-        _validation_set(t, iter(()))
+        _validation_set(t, _read_held_out(t, iter(())))
     # A rank's share with fewer than val_batches micro-batches is an error, not a smaller validation.
     with pytest.raises(RuntimeError, match="holds only 1 micro-batch.*train.val_batches asks 2"):
-        _validation_set(t, iter([(torch.zeros(2, 5), [0, 1])]))
+        _validation_set(t, _read_held_out(t, iter([(torch.zeros(2, 5), [0, 1])])))
     model = Transformer(get_preset("tiny").replace(vocab_size=16, n_layers=1))
     first = _validate(model, contextlib.nullcontext(), held, torch.device("cpu"))
     assert first == _validate(model, contextlib.nullcontext(), held, torch.device("cpu")) and math.isfinite(first)

@@ -29,7 +29,7 @@ import time
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -135,8 +135,9 @@ class Startup:
     checkpoint; compile_cache (compiled runs, train.compile_cache): torch.compile's artifacts and the NSA kernels'
     Triton cache entries loaded from the shared compile cache into the node's local caches
     (pipeline/train/compile_cache.py); kernels (GPU workers, train.precompile_kernels): the NSA layers' Triton
-    kernels compiled side by side (nsa_model/precompile.py), or found in Triton's cache; data: the held-out
-    micro-batches read (Ray Data's pipeline starting);
+    kernels compiled side by side (nsa_model/precompile.py), or found in Triton's cache; data: what is left of
+    reading the held-out micro-batches and the first training micro-batch (Ray Data's pipelines starting), which
+    run on threads of their own beside the phases before it (StreamStart);
     first_step and second_step: the first two optimizer steps, which hold torch.compile's tracing and code
     generation, the Triton kernels' compilation where not done before, and, under CUDA graphs, their recording. A
     Tune trial pays all of it before its first measured step, so a sweep's budget is best judged against it
@@ -338,6 +339,21 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     run_dir = loop_config["run_dir"]
     local_run_dir = Path(run_dir) if is_local(run_dir) else None
 
+    def on_epoch(split: str):
+        def report(epoch: int, blocks: int) -> None:
+            print(f"data: rank {rank}'s share of the {split} split ended after {blocks} blocks; it continues with "
+                  f"epoch {epoch} (the same blocks again, in the same order)", flush=True)
+        return report
+
+    def batches(split: str, start_block: int, wrap: bool) -> Iterator[tuple[torch.Tensor, list[int]]]:
+        shard = ray.train.get_dataset_shard(rank_dataset_name(split, rank))  # this rank's own share
+        return run_block_ids(iter_rank_batches(shard, batch_size=t.micro_batch, start_block=start_block, wrap=wrap,
+                                               on_epoch=on_epoch(split)), rank=rank, world=world)
+
+    # The held-out read starts now, beside the model's build and compilation (StreamStart); the training stream
+    # once the checkpoint says where it resumes.
+    held_out = batches("val", 0, wrap=False)
+    val_start = StreamStart("val", lambda: _read_held_out(t, held_out))
     model, bare = build_model(job, device)
     optimizer = build_optimizer(bare, t, device)
     scheduler = build_scheduler(optimizer, t)
@@ -355,6 +371,9 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
             print(f"resumed from checkpoint at step {start_step} (every rank continues its share at block "
                   f"{position.rank_blocks})", flush=True)
     startup.mark("model")
+    # Every rank consumed start_step * PB blocks of its share; wrapping, its stream never runs out.
+    train_batches = Lookahead(batches("train", start_step * (t.global_batch // world), wrap=True))
+    train_start = StreamStart("train", train_batches.prefetch)
     compute_dtype = torch.bfloat16 if t.precision == "bf16" else None  # under autocast; parameters stay fp32
     folder = cache_folder(t)
     if folder is not None:  # before any compilation, which then looks in the node's local caches
@@ -379,28 +398,16 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     if logger is not None and start_step > 0:
         logger.log_resume(start_step)
 
-    def on_epoch(split: str):
-        def report(epoch: int, blocks: int) -> None:
-            print(f"data: rank {rank}'s share of the {split} split ended after {blocks} blocks; it continues with "
-                  f"epoch {epoch} (the same blocks again, in the same order)", flush=True)
-        return report
-
-    def batches(split: str, start_block: int, wrap: bool) -> Iterator[tuple[torch.Tensor, list[int]]]:
-        shard = ray.train.get_dataset_shard(rank_dataset_name(split, rank))  # this rank's own share
-        return run_block_ids(iter_rank_batches(shard, batch_size=t.micro_batch, start_block=start_block, wrap=wrap,
-                                               on_epoch=on_epoch(split)), rank=rank, world=world)
-
     dump_dir = str(local_run_dir / "watchdog") if local_run_dir else None
     interval = Interval()
     try:
         with Watchdog(t.watchdog_seconds, rank=rank, dump_dir=dump_dir) as watchdog:
-            # The held-out micro-batches are read first (and once): a share too small to validate fails here,
-            # on every rank alike, before any training step.
+            # The held-out micro-batches are read once: a share too small to validate fails here, on every rank
+            # alike, before any training step. The watchdog covers a stream that never starts.
             watchdog.beat(start_step, "validation")
-            val_set = _validation_set(t, batches("val", 0, wrap=False), device)
+            val_set = _validation_set(t, val_start.join(), device)
+            train_start.join()  # the first step's first micro-batch, read ahead
             startup.mark("data")
-            # Every rank consumed start_step * PB blocks of its share; wrapping, its stream never runs out.
-            train_batches = Lookahead(batches("train", start_step * (t.global_batch // world), wrap=True))
             for step in range(start_step, t.max_steps):
                 _inject_faults(t, step, rank, watchdog, local_run_dir)
                 sums = [] if t.debug.trace else None
@@ -455,6 +462,31 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     if logger is not None:
         _log_final_model(logger, bare, job)
         logger.close()
+
+
+class StreamStart:
+    """A data stream's first items read on a thread of its own, so that Ray Data's pipeline starts while this
+    worker builds and compiles its model. The held-out read and the training stream's first micro-batch each took
+    a phase of their own on the main thread before (a new H200 node: 15.8 s, then 9.7 s of the first step;
+    bench/results/kernels-notes.md, v79). The thread touches only host data and takes part in no collective, so
+    the ranks' collectives keep their order. join() returns what the read returned, or raises what it raised."""
+
+    def __init__(self, name: str, read: Callable[[], Any]):
+        self._read, self._result, self._error = read, None, None
+        self._thread = threading.Thread(target=self._run, name=f"stream-start-{name}", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            self._result = self._read()
+        except BaseException as error:  # noqa: BLE001 - handed to the main thread, which raises it
+            self._error = error
+
+    def join(self) -> Any:
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        return self._result
 
 
 class Lookahead:
@@ -625,20 +657,24 @@ def _interval_metrics(iv: Interval, t: TrainConfig, done: int, tokens_per_step: 
     return metrics
 
 
-def _validation_set(t: TrainConfig, val_batches: Iterator[tuple[torch.Tensor, Any]],
-                    device: torch.device = torch.device("cpu")) -> list[torch.Tensor]:
+def _read_held_out(t: TrainConfig, val_batches: Iterator[tuple[torch.Tensor, Any]]) -> list[torch.Tensor]:
     """The first val_batches micro-batches of this rank's share of the held-out split, kept in host memory.
 
     Read once, then the stream is closed: every validation scores the same blocks, nothing is re-tokenized, and
     no half-consumed stream of the held-out split is left running while the next one starts (a second
     iteration of the val shard on a GPU host once delivered blocks from mid-stream, caught by the order check).
-    Every rank must hold val_batches of them (the ranks agree on the smallest count first, so all of them raise
-    together and none waits in a collective for another).
-    """
+    No collective here: it runs on a StreamStart's thread."""
     held = [tokens for tokens, _ in itertools.islice(val_batches, t.val_batches)]
     close = getattr(val_batches, "close", None)
     if close is not None:
         close()
+    return held
+
+
+def _validation_set(t: TrainConfig, held: list[torch.Tensor],
+                    device: torch.device = torch.device("cpu")) -> list[torch.Tensor]:
+    """The held-out micro-batches _read_held_out read, once every rank holds val_batches of them (the ranks agree
+    on the smallest count first, so all of them raise together and none waits in a collective for another)."""
     fewest = len(held)
     if dist.is_initialized():
         count = torch.tensor([fewest], dtype=torch.int64, device=device)
