@@ -466,8 +466,9 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
 
 class StreamStart:
     """A data stream's first items read on a thread of its own, so that Ray Data's pipeline starts while this
-    worker builds and compiles its model. The held-out read and the training stream's first micro-batch each took
-    a phase of their own on the main thread before (a new H200 node: 15.8 s, then 9.7 s of the first step;
+    worker builds and compiles its model. Read one after the other on the main thread, the held-out batches and the
+    training stream's first micro-batch took 25-29 s of a new H200 node's startup; side by side and beside the
+    model, 8.5-9.4 s, though they slow the compiles they run beside (a cold node's kernels by 2 s;
     bench/results/kernels-notes.md, v79). The thread touches only host data and takes part in no collective, so
     the ranks' collectives keep their order. join() returns what the read returned, or raises what it raised."""
 
@@ -479,7 +480,7 @@ class StreamStart:
     def _run(self) -> None:
         try:
             self._result = self._read()
-        except BaseException as error:  # noqa: BLE001 - handed to the main thread, which raises it
+        except BaseException as error:  # handed to the main thread, which raises it at join()
             self._error = error
 
     def join(self) -> Any:
