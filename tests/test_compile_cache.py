@@ -135,32 +135,6 @@ def test_a_save_that_cannot_write_is_reported_and_the_run_goes_on(tmp_path, monk
     assert writable.saved == 2 and (tmp_path / "shared" / f"{writable.key}.bin").read_bytes() == b"artifacts"
 
 
-def test_an_object_store_gets_the_file_in_one_put_and_gives_it_back(monkeypatch):
-    """The s3:// / gs:// branch, on pyarrow's in-memory stand-in for a remote filesystem: the save puts the file
-    and the json beside it through the filesystem's streams, and a load reads the same bytes back."""
-    import pyarrow.fs as pafs
-
-    from pipeline.train import compile_cache
-
-    store, _ = pafs.FileSystem.from_uri("mock:///bucket")  # one instance: each from_uri makes an empty one
-    monkeypatch.setattr(compile_cache, "_filesystem", lambda folder: (store, "bucket/compile_cache"))
-
-    class Info:
-        artifacts = {"inductor": ["graph"]}
-
-    monkeypatch.setattr(torch.compiler, "save_cache_artifacts", lambda: (b"artifacts", Info()))
-    given = []
-    monkeypatch.setattr(torch.compiler, "load_cache_artifacts", lambda blob: given.append(blob) or Info())
-    writer = SharedCompileCache("s3://bucket/compile_cache", {"test": "remote"})
-    writer.save()
-    names = sorted(i.base_name for i in store.get_file_info(pafs.FileSelector("bucket/compile_cache")))
-    assert names == [f"{writer.key}.bin", f"{writer.key}.json"] and writer.saved == 1
-    reader = SharedCompileCache("s3://bucket/compile_cache", {"test": "remote"})
-    reader.load()
-    assert given == [b"artifacts"] and reader.loaded == {("inductor", "graph")} and reader.problems == []
-    assert reader.file == f"s3://bucket/compile_cache/{reader.key}.bin"
-
-
 # One process's Triton work, as a GPU worker's startup does it: the shared cache loaded (which starts noting Triton's
 # cache entries), a kernel compiled for an H100 (a stand-in driver: no GPU here) and a launcher-like C module
 # built through Triton's builder (what Triton does for each kernel signature), the noting stopped (the loop: after

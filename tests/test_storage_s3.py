@@ -51,8 +51,8 @@ def objects(fs, prefix: str) -> list[str]:
 
 
 def test_the_shared_compile_cache_goes_to_the_bucket_and_comes_back(s3, monkeypatch):
-    """The save puts the artifacts and the json beside them as objects; a second cache of the same key (another
-    node) reads the same bytes back. Only torch.compile's side is stood in for: what it saves and what it loads."""
+    """The s3:// branch: the save puts the artifacts and the json beside them as objects; a second cache of the
+    same key (another node) reads the same bytes back. Only torch.compile's side is stood in for: what it saves and what it loads."""
     from pipeline.train.compile_cache import SharedCompileCache
 
     env, fs = s3
@@ -73,6 +73,7 @@ def test_the_shared_compile_cache_goes_to_the_bucket_and_comes_back(s3, monkeypa
     reader = SharedCompileCache(folder, {"test": "s3"})
     reader.load()
     assert given == [b"artifacts"] and reader.loaded == {("inductor", "graph")} and reader.problems == []
+    assert reader.file == f"{folder}/{reader.key}.bin"
 
 
 def test_a_run_checkpoints_to_the_bucket_and_a_rerun_resumes_from_it(s3, tmp_path):

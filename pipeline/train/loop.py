@@ -470,7 +470,9 @@ class StreamStart:
     training stream's first micro-batch took 25-29 s of a new H200 node's startup; side by side and beside the
     model, 8.5-9.4 s, though they slow the compiles they run beside (a cold node's kernels by 2 s;
     bench/results/kernels-notes.md, v79). The thread touches only host data and takes part in no collective, so
-    the ranks' collectives keep their order. join() returns what the read returned, or raises what it raised."""
+    the ranks' collectives keep their order. join() returns what the read returned, or raises what it raised.
+    A daemon thread, not a ThreadPoolExecutor's: where the loop fails before join(), a stream that never delivers
+    must not hold the worker process at its exit (the executor's threads are joined there)."""
 
     def __init__(self, name: str, read: Callable[[], Any]):
         self._read, self._result, self._error = read, None, None
