@@ -19,6 +19,7 @@ def test_built_from_a_yaml_dict():
     ("min_int_score", 6), ("min_language_score", 1.5), ("max_doc_chars", 0), ("shuffle_seed", -1),
     ("source", ""), ("source", "ftpx://host/x"), ("tokenizer", "tiktoken:"), ("packed_dir", ""),
     ("max_files", 0), ("vocab_size", 100), ("eos_token", ""), ("embedded_scope", "all"), ("tokenize_tasks", 0),
+    ("read_tasks", 0), ("read_tasks", None),
 ])
 def test_bad_values_are_refused_naming_the_field(field, value):
     with pytest.raises(ValueError, match=f"DataConfig.{field}"):

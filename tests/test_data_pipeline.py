@@ -189,6 +189,28 @@ def test_the_tokenize_stage_runs_no_more_tasks_than_a_rank_has_fragments(ray_loc
     assert [str(w.message) for w in caught if "concurrent tasks" in str(w.message)] == []
 
 
+def test_prepared_blocks_are_read_by_at_most_read_tasks_tasks(packed, monkeypatch):
+    """The read stage of prepared blocks runs a fixed pool of data.read_tasks tasks (fewer where a share has fewer
+    row groups). Left to Ray Data, it starts a worker process for every quarter CPU free, 64 on a 16-CPU node
+    (bench/probe_read_tasks.py), at the time a run compiles its kernels."""
+    asked = []
+    map_batches = ray.data.Dataset.map_batches
+
+    def spy(self, fn, *args, **kwargs):
+        asked.append((getattr(fn, "__name__", fn), kwargs.get("compute")))
+        return map_batches(self, fn, *args, **kwargs)
+
+    monkeypatch.setattr(ray.data.Dataset, "map_batches", spy)
+    row_groups = len(prepared_row_groups(packed, "train"))
+    assert row_groups > 3
+    for read_tasks, want in ((3, 3), (row_groups + 5, row_groups)):
+        asked.clear()
+        block_dataset(packed.replace(read_tasks=read_tasks), "train")
+        [(name, compute)] = asked
+        assert name == "read_pieces"
+        assert isinstance(compute, ray.data.TaskPoolStrategy) and compute.size == want, compute
+
+
 def test_bad_rows_are_counted_in_the_stream_stats(corpus, streamed_train):
     _, _, stats = streamed_train
     _, val_stats = reference_stream(corpus, "val")

@@ -60,6 +60,10 @@ class DataConfig:
     # Concurrent tokenizing tasks of one rank's pipeline (each training rank streams its own share); None: the
     # cluster's CPUs at dataset build divided by the number of ranks (at least 1).
     tokenize_tasks: int | None = None
+    # Concurrent read tasks of one rank's stream of prepared blocks (data.packed_dir), each split. A task reads a
+    # row group in milliseconds, so two keep a GPU fed; uncapped, Ray Data starts a worker process for every quarter
+    # CPU free, and those starts took the CPUs of the run's kernel compiles (kernels-notes v80).
+    read_tasks: int = 2
     shard_blocks: int = 4096  # blocks per prepared Parquet shard
     # Blocks per Parquet row group of a prepared shard: the unit dealt to training ranks (pipeline/data/shards.py),
     # so two ranks' shares of prepared data differ by at most this many blocks, and a split needs at least one row
@@ -100,6 +104,8 @@ class DataConfig:
                  f"must be None or a positive int, got {self.max_files!r}")
         _require(self.tokenize_tasks is None or (_is_int(self.tokenize_tasks) and self.tokenize_tasks > 0),
                  "tokenize_tasks", f"must be None or a positive int, got {self.tokenize_tasks!r}")
+        _require(_is_int(self.read_tasks) and self.read_tasks > 0, "read_tasks",
+                 f"must be a positive int, got {self.read_tasks!r}")
         _require(self.packed_dir is None or (isinstance(self.packed_dir, str) and self.packed_dir != ""),
                  "packed_dir", f"must be None or a non-empty path, got {self.packed_dir!r}")
         _require(self.vocab_size >= 257, "vocab_size",

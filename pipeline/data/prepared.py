@@ -160,6 +160,7 @@ def read_prepared_blocks(cfg: DataConfig, pieces, *, start_block: int = 0) -> ra
         items = [{"path": None, "row_group": -1, "first_index": -1, "local_first": -1}]
     ds = ray.data.from_items(items, override_num_blocks=len(items))
     ds = ds.map_batches(read_pieces, batch_size=1, batch_format="pyarrow", num_cpus=0.25,
+                        compute=ray.data.TaskPoolStrategy(size=min(len(items), cfg.read_tasks)),
                         fn_kwargs={"start_block": start_block, "block_len": cfg.block_len})
     ds.context.execution_options.preserve_order = True
     return ds
