@@ -5,9 +5,8 @@ products a tile) against the dQ kernel of its own (seven products: the dQ kernel
 
 range_attn_bwd_dkdv_kernel's FUSED_DQ (kernels/range_attention.py) adds each (query tile, key tile)'s dS K into a
 float32 dQ: 1 by element atomic adds, 2 by the tensor memory accelerator's bulk reduce-add (one instruction a
-tile); 3 computes dS K but adds nothing (the fifth product's own cost). A variant is
-FUSED_DQ:warps:stages[:query tile:key tile] (default tiles 64 x 64); 0:4:2 is the kernel as the core runs it.
-Per shape, ms of the GPU (median of CUDA-event timings, each kernel alone):
+tile). A variant is FUSED_DQ:warps:stages[:query tile:key tile] (default tiles 64 x 64); 0:4:2 is the kernel as
+the core runs it. Per shape, ms of the GPU (median of CUDA-event timings, each kernel alone):
 - cmp dK/dV: the compressed branch's dK/dV kernel, each variant (a fused one with its float32 dQ's zero fill);
 - dQ pair: the range dQ kernel over both ranges, as nsa::core's backward runs it, and window dQ: over the window
   range alone, which is what is left of it once the compressed dQ comes from the dK/dV kernel.
@@ -33,8 +32,8 @@ from bench.shapes import FAMILIES, family_shapes  # noqa: E402
 def parse_variant(text: str) -> tuple[int, ...]:
     """FUSED_DQ:warps:stages, optionally :query tile:key tile (else the dK/dV's defaults)."""
     parts = tuple(int(x) for x in text.split(":"))
-    if len(parts) not in (3, 5) or parts[0] not in (0, 1, 2, 3) or parts[1] not in (4, 8) or parts[2] < 1:
-        raise argparse.ArgumentTypeError(f"variant {text!r}: expected FUSED_DQ (0-3):warps (4, 8):stages"
+    if len(parts) not in (3, 5) or parts[0] not in (0, 1, 2) or parts[1] not in (4, 8) or parts[2] < 1:
+        raise argparse.ArgumentTypeError(f"variant {text!r}: expected FUSED_DQ (0-2):warps (4, 8):stages"
                                          "[:query tile:key tile]")
     return parts
 
@@ -165,10 +164,9 @@ def main():
                 print(f"{spec} {name}: {type(e).__name__}: {str(e)[:200]}", flush=True)
                 row[name] = float("nan")
                 continue
-            adds = variant[0] in (1, 2)
-            errs = [rel_err(dk, dk_ref), rel_err(dv, dv_ref)] + ([rel_err(dq, dq_ref)] if adds else [])
+            errs = [rel_err(dk, dk_ref), rel_err(dv, dv_ref)] + ([rel_err(dq, dq_ref)] if dq is not None else [])
             errors.append(f"{spec} {name}: rel err dK {errs[0]:.1e}, dV {errs[1]:.1e}"
-                          + (f", dQ {errs[2]:.1e}" if adds else ""))
+                          + (f", dQ {errs[2]:.1e}" if dq is not None else ""))
             print(errors[-1], flush=True)
             if max(errs) > 2e-2:
                 raise SystemExit(f"{spec} {name}: disagrees with the separate kernels ({errs})")

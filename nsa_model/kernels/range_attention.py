@@ -341,10 +341,7 @@ def _dkdv_tiles(dk, dv, k, v, Q, DO, QD, DOD, LSE, DELTA, b, h, offs_n, n_ok, st
         dk += tl.dot(tl.trans(ds).to(q.dtype), q, input_precision=DOT_PRECISION)
         if FUSED_DQ > 0:  # this key tile's share of the tile's dQ, added where every key tile's share meets
             dq = tl.dot(ds.to(k.dtype), k, input_precision=DOT_PRECISION) * scale
-            if FUSED_DQ == 3:  # the product alone (timing): a store that never runs keeps it in the code
-                if start_m < 0:
-                    tl.store(DQ_ACC + row_q[:, None] * DK + tl.arange(0, BLOCK_DK)[None, :], dq)
-            elif FUSED_DQ == 2:
+            if FUSED_DQ == 2:
                 DQD.atomic_add([b * T + start_m, h * DK], dq)
             else:
                 offs_dk = tl.arange(0, BLOCK_DK)
