@@ -314,8 +314,7 @@ def range_attn_bwd_dq_kernel(Q, K, V, DO, QD, KD, VD, DOD, K2D, V2D, LSE, DELTA,
 def _dkdv_tiles(dk, dv, k, v, Q, DO, QD, DOD, LSE, DELTA, b, h, offs_n, n_ok, start, stop, T, num_queries, qk_scale,
                 key_stride, key_offset, window, H: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
                 BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, MASKED: tl.constexpr,
-                TMA: tl.constexpr, DOT_PRECISION: tl.constexpr, DQ_ACC=None, DQD=None, scale=1.0,
-                FUSED_DQ: tl.constexpr = 0):
+                TMA: tl.constexpr, DOT_PRECISION: tl.constexpr):
     for start_m in range(start, stop, BLOCK_M):
         offs_m = start_m + tl.arange(0, BLOCK_M)
         m_ok = offs_m < num_queries
@@ -339,14 +338,6 @@ def _dkdv_tiles(dk, dv, k, v, Q, DO, QD, DOD, LSE, DELTA, b, h, offs_n, n_ok, st
         dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
         ds = p * (dp - delta[:, None])
         dk += tl.dot(tl.trans(ds).to(q.dtype), q, input_precision=DOT_PRECISION)
-        if FUSED_DQ > 0:  # this key tile's share of the tile's dQ, added where every key tile's share meets
-            dq = tl.dot(ds.to(k.dtype), k, input_precision=DOT_PRECISION) * scale
-            if FUSED_DQ == 2:
-                DQD.atomic_add([b * T + start_m, h * DK], dq)
-            else:
-                offs_dk = tl.arange(0, BLOCK_DK)
-                tl.atomic_add(DQ_ACC + row_q[:, None] * DK + offs_dk[None, :], dq,
-                              mask=m_ok[:, None] & (offs_dk < DK)[None, :], sem="relaxed")
     return dk, dv
 
 
@@ -356,8 +347,7 @@ def range_attn_bwd_dkdv_kernel(Q, K, V, DO, QD, KD, VD, DOD, LSE, DELTA, DK_ACC,
                                G: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BLOCK_DK: tl.constexpr,
                                BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                                HEAD_SPLIT: tl.constexpr, EDGE_SPLIT: tl.constexpr, ATOMIC: tl.constexpr,
-                               TMA: tl.constexpr, DOT_PRECISION: tl.constexpr, ALIGNED_CHUNKS: tl.constexpr = False,
-                               DQ_ACC=None, DQD=None, FUSED_DQ: tl.constexpr = 0):
+                               TMA: tl.constexpr, DOT_PRECISION: tl.constexpr, ALIGNED_CHUNKS: tl.constexpr = False):
     """One program per (slice of HPG / HEAD_SPLIT heads of a group, key tile, chunk of q_chunk of the queries
     that see the tile). HEAD_SPLIT = 1 and one chunk: the program loops over the whole group and stores (exact,
     deterministic; right for the window branch, whose tiles see few queries). Otherwise (ATOMIC) the programs of
@@ -428,13 +418,13 @@ def range_attn_bwd_dkdv_kernel(Q, K, V, DO, QD, KD, VD, DOD, LSE, DELTA, DK_ACC,
         h = first_head + head
         dk, dv = _dkdv_tiles(dk, dv, k, v, Q, DO, QD, DOD, LSE, DELTA, b, h, offs_n, n_ok, t_lo, full_lo, T,
                              num_queries, qk_scale, key_stride, key_offset, window, H, DK, DV, BLOCK_DK, BLOCK_DV,
-                             BLOCK_M, True, TMA, DOT_PRECISION, DQ_ACC, DQD, scale, FUSED_DQ)
+                             BLOCK_M, True, TMA, DOT_PRECISION)
         dk, dv = _dkdv_tiles(dk, dv, k, v, Q, DO, QD, DOD, LSE, DELTA, b, h, offs_n, n_ok, full_lo, full_hi, T,
                              num_queries, qk_scale, key_stride, key_offset, window, H, DK, DV, BLOCK_DK, BLOCK_DV,
-                             BLOCK_M, False, TMA, DOT_PRECISION, DQ_ACC, DQD, scale, FUSED_DQ)
+                             BLOCK_M, False, TMA, DOT_PRECISION)
         dk, dv = _dkdv_tiles(dk, dv, k, v, Q, DO, QD, DOD, LSE, DELTA, b, h, offs_n, n_ok, full_hi, t_hi, T,
                              num_queries, qk_scale, key_stride, key_offset, window, H, DK, DV, BLOCK_DK, BLOCK_DV,
-                             BLOCK_M, True, TMA, DOT_PRECISION, DQ_ACC, DQD, scale, FUSED_DQ)
+                             BLOCK_M, True, TMA, DOT_PRECISION)
     dk = dk * scale
     dk_ptrs = DK_ACC + row_k[:, None] * DK + offs_dk[None, :]
     dv_ptrs = DV_ACC + row_k[:, None] * DV + offs_dv[None, :]
