@@ -59,3 +59,25 @@ def test_every_exp2_variant_of_the_probe_applies_to_the_kernels_as_they_are():
                          env={**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": ROOT})
     assert out.returncode == 0, out.stderr[-2000:]
     assert int(out.stdout.strip()) == 5
+
+
+def test_the_fused_dq_probe_builds_its_kernel_and_its_dq_matches_the_dq_kernel():
+    """bench/probe_cmp_dq.py builds FUSED_DQ into kernels/range_attention.py by edits. In the interpreter (fp32,
+    absolute query chunks of 128 so that several key tiles add into each dQ row), its element-add dQ must equal the
+    compressed range's own dQ kernel, and dK, dV the unedited kernel's (the edits must not touch them)."""
+    code = ("import dataclasses, torch\n"
+            "import bench.probe_cmp_dq as p\n"
+            "from nsa_model.ops import triton_impl as ti\n"
+            "tiles = dict.fromkeys(('range_fwd_d64', 'range_dq_d64', 'range_dkdv_d64'), (16, 16, 4, 2))\n"
+            "with ti.use_launch_config(dataclasses.replace(ti.LaunchConfig(), range_dkdv_q_chunk=128, **tiles)):\n"
+            "    x = p.make_inputs(1, 300, 4, 2, 32, device='cpu', dtype=torch.float32)\n"
+            "    assert ti._range_dkdv_split(x['q'], x['kc'], x['vc'], 300, 300)[3]  # absolute chunks\n"
+            "    dk0, dv0, _ = p.cmp_dkdv(x, (0, 4, 2))\n"
+            "    dq_ref = p.range_dq(x, pair=False, branch='cmp')\n"
+            "    dk, dv, dq = p.cmp_dkdv(x, (1, 4, 2))\n"
+            "errs = [p.rel_err(dk, dk0), p.rel_err(dv, dv0), p.rel_err(dq, dq_ref)]\n"
+            "assert max(errs) < 1e-5 and float(dq_ref.norm()) > 1, errs\n"
+            "print(errs)\n")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                         env={**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": ROOT})
+    assert out.returncode == 0, out.stderr[-2000:]
