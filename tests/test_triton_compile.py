@@ -111,11 +111,15 @@ CASES = [
                **RANGE_SCALARS),
           dict(RANGE, BLOCK_N=32, ACCUMULATE=False, TWO_RANGES=True, N_SLOTS=16, TMA=True, HEADS=2),
           dict(num_warps=4, num_stages=3), "HEADS=2"),
-    # per head with atomic adds, in relative or absolute (ALIGNED_CHUNKS: its early return) chunks; per group
-    *[c for split, atomic, aligned in ((6, True, False), (6, True, True), (1, False, False)) for c in _tma_cases(
+    # per head with atomic adds, in relative or absolute (ALIGNED_CHUNKS: its early return) chunks; per group, its
+    # heads' loops one after the other or each query tile's heads in one loop (HEADS_INNER)
+    *[c for split, atomic, aligned, inner in ((6, True, False, False), (6, True, True, False),
+                                              (1, False, False, False), (1, False, False, True)) for c in _tma_cases(
         "range_attn_bwd_dkdv_kernel", "range_attention", dict(ROW_TERMS, **(ACCS if atomic else {})),
-        dict(q_chunk="i32", **RANGE_SCALARS), dict(RANGE, HEAD_SPLIT=split, ATOMIC=atomic, ALIGNED_CHUNKS=aligned),
-        dict(num_warps=4, num_stages=3), f"HEAD_SPLIT={split},ATOMIC={atomic},ALIGNED_CHUNKS={aligned}",
+        dict(q_chunk="i32", **RANGE_SCALARS),
+        dict(RANGE, HEAD_SPLIT=split, ATOMIC=atomic, ALIGNED_CHUNKS=aligned, HEADS_INNER=inner),
+        dict(num_warps=4, num_stages=3),
+        f"HEAD_SPLIT={split},ATOMIC={atomic},ALIGNED_CHUNKS={aligned}" + (",HEADS_INNER=True" if inner else ""),
         descs=dict(QD=64, DOD=64, KD=64, VD=64))],
     # alone, and with the gated sum in its epilogue (nsa::core's forward)
     *[c for gated in (False, True) for c in _tma_cases(

@@ -952,27 +952,31 @@ SQUARE_16 = {"fwd": (16, 16), "dq": (16, 16), "dkdv": (16, 16)}
 MIXED_TILES = {"fwd": (32, 16), "dq": (16, 32), "dkdv": (32, 16)}  # each kernel its own tiles, none square
 
 
-@pytest.mark.parametrize("range_kernel,delta_kernel,dkdv_programs,window_dkdv,tiles,q_chunk", [
-    ("masked", "torch", 1, "group", SQUARE_16, 0), ("split", "fused", 1, "head", MIXED_TILES, 0),
-    ("split", "fused", 2048, "group", SQUARE_16, 0), ("split", "fused", 2048, "group", MIXED_TILES, 0),
-    ("split", "fused", 1, "group", MIXED_TILES, 48)])
-def test_range_variants_match_reference(range_kernel, delta_kernel, dkdv_programs, window_dkdv, tiles, q_chunk):
+@pytest.mark.parametrize("range_kernel,delta_kernel,dkdv_programs,window_dkdv,tiles,q_chunk,heads_inner,H", [
+    ("masked", "torch", 1, "group", SQUARE_16, 0, False, 2), ("split", "fused", 1, "head", MIXED_TILES, 0, False, 2),
+    ("split", "fused", 2048, "group", SQUARE_16, 0, False, 2),
+    ("split", "fused", 2048, "group", MIXED_TILES, 0, False, 2),
+    ("split", "fused", 1, "group", MIXED_TILES, 48, False, 2),
+    ("split", "fused", 1, "group", MIXED_TILES, 48, True, 3), ("masked", "fused", 1, "group", SQUARE_16, 0, True, 2)])
+def test_range_variants_match_reference(range_kernel, delta_kernel, dkdv_programs, window_dkdv, tiles, q_chunk,
+                                        heads_inner, H):
     """Compressed and window branches, output, lse and all three gradients, with 16- and 32-wide tiles so that
     query tiles have full key tiles between their edges (the split kernels' unmasked runs), T not a multiple of a
     tile, a padded head dim, and queries that see no compressed token; the compressed dK/dV in one program per key
     tile and head, split into query chunks counted from each tile's first query (dkdv_programs = 2048), or into
     absolute chunks (q_chunk 48, rounded up to two 32-row tiles: chunks that cut a key tile's queries, start
     before its first query or end before it); the window dK/dV per group or per head; the forward, dQ and dK/dV
-    kernels on the same tiles or each on its own."""
+    kernels on the same tiles or each on its own; the window's dK/dV per group with each query tile's 2 or 3 heads
+    in one loop (heads_inner: range_dkdv_heads_inner)."""
     cfg = NSAConfig(cmp_block=8, cmp_stride=4, sel_block=8, n_selected=3, window=40)
-    B, T, H, G, Dk, Dv = 1, 150, 2, 1, 16, 24  # two heads share the group's keys: their dK/dV add up
+    B, T, G, Dk, Dv = 1, 150, 1, 16, 24  # the heads share the group's keys: their dK/dV add up
     x = make_inputs(B, T, H, G, Dk, Dv, cfg, seed=15)
     scale = Dk ** -0.5
     # head dims <= 64 take the _d64 tiles
     launch = triton_impl.LaunchConfig(**{f"range_{k}_d64": (*t, 4, 2) for k, t in tiles.items()},
                                       range_kernel=range_kernel, delta_kernel=delta_kernel,
                                       range_dkdv_programs=dkdv_programs, window_dkdv=window_dkdv,
-                                      range_dkdv_q_chunk=q_chunk)
+                                      range_dkdv_q_chunk=q_chunk, range_dkdv_heads_inner=heads_inner)
     check_range_branches(x, cfg, scale, launch, grad_seed=16)
 
 

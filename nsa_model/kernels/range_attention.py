@@ -311,33 +311,53 @@ def range_attn_bwd_dq_kernel(Q, K, V, DO, QD, KD, VD, DOD, K2D, V2D, LSE, DELTA,
 
 
 @triton.jit
-def _dkdv_tiles(dk, dv, k, v, Q, DO, QD, DOD, LSE, DELTA, b, h, offs_n, n_ok, start, stop, T, num_queries, qk_scale,
-                key_stride, key_offset, window, H: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+def _dkdv_step(dk, dv, k, v, Q, DO, QD, DOD, LSE, DELTA, b, h, offs_n, n_ok, start_m, T, num_queries, qk_scale,
+               key_stride, key_offset, window, H: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+               BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, MASKED: tl.constexpr,
+               TMA: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """dk, dv plus the key tile's share from the query tile start_m.. of head h."""
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    m_ok = offs_m < num_queries
+    row_q = (b * T + offs_m).to(tl.int64) * H + h
+    q = _query_tile(Q, QD, row_q, m_ok, b, h, T, start_m, DK, BLOCK_DK, MASKED, TMA)
+    do = _query_tile(DO, DOD, row_q, m_ok, b, h, T, start_m, DV, BLOCK_DV, MASKED, TMA)
+    if MASKED:
+        lse2 = tl.load(LSE + row_q, mask=m_ok, other=0.0) * LOG2E
+        delta = tl.load(DELTA + row_q, mask=m_ok, other=0.0)
+    else:  # a full query tile lies inside [0, num_queries)
+        lse2 = tl.load(LSE + row_q) * LOG2E
+        delta = tl.load(DELTA + row_q)
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+    if MASKED:
+        lse2 = tl.where(lse2 == float("-inf"), 0.0, lse2)
+        vis = _visible(offs_m, offs_n, key_stride, key_offset, window) & n_ok[None, :] & m_ok[:, None]
+        p = tl.where(vis, tl.exp2(s - lse2[:, None]), 0.0)
+    else:
+        p = tl.exp2(s - lse2[:, None])  # every query of a full tile sees a key: its lse is finite
+    dv += tl.dot(tl.trans(p).to(do.dtype), do, input_precision=DOT_PRECISION)
+    dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
+    ds = p * (dp - delta[:, None])
+    dk += tl.dot(tl.trans(ds).to(q.dtype), q, input_precision=DOT_PRECISION)
+    return dk, dv
+
+
+@triton.jit
+def _dkdv_tiles(dk, dv, k, v, Q, DO, QD, DOD, LSE, DELTA, b, first_head, offs_n, n_ok, start, stop, T, num_queries,
+                qk_scale, key_stride, key_offset, window, H: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
                 BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, MASKED: tl.constexpr,
-                TMA: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    for start_m in range(start, stop, BLOCK_M):
-        offs_m = start_m + tl.arange(0, BLOCK_M)
-        m_ok = offs_m < num_queries
-        row_q = (b * T + offs_m).to(tl.int64) * H + h
-        q = _query_tile(Q, QD, row_q, m_ok, b, h, T, start_m, DK, BLOCK_DK, MASKED, TMA)
-        do = _query_tile(DO, DOD, row_q, m_ok, b, h, T, start_m, DV, BLOCK_DV, MASKED, TMA)
-        if MASKED:
-            lse2 = tl.load(LSE + row_q, mask=m_ok, other=0.0) * LOG2E
-            delta = tl.load(DELTA + row_q, mask=m_ok, other=0.0)
-        else:  # a full query tile lies inside [0, num_queries)
-            lse2 = tl.load(LSE + row_q) * LOG2E
-            delta = tl.load(DELTA + row_q)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
-        if MASKED:
-            lse2 = tl.where(lse2 == float("-inf"), 0.0, lse2)
-            vis = _visible(offs_m, offs_n, key_stride, key_offset, window) & n_ok[None, :] & m_ok[:, None]
-            p = tl.where(vis, tl.exp2(s - lse2[:, None]), 0.0)
-        else:
-            p = tl.exp2(s - lse2[:, None])  # every query of a full tile sees a key: its lse is finite
-        dv += tl.dot(tl.trans(p).to(do.dtype), do, input_precision=DOT_PRECISION)
-        dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
-        ds = p * (dp - delta[:, None])
-        dk += tl.dot(tl.trans(ds).to(q.dtype), q, input_precision=DOT_PRECISION)
+                TMA: tl.constexpr, DOT_PRECISION: tl.constexpr, HEADS: tl.constexpr = 1):
+    """The query tiles start.. stop of heads first_head .. first_head + HEADS - 1, in one loop: each tile's heads
+    one after the other (HEADS_INNER in range_attn_bwd_dkdv_kernel)."""
+    if HEADS == 1:
+        for start_m in range(start, stop, BLOCK_M):
+            dk, dv = _dkdv_step(dk, dv, k, v, Q, DO, QD, DOD, LSE, DELTA, b, first_head, offs_n, n_ok, start_m, T,
+                                num_queries, qk_scale, key_stride, key_offset, window, H, DK, DV, BLOCK_DK,
+                                BLOCK_DV, BLOCK_M, MASKED, TMA, DOT_PRECISION)
+    else:
+        for i in range(0, tl.cdiv(tl.maximum(stop - start, 0), BLOCK_M) * HEADS):
+            dk, dv = _dkdv_step(dk, dv, k, v, Q, DO, QD, DOD, LSE, DELTA, b, first_head + i % HEADS, offs_n, n_ok,
+                                start + (i // HEADS) * BLOCK_M, T, num_queries, qk_scale, key_stride, key_offset,
+                                window, H, DK, DV, BLOCK_DK, BLOCK_DV, BLOCK_M, MASKED, TMA, DOT_PRECISION)
     return dk, dv
 
 
@@ -347,7 +367,8 @@ def range_attn_bwd_dkdv_kernel(Q, K, V, DO, QD, KD, VD, DOD, LSE, DELTA, DK_ACC,
                                G: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BLOCK_DK: tl.constexpr,
                                BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                                HEAD_SPLIT: tl.constexpr, EDGE_SPLIT: tl.constexpr, ATOMIC: tl.constexpr,
-                               TMA: tl.constexpr, DOT_PRECISION: tl.constexpr, ALIGNED_CHUNKS: tl.constexpr = False):
+                               TMA: tl.constexpr, DOT_PRECISION: tl.constexpr, ALIGNED_CHUNKS: tl.constexpr = False,
+                               HEADS_INNER: tl.constexpr = False):
     """One program per (slice of HPG / HEAD_SPLIT heads of a group, key tile, chunk of q_chunk of the queries
     that see the tile). HEAD_SPLIT = 1 and one chunk: the program loops over the whole group and stores (exact,
     deterministic; right for the window branch, whose tiles see few queries). Otherwise (ATOMIC) the programs of
@@ -414,17 +435,28 @@ def range_attn_bwd_dkdv_kernel(Q, K, V, DO, QD, KD, VD, DOD, LSE, DELTA, DK_ACC,
     qk_scale = scale * LOG2E
     dk = tl.zeros([BLOCK_N, BLOCK_DK], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
-    for head in range(HEADS):
-        h = first_head + head
-        dk, dv = _dkdv_tiles(dk, dv, k, v, Q, DO, QD, DOD, LSE, DELTA, b, h, offs_n, n_ok, t_lo, full_lo, T,
+    if HEADS_INNER:
+        dk, dv = _dkdv_tiles(dk, dv, k, v, Q, DO, QD, DOD, LSE, DELTA, b, first_head, offs_n, n_ok, t_lo, full_lo, T,
                              num_queries, qk_scale, key_stride, key_offset, window, H, DK, DV, BLOCK_DK, BLOCK_DV,
-                             BLOCK_M, True, TMA, DOT_PRECISION)
-        dk, dv = _dkdv_tiles(dk, dv, k, v, Q, DO, QD, DOD, LSE, DELTA, b, h, offs_n, n_ok, full_lo, full_hi, T,
+                             BLOCK_M, True, TMA, DOT_PRECISION, HEADS)
+        dk, dv = _dkdv_tiles(dk, dv, k, v, Q, DO, QD, DOD, LSE, DELTA, b, first_head, offs_n, n_ok, full_lo, full_hi,
+                             T, num_queries, qk_scale, key_stride, key_offset, window, H, DK, DV, BLOCK_DK, BLOCK_DV,
+                             BLOCK_M, False, TMA, DOT_PRECISION, HEADS)
+        dk, dv = _dkdv_tiles(dk, dv, k, v, Q, DO, QD, DOD, LSE, DELTA, b, first_head, offs_n, n_ok, full_hi, t_hi, T,
                              num_queries, qk_scale, key_stride, key_offset, window, H, DK, DV, BLOCK_DK, BLOCK_DV,
-                             BLOCK_M, False, TMA, DOT_PRECISION)
-        dk, dv = _dkdv_tiles(dk, dv, k, v, Q, DO, QD, DOD, LSE, DELTA, b, h, offs_n, n_ok, full_hi, t_hi, T,
-                             num_queries, qk_scale, key_stride, key_offset, window, H, DK, DV, BLOCK_DK, BLOCK_DV,
-                             BLOCK_M, True, TMA, DOT_PRECISION)
+                             BLOCK_M, True, TMA, DOT_PRECISION, HEADS)
+    else:
+        for head in range(HEADS):
+            h = first_head + head
+            dk, dv = _dkdv_tiles(dk, dv, k, v, Q, DO, QD, DOD, LSE, DELTA, b, h, offs_n, n_ok, t_lo, full_lo, T,
+                                 num_queries, qk_scale, key_stride, key_offset, window, H, DK, DV, BLOCK_DK, BLOCK_DV,
+                                 BLOCK_M, True, TMA, DOT_PRECISION)
+            dk, dv = _dkdv_tiles(dk, dv, k, v, Q, DO, QD, DOD, LSE, DELTA, b, h, offs_n, n_ok, full_lo, full_hi, T,
+                                 num_queries, qk_scale, key_stride, key_offset, window, H, DK, DV, BLOCK_DK, BLOCK_DV,
+                                 BLOCK_M, False, TMA, DOT_PRECISION)
+            dk, dv = _dkdv_tiles(dk, dv, k, v, Q, DO, QD, DOD, LSE, DELTA, b, h, offs_n, n_ok, full_hi, t_hi, T,
+                                 num_queries, qk_scale, key_stride, key_offset, window, H, DK, DV, BLOCK_DK, BLOCK_DV,
+                                 BLOCK_M, True, TMA, DOT_PRECISION)
     dk = dk * scale
     dk_ptrs = DK_ACC + row_k[:, None] * DK + offs_dk[None, :]
     dv_ptrs = DV_ACC + row_k[:, None] * DV + offs_dv[None, :]

@@ -89,7 +89,7 @@ DECODE_KERNELS = ("torch", "triton")  # LaunchConfig.decode_kernel: a decoding s
 
 RANGE_TILE_FIELDS = ("range_fwd", "range_dq", "range_dkdv", "range_fwd_d64", "range_dq_d64", "range_dkdv_d64")
 SELECT_FIELDS = ("select", "select_d128", "select_d64")
-BOOL_FIELDS = ("side_stream", "range_dq_last")
+BOOL_FIELDS = ("side_stream", "range_dq_last", "range_dkdv_heads_inner")
 
 
 @dataclass(frozen=True)
@@ -122,6 +122,10 @@ class LaunchConfig:
     # (ALIGNED_CHUNKS); 0: off. v57 on an H200, NSA under CUDA graphs: 4096 took paper 8k -0.5%, 32k -2.2%,
     # 64k -1.9%, 128k -5.4%, 125m 4 x 8k -0.6%, 1 x 32k -1.2%
     range_dkdv_q_chunk: int = 4096
+    # range dK/dV programs over several heads (the window's, one program a group): one loop over each query tile's
+    # heads in turn per run of the edge split (three loops) instead of the three runs once per head (3 x heads
+    # short loops, each paying its pipeline's fill and drain)
+    range_dkdv_heads_inner: bool = False
     # compressed and window forward and dQ: at most this many heads of a group share a tile's rows (a power of two;
     # the largest power of two that divides the group's heads and the query tile runs; 1: one head a tile). Every
     # head of a group sees the same keys, so a packed tile reads each key tile once for all its heads. v60 on an
@@ -515,7 +519,8 @@ def _range_dkdv_into(q, k, v, do, lse, delta, dk, dv, num_queries: int, num_key_
             q, k, v, do, LSE=lse, DELTA=delta, DK_ACC=dk, DV_ACC=dv, T=T, num_queries=num_queries, num_keys=num_keys,
             scale=scale, key_stride=key_stride, key_offset=key_offset, window=window, q_chunk=q_chunk,
             **_kv_strides(k, v), HEAD_SPLIT=head_split, ATOMIC=atomic, H=H, G=G, **_head_dims(q, v), **launch,
-            **_tile_args(launch, dict(QD=q, DOD=do), dict(KD=k, VD=v)), ALIGNED_CHUNKS=aligned)
+            **_tile_args(launch, dict(QD=q, DOD=do), dict(KD=k, VD=v)), ALIGNED_CHUNKS=aligned,
+            HEADS_INNER=_config.range_dkdv_heads_inner and H // (G * head_split) > 1)
 
 
 def _range_pair_fused() -> bool:
