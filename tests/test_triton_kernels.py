@@ -953,11 +953,11 @@ MIXED_TILES = {"fwd": (32, 16), "dq": (16, 32), "dkdv": (32, 16)}  # each kernel
 
 
 @pytest.mark.parametrize("range_kernel,delta_kernel,dkdv_programs,window_dkdv,tiles,q_chunk,heads_inner,H", [
-    ("masked", "torch", 1, "group", SQUARE_16, 0, False, 2), ("split", "fused", 1, "head", MIXED_TILES, 0, False, 2),
-    ("split", "fused", 2048, "group", SQUARE_16, 0, False, 2),
-    ("split", "fused", 2048, "group", MIXED_TILES, 0, False, 2),
-    ("split", "fused", 1, "group", MIXED_TILES, 48, False, 2),
-    ("split", "fused", 1, "group", MIXED_TILES, 48, True, 3), ("masked", "fused", 1, "group", SQUARE_16, 0, True, 2)])
+    ("masked", "torch", 1, "group", SQUARE_16, 0, "never", 2), ("split", "fused", 1, "head", MIXED_TILES, 0, "d64", 2),
+    ("split", "fused", 2048, "group", SQUARE_16, 0, "never", 2),
+    ("split", "fused", 2048, "group", MIXED_TILES, 0, "never", 2),
+    ("split", "fused", 1, "group", MIXED_TILES, 48, "never", 2),
+    ("split", "fused", 1, "group", MIXED_TILES, 48, "d64", 3), ("masked", "fused", 1, "group", SQUARE_16, 0, "d64", 2)])
 def test_range_variants_match_reference(range_kernel, delta_kernel, dkdv_programs, window_dkdv, tiles, q_chunk,
                                         heads_inner, H):
     """Compressed and window branches, output, lse and all three gradients, with 16- and 32-wide tiles so that
@@ -967,7 +967,7 @@ def test_range_variants_match_reference(range_kernel, delta_kernel, dkdv_program
     absolute chunks (q_chunk 48, rounded up to two 32-row tiles: chunks that cut a key tile's queries, start
     before its first query or end before it); the window dK/dV per group or per head; the forward, dQ and dK/dV
     kernels on the same tiles or each on its own; the window's dK/dV per group with each query tile's 2 or 3 heads
-    in one loop (heads_inner: range_dkdv_heads_inner)."""
+    in one loop (range_dkdv_heads_inner "d64", the default at these head dims) or each head's loops in turn."""
     cfg = NSAConfig(cmp_block=8, cmp_stride=4, sel_block=8, n_selected=3, window=40)
     B, T, G, Dk, Dv = 1, 150, 1, 16, 24  # the heads share the group's keys: their dK/dV add up
     x = make_inputs(B, T, H, G, Dk, Dv, cfg, seed=15)

@@ -66,6 +66,8 @@ RANGE_LOADS = ("tma", "pointer")
 RANGE_KERNELS = ("masked", "split")  # compressed/window: every tile masked (v4), or only the edge tiles (v5)
 DELTA_KERNELS = ("torch", "fused")  # backward row term sum(do * o): eager fp32 ops, or one Triton kernel
 WINDOW_DKDV = ("group", "head")  # window dK/dV: one program per key tile and group (stores) or per head (atomics)
+# range dK/dV programs over several heads: each query tile's heads in one loop, at head dims <= 64 or at any or none
+HEADS_INNER = ("d64", "always", "never")
 # nsa::core's compressed and window branches: their dQ as one two-range launch (each query tile and do loaded once,
 # one dQ for both; with the fused gate kernel only, whose backward gives both branches the same do), or apart
 RANGE_PAIR = ("fused", "apart")
@@ -89,7 +91,7 @@ DECODE_KERNELS = ("torch", "triton")  # LaunchConfig.decode_kernel: a decoding s
 
 RANGE_TILE_FIELDS = ("range_fwd", "range_dq", "range_dkdv", "range_fwd_d64", "range_dq_d64", "range_dkdv_d64")
 SELECT_FIELDS = ("select", "select_d128", "select_d64")
-BOOL_FIELDS = ("side_stream", "range_dq_last", "range_dkdv_heads_inner")
+BOOL_FIELDS = ("side_stream", "range_dq_last")
 
 
 @dataclass(frozen=True)
@@ -124,8 +126,9 @@ class LaunchConfig:
     range_dkdv_q_chunk: int = 4096
     # range dK/dV programs over several heads (the window's, one program a group): one loop over each query tile's
     # heads in turn per run of the edge split (three loops) instead of the three runs once per head (3 x heads
-    # short loops, each paying its pipeline's fill and drain)
-    range_dkdv_heads_inner: bool = False
+    # short loops). v82 on an H200, NSA under CUDA graphs: nsa-125m -0.8% to -1.5% (the window dK/dV 12% faster
+    # at 16 x 2k), the paper shapes (head dim 128) +0.7% to +2%: so at head dims <= 64 only
+    range_dkdv_heads_inner: str = "d64"  # one of HEADS_INNER
     # compressed and window forward and dQ: at most this many heads of a group share a tile's rows (a power of two;
     # the largest power of two that divides the group's heads and the query tile runs; 1: one head a tile). Every
     # head of a group sees the same keys, so a packed tile reads each key tile once for all its heads. v60 on an
@@ -194,7 +197,7 @@ class LaunchConfig:
                    "slc_dq": SELECTED_DQ, "slc_dkdv": SELECTED_DKDV, "slc_query_dq": QUERY_DQ, "range_pair": RANGE_PAIR,
                    "range_loads": RANGE_LOADS, "phi_kernel": PHI_KERNELS,
                    "slc_slot_sum": SLOT_SUMS, "slc_combine": SLC_COMBINES, "index_build": INDEX_BUILDS,
-                   "decode_kernel": DECODE_KERNELS}
+                   "decode_kernel": DECODE_KERNELS, "range_dkdv_heads_inner": HEADS_INNER}
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise ValueError(f"LaunchConfig.{name}: must be one of {allowed}, got {getattr(self, name)!r}")
@@ -520,7 +523,14 @@ def _range_dkdv_into(q, k, v, do, lse, delta, dk, dv, num_queries: int, num_key_
             scale=scale, key_stride=key_stride, key_offset=key_offset, window=window, q_chunk=q_chunk,
             **_kv_strides(k, v), HEAD_SPLIT=head_split, ATOMIC=atomic, H=H, G=G, **_head_dims(q, v), **launch,
             **_tile_args(launch, dict(QD=q, DOD=do), dict(KD=k, VD=v)), ALIGNED_CHUNKS=aligned,
-            HEADS_INNER=_config.range_dkdv_heads_inner and H // (G * head_split) > 1)
+            HEADS_INNER=_heads_inner(q, v) and H // (G * head_split) > 1)
+
+
+def _heads_inner(q: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether range dK/dV programs over several heads loop over each query tile's heads in one loop
+    (range_dkdv_heads_inner)."""
+    mode = _config.range_dkdv_heads_inner
+    return mode == "always" or (mode == "d64" and max(q.shape[-1], v.shape[-1]) <= 64)
 
 
 def _range_pair_fused() -> bool:
