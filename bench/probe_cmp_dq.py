@@ -34,29 +34,36 @@ from bench.shapes import FAMILIES, family_shapes  # noqa: E402
 
 # FUSED_DQ, as edits of kernels/range_attention.py: the switch and its pointers through the kernel and its tile loop
 FUSED_DQ_EDITS = [
-    ("                TMA: tl.constexpr, DOT_PRECISION: tl.constexpr):\n"
-     "    for start_m in range(start, stop, BLOCK_M):",
-     "                TMA: tl.constexpr, DOT_PRECISION: tl.constexpr, DQ_ACC=None, DQD=None, scale=1.0,\n"
-     "                FUSED_DQ: tl.constexpr = 0):\n    for start_m in range(start, stop, BLOCK_M):"),
-    ("        dk += tl.dot(tl.trans(ds).to(q.dtype), q, input_precision=DOT_PRECISION)\n    return dk, dv\n",
-     "        dk += tl.dot(tl.trans(ds).to(q.dtype), q, input_precision=DOT_PRECISION)\n"
-     "        if FUSED_DQ > 0:\n"
-     "            dq = tl.dot(ds.to(k.dtype), k, input_precision=DOT_PRECISION) * scale\n"
-     "            if FUSED_DQ == 3:  # the product alone: a store that never runs keeps it in the code\n"
-     "                if start_m < 0:\n"
-     "                    tl.store(DQ_ACC + row_q[:, None] * DK + tl.arange(0, BLOCK_DK)[None, :], dq)\n"
-     "            elif FUSED_DQ == 2:\n"
-     "                DQD.atomic_add([b * T + start_m, h * DK], dq)\n"
-     "            else:\n"
-     "                offs_dk = tl.arange(0, BLOCK_DK)\n"
-     "                tl.atomic_add(DQ_ACC + row_q[:, None] * DK + offs_dk[None, :], dq,\n"
-     "                              mask=m_ok[:, None] & (offs_dk < DK)[None, :], sem=\"relaxed\")\n"
+    ("               TMA: tl.constexpr, DOT_PRECISION: tl.constexpr):\n"
+     "    \"\"\"dk, dv plus the key tile's share from the query tile start_m.. of head h.\"\"\"",
+     "               TMA: tl.constexpr, DOT_PRECISION: tl.constexpr, DQ_ACC=None, DQD=None, scale=1.0,\n"
+     "               FUSED_DQ: tl.constexpr = 0):\n"
+     "    \"\"\"dk, dv plus the key tile's share from the query tile start_m.. of head h.\"\"\""),
+    ("    dk += tl.dot(tl.trans(ds).to(q.dtype), q, input_precision=DOT_PRECISION)\n    return dk, dv\n",
+     "    dk += tl.dot(tl.trans(ds).to(q.dtype), q, input_precision=DOT_PRECISION)\n"
+     "    if FUSED_DQ > 0:\n"
+     "        dq = tl.dot(ds.to(k.dtype), k, input_precision=DOT_PRECISION) * scale\n"
+     "        if FUSED_DQ == 3:  # the product alone: a store that never runs keeps it in the code\n"
+     "            if start_m < 0:\n"
+     "                tl.store(DQ_ACC + row_q[:, None] * DK + tl.arange(0, BLOCK_DK)[None, :], dq)\n"
+     "        elif FUSED_DQ == 2:\n"
+     "            DQD.atomic_add([b * T + start_m, h * DK], dq)\n"
+     "        else:\n"
+     "            offs_dk = tl.arange(0, BLOCK_DK)\n"
+     "            tl.atomic_add(DQ_ACC + row_q[:, None] * DK + offs_dk[None, :], dq,\n"
+     "                          mask=m_ok[:, None] & (offs_dk < DK)[None, :], sem=\"relaxed\")\n"
      "    return dk, dv\n"),
-    ("ALIGNED_CHUNKS: tl.constexpr = False):",
-     "ALIGNED_CHUNKS: tl.constexpr = False,\n                               DQ_ACC=None, DQD=None, "
-     "FUSED_DQ: tl.constexpr = 0):"),
-    ("BLOCK_M, True, TMA, DOT_PRECISION)\n", "BLOCK_M, True, TMA, DOT_PRECISION, DQ_ACC, DQD, scale, FUSED_DQ)\n"),
-    ("BLOCK_M, False, TMA, DOT_PRECISION)\n", "BLOCK_M, False, TMA, DOT_PRECISION, DQ_ACC, DQD, scale, FUSED_DQ)\n"),
+    ("TMA: tl.constexpr, DOT_PRECISION: tl.constexpr, HEADS: tl.constexpr = 1):",
+     "TMA: tl.constexpr, DOT_PRECISION: tl.constexpr, HEADS: tl.constexpr = 1, DQ_ACC=None, DQD=None,\n"
+     "                scale=1.0, FUSED_DQ: tl.constexpr = 0):"),
+    ("BLOCK_M, MASKED, TMA, DOT_PRECISION)", "BLOCK_M, MASKED, TMA, DOT_PRECISION, DQ_ACC, DQD, scale, FUSED_DQ)"),
+    ("HEADS_INNER: tl.constexpr = False):",
+     "HEADS_INNER: tl.constexpr = False, DQ_ACC=None, DQD=None,\n"
+     "                               FUSED_DQ: tl.constexpr = 0):"),
+    ("TMA, DOT_PRECISION, HEADS)\n", "TMA, DOT_PRECISION, HEADS, DQ_ACC, DQD, scale, FUSED_DQ)\n"),
+    ("BLOCK_M, True, TMA, DOT_PRECISION)\n", "BLOCK_M, True, TMA, DOT_PRECISION, 1, DQ_ACC, DQD, scale, FUSED_DQ)\n"),
+    ("BLOCK_M, False, TMA, DOT_PRECISION)\n",
+     "BLOCK_M, False, TMA, DOT_PRECISION, 1, DQ_ACC, DQD, scale, FUSED_DQ)\n"),
 ]
 
 
