@@ -386,7 +386,12 @@ def range_attn_bwd_dkdv_kernel(Q, K, V, DO, QD, KD, VD, DOD, LSE, DELTA, DK_ACC,
     run together are then the key tiles of one head slice over one chunk: they read the same q and dO rows, a
     working set of q_chunk rows that stays in L2, where the relative chunks' tiles of 64 heads each stream their own
     rows (v51: 32% L2 hits, DRAM at 70% of its peak at paper 64k; v57). A key tile after its chunk returns before
-    loading its keys."""
+    loading its keys.
+
+    HEADS_INNER (a program over several heads: the window's, one a group): each run of the edge split is one loop
+    over (query tile, head) pairs, a tile's heads in turn, instead of the three runs once per head (3 x heads
+    short loops, each filling and draining its pipeline). At head dim 64 the range dK/dV kernels are 5-11% faster;
+    at head dim 128 with 16 heads a group 4-10% slower (kernels-notes.md v82), so the launcher picks it by head dim."""
     HPG: tl.constexpr = H // G
     HEADS: tl.constexpr = HPG // HEAD_SPLIT
     if ALIGNED_CHUNKS:
