@@ -60,10 +60,7 @@ FUSED_DQ_EDITS = [
     ("HEADS_INNER: tl.constexpr = False):",
      "HEADS_INNER: tl.constexpr = False, DQ_ACC=None, DQD=None,\n"
      "                               FUSED_DQ: tl.constexpr = 0):"),
-    ("TMA, DOT_PRECISION, HEADS)\n", "TMA, DOT_PRECISION, HEADS, DQ_ACC, DQD, scale, FUSED_DQ)\n"),
-    ("BLOCK_M, True, TMA, DOT_PRECISION)\n", "BLOCK_M, True, TMA, DOT_PRECISION, 1, DQ_ACC, DQD, scale, FUSED_DQ)\n"),
-    ("BLOCK_M, False, TMA, DOT_PRECISION)\n",
-     "BLOCK_M, False, TMA, DOT_PRECISION, 1, DQ_ACC, DQD, scale, FUSED_DQ)\n"),
+    ("TMA, DOT_PRECISION, LOOP_HEADS)\n", "TMA, DOT_PRECISION, LOOP_HEADS, DQ_ACC, DQD, scale, FUSED_DQ)\n"),
 ]
 
 

@@ -8,18 +8,24 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+def _run_interpreted(code: str) -> str:
+    """stdout of `code` run in a fresh Python with the Triton interpreter on, failing the test where it fails. In
+    a subprocess: the probes import the triton backend, which this test session imports interpreted."""
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                         env={**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": ROOT})
+    assert out.returncode == 0, out.stderr[-2000:]
+    return out.stdout
+
+
 def _variants_applied(probe: str, edits: str) -> int:
     """How many of the probe's variants (`edits`: an expression over the probe module p) build, failing if any is
-    skipped. In a subprocess: the probe imports the triton backend, which this test session imports interpreted."""
+    skipped."""
     code = (f"import bench.{probe} as p\n"
             f"edits = {edits}\n"
             "missing = [n for n, e in edits.items() if p.variant(n, e) is None]\n"
             "assert not missing, missing\n"
             "print(len(edits))\n")
-    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
-                         env={**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": ROOT})
-    assert out.returncode == 0, out.stderr[-2000:]
-    return int(out.stdout.strip())
+    return int(_run_interpreted(code).strip())
 
 
 def test_every_selection_variant_of_the_probe_applies_to_the_kernel_as_it_is():
@@ -55,10 +61,7 @@ def test_every_exp2_variant_of_the_probe_applies_to_the_kernels_as_they_are():
             "for name in p.SELECTION_VARIANTS:\n"
             "    assert p.selection_variant(name) is not None\n"
             "print(len(p.VARIANTS))\n")
-    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
-                         env={**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": ROOT})
-    assert out.returncode == 0, out.stderr[-2000:]
-    assert int(out.stdout.strip()) == 5
+    assert int(_run_interpreted(code).strip()) == 5
 
 
 def test_the_fused_dq_probe_builds_its_kernel_and_its_dq_matches_the_dq_kernel():
@@ -78,6 +81,4 @@ def test_the_fused_dq_probe_builds_its_kernel_and_its_dq_matches_the_dq_kernel()
             "errs = [p.rel_err(dk, dk0), p.rel_err(dv, dv0), p.rel_err(dq, dq_ref)]\n"
             "assert max(errs) < 1e-5 and float(dq_ref.norm()) > 1, errs\n"
             "print(errs)\n")
-    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
-                         env={**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": ROOT})
-    assert out.returncode == 0, out.stderr[-2000:]
+    _run_interpreted(code)

@@ -440,28 +440,22 @@ def range_attn_bwd_dkdv_kernel(Q, K, V, DO, QD, KD, VD, DOD, LSE, DELTA, DK_ACC,
     qk_scale = scale * LOG2E
     dk = tl.zeros([BLOCK_N, BLOCK_DK], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
+    # heads a tile loop walks: all of the program's in one loop (HEADS_INNER), or one, each head's loops in turn
     if HEADS_INNER:
-        dk, dv = _dkdv_tiles(dk, dv, k, v, Q, DO, QD, DOD, LSE, DELTA, b, first_head, offs_n, n_ok, t_lo, full_lo, T,
-                             num_queries, qk_scale, key_stride, key_offset, window, H, DK, DV, BLOCK_DK, BLOCK_DV,
-                             BLOCK_M, True, TMA, DOT_PRECISION, HEADS)
-        dk, dv = _dkdv_tiles(dk, dv, k, v, Q, DO, QD, DOD, LSE, DELTA, b, first_head, offs_n, n_ok, full_lo, full_hi,
-                             T, num_queries, qk_scale, key_stride, key_offset, window, H, DK, DV, BLOCK_DK, BLOCK_DV,
-                             BLOCK_M, False, TMA, DOT_PRECISION, HEADS)
-        dk, dv = _dkdv_tiles(dk, dv, k, v, Q, DO, QD, DOD, LSE, DELTA, b, first_head, offs_n, n_ok, full_hi, t_hi, T,
-                             num_queries, qk_scale, key_stride, key_offset, window, H, DK, DV, BLOCK_DK, BLOCK_DV,
-                             BLOCK_M, True, TMA, DOT_PRECISION, HEADS)
+        LOOP_HEADS: tl.constexpr = HEADS
     else:
-        for head in range(HEADS):
-            h = first_head + head
-            dk, dv = _dkdv_tiles(dk, dv, k, v, Q, DO, QD, DOD, LSE, DELTA, b, h, offs_n, n_ok, t_lo, full_lo, T,
-                                 num_queries, qk_scale, key_stride, key_offset, window, H, DK, DV, BLOCK_DK, BLOCK_DV,
-                                 BLOCK_M, True, TMA, DOT_PRECISION)
-            dk, dv = _dkdv_tiles(dk, dv, k, v, Q, DO, QD, DOD, LSE, DELTA, b, h, offs_n, n_ok, full_lo, full_hi, T,
-                                 num_queries, qk_scale, key_stride, key_offset, window, H, DK, DV, BLOCK_DK, BLOCK_DV,
-                                 BLOCK_M, False, TMA, DOT_PRECISION)
-            dk, dv = _dkdv_tiles(dk, dv, k, v, Q, DO, QD, DOD, LSE, DELTA, b, h, offs_n, n_ok, full_hi, t_hi, T,
-                                 num_queries, qk_scale, key_stride, key_offset, window, H, DK, DV, BLOCK_DK, BLOCK_DV,
-                                 BLOCK_M, True, TMA, DOT_PRECISION)
+        LOOP_HEADS: tl.constexpr = 1
+    for head in range(0, HEADS, LOOP_HEADS):
+        h = first_head + head
+        dk, dv = _dkdv_tiles(dk, dv, k, v, Q, DO, QD, DOD, LSE, DELTA, b, h, offs_n, n_ok, t_lo, full_lo, T,
+                             num_queries, qk_scale, key_stride, key_offset, window, H, DK, DV, BLOCK_DK, BLOCK_DV,
+                             BLOCK_M, True, TMA, DOT_PRECISION, LOOP_HEADS)
+        dk, dv = _dkdv_tiles(dk, dv, k, v, Q, DO, QD, DOD, LSE, DELTA, b, h, offs_n, n_ok, full_lo, full_hi, T,
+                             num_queries, qk_scale, key_stride, key_offset, window, H, DK, DV, BLOCK_DK, BLOCK_DV,
+                             BLOCK_M, False, TMA, DOT_PRECISION, LOOP_HEADS)
+        dk, dv = _dkdv_tiles(dk, dv, k, v, Q, DO, QD, DOD, LSE, DELTA, b, h, offs_n, n_ok, full_hi, t_hi, T,
+                             num_queries, qk_scale, key_stride, key_offset, window, H, DK, DV, BLOCK_DK, BLOCK_DV,
+                             BLOCK_M, True, TMA, DOT_PRECISION, LOOP_HEADS)
     dk = dk * scale
     dk_ptrs = DK_ACC + row_k[:, None] * DK + offs_dk[None, :]
     dv_ptrs = DV_ACC + row_k[:, None] * DV + offs_dv[None, :]
