@@ -57,8 +57,8 @@ FUSED_DQ_EDITS = [
      "TMA: tl.constexpr, DOT_PRECISION: tl.constexpr, HEADS: tl.constexpr = 1, DQ_ACC=None, DQD=None,\n"
      "                scale=1.0, FUSED_DQ: tl.constexpr = 0):"),
     ("BLOCK_M, MASKED, TMA, DOT_PRECISION)", "BLOCK_M, MASKED, TMA, DOT_PRECISION, DQ_ACC, DQD, scale, FUSED_DQ)"),
-    ("HEADS_INNER: tl.constexpr = False):",
-     "HEADS_INNER: tl.constexpr = False, DQ_ACC=None, DQD=None,\n"
+    ("LOOP_HEADS: tl.constexpr = 1):",
+     "LOOP_HEADS: tl.constexpr = 1, DQ_ACC=None, DQD=None,\n"
      "                               FUSED_DQ: tl.constexpr = 0):"),
     ("TMA, DOT_PRECISION, LOOP_HEADS)\n", "TMA, DOT_PRECISION, LOOP_HEADS, DQ_ACC, DQD, scale, FUSED_DQ)\n"),
 ]

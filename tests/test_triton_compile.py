@@ -112,14 +112,14 @@ CASES = [
           dict(RANGE, BLOCK_N=32, ACCUMULATE=False, TWO_RANGES=True, N_SLOTS=16, TMA=True, HEADS=2),
           dict(num_warps=4, num_stages=3), "HEADS=2"),
     # per head with atomic adds, in relative or absolute (ALIGNED_CHUNKS: its early return) chunks; per group, its
-    # heads' loops one after the other or each query tile's heads in one loop (HEADS_INNER)
-    *[c for split, atomic, aligned, inner in ((6, True, False, False), (6, True, True, False),
-                                              (1, False, False, False), (1, False, False, True)) for c in _tma_cases(
+    # heads' loops one after the other, each query tile's heads in one loop, or in two passes of 3 (LOOP_HEADS)
+    *[c for split, atomic, aligned, loop in ((6, True, False, 1), (6, True, True, 1), (1, False, False, 1),
+                                             (1, False, False, 6), (1, False, False, 3)) for c in _tma_cases(
         "range_attn_bwd_dkdv_kernel", "range_attention", dict(ROW_TERMS, **(ACCS if atomic else {})),
         dict(q_chunk="i32", **RANGE_SCALARS),
-        dict(RANGE, HEAD_SPLIT=split, ATOMIC=atomic, ALIGNED_CHUNKS=aligned, HEADS_INNER=inner),
+        dict(RANGE, HEAD_SPLIT=split, ATOMIC=atomic, ALIGNED_CHUNKS=aligned, LOOP_HEADS=loop),
         dict(num_warps=4, num_stages=3),
-        f"HEAD_SPLIT={split},ATOMIC={atomic},ALIGNED_CHUNKS={aligned}" + (",HEADS_INNER=True" if inner else ""),
+        f"HEAD_SPLIT={split},ATOMIC={atomic},ALIGNED_CHUNKS={aligned}" + (f",LOOP_HEADS={loop}" if loop > 1 else ""),
         descs=dict(QD=64, DOD=64, KD=64, VD=64))],
     # alone, and with the gated sum in its epilogue (nsa::core's forward)
     *[c for gated in (False, True) for c in _tma_cases(

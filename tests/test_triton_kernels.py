@@ -952,14 +952,15 @@ SQUARE_16 = {"fwd": (16, 16), "dq": (16, 16), "dkdv": (16, 16)}
 MIXED_TILES = {"fwd": (32, 16), "dq": (16, 32), "dkdv": (32, 16)}  # each kernel its own tiles, none square
 
 
-@pytest.mark.parametrize("range_kernel,delta_kernel,dkdv_programs,window_dkdv,tiles,q_chunk,heads_inner,H", [
-    ("masked", "torch", 1, "group", SQUARE_16, 0, "never", 2), ("split", "fused", 1, "head", MIXED_TILES, 0, "d64", 2),
-    ("split", "fused", 2048, "group", SQUARE_16, 0, "never", 2),
-    ("split", "fused", 2048, "group", MIXED_TILES, 0, "never", 2),
-    ("split", "fused", 1, "group", MIXED_TILES, 48, "never", 2),
-    ("split", "fused", 1, "group", MIXED_TILES, 48, "d64", 3), ("masked", "fused", 1, "group", SQUARE_16, 0, "d64", 2)])
+@pytest.mark.parametrize("range_kernel,delta_kernel,dkdv_programs,window_dkdv,tiles,q_chunk,loop_heads,H", [
+    ("masked", "torch", 1, "group", SQUARE_16, 0, 1, 2), ("split", "fused", 1, "head", MIXED_TILES, 0, 16, 2),
+    ("split", "fused", 2048, "group", SQUARE_16, 0, 1, 2),
+    ("split", "fused", 2048, "group", MIXED_TILES, 0, 1, 2),
+    ("split", "fused", 1, "group", MIXED_TILES, 48, 1, 2),
+    ("split", "fused", 1, "group", MIXED_TILES, 48, 16, 3), ("masked", "fused", 1, "group", SQUARE_16, 0, 16, 2),
+    ("split", "fused", 1, "group", MIXED_TILES, 0, 3, 6)])
 def test_range_variants_match_reference(range_kernel, delta_kernel, dkdv_programs, window_dkdv, tiles, q_chunk,
-                                        heads_inner, H):
+                                        loop_heads, H):
     """Compressed and window branches, output, lse and all three gradients, with 16- and 32-wide tiles so that
     query tiles have full key tiles between their edges (the split kernels' unmasked runs), T not a multiple of a
     tile, a padded head dim, and queries that see no compressed token; the compressed dK/dV in one program per key
@@ -967,7 +968,8 @@ def test_range_variants_match_reference(range_kernel, delta_kernel, dkdv_program
     absolute chunks (q_chunk 48, rounded up to two 32-row tiles: chunks that cut a key tile's queries, start
     before its first query or end before it); the window dK/dV per group or per head; the forward, dQ and dK/dV
     kernels on the same tiles or each on its own; the window's dK/dV per group with each query tile's 2 or 3 heads
-    in one loop (range_dkdv_heads_inner "d64", the default at these head dims) or each head's loops in turn."""
+    in one loop (range_dkdv_loop_heads_d64 16, the default at these head dims), each head's loops in turn (1), or 6
+    heads in two passes of 3."""
     cfg = NSAConfig(cmp_block=8, cmp_stride=4, sel_block=8, n_selected=3, window=40)
     B, T, G, Dk, Dv = 1, 150, 1, 16, 24  # the heads share the group's keys: their dK/dV add up
     x = make_inputs(B, T, H, G, Dk, Dv, cfg, seed=15)
@@ -976,7 +978,7 @@ def test_range_variants_match_reference(range_kernel, delta_kernel, dkdv_program
     launch = triton_impl.LaunchConfig(**{f"range_{k}_d64": (*t, 4, 2) for k, t in tiles.items()},
                                       range_kernel=range_kernel, delta_kernel=delta_kernel,
                                       range_dkdv_programs=dkdv_programs, window_dkdv=window_dkdv,
-                                      range_dkdv_q_chunk=q_chunk, range_dkdv_heads_inner=heads_inner)
+                                      range_dkdv_q_chunk=q_chunk, range_dkdv_loop_heads_d64=loop_heads)
     check_range_branches(x, cfg, scale, launch, grad_seed=16)
 
 
@@ -999,6 +1001,23 @@ def test_compressed_dkdv_takes_absolute_chunks_past_one_chunk_and_within_the_gri
         assert split(5462, 8192, 12, 2, window=8192)[3] is False  # 65,544
     with triton_impl.use_launch_config(triton_impl.LaunchConfig(range_dkdv_q_chunk=0)):
         assert split(1, 8192, 12, 2, window=8192)[3] is False
+
+
+def test_range_dkdv_loop_heads_is_the_largest_divisor_of_the_programs_heads_within_the_limit():
+    """range_dkdv_loop_heads(_d64): a range dK/dV program over `heads` heads loops over that many of them at a time
+    (the kernel asserts it divides them), chosen by the larger head dim of q and v. Meta tensors: no kernel runs."""
+    def loop(heads, dk, dv):
+        return triton_impl._loop_heads(torch.empty(1, 1, 1, dk, device="meta"),
+                                       torch.empty(1, 1, 1, dv, device="meta"), heads)
+
+    with triton_impl.use_launch_config(triton_impl.LaunchConfig(range_dkdv_loop_heads=4,
+                                                                range_dkdv_loop_heads_d64=16)):
+        assert [loop(h, 64, 64) for h in (1, 6, 16)] == [1, 6, 16]
+        assert [loop(h, 128, 128) for h in (1, 6, 16, 3)] == [1, 3, 4, 3]
+        assert loop(16, 64, 128) == 4  # Dv past 64
+    with triton_impl.use_launch_config(triton_impl.LaunchConfig(range_dkdv_loop_heads_d64=5)):
+        assert [loop(h, 64, 64) for h in (6, 10, 7)] == [3, 5, 1]
+        assert loop(16, 128, 128) == 1  # the default past head dim 64
 
 
 @pytest.mark.parametrize("range_kernel,Dv,expect_tma", [("split", 16, True), ("masked", 32, True),

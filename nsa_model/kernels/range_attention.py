@@ -347,7 +347,7 @@ def _dkdv_tiles(dk, dv, k, v, Q, DO, QD, DOD, LSE, DELTA, b, first_head, offs_n,
                 BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, MASKED: tl.constexpr,
                 TMA: tl.constexpr, DOT_PRECISION: tl.constexpr, HEADS: tl.constexpr = 1):
     """The query tiles start.. stop of heads first_head .. first_head + HEADS - 1, in one loop: each tile's heads
-    one after the other (HEADS_INNER in range_attn_bwd_dkdv_kernel)."""
+    one after the other (LOOP_HEADS in range_attn_bwd_dkdv_kernel)."""
     if HEADS == 1:
         for start_m in range(start, stop, BLOCK_M):
             dk, dv = _dkdv_step(dk, dv, k, v, Q, DO, QD, DOD, LSE, DELTA, b, first_head, offs_n, n_ok, start_m, T,
@@ -368,7 +368,7 @@ def range_attn_bwd_dkdv_kernel(Q, K, V, DO, QD, KD, VD, DOD, LSE, DELTA, DK_ACC,
                                BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                                HEAD_SPLIT: tl.constexpr, EDGE_SPLIT: tl.constexpr, ATOMIC: tl.constexpr,
                                TMA: tl.constexpr, DOT_PRECISION: tl.constexpr, ALIGNED_CHUNKS: tl.constexpr = False,
-                               HEADS_INNER: tl.constexpr = False):
+                               LOOP_HEADS: tl.constexpr = 1):
     """One program per (slice of HPG / HEAD_SPLIT heads of a group, key tile, chunk of q_chunk of the queries
     that see the tile). HEAD_SPLIT = 1 and one chunk: the program loops over the whole group and stores (exact,
     deterministic; right for the window branch, whose tiles see few queries). Otherwise (ATOMIC) the programs of
@@ -388,10 +388,11 @@ def range_attn_bwd_dkdv_kernel(Q, K, V, DO, QD, KD, VD, DOD, LSE, DELTA, DK_ACC,
     rows (v51: 32% L2 hits, DRAM at 70% of its peak at paper 64k; v57). A key tile after its chunk returns before
     loading its keys.
 
-    HEADS_INNER (a program over several heads: the window's, one a group): each run of the edge split is one loop
-    over (query tile, head) pairs, a tile's heads in turn, instead of the three runs once per head (3 x heads
-    short loops, each filling and draining its pipeline). At head dim 64 the range dK/dV kernels are 5-11% faster;
-    at head dim 128 with 16 heads a group 4-10% slower (kernels-notes.md v82), so the launcher picks it by head dim."""
+    LOOP_HEADS (a program over several heads: the window's, one a group): each run of the edge split is one loop
+    over (query tile, head) pairs for LOOP_HEADS heads at a time, a tile's heads in turn, instead of the three runs
+    once per head (3 x heads short loops, each filling and draining its pipeline). All heads in one loop make the
+    range dK/dV kernels 5-11% faster at head dim 64 (6 heads a group) and 4-10% slower at head dim 128 (16 heads;
+    kernels-notes.md v82, v83), so the launcher picks LOOP_HEADS by head dim (a divisor of the program's heads)."""
     HPG: tl.constexpr = H // G
     HEADS: tl.constexpr = HPG // HEAD_SPLIT
     if ALIGNED_CHUNKS:
@@ -440,11 +441,8 @@ def range_attn_bwd_dkdv_kernel(Q, K, V, DO, QD, KD, VD, DOD, LSE, DELTA, DK_ACC,
     qk_scale = scale * LOG2E
     dk = tl.zeros([BLOCK_N, BLOCK_DK], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
-    # heads a tile loop walks: all of the program's in one loop (HEADS_INNER), or one, each head's loops in turn
-    if HEADS_INNER:
-        LOOP_HEADS: tl.constexpr = HEADS
-    else:
-        LOOP_HEADS: tl.constexpr = 1
+    # LOOP_HEADS heads in each tile loop; the program's heads in HEADS / LOOP_HEADS passes of its three loops
+    tl.static_assert(HEADS % LOOP_HEADS == 0, "LOOP_HEADS must divide the program's heads")
     for head in range(0, HEADS, LOOP_HEADS):
         h = first_head + head
         dk, dv = _dkdv_tiles(dk, dv, k, v, Q, DO, QD, DOD, LSE, DELTA, b, h, offs_n, n_ok, t_lo, full_lo, T,

@@ -66,8 +66,6 @@ RANGE_LOADS = ("tma", "pointer")
 RANGE_KERNELS = ("masked", "split")  # compressed/window: every tile masked (v4), or only the edge tiles (v5)
 DELTA_KERNELS = ("torch", "fused")  # backward row term sum(do * o): eager fp32 ops, or one Triton kernel
 WINDOW_DKDV = ("group", "head")  # window dK/dV: one program per key tile and group (stores) or per head (atomics)
-# range dK/dV programs over several heads: each query tile's heads in one loop, at head dims <= 64 or at any or none
-HEADS_INNER = ("d64", "always", "never")
 # nsa::core's compressed and window branches: their dQ as one two-range launch (each query tile and do loaded once,
 # one dQ for both; with the fused gate kernel only, whose backward gives both branches the same do), or apart
 RANGE_PAIR = ("fused", "apart")
@@ -124,11 +122,13 @@ class LaunchConfig:
     # (ALIGNED_CHUNKS); 0: off. v57 on an H200, NSA under CUDA graphs: 4096 took paper 8k -0.5%, 32k -2.2%,
     # 64k -1.9%, 128k -5.4%, 125m 4 x 8k -0.6%, 1 x 32k -1.2%
     range_dkdv_q_chunk: int = 4096
-    # range dK/dV programs over several heads (the window's, one program a group): one loop over each query tile's
-    # heads in turn per run of the edge split (three loops) instead of the three runs once per head (3 x heads
-    # short loops). v82 on an H200, NSA under CUDA graphs: nsa-125m -0.8% to -1.5% (the window dK/dV 12% faster
-    # at 16 x 2k), the paper shapes (head dim 128) +0.7% to +2%: so at head dims <= 64 only
-    range_dkdv_heads_inner: str = "d64"  # one of HEADS_INNER
+    # range dK/dV programs over several heads (the window's, one program a group): each run of the edge split loops
+    # over (query tile, head) pairs for up to this many heads at a time (the largest divisor of the program's heads
+    # not above it), a tile's heads in turn; 1: the three runs once per head (3 x heads short loops). v82 on an
+    # H200, NSA under CUDA graphs, all heads against 1: nsa-125m -0.8% to -1.5% (the window dK/dV 12% faster at
+    # 16 x 2k), the paper shapes (head dim 128, 16 heads) +0.7% to +2%
+    range_dkdv_loop_heads: int = 1
+    range_dkdv_loop_heads_d64: int = 16  # head dims <= 64
     # compressed and window forward and dQ: at most this many heads of a group share a tile's rows (a power of two;
     # the largest power of two that divides the group's heads and the query tile runs; 1: one head a tile). Every
     # head of a group sees the same keys, so a packed tile reads each key tile once for all its heads. v60 on an
@@ -197,7 +197,7 @@ class LaunchConfig:
                    "slc_dq": SELECTED_DQ, "slc_dkdv": SELECTED_DKDV, "slc_query_dq": QUERY_DQ, "range_pair": RANGE_PAIR,
                    "range_loads": RANGE_LOADS, "phi_kernel": PHI_KERNELS,
                    "slc_slot_sum": SLOT_SUMS, "slc_combine": SLC_COMBINES, "index_build": INDEX_BUILDS,
-                   "decode_kernel": DECODE_KERNELS, "range_dkdv_heads_inner": HEADS_INNER}
+                   "decode_kernel": DECODE_KERNELS}
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise ValueError(f"LaunchConfig.{name}: must be one of {allowed}, got {getattr(self, name)!r}")
@@ -523,14 +523,15 @@ def _range_dkdv_into(q, k, v, do, lse, delta, dk, dv, num_queries: int, num_key_
             scale=scale, key_stride=key_stride, key_offset=key_offset, window=window, q_chunk=q_chunk,
             **_kv_strides(k, v), HEAD_SPLIT=head_split, ATOMIC=atomic, H=H, G=G, **_head_dims(q, v), **launch,
             **_tile_args(launch, dict(QD=q, DOD=do), dict(KD=k, VD=v)), ALIGNED_CHUNKS=aligned,
-            HEADS_INNER=_heads_inner(q, v) and H // (G * head_split) > 1)
+            LOOP_HEADS=_loop_heads(q, v, H // (G * head_split)))
 
 
-def _heads_inner(q: torch.Tensor, v: torch.Tensor) -> bool:
-    """Whether range dK/dV programs over several heads loop over each query tile's heads in one loop
-    (range_dkdv_heads_inner)."""
-    mode = _config.range_dkdv_heads_inner
-    return mode == "always" or (mode == "d64" and max(q.shape[-1], v.shape[-1]) <= 64)
+def _loop_heads(q: torch.Tensor, v: torch.Tensor, heads: int) -> int:
+    """Heads in each tile loop of a range dK/dV program over `heads` heads: the largest divisor of heads not above
+    range_dkdv_loop_heads (range_dkdv_loop_heads_d64 at head dims <= 64)."""
+    d64 = max(q.shape[-1], v.shape[-1]) <= 64
+    limit = _config.range_dkdv_loop_heads_d64 if d64 else _config.range_dkdv_loop_heads
+    return max(d for d in range(1, min(limit, heads) + 1) if heads % d == 0)
 
 
 def _range_pair_fused() -> bool:
