@@ -1017,7 +1017,7 @@ def test_range_dkdv_loop_heads_is_the_largest_divisor_of_the_programs_heads_with
         assert loop(16, 64, 128) == 4  # Dv past 64
     with triton_impl.use_launch_config(triton_impl.LaunchConfig(range_dkdv_loop_heads_d64=5)):
         assert [loop(h, 64, 64) for h in (6, 10, 7)] == [3, 5, 1]
-        assert loop(16, 128, 128) == 1  # the default past head dim 64
+        assert loop(16, 128, 128) == 4  # the default past head dim 64
 
 
 @pytest.mark.parametrize("range_kernel,Dv,expect_tma", [("split", 16, True), ("masked", 32, True),

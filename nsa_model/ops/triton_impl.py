@@ -124,10 +124,12 @@ class LaunchConfig:
     range_dkdv_q_chunk: int = 4096
     # range dK/dV programs over several heads (the window's, one program a group): each run of the edge split loops
     # over (query tile, head) pairs for up to this many heads at a time (the largest divisor of the program's heads
-    # not above it), a tile's heads in turn; 1: the three runs once per head (3 x heads short loops). v82 on an
-    # H200, NSA under CUDA graphs, all heads against 1: nsa-125m -0.8% to -1.5% (the window dK/dV 12% faster at
-    # 16 x 2k), the paper shapes (head dim 128, 16 heads) +0.7% to +2%
-    range_dkdv_loop_heads: int = 1
+    # not above it), a tile's heads in turn; 1: the three runs once per head (3 x heads short loops, each filling
+    # and draining its pipeline). All of a tile's heads at once, the key tiles that run together read more query
+    # rows than the L2 holds: at paper 64k (16 heads of 128) the window dK/dV's L2 hits fall from 81% to 15% and it
+    # takes 6.2 ms against 5.1 (v83). On an H200, NSA under CUDA graphs: nsa-125m (6 heads of 64) all against 1
+    # -0.8% to -1.5% (v82); the paper shapes 4 against 1 -0.2% to -0.6%, all +0.7% to +2% (v82, v83)
+    range_dkdv_loop_heads: int = 4
     range_dkdv_loop_heads_d64: int = 16  # head dims <= 64
     # compressed and window forward and dQ: at most this many heads of a group share a tile's rows (a power of two;
     # the largest power of two that divides the group's heads and the query tile runs; 1: one head a tile). Every
