@@ -81,12 +81,11 @@ DECODE_CASES = [  # (kernel, pointer dtypes, stride names, other scalars, conste
 ]
 
 CASES = [
-    # the heads in one order, and backward in odd chunks (SERPENTINE)
-    *[c for serpentine in (False, True) for c in _tma_cases(
-        "select_blocks_kernel", "selection", dict(LSE="fp32", BLOCKS="i32"), dict(T="i32", num_cmp="i32", scale="fp32"),
-        dict(H=12, G=2, DK=64, BLOCK_DK=64, CMP_BLOCK=32, CMP_STRIDE=16, SEL_BLOCK=64, N_SELECT=16, N_INIT=1,
-             N_LOCAL=2, BLOCK_M=64, N_PAD=16, CHUNK_SPLITS=0, TOK_PAD=64, DOT_PRECISION="tf32", SERPENTINE=serpentine),
-        label="SERPENTINE=True" if serpentine else "", descs=dict(QD=64, KCD=64))],
+    *_tma_cases("select_blocks_kernel", "selection", dict(LSE="fp32", BLOCKS="i32"),
+                dict(T="i32", num_cmp="i32", scale="fp32"),
+                dict(H=12, G=2, DK=64, BLOCK_DK=64, CMP_BLOCK=32, CMP_STRIDE=16, SEL_BLOCK=64, N_SELECT=16, N_INIT=1,
+                     N_LOCAL=2, BLOCK_M=64, N_PAD=16, CHUNK_SPLITS=0, TOK_PAD=64, DOT_PRECISION="tf32"),
+                descs=dict(QD=64, KCD=64)),
     *_tma_cases("range_attn_fwd_kernel", "range_attention", dict(LSE="fp32"), RANGE_SCALARS, dict(RANGE, HEADS=1),
                 descs=dict(QD=64, KD=64, VD=64)),
     # both ranges with by_block's dQ slots summed in (nsa::core's backward), and one range without them

@@ -89,8 +89,7 @@ def select_blocks_kernel(Q, KC, QD, KCD, LSE, BLOCKS, T, num_cmp, scale,
                          CMP_BLOCK: tl.constexpr, CMP_STRIDE: tl.constexpr, SEL_BLOCK: tl.constexpr,
                          N_SELECT: tl.constexpr, N_INIT: tl.constexpr, N_LOCAL: tl.constexpr,
                          BLOCK_M: tl.constexpr, N_PAD: tl.constexpr, CHUNK_SPLITS: tl.constexpr,
-                         TOK_PAD: tl.constexpr, TMA: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                         SERPENTINE: tl.constexpr = False):
+                         TOK_PAD: tl.constexpr, TMA: tl.constexpr, DOT_PRECISION: tl.constexpr):
     pid_m = _query_tile_index()  # reversed: a later tile walks more blocks, so the longest programs start first
     pid_bg = tl.program_id(1)
     b = pid_bg // G
@@ -131,11 +130,7 @@ def select_blocks_kernel(Q, KC, QD, KCD, LSE, BLOCKS, T, num_cmp, scale,
                          other=0.0)
         vis = (tok[None, :] < n_visible[:, None]) & tok_ok[None, :] & m_ok[:, None]
         p_sum = tl.zeros([BLOCK_M, TOK_PAD], tl.float32)
-        for i in range(HPG):
-            if SERPENTINE:  # odd chunks walk the heads backward: the tiles loaded last are read again first
-                head = tl.where((j0 // CHUNK_BLOCKS) % 2 == 1, HPG - 1 - i, i)
-            else:
-                head = i
+        for head in range(HPG):
             row_q = (b * T + offs_m).to(tl.int64) * H + g * HPG + head
             if TMA:
                 q = QD.load([b * T + pid_m * BLOCK_M, (g * HPG + head) * DK])

@@ -89,7 +89,7 @@ DECODE_KERNELS = ("torch", "triton")  # LaunchConfig.decode_kernel: a decoding s
 
 RANGE_TILE_FIELDS = ("range_fwd", "range_dq", "range_dkdv", "range_fwd_d64", "range_dq_d64", "range_dkdv_d64")
 SELECT_FIELDS = ("select", "select_d128", "select_d64")
-BOOL_FIELDS = ("side_stream", "range_dq_last", "select_serpentine")
+BOOL_FIELDS = ("side_stream", "range_dq_last")
 
 
 @dataclass(frozen=True)
@@ -114,7 +114,6 @@ class LaunchConfig:
     select: tuple[int, int, int] = (64, 0, 4)
     select_d128: tuple[int, int, int] = (64, 1, 4)
     select_d64: tuple[int, int, int] = (64, 0, 4)
-    select_serpentine: bool = False
     # compressed dK/dV: split the query axis until about this many programs (v26f: beside the selected branch on the
     # second stream, 1024 beat 2048 by 0.05 ms at 125m 4 x 8k and 16 x 2k, a tie at paper 64k; 512 lost 0.9 ms there)
     range_dkdv_programs: int = 1024
@@ -608,8 +607,7 @@ def select_blocks(q, k_cmp, lse, cfg: NSAConfig, scale: float):
             BLOCK_DK=_pow2(q.shape[-1]),
             CMP_BLOCK=cfg.cmp_block, CMP_STRIDE=cfg.cmp_stride, SEL_BLOCK=cfg.sel_block, N_SELECT=n,
             N_INIT=cfg.n_init_blocks, N_LOCAL=cfg.n_local_blocks, BLOCK_M=bm, N_PAD=n_pad, CHUNK_SPLITS=splits,
-            TOK_PAD=tok_pad, DOT_PRECISION=_dot_precision(q.dtype), SERPENTINE=_config.select_serpentine,
-            num_warps=warps, **tiles)
+            TOK_PAD=tok_pad, DOT_PRECISION=_dot_precision(q.dtype), num_warps=warps, **tiles)
     except triton.runtime.errors.OutOfResources as e:
         # A chunk holds at least n_pad blocks: its keys, tok_pad x head dim, are staged in shared memory whole.
         raise ValueError(f"select_blocks: a chunk of {tok_pad} compressed tokens (n = {n} blocks of "
