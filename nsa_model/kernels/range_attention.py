@@ -390,10 +390,10 @@ def range_attn_bwd_dkdv_kernel(Q, K, V, DO, QD, KD, VD, DOD, LSE, DELTA, DK_ACC,
 
     LOOP_HEADS (a program over several heads: the window's, one a group): each run of the edge split is one loop
     over (query tile, head) pairs for LOOP_HEADS heads at a time, a tile's heads in turn, instead of the three runs
-    once per head (3 x heads short loops, each filling and draining its pipeline). All heads in one loop make the
-    range dK/dV kernels 5-11% faster at head dim 64 (6 heads a group) and 4-10% slower at head dim 128 (16 heads),
-    where the key tiles running together then read more query rows than the L2 holds; 4 heads a loop is the fastest
-    there (kernels-notes.md v82, v83). The launcher picks LOOP_HEADS, a divisor of the program's heads."""
+    once per head (3 x heads short loops, each filling and draining its pipeline). More heads a loop also means
+    more query rows read between two neighbouring key tiles' reads of the same rows, so the launcher picks
+    LOOP_HEADS, a divisor of the program's heads, by head dim (LaunchConfig.range_dkdv_loop_heads, with the
+    measurements)."""
     HPG: tl.constexpr = H // G
     HEADS: tl.constexpr = HPG // HEAD_SPLIT
     if ALIGNED_CHUNKS:
