@@ -95,8 +95,8 @@ def _free_slot(kv_empty, slot, SYNC: gl.constexpr):
 @gluon.jit
 def _consumer(q_smem, k_smem, v_smem, q_bar, kv_ready, kv_empty, turn, o_desc, LSE, t_first, b, h, T, num_keys,
               qk_scale, key_stride, key_offset, n_tiles, CONSUMER: gl.constexpr, PINGPONG: gl.constexpr,
-              H: gl.constexpr, D: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-              WARPS: gl.constexpr):
+              Q_IN_REGS: gl.constexpr, H: gl.constexpr, D: gl.constexpr, ROWS: gl.constexpr,
+              BLOCK_N: gl.constexpr, STAGES: gl.constexpr, WARPS: gl.constexpr):
     """ROWS query rows from t_first: attention over the loader's n_tiles K/V tiles; writes o (through q's shared
     memory, which it no longer needs) and lse."""
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
@@ -119,8 +119,12 @@ def _consumer(q_smem, k_smem, v_smem, q_bar, kv_ready, kv_empty, turn, o_desc, L
     s_zero = gl.zeros([ROWS, BLOCK_N], gl.float32, layout=s_layout)
     if n_tiles > 0:
         mbarrier.wait(q_bar, 0)
+        if Q_IN_REGS:  # Q K^T's left operand from registers: the K tile is then the only shared-memory read
+            qa = q_smem.load(gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2))
+        else:
+            qa = q_smem
         mbarrier.wait(kv_ready.index(0), 0)
-        s_tok = warpgroup_mma(q_smem, k_smem.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        s_tok = warpgroup_mma(qa, k_smem.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
         s = warpgroup_mma_wait(0, deps=(s_tok, ))
         offs_n = gl.arange(0, BLOCK_N, layout=cols_s)
         p, m_i, l_i, alpha = _softmax_step(s, m_i, l_i, offs_m, offs_n, qk_scale, key_stride, key_offset, 0, n_full)
@@ -131,7 +135,7 @@ def _consumer(q_smem, k_smem, v_smem, q_bar, kv_ready, kv_empty, turn, o_desc, L
             mbarrier.wait(kv_ready.index(slot), (j // STAGES) & 1)
             if PINGPONG:
                 mbarrier.wait(turn.index(CONSUMER), ((j - 1) & 1) ^ FIRST)
-            s_tok = warpgroup_mma(q_smem, k_smem.index(slot).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            s_tok = warpgroup_mma(qa, k_smem.index(slot).permute((1, 0)), s_zero, use_acc=False, is_async=True)
             acc_tok = warpgroup_mma(p_prev, v_smem.index(prev), acc, is_async=True)
             if PINGPONG:
                 mbarrier.arrive(turn.index(1 - CONSUMER), count=1)
@@ -185,7 +189,8 @@ def _loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, kv_ready, kv_
 def compressed_fwd_ws_kernel(q_desc, k_desc, v_desc, o_desc, LSE, T, num_keys, qk_scale, key_stride, key_offset,
                              H: gl.constexpr, G: gl.constexpr, D: gl.constexpr, BLOCK_M: gl.constexpr,
                              BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr,
-                             PINGPONG: gl.constexpr, LOADER_WARPS: gl.constexpr, LOADER_REGS: gl.constexpr,
+                             PINGPONG: gl.constexpr, Q_IN_REGS: gl.constexpr, LOADER_WARPS: gl.constexpr,
+                             LOADER_REGS: gl.constexpr,
                              CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr):
     gl.static_assert(SPLIT == 1 or PINGPONG == 0, "turns need two consumers")
     NQ: gl.constexpr = 2 if SPLIT else 1
@@ -217,19 +222,19 @@ def compressed_fwd_ws_kernel(q_desc, k_desc, v_desc, o_desc, LSE, T, num_keys, q
     if SPLIT:
         gl.warp_specialize([
             (_consumer, (q_smem.index(0), k_smem, v_smem, q_bar, kv_ready, kv_empty, turn, o_desc, LSE, t_first, b,
-                         h, T, num_keys, qk_scale, key_stride, key_offset, n_tiles, 0, PINGPONG, H, D, ROWS,
-                         BLOCK_N, STAGES, num_warps)),
+                         h, T, num_keys, qk_scale, key_stride, key_offset, n_tiles, 0, PINGPONG, Q_IN_REGS, H, D,
+                         ROWS, BLOCK_N, STAGES, num_warps)),
             (_consumer, (q_smem.index(1), k_smem, v_smem, q_bar, kv_ready, kv_empty, turn, o_desc, LSE,
                          t_first + ROWS, b, h, T, num_keys, qk_scale, key_stride, key_offset, n_tiles, 1, PINGPONG,
-                         H, D, ROWS, BLOCK_N, STAGES, num_warps)),
+                         Q_IN_REGS, H, D, ROWS, BLOCK_N, STAGES, num_warps)),
             (_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, kv_ready, kv_empty, b * T + t_first,
                         h * D, b * num_keys, g * D, n_tiles, NQ, ROWS, BLOCK_N, STAGES)),
         ], [num_warps, LOADER_WARPS], [CONSUMER_REGS, LOADER_REGS])
     else:
         gl.warp_specialize([
             (_consumer, (q_smem.index(0), k_smem, v_smem, q_bar, kv_ready, kv_empty, turn, o_desc, LSE, t_first, b,
-                         h, T, num_keys, qk_scale, key_stride, key_offset, n_tiles, 0, 0, H, D, ROWS, BLOCK_N,
-                         STAGES, num_warps)),
+                         h, T, num_keys, qk_scale, key_stride, key_offset, n_tiles, 0, 0, Q_IN_REGS, H, D, ROWS,
+                         BLOCK_N, STAGES, num_warps)),
             (_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, kv_ready, kv_empty, b * T + t_first,
                         h * D, b * num_keys, g * D, n_tiles, NQ, ROWS, BLOCK_N, STAGES)),
         ], [LOADER_WARPS], [LOADER_REGS])
@@ -246,21 +251,23 @@ def _desc(x2d: torch.Tensor, block: list[int]) -> TensorDescriptor:
     return TensorDescriptor(x2d, list(x2d.shape), list(x2d.stride()), block, layout)
 
 
-VARIANT_FIELDS = ("block_n", "stages", "split", "pingpong", "loader_warps", "loader_regs", "consumer_regs", "maxnreg")
+VARIANT_FIELDS = ("block_n", "stages", "split", "pingpong", "q_in_regs", "loader_warps", "loader_regs",
+                  "consumer_regs", "maxnreg")
 VARIANTS = [  # VARIANT_FIELDS
-    (128, 2, 0, 0, 4, 24, 0, 168),
-    (64, 3, 0, 0, 4, 24, 0, 168),
-    (128, 2, 1, 0, 4, 24, 240, 168),
-    (128, 2, 1, 1, 4, 24, 240, 168),
-    (64, 3, 1, 1, 4, 24, 240, 168),
-    (128, 2, 1, 1, 1, 24, 240, 200),
+    (64, 3, 0, 0, 0, 4, 24, 0, 168),
+    (64, 3, 1, 1, 0, 4, 24, 240, 168),
+    (64, 3, 1, 1, 1, 4, 24, 240, 168),
+    (64, 4, 1, 1, 0, 4, 24, 240, 168),
+    (64, 4, 1, 1, 1, 4, 24, 240, 168),
+    (128, 2, 1, 1, 0, 4, 24, 240, 168),
+    (128, 2, 1, 1, 1, 4, 24, 240, 168),
 ]
 
 
 def compressed_fwd_ws(q, k, v, scale: float, cmp_block: int = CMP_BLOCK, cmp_stride: int = CMP_STRIDE,
-                      block_n: int = 128, stages: int = 2, split: int = 1, pingpong: int = 1, loader_warps: int = 4,
-                      loader_regs: int = 24, consumer_regs: int = 240, maxnreg: int = 168, block_m: int = 128,
-                      fill: float | None = None):
+                      block_n: int = 64, stages: int = 3, split: int = 1, pingpong: int = 1, q_in_regs: int = 0,
+                      loader_warps: int = 4, loader_regs: int = 24, consumer_regs: int = 240, maxnreg: int = 168,
+                      block_m: int = 128, fill: float | None = None):
     """(o, lse) of the compressed branch: q [B, T, H, D], compressed k and v [B, Tc, G, D], bf16, contiguous.
     fill: the outputs start as this value (NaN for a check: a row the kernel misses cannot pass for an earlier
     call's result)."""
@@ -280,7 +287,7 @@ def compressed_fwd_ws(q, k, v, scale: float, cmp_block: int = CMP_BLOCK, cmp_str
         _desc(q.view(B * T, H * D), [rows, D]), _desc(k.reshape(B * Tc, G * D), [block_n, D]),
         _desc(v.reshape(B * Tc, G * D), [block_n, D]), _desc(o.view(B * T, H * D), [rows, D]), lse, T, Tc,
         scale * LOG2E, cmp_stride, cmp_block - 1, H=H, G=G, D=D, BLOCK_M=block_m, BLOCK_N=block_n, STAGES=stages,
-        SPLIT=split, PINGPONG=pingpong, LOADER_WARPS=loader_warps, LOADER_REGS=loader_regs,
+        SPLIT=split, PINGPONG=pingpong, Q_IN_REGS=q_in_regs, LOADER_WARPS=loader_warps, LOADER_REGS=loader_regs,
         CONSUMER_REGS=consumer_regs, num_warps=rows // 16, maxnreg=maxnreg)
     return o, lse
 
@@ -310,6 +317,7 @@ def _dense_cudnn_fwd(B, T, H, G, D) -> dict:
 
 def _variant_name(e: dict) -> str:
     consumers = "2 x 4 warps" + (", turns" if e["pingpong"] else "") if e["split"] else "1 x 8 warps"
+    consumers += ", q in registers" if e.get("q_in_regs") else ""
     return (f"128x{e['block_n']}, {e['stages']} stages, {consumers}, loader {e['loader_warps']} warps, "
             f"maxnreg {e['maxnreg']}")
 
