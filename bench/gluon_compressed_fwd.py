@@ -405,6 +405,8 @@ def main() -> int:
     ap.add_argument("--shapes", type=family_shapes, default=family_shapes("paper:1:16384,paper:1:65536"))
     ap.add_argument("--suffix", type=file_suffix, default="", help="suffix of the results file names")
     ap.add_argument("--variant-timeout", type=float, default=120.0, help="seconds a variant's process may take")
+    ap.add_argument("--variants", type=lambda text: [int(i) for i in text.split(",")],
+                    default=list(range(len(VARIANTS))), help="indexes into VARIANTS (default: all)")
     ap.add_argument("--variant-spec", help=argparse.SUPPRESS)  # internal: run one variant (_variant_process)
     args = ap.parse_args()
     if args.variant_spec:
@@ -423,7 +425,8 @@ def main() -> int:
         row = dict(shape=f"{family}_{B}x{T}", B=B, T=T, H=H, G=G, D=D, tl_ms=t_ref, tl_tflops=flops / t_ref / 1e9,
                    variants=[])
         row.update(_dense_cudnn_fwd(B, T, H, G, D))
-        for variant in VARIANTS:
+        for index in args.variants:
+            variant = VARIANTS[index]
             spec = dict(family=family, B=B, T=T, flops=flops, tl_ms=t_ref, variant=dict(zip(VARIANT_FIELDS, variant)))
             entry = _run_variant(spec, args.variant_timeout)
             row["variants"].append(entry)

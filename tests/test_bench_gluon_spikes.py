@@ -1,4 +1,5 @@
-"""The Gluon spikes (bench/gluon_window_fwd.py, bench/gluon_by_block_fwd.py, bench/gluon_selected_fwd.py): their
+"""The Gluon spikes (bench/gluon_window_fwd.py, bench/gluon_by_block_fwd.py, bench/gluon_selected_fwd.py,
+bench/gluon_compressed_fwd.py): their
 kernels compile for Hopper here, the launchers refuse what they do not take, and the reports say what ran.
 
 The kernels need an sm_90 GPU to run (Gluon has no interpreter); their values were checked on the H100 against
@@ -245,3 +246,84 @@ def test_selected_report_and_refusals():
     assert "| 8 | 3 | 216 | - | OutOfResources: registers |" in text
     out = _call("gluon_selected_fwd", "selected_shared_fwd", [1, 128, 12, 64], [1, 128, 2, 64], None, 0.1)
     assert "ValueError: the spike takes 16 heads a group, head dim 128 and bf16; got H/G=6, D=64" in out
+
+
+COMPILE_COMPRESSED = r"""
+import importlib.util, json, re, sys
+import torch, triton
+from triton.backends.compiler import GPUTarget
+from triton.experimental.gluon._runtime import GluonASTSource
+from triton.runtime.jit import mangle_type
+
+path, const, maxnreg = json.loads(sys.argv[1])
+spec = importlib.util.spec_from_file_location("spike", path)
+spike = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(spike)
+fn = spike.compressed_fwd_ws_kernel
+H, G, D, BN = const["H"], const["G"], const["D"], const["BLOCK_N"]
+rows = const["BLOCK_M"] // (2 if const["SPLIT"] else 1)
+q = torch.empty(8192, H * D, dtype=torch.bfloat16)
+kv = torch.empty(511, G * D, dtype=torch.bfloat16)
+descs = dict(q_desc=spike._desc(q, [rows, D]), k_desc=spike._desc(kv, [BN, D]), v_desc=spike._desc(kv, [BN, D]),
+             o_desc=spike._desc(q, [rows, D]))
+sig = {a: "constexpr" if a in const else mangle_type(descs[a]) if a in descs else "*fp32" if a == "LSE"
+       else "fp32" if a == "qk_scale" else "i32" for a in fn.arg_names}
+k = triton.compile(GluonASTSource(fn, sig, const), target=GPUTarget("cuda", 90, 32),
+                   options=dict(num_warps=const["num_warps"], maxnreg=maxnreg))
+ptx = k.asm["ptx"]
+# a warpgroup MMA whose left operand is registers names a register list after its accumulator's
+reg_a = len(re.findall(r"wgmma\.mma_async[^;]*\}, \{%r", ptx))
+regs = sorted({int(r) for r in re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", ptx)})
+print(json.dumps(dict(cubin=len(k.asm["cubin"]), wgmma=ptx.count("wgmma.mma_async"), reg_a=reg_a, regs=regs,
+                      tma=ptx.count("cp.async.bulk.tensor"), arrives=ptx.count("mbarrier.arrive"))))
+"""
+
+COMPRESSED = dict(H=64, G=4, D=128, BLOCK_M=128, LOADER_WARPS=4, LOADER_REGS=24)
+
+
+@pytest.mark.parametrize("const, wgmma, reg_a, arrives", [
+    # two 4-warp consumers, q in registers, taking turns. Warpgroup MMAs: 2 consumers x (Q K^T before the loop and
+    # in it, 8 k-steps each at head dim 128; P V in it and after it, 4 k-steps each at 64 keys) = 48, all with a
+    # register left operand (q, P). Arrives: the loader's q and K/V copies, each consumer's two frees of a slot
+    # (in and after the loop) and its turn handed over
+    (dict(COMPRESSED, BLOCK_N=64, STAGES=3, SPLIT=1, PINGPONG=1, Q_IN_REGS=1, CONSUMER_REGS=240, num_warps=4), 48,
+     48, 8),
+    # the same without turns, q from shared memory: only the P V products take registers; no turn arrives
+    (dict(COMPRESSED, BLOCK_N=64, STAGES=3, SPLIT=1, PINGPONG=0, Q_IN_REGS=0, CONSUMER_REGS=240, num_warps=4), 48,
+     16, 6),
+    # one 8-warp consumer, 128-key tiles: (8 + 8) Q K^T + (8 + 8) P V
+    (dict(COMPRESSED, BLOCK_N=128, STAGES=2, SPLIT=0, PINGPONG=0, Q_IN_REGS=0, CONSUMER_REGS=0, num_warps=8), 32,
+     16, 4),
+], ids=["two-consumers-turns-q-regs", "two-consumers", "one-consumer"])
+def test_compressed_spike_compiles_warp_specialized(const, wgmma, reg_a, arrives, tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path)
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    spec = json.dumps([str(ROOT / "bench" / "gluon_compressed_fwd.py"), const, 168])
+    run = subprocess.run([sys.executable, "-c", COMPILE_COMPRESSED, spec], capture_output=True, text=True, env=env,
+                         timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    out = json.loads(run.stdout.strip().splitlines()[-1])
+    assert out["cubin"] > 0 and out["tma"] >= 3  # the loader's q, k and v copies
+    assert (out["wgmma"], out["reg_a"], out["arrives"]) == (wgmma, reg_a, arrives)
+    # registers moved from the loader (24) to the consumers (240)
+    assert 24 in out["regs"] and 240 in out["regs"]
+
+
+def test_compressed_report_and_refusals():
+    meta = dict(device="H200", date="2026-12-03 18:15 UTC", commit="abc1234", torch="2.11", triton="3.6.0")
+    variant = dict(block_n=64, stages=3, split=1, pingpong=1, q_in_regs=1, loader_warps=4, loader_regs=24,
+                   consumer_regs=240, maxnreg=168, o_err=0.0078, lse_err=1.9e-6, same_empty=True, ms=8.689,
+                   tflops=506.0, vs_tl=1.086)
+    rows = [dict(shape="paper_1x65536", B=1, T=65536, H=64, G=4, D=128, tl_ms=9.44, tl_tflops=466.0,
+                 cudnn_fwd_tflops=594.0,
+                 variants=[variant, dict(variant, split=0, pingpong=0, q_in_regs=0, error="no result within 100 s")])]
+    text = _call("gluon_compressed_fwd", "report", meta, rows)
+    assert "tl `range_attn_fwd_kernel` (compressed only): 9.440 ms, 466 TFLOP/s" in text and "594 TFLOP/s" in text
+    assert ("| 128x64, 3 stages, 2 x 4 warps, turns, q in registers, loader 4 warps, maxnreg 168 | 8.689 | 506 | "
+            "1.086 | 0.0078 | 1.9e-06 |") in text
+    assert "| 128x64, 3 stages, 1 x 8 warps, loader 4 warps, maxnreg 168 | no result within 100 s |" in text
+    out = _call("gluon_compressed_fwd", "compressed_fwd_ws", [1, 192, 64, 128], [1, 11, 4, 128], 0.1)
+    assert "ValueError: the spike needs T (192) a multiple of the query tile (128)" in out
+    out = _call("gluon_compressed_fwd", "compressed_fwd_ws", [1, 128, 6, 96], [1, 7, 2, 96], 0.1)
+    assert "ValueError: the spike takes head dim 64 or 128 and H a multiple of G; got D=96, H=6, G=2" in out
