@@ -61,8 +61,10 @@ CMP_BLOCK, CMP_STRIDE = PAPER_NSA.cmp_block, PAPER_NSA.cmp_stride  # NSA's l and
 @gluon.jit
 def _visible_keys(t, key_stride, key_offset, num_keys):
     """How many compressed tokens query t sees: j = 0 .. n - 1 with j key_stride + key_offset <= t."""
-    n = gl.maximum(t - key_offset, -1) // key_stride + 1  # t < key_offset: (-1) // s + 1 = 0 (floor division)
-    return gl.minimum(gl.maximum(n, 0), num_keys)
+    # (t - key_offset) // key_stride + 1 for t >= key_offset, else 0; the dividend is never negative, as integer
+    # division truncates toward zero here, not down
+    n = gl.maximum(t - key_offset + key_stride, 0) // key_stride
+    return gl.minimum(n, num_keys)
 
 
 @gluon.jit
