@@ -12,6 +12,13 @@ each take turns issuing a tile's S and dP products (one's exponentials and dS un
 issue dS K into their dQ accumulator and free the tile when it is done. QO_IN_REGS 1 holds q and dO in the
 products' register operand layout (K and V are then the products' only shared-memory reads).
 
+Outcome on the H200 (bench/results/gluon-compressed-dq-h200-2026-12-03-v84d.md, kernels-notes.md v84): every
+variant's dQ equals the tl kernel's bit for bit (the same 64-key tiles, the same order of float32 adds, no online
+softmax to diverge). None is faster: 0.95-0.97x tl at paper 64k, 32k and 8k, q and dO in registers no help, 32-key
+tiles 0.91x. The tl dQ kernel already runs its three products at 630 TFLOP/s at paper 64k (565 at 32k), above
+cuDNN's 550 for a whole forward + backward: nothing for warp specialization to hide. The projection of v84's forward
+onto the backward's kernels does not hold for dQ; the file stays as the measurement.
+
 Run on the GPU: PYTHONPATH=. python3 bench/gluon_compressed_dq.py --out DIR [--shapes paper:1:65536,...]
 [--suffix=S] (checks each variant against the tl kernel's dQ, then times both; JSON and markdown).
 """

@@ -1,5 +1,5 @@
 """The Gluon spikes (bench/gluon_window_fwd.py, bench/gluon_by_block_fwd.py, bench/gluon_selected_fwd.py,
-bench/gluon_compressed_fwd.py): their
+bench/gluon_compressed_fwd.py, bench/gluon_compressed_dq.py): their
 kernels compile for Hopper here, the launchers refuse what they do not take, and the reports say what ran.
 
 The kernels need an sm_90 GPU to run (Gluon has no interpreter); their values were checked on the H100 against
@@ -327,3 +327,65 @@ def test_compressed_report_and_refusals():
     assert "ValueError: the spike needs T (192) a multiple of the query tile (128)" in out
     out = _call("gluon_compressed_fwd", "compressed_fwd_ws", [1, 128, 6, 96], [1, 7, 2, 96], 0.1)
     assert "ValueError: the spike takes head dim 64 or 128 and H a multiple of G; got D=96, H=6, G=2" in out
+
+
+COMPILE_COMPRESSED_DQ = r"""
+import importlib.util, json, re, sys
+import torch, triton
+from triton.backends.compiler import GPUTarget
+from triton.experimental.gluon._runtime import GluonASTSource
+from triton.runtime.jit import mangle_type
+
+path, const = json.loads(sys.argv[1])
+spec = importlib.util.spec_from_file_location("spike", path)
+spike = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(spike)
+fn = spike.compressed_dq_ws_kernel
+H, G, D, BN, rows = const["H"], const["G"], const["D"], const["BLOCK_N"], const["BLOCK_M"] // 2
+q = torch.empty(8192, H * D, dtype=torch.bfloat16)
+kv = torch.empty(511, G * D, dtype=torch.bfloat16)
+descs = dict(q_desc=spike._desc(q, [rows, D]), do_desc=spike._desc(q, [rows, D]), k_desc=spike._desc(kv, [BN, D]),
+             v_desc=spike._desc(kv, [BN, D]))
+pointers = dict(LSE="*fp32", DELTA="*fp32", DQ="*bf16")
+sig = {a: "constexpr" if a in const else mangle_type(descs[a]) if a in descs else pointers.get(a)
+       or ("fp32" if a in ("qk_scale", "scale") else "i32") for a in fn.arg_names}
+k = triton.compile(GluonASTSource(fn, sig, const), target=GPUTarget("cuda", 90, 32),
+                   options=dict(num_warps=const["num_warps"], maxnreg=168))
+ptx = k.asm["ptx"]
+reg_a = len(re.findall(r"wgmma\.mma_async[^;]*\}, \{%r", ptx))
+regs = sorted({int(r) for r in re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", ptx)})
+print(json.dumps(dict(cubin=len(k.asm["cubin"]), wgmma=ptx.count("wgmma.mma_async"), reg_a=reg_a, regs=regs,
+                      tma=ptx.count("cp.async.bulk.tensor"), arrives=ptx.count("mbarrier.arrive"))))
+"""
+
+
+@pytest.mark.parametrize("qo_in_regs, reg_a", [(1, 40), (0, 8)], ids=["q-do-in-registers", "q-do-shared"])
+def test_compressed_dq_spike_compiles_warp_specialized(qo_in_regs, reg_a, tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path)
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    const = dict(COMPRESSED, BLOCK_N=64, STAGES=3, QO_IN_REGS=qo_in_regs, CONSUMER_REGS=240, num_warps=4)
+    spec = json.dumps([str(ROOT / "bench" / "gluon_compressed_dq.py"), const])
+    run = subprocess.run([sys.executable, "-c", COMPILE_COMPRESSED_DQ, spec], capture_output=True, text=True,
+                         env=env, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    out = json.loads(run.stdout.strip().splitlines()[-1])
+    # two consumers x (S = q K^T and dP = dO V^T, 8 k-steps each at head dim 128; dQ += dS K, 4 at 64 keys) = 40
+    # warpgroup MMAs; with q and dO in registers all 40 take a register left operand, else only dS K's 8. Arrives:
+    # the loader's two expects, each consumer's free of a slot and its turn handed over
+    assert out["cubin"] > 0 and out["tma"] >= 4  # the loader's q, dO, k and v copies
+    assert (out["wgmma"], out["reg_a"], out["arrives"]) == (40, reg_a, 6)
+    assert 24 in out["regs"] and 240 in out["regs"]
+
+
+def test_compressed_dq_report():
+    meta = dict(device="H200", date="2026-12-03 19:18 UTC", commit="abc1234", torch="2.11", triton="3.6.0")
+    variant = dict(block_n=64, stages=2, qo_in_regs=0, loader_warps=4, loader_regs=24, consumer_regs=240,
+                   maxnreg=168, dq_err=0.0, ms=10.84, tflops=608.0, vs_tl=0.965)
+    rows = [dict(shape="paper_1x65536", B=1, T=65536, H=64, G=4, D=128, tl_ms=10.464, tl_tflops=630.0,
+                 variants=[variant, dict(variant, qo_in_regs=1, error="no result within 100 s")])]
+    text = _call("gluon_compressed_dq", "report", meta, rows)
+    assert "tl `range_attn_bwd_dq_kernel` (compressed range only): 10.464 ms, 630 TFLOP/s" in text
+    assert "| 128x64, 2 stages, 2 x 4 warps, turns, loader 4 warps, maxnreg 168 | 10.840 | 608 | 0.965 | 0 |" in text
+    assert ("| 128x64, 2 stages, 2 x 4 warps, turns, q and dO in registers, loader 4 warps, maxnreg 168 | no result "
+            "within 100 s |") in text
