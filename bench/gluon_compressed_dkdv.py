@@ -15,6 +15,13 @@ P^T = exp(S^T scale - lse), dS^T = P^T (dP^T - delta) (lse, delta per query: the
 dK += dS^T q; it frees the slot when both products are done. At the end each adds its dK (times the scale) and dV
 into float32 accumulators (programs of other chunks and heads add to the same rows).
 
+Outcome on the H200 (bench/results/gluon-compressed-dkdv-h200-2026-12-03-v84{e,f}.md, kernels-notes.md v84): every
+variant's dK and dV match the tl kernel's within 6e-3 of their largest magnitude (both add float32 partials, in
+different orders). The best, one head a program on 64-query steps with 2 stages, ties tl: 1.01x at paper 64k (17.68
+against 17.92 ms, 497 TFLOP/s against 491) and 32k, 0.95x at 8k. A third stage, 32-query steps (no spills,
+0.87-0.91x) and several heads a program (0.83-0.99x, down to 0.18x at 8k, where few programs hold all the work) are
+slower. Warp specialization does not lift the compressed dK/dV either; the file stays as the measurement.
+
 Run on the GPU: PYTHONPATH=. python3 bench/gluon_compressed_dkdv.py --out DIR [--shapes paper:1:65536,...]
 [--suffix=S] (checks each variant against the tl kernel's dK and dV, then times both; JSON and markdown).
 """

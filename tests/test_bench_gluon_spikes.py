@@ -1,5 +1,5 @@
 """The Gluon spikes (bench/gluon_window_fwd.py, bench/gluon_by_block_fwd.py, bench/gluon_selected_fwd.py,
-bench/gluon_compressed_fwd.py, bench/gluon_compressed_dq.py): their
+bench/gluon_compressed_fwd.py, bench/gluon_compressed_dq.py, bench/gluon_compressed_dkdv.py): their
 kernels compile for Hopper here, the launchers refuse what they do not take, and the reports say what ran.
 
 The kernels need an sm_90 GPU to run (Gluon has no interpreter); their values were checked on the H100 against
@@ -389,3 +389,69 @@ def test_compressed_dq_report():
     assert "| 128x64, 2 stages, 2 x 4 warps, turns, loader 4 warps, maxnreg 168 | 10.840 | 608 | 0.965 | 0 |" in text
     assert ("| 128x64, 2 stages, 2 x 4 warps, turns, q and dO in registers, loader 4 warps, maxnreg 168 | no result "
             "within 100 s |") in text
+
+
+COMPILE_COMPRESSED_DKDV = r"""
+import importlib.util, json, re, sys
+import torch, triton
+from triton.backends.compiler import GPUTarget
+from triton.experimental.gluon._runtime import GluonASTSource
+from triton.runtime.jit import mangle_type
+
+path, const = json.loads(sys.argv[1])
+spec = importlib.util.spec_from_file_location("spike", path)
+spike = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(spike)
+fn = spike.compressed_dkdv_ws_kernel
+H, G, D, BQ, BK = const["H"], const["G"], const["D"], const["BLOCK_Q"], const["BLOCK_K"]
+q = torch.empty(8192, H * D, dtype=torch.bfloat16)
+kv = torch.empty(511, G * D, dtype=torch.bfloat16)
+descs = dict(q_desc=spike._desc(q, [BQ, D]), do_desc=spike._desc(q, [BQ, D]), k_desc=spike._desc(kv, [BK // 2, D]),
+             v_desc=spike._desc(kv, [BK // 2, D]))
+pointers = dict(LSE_T="*fp32", DELTA_T="*fp32", DK_ACC="*fp32", DV_ACC="*fp32")
+sig = {a: "constexpr" if a in const else mangle_type(descs[a]) if a in descs else pointers.get(a)
+       or ("fp32" if a in ("qk_scale", "scale") else "i32") for a in fn.arg_names}
+k = triton.compile(GluonASTSource(fn, sig, const), target=GPUTarget("cuda", 90, 32),
+                   options=dict(num_warps=const["num_warps"], maxnreg=168))
+ptx = k.asm["ptx"]
+reg_a = len(re.findall(r"wgmma\.mma_async[^;]*\}, \{%r", ptx))
+regs = sorted({int(r) for r in re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", ptx)})
+print(json.dumps(dict(cubin=len(k.asm["cubin"]), wgmma=ptx.count("wgmma.mma_async"), reg_a=reg_a, regs=regs,
+                      tma=ptx.count("cp.async.bulk.tensor"), arrives=ptx.count("mbarrier.arrive"),
+                      float_adds=len(re.findall(r"red\.[^;]*add\.f32|atom\.[^;]*add\.f32", ptx)))))
+"""
+
+
+@pytest.mark.parametrize("block_q, wgmma", [(64, 48), (32, 40)], ids=["64-query-steps", "32-query-steps"])
+def test_compressed_dkdv_spike_compiles_warp_specialized(block_q, wgmma, tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path)
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    const = dict(H=64, G=4, D=128, BLOCK_K=128, BLOCK_Q=block_q, STAGES=2, HEADS=1, LOADER_WARPS=4, LOADER_REGS=24,
+                 CONSUMER_REGS=240, num_warps=4)
+    spec = json.dumps([str(ROOT / "bench" / "gluon_compressed_dkdv.py"), const])
+    run = subprocess.run([sys.executable, "-c", COMPILE_COMPRESSED_DKDV, spec], capture_output=True, text=True,
+                         env=env, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    out = json.loads(run.stdout.strip().splitlines()[-1])
+    # two consumers x (S^T = K q^T and dP^T = V dO^T, 8 k-steps each at head dim 128; dV += P^T dO and
+    # dK += dS^T q, block_q / 16 each): 48 or 40 warpgroup MMAs, the two accumulating ones with a register left
+    # operand; arrives: the loader's expects (K/V once, q/dO a step), each consumer's free and turn; the float32
+    # dK and dV adds at the end
+    assert out["cubin"] > 0 and out["tma"] >= 4  # the loader's k, v, q and dO copies
+    assert (out["wgmma"], out["reg_a"], out["arrives"]) == (wgmma, 2 * 2 * block_q // 16, 6)
+    assert 24 in out["regs"] and 240 in out["regs"] and out["float_adds"] > 0
+
+
+def test_compressed_dkdv_report():
+    meta = dict(device="H200", date="2026-12-03 19:24 UTC", commit="abc1234", torch="2.11", triton="3.6.0")
+    variant = dict(block_q=64, stages=2, heads=1, q_chunk=4096, loader_warps=4, loader_regs=24, consumer_regs=240,
+                   maxnreg=168, dk_err=7.7e-4, dv_err=4.5e-4, ms=17.68, tflops=497.0, vs_tl=1.013)
+    rows = [dict(shape="paper_1x65536", B=1, T=65536, H=64, G=4, D=128, tl_ms=17.916, tl_tflops=491.0,
+                 variants=[variant, dict(variant, heads=16, error="no result within 100 s")])]
+    text = _call("gluon_compressed_dkdv", "report", meta, rows)
+    assert "tl `range_attn_bwd_dkdv_kernel` (compressed range only): 17.916 ms, 491 TFLOP/s" in text
+    assert ("| 128 keys x 64 queries, 2 stages, 1 heads a program, chunks of 4096, 2 x 4 warps, turns, maxnreg 168 "
+            "| 17.680 | 497 | 1.013 | 0.00077 | 0.00045 |") in text
+    assert "| 128 keys x 64 queries, 2 stages, 16 heads a program, chunks of 4096" in text
+    assert "no result within 100 s" in text
