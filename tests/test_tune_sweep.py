@@ -49,6 +49,17 @@ def _session_pids(sid: int) -> list[int]:
     return pids
 
 
+def _registered(trials: Path, trial_index: int, checkpoint: str) -> bool:
+    """Whether trial `trial_index`'s Train run snapshot (what a restarted run resumes from) names `checkpoint`."""
+    for snapshot in trials.glob(f"*_{trial_index:05d}/checkpoint_manager_snapshot.json"):
+        try:
+            if checkpoint in snapshot.read_text():
+                return True
+        except OSError:  # being written
+            pass
+    return False
+
+
 def _kill_sweep_mid_trial(tmp: Path, trial_index: int) -> dict:
     """Start the sweep with jobs/sweep.py and SIGKILL its driver after trial `trial_index`'s step-1 checkpoint.
 
@@ -63,11 +74,13 @@ def _kill_sweep_mid_trial(tmp: Path, trial_index: int) -> dict:
     trials = tmp / "ray" / "grid" / "trials"
     deadline = time.time() + 420
     try:
-        while not list(trials.glob(f"*_{trial_index:05d}/checkpoint_step_00000001")):
+        # Kill once Ray Train has registered the step-1 checkpoint (its run snapshot names it), while the trainer
+        # stalls 5 s in step 2. A run restarted without it in the snapshot starts from scratch; a fixed wait after
+        # the folder appeared raced the registration on a loaded 2-core machine (a CI run saw no resume).
+        while not _registered(trials, trial_index, "checkpoint_step_00000001"):
             assert proc.poll() is None, f"the sweep ended before it could be killed:\n{log_path.read_text()[-4000:]}"
             assert time.time() < deadline, f"trial {trial_index} did not checkpoint:\n{log_path.read_text()[-4000:]}"
             time.sleep(0.2)
-        time.sleep(1.0)  # the trainer registers the checkpoint, then stalls 5 s in step 2
         os.kill(proc.pid, signal.SIGKILL)  # the driver only: its local Ray cluster shares its fate
         proc.wait()
         left = {d.name: sorted(c.name for c in d.glob("checkpoint_step_*")) for d in trials.iterdir()}
