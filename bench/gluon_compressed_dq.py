@@ -23,10 +23,8 @@ Run on the GPU: PYTHONPATH=. python3 bench/gluon_compressed_dq.py --out DIR [--s
 [--suffix=S] (checks each variant against the tl kernel's dQ, then times both; JSON and markdown).
 """
 
-import argparse
 import json
 import os
-import subprocess
 import sys
 
 import torch
@@ -36,10 +34,9 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
-from bench.gluon_compressed_fwd import (CMP_BLOCK, CMP_STRIDE, LOG2E, ROOT, _desc, _inputs, _visible_keys,
-                                        compressed_flops)
-from bench.provenance import file_suffix, git_commit, result_file, result_stem
-from bench.shapes import family_shapes
+from bench.gluon_compressed_fwd import (CMP_BLOCK, CMP_STRIDE, LOG2E, _desc, _inputs, _visible_keys,
+                                        compressed_flops, run_variant, spike_arguments)
+from bench.provenance import git_commit, result_file, result_stem
 
 
 @gluon.jit
@@ -279,28 +276,8 @@ def _variant_process(spec: dict) -> dict:
     return entry
 
 
-def _run_variant(spec: dict, timeout_s: float) -> dict:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
-    try:
-        run = subprocess.run([sys.executable, __file__, "--variant-spec", json.dumps(spec)], capture_output=True,
-                             text=True, timeout=timeout_s, env=env)
-    except subprocess.TimeoutExpired:
-        return dict(spec["variant"], error=f"no result within {timeout_s:.0f} s (deadlock or far too slow)")
-    if run.returncode:
-        return dict(spec["variant"], error=f"exit {run.returncode}: {run.stderr[-300:]}")
-    return json.loads(run.stdout.strip().splitlines()[-1])
-
-
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out")
-    ap.add_argument("--commit", default="", help="commit measured (default: git rev-parse of this checkout)")
-    ap.add_argument("--shapes", type=family_shapes, default=family_shapes("paper:1:16384,paper:1:65536"))
-    ap.add_argument("--suffix", type=file_suffix, default="", help="suffix of the results file names")
-    ap.add_argument("--variant-timeout", type=float, default=120.0, help="seconds a variant's process may take")
-    ap.add_argument("--variants", type=lambda text: [int(i) for i in text.split(",")],
-                    default=list(range(len(VARIANTS))), help="indexes into VARIANTS (default: all)")
-    ap.add_argument("--variant-spec", help=argparse.SUPPRESS)  # internal: run one variant (_variant_process)
+    ap = spike_arguments(__doc__, len(VARIANTS))
     args = ap.parse_args()
     if args.variant_spec:
         print(json.dumps(_variant_process(json.loads(args.variant_spec))))
@@ -320,7 +297,7 @@ def main() -> int:
         for index in args.variants:
             spec = dict(family=family, B=B, T=T, flops=flops, tl_ms=t_ref,
                         variant=dict(zip(VARIANT_FIELDS, VARIANTS[index])))
-            entry = _run_variant(spec, args.variant_timeout)
+            entry = run_variant(__file__, spec, args.variant_timeout)
             row["variants"].append(entry)
             print(row["shape"], entry, flush=True)
         rows.append(row)

@@ -397,10 +397,12 @@ def _variant_process(spec: dict) -> dict:
     return entry
 
 
-def _run_variant(spec: dict, timeout_s: float) -> dict:
+def run_variant(script: str, spec: dict, timeout_s: float) -> dict:
+    """Run `script --variant-spec spec` (one variant at one shape) in a process of its own and return its entry; a
+    deadlock or a crash becomes the entry's error. Shared by the compressed-branch spikes."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
     try:
-        run = subprocess.run([sys.executable, __file__, "--variant-spec", json.dumps(spec)], capture_output=True,
+        run = subprocess.run([sys.executable, script, "--variant-spec", json.dumps(spec)], capture_output=True,
                              text=True, timeout=timeout_s, env=env)
     except subprocess.TimeoutExpired:
         return dict(spec["variant"], error=f"no result within {timeout_s:.0f} s (deadlock or far too slow)")
@@ -409,16 +411,23 @@ def _run_variant(spec: dict, timeout_s: float) -> dict:
     return json.loads(run.stdout.strip().splitlines()[-1])
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def spike_arguments(doc: str, n_variants: int) -> argparse.ArgumentParser:
+    """The compressed-branch spikes' command line: --out, --commit, --shapes, --suffix, the variants and their
+    time limit, and the internal --variant-spec."""
+    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
     ap.add_argument("--out")
     ap.add_argument("--commit", default="", help="commit measured (default: git rev-parse of this checkout)")
     ap.add_argument("--shapes", type=family_shapes, default=family_shapes("paper:1:16384,paper:1:65536"))
     ap.add_argument("--suffix", type=file_suffix, default="", help="suffix of the results file names")
     ap.add_argument("--variant-timeout", type=float, default=120.0, help="seconds a variant's process may take")
     ap.add_argument("--variants", type=lambda text: [int(i) for i in text.split(",")],
-                    default=list(range(len(VARIANTS))), help="indexes into VARIANTS (default: all)")
-    ap.add_argument("--variant-spec", help=argparse.SUPPRESS)  # internal: run one variant (_variant_process)
+                    default=list(range(n_variants)), help="indexes into VARIANTS (default: all)")
+    ap.add_argument("--variant-spec", help=argparse.SUPPRESS)  # internal: run one variant in this process
+    return ap
+
+
+def main() -> int:
+    ap = spike_arguments(__doc__, len(VARIANTS))
     args = ap.parse_args()
     if args.variant_spec:
         print(json.dumps(_variant_process(json.loads(args.variant_spec))))
@@ -439,7 +448,7 @@ def main() -> int:
         for index in args.variants:
             variant = VARIANTS[index]
             spec = dict(family=family, B=B, T=T, flops=flops, tl_ms=t_ref, variant=dict(zip(VARIANT_FIELDS, variant)))
-            entry = _run_variant(spec, args.variant_timeout)
+            entry = run_variant(__file__, spec, args.variant_timeout)
             row["variants"].append(entry)
             print(row["shape"], entry, flush=True)
         rows.append(row)
