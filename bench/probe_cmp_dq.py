@@ -95,7 +95,6 @@ def cmp_dkdv(inputs: dict, case: tuple[int, ...]):
     """(dk, dv, dq or None) of the compressed branch by range_attn_bwd_dkdv_kernel in this case (FUSED_DQ 0:
     the kernel as it is), launched as ops/triton_impl.py's _range_dkdv_into launches it."""
     import torch
-    import triton
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     from nsa_model.kernels import range_attention
@@ -103,6 +102,29 @@ def cmp_dkdv(inputs: dict, case: tuple[int, ...]):
 
     fused, warps, stages, *tiles = case
     module = range_attention if fused == 0 else _fused_module()
+    q = inputs["q"]
+    extra, dq = {}, None  # the kernel as it is has no FUSED_DQ argument
+    if fused:
+        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        extra["FUSED_DQ"] = fused
+        if fused == 2:
+            B, T, H, D = q.shape
+            block_m = tiles[0] if tiles else ti._range_launch(q, inputs["vc"], "dkdv")["BLOCK_M"]
+            extra["DQD"] = TensorDescriptor(dq, [B * T, H * D], [H * D, 1], [block_m, D])
+        else:
+            extra["DQ_ACC"] = dq
+    dk, dv = launch_cmp_dkdv(module, inputs, warps, stages, tiles, extra)
+    return dk, dv, dq
+
+
+def launch_cmp_dkdv(module, inputs: dict, warps: int, stages: int, tiles=(), extra=None):
+    """(dk, dv): `module`'s range_attn_bwd_dkdv_kernel on the compressed branch of `inputs` at these warps, stages
+    and (query tile, key tile) (empty: the launch config's), launched as ops/triton_impl.py's _range_dkdv_into
+    launches it, with `extra` keyword arguments of a variant's own."""
+    import triton
+
+    from nsa_model.ops import triton_impl as ti
+
     q, kc, vc, do, lse, delta, scale = (inputs[n] for n in ("q", "kc", "vc", "do", "lse_cmp", "delta_cmp", "scale"))
     B, T, H, D = q.shape
     G = kc.shape[2]
@@ -113,21 +135,13 @@ def cmp_dkdv(inputs: dict, case: tuple[int, ...]):
     atomic, head_split, q_chunk, aligned = ti._range_dkdv_split(q, kc, vc, T, window)
     q_chunk = triton.cdiv(q_chunk, launch["BLOCK_M"]) * launch["BLOCK_M"]
     dk, dv = ti._fp32_accumulators(kc, vc)
-    extra = dict(FUSED_DQ=fused) if fused else {}  # the kernel as it is has no such argument
-    dq = None
-    if fused:
-        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-        if fused == 2:
-            extra["DQD"] = TensorDescriptor(dq, [B * T, H * D], [H * D, 1], [launch["BLOCK_M"], D])
-        else:
-            extra["DQ_ACC"] = dq
     grid = (B * G * head_split, triton.cdiv(kc.shape[1], launch["BLOCK_N"]), triton.cdiv(T, q_chunk))
     module.range_attn_bwd_dkdv_kernel[(grid[1], grid[0], grid[2]) if aligned else grid](
         q, kc, vc, do, LSE=lse, DELTA=delta, DK_ACC=dk, DV_ACC=dv, T=T, num_queries=T, num_keys=kc.shape[1],
         scale=scale, key_stride=key_stride, key_offset=key_offset, window=window, q_chunk=q_chunk,
         **ti._kv_strides(kc, vc), HEAD_SPLIT=head_split, ATOMIC=atomic, H=H, G=G, **ti._head_dims(q, vc), **launch,
-        **ti._tile_args(launch, dict(QD=q, DOD=do), dict(KD=kc, VD=vc)), ALIGNED_CHUNKS=aligned, **extra)
-    return dk, dv, dq
+        **ti._tile_args(launch, dict(QD=q, DOD=do), dict(KD=kc, VD=vc)), ALIGNED_CHUNKS=aligned, **(extra or {}))
+    return dk, dv
 
 
 def make_inputs(B: int, T: int, H: int, G: int, D: int, device: str = "cuda", dtype=None) -> dict:
