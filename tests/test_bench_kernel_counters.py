@@ -1,4 +1,5 @@
-"""bench/kernel_counters.py --table: Nsight Compute's raw CSV export as one markdown row per kernel launch."""
+"""bench/kernel_counters.py --table: Nsight Compute's raw CSV export as one markdown row per kernel launch;
+--stalls: its source page (SASS) as a ledger of where each launch's warps wait."""
 
 import csv
 import importlib.util
@@ -58,3 +59,47 @@ def test_table_refuses_a_time_unit_it_cannot_convert(tmp_path):
     write_export(path, [("k", {kernel_counters.COLUMNS[0][1]: "3"})], time_unit="cycle")
     with pytest.raises(SystemExit, match="unit 'cycle'"):
         kernel_counters.table(str(path))
+
+
+def write_source_export(path, launches):
+    """A source-page export as ncu writes it: per launch a "Kernel Name" line, a header, one row per instruction
+    (address, SASS, samples, and per-reason samples, issued and not issued)."""
+    reasons = ("long_sb", "barrier", "short_sb")
+    head = (["Address", "Source", kernel_counters.SAMPLES, "# Samples"] + [f"stall_{r}" for r in reasons]
+            + [f"stall_{r} (Not Issued)" for r in reasons])
+    with open(path, "w", newline="") as f:
+        w = csv.writer(f)
+        for name, rows in launches:
+            w.writerow(["Kernel Name", name, ""])
+            w.writerow(head)
+            for address, sass, by_reason in rows:
+                values = [by_reason.get(r, 0) for r in reasons]
+                w.writerow([address, sass, str(sum(values)), "1"] + [f"{v:,}" for v in values] + ["0"] * 3)
+
+
+def test_stall_ledger_ranks_instructions_and_names_what_a_branch_waits_on(tmp_path):
+    path = tmp_path / "source.csv"
+    write_source_export(path, [
+        ("dkdv_kernel", [("0x08", "ISETP.NE.AND P0, PT, R2, RZ, PT", {}),  # an earlier setter of P0
+                         ("0x10", "SYNCS.PHASECHK.TRANS64.TRYWAIT P0, [UR5], RZ", {}),
+                         ("0x20", "USGXT.U32 UR6, UR6, 0x0", {"barrier": 1}),
+                         ("0x30", "@!P0 BRA 0x90", {"long_sb": 6000}),
+                         ("0x40", "WARPGROUP.ARRIVE", {"short_sb": 3000}),
+                         ("0x50", "WARPGROUP.DEPBAR.LE gsb0, 0x0", {"barrier": 999})]),
+        ("dq_kernel", [("0x10", "@P1 BRA 0x20", {"long_sb": 5})])])
+    text = "\n".join(kernel_counters.stall_ledger(str(path), top=3))
+    assert "**1. `dkdv_kernel`**: 10,000 samples over 6 instructions." in text
+    assert "- by reason: long_sb 60.0%, short_sb 30.0%, barrier 10.0%" in text
+    assert "- by opcode: BRA 60.0%, WARPGROUP 40.0%, USGXT 0.0%" in text
+    rows = [line for line in text.splitlines() if line.startswith("| ") and line[2].isdigit()]
+    assert rows[0] == "| 1 | 0x30 | `@!P0 BRA 0x90` on `SYNCS.PHASECHK.TRANS64.TRYWAIT` | 60.0% | long_sb 60.0% |"
+    assert rows[1].startswith("| 2 | 0x40 | `WARPGROUP.ARRIVE` | 30.0% | short_sb 30.0%")
+    assert rows[2].startswith("| 3 | 0x50 |") and len(rows) == 4  # top 3 of the first launch, 1 of the second
+    assert "| 1 | 0x10 | `@P1 BRA 0x20` | 100.0% | long_sb 100.0% |" in text  # nothing before it sets P1
+
+
+def test_stall_ledger_refuses_a_source_page_without_samples(tmp_path):
+    path = tmp_path / "source.csv"
+    path.write_text('"Kernel Name","k",\n"Address","Source"\n"0x10","EXIT"\n')
+    with pytest.raises(SystemExit, match="lacks 'Warp Stall Sampling"):
+        kernel_counters.stall_ledger(str(path))
