@@ -1,4 +1,4 @@
-"""Probe (agreement and timing): the compressed branch's dK/dV kernel in three forms of its per-tile step.
+"""Probe (agreement and timing): the compressed branch's dK/dV kernel in other forms of its per-tile step.
 
     python bench/probe_dkdv_forms.py [--shapes paper:1:65536,...] [--variants S:4:2:64:64 STR:4:3:32:64 ...]
         --out DIR --commit SHA
@@ -15,7 +15,11 @@ The variants edit kernels/range_attention.py's `_dkdv_step` (bench/kernel_varian
   key and value tiles stay in shared memory (v21, v66 measured this form, 4-52% slower);
 - STR: ST with the key and value tiles held in registers as the left operands of S^T = K Q^T and dP^T = V dO^T,
   so that each product reads only its streamed tile from shared memory (the kernel masks the tiles' rows past the
-  keys, which makes them register values; a TMA load feeding a product directly stays in shared memory).
+  keys, which makes them register values; a TMA load feeding a product directly stays in shared memory);
+- S-tma-rows, ST-tma-rows: S or ST with each step's lse and delta through the tensor memory accelerator from
+  [B * H, T] copies (ROW_TERMS_TMA; the copies are made inside the timing). In ST the kernel as it is loads them
+  with cp.async, a value per query column and thread, into one buffer fenced by block barriers: v85's stall
+  ledger of ST put a third of its warps' samples on those barriers and the address arithmetic.
 A variant is FORM:warps:stages:query tile:key tile. Per shape, GPU ms (median of CUDA-event timings, the kernel
 alone with its float32 accumulators' zero fill, as probe_cmp_dq.py times it). Before timing, each variant's dK and
 dV are compared with the kernel as it is (bf16 inputs, float32 sums).
@@ -69,7 +73,34 @@ KEY_TILE_IN_REGISTERS = """                     BLOCK_N, True, TMA)
     v = tl.where(n_ok[:, None], v, 0.0)
     if EDGE_SPLIT:
         # Full query tiles"""
-FORMS = {"S": [], "ST": [(S_FORM, ST_FORM)], "STR": [(S_FORM, ST_FORM), (KEY_TILE, KEY_TILE_IN_REGISTERS)]}
+# The row terms (lse, delta) of each step through the tensor memory accelerator, from [B * H, T] copies whose
+# queries are contiguous (LSED, DELTAD): one copy a step into a buffer the pipeline rotates, where the kernel as it
+# is loads them with cp.async into one buffer, fenced by block barriers, a value per query and thread in form ST.
+ROW_TERMS = """    if MASKED:
+        lse2 = tl.load(LSE + row_q, mask=m_ok, other=0.0) * LOG2E
+        delta = tl.load(DELTA + row_q, mask=m_ok, other=0.0)
+    else:  # a full query tile lies inside [0, num_queries)
+        lse2 = tl.load(LSE + row_q) * LOG2E
+        delta = tl.load(DELTA + row_q)
+"""
+ROW_TERMS_TMA = """    lse2 = tl.reshape(LSED.load([b * H + h, start_m]), [BLOCK_M]) * LOG2E
+    delta = tl.reshape(DELTAD.load([b * H + h, start_m]), [BLOCK_M])
+"""
+TMA_ROWS = [
+    (ROW_TERMS, ROW_TERMS_TMA),
+    ("               TMA: tl.constexpr, DOT_PRECISION: tl.constexpr):\n"
+     "    \"\"\"dk, dv plus the key tile's share from the query tile start_m.. of head h.\"\"\"",
+     "               TMA: tl.constexpr, DOT_PRECISION: tl.constexpr, LSED=None, DELTAD=None):\n"
+     "    \"\"\"dk, dv plus the key tile's share from the query tile start_m.. of head h.\"\"\""),
+    ("TMA: tl.constexpr, DOT_PRECISION: tl.constexpr, HEADS: tl.constexpr = 1):",
+     "TMA: tl.constexpr, DOT_PRECISION: tl.constexpr, HEADS: tl.constexpr = 1, LSED=None,\n                DELTAD=None):"),
+    ("BLOCK_M, MASKED, TMA, DOT_PRECISION)", "BLOCK_M, MASKED, TMA, DOT_PRECISION, LSED, DELTAD)"),
+    ("LOOP_HEADS: tl.constexpr = 1):", "LOOP_HEADS: tl.constexpr = 1, LSED=None, DELTAD=None):"),
+    ("TMA, DOT_PRECISION, LOOP_HEADS)\n", "TMA, DOT_PRECISION, LOOP_HEADS, LSED, DELTAD)\n"),
+]
+ST = [(S_FORM, ST_FORM)]
+FORMS = {"S": [], "ST": ST, "STR": ST + [(KEY_TILE, KEY_TILE_IN_REGISTERS)], "S-tma-rows": TMA_ROWS,
+         "ST-tma-rows": ST + TMA_ROWS}
 
 _MODULES: dict = {}
 
@@ -107,15 +138,23 @@ def parse_variant(text: str) -> tuple:
 def dkdv(inputs: dict, case: tuple):
     """(dk, dv) of the compressed branch by the variant's kernel."""
     form, warps, stages, block_m, block_n = case
-    return launch_cmp_dkdv(form_module(form), inputs, warps, stages, (block_m, block_n))
+    extra = {}
+    if form.endswith("-tma-rows"):
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        B, T, H, _ = inputs["q"].shape
+        for arg, name in (("LSED", "lse_cmp"), ("DELTAD", "delta_cmp")):
+            rows = inputs[name].permute(0, 2, 1).reshape(B * H, T).contiguous()  # timed with the kernel
+            extra[arg] = TensorDescriptor(rows, [B * H, T], [T, 1], [1, block_m])
+    return launch_cmp_dkdv(form_module(form), inputs, warps, stages, (block_m, block_n), extra)
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shapes", default="paper:1:65536,paper:1:32768,paper:1:8192")
     ap.add_argument("--variants", type=parse_variant, nargs="+",
-                    default=[parse_variant(v) for v in ("S:4:2:64:64", "ST:4:2:64:64", "STR:4:2:64:64",
-                                                        "STR:4:2:32:64", "STR:4:3:32:64", "STR:4:4:32:64")])
+                    default=[parse_variant(v) for v in ("S:4:2:64:64", "S-tma-rows:4:2:64:64", "ST:4:2:64:64",
+                                                        "ST-tma-rows:4:2:64:64", "STR:4:2:32:64")])
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--out", required=True)
     ap.add_argument("--commit", default="")
